@@ -1,0 +1,3 @@
+"""engine: a multi-vendor LLM inference and serving engine."""
+
+__version__ = "0.1.0"

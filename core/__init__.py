@@ -1,0 +1,1 @@
+"""The vendor-neutral engine: never imports triton, cuda-python or hip-python."""

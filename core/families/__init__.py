@@ -1,0 +1,1 @@
+"""The family interfaces models are written against; backends implement them."""

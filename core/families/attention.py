@@ -1,0 +1,64 @@
+"""Attention family: paged prefill and decode attention over a layer's KV pages."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..forward import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Per-layer attention parameters, fixed at model construction.
+
+    ``sliding_window``: a query at position p sees keys at positions > p - sliding_window
+    (HF semantics: the window counts the query itself). ``sinks``: one learned logit per query
+    head that joins the softmax denominator and contributes no value (gpt-oss, DeepSeek-V4).
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    v_head_dim: int | None = None
+    sliding_window: int | None = None
+    sinks: torch.Tensor | None = None  # [num_heads] fp32
+    causal: bool = True
+
+
+@dataclass
+class LayerKV:
+    """One layer's pages: ``k`` [num_pages, page_size, num_kv_heads, head_dim], ``v`` likewise."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """Stores the step's new K/V into pages and attends every new query over its sequence."""
+
+    name: str = "?"
+
+    def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext; one constructor for all
+        self.ctx = ctx
+
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """Per-step metadata shared by all layers (computed once, kept in ``batch.attn_metadata``)."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, v_head_dim]
+        kv: LayerKV,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, num_heads, v_head_dim]
+        ...

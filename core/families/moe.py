@@ -1,0 +1,59 @@
+"""MoE family: expert routing and expert compute."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How router logits become (weights, expert ids) per token.
+
+    ``scoring``: "softmax", "sigmoid" or "sqrtsoftplus". ``num_groups``/``topk_groups``: grouped
+    top-k (DeepSeek-V3): keep the best groups first, then the best experts inside them.
+    ``correction_bias`` (no-aux routing) shifts the scores used to *choose* experts, not the
+    weights. ``hash_table`` [vocab, top_k] routes by token id instead (DeepSeek-V4 hash layers).
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: torch.Tensor | None = None
+    hash_table: torch.Tensor | None = None
+
+
+@dataclass
+class ExpertWeights:
+    """Stacked expert weights: ``gate_up`` [E, 2*I, H] (gate rows first), ``down`` [E, H, I]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    activation: str = "silu"
+    swiglu_limit: float | None = None  # clamp of DeepSeek-V4's SwiGLU, None for plain SwiGLU
+
+
+class MoEBackend(ABC):
+    name: str = "?"
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def route(
+        self, router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, E] logits -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+
+    @abstractmethod
+    def experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights
+    ) -> torch.Tensor:
+        """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]."""
