@@ -1,0 +1,119 @@
+"""Typed configuration: the model as its directory describes it, and the engine's own knobs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {name!r}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model directory's config.json, with the few fields the engine itself needs lifted out."""
+
+    path: Path
+    hf: dict[str, Any]
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def from_dir(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                 max_model_len: int | None = None) -> "ModelConfig":
+        path = Path(path).expanduser()
+        config_file = path / "config.json"
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} is missing: a model directory needs config.json")
+        hf = json.loads(config_file.read_text())
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{config_file} names no architectures")
+        if dtype == "auto":
+            # bf16 matmuls are slow on most CPUs and fp16 is incomplete there: fp32 on the host.
+            resolved = torch.float32 if device == "cpu" else parse_dtype(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+        else:
+            resolved = parse_dtype(dtype)
+        limit = int(hf.get("max_position_embeddings") or 4096)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+        return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.hf.get(key, default)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance. Validated once; frozen afterwards."""
+
+    model: str
+    dtype: str = "auto"
+    device: str | None = None  # None: the detected platform's device
+    seed: int = 0
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free device memory
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_memory: int = 2 * 2**30  # the default budget on the host, where free memory is shared
+    num_pages: int | None = None  # an exact page count overrides the memory budget (tests, benchmarks)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # per-step token budget
+    chunked_prefill_size: int | None = 2048  # None or 0: prompts are never split
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    moe_backend: str | None = None
+    linear_backend: str | None = None
+    graph_backend: str | None = None
+    plugin_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0, got {self.chunked_prefill_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Largest prefill chunk a step may take from one prompt, or None when chunking is off."""
+        return self.chunked_prefill_size or None
+
+    def requested_backends(self) -> dict[str, str]:
+        named = {"attention": self.attention_backend, "moe": self.moe_backend,
+                 "linear": self.linear_backend, "graphs": self.graph_backend}
+        return {k: v for k, v in named.items() if v}

@@ -1,0 +1,210 @@
+"""The engine loop: add requests, run steps, hand back outputs. Owns the device.
+
+One ``step()`` schedules, runs one forward, samples, and applies stop rules. It is synchronous
+and single-threaded by design; the async and server layers drive it from their own loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv.radix import RadixCache
+from .outputs import RequestOutput
+from .plugins import Plugins
+from .request import Request
+from .runner import ModelRunner, StepLogits
+from .sampler import Sampler, SamplingRow, prompt_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import SeqStatus, Sequence
+from .startup import build
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic totals for metrics; finished requests are counted by finish reason."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**63)
+    return g
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
+        self.config = config
+        c = build(config, plugins, progress=progress)
+        self.components = c
+        self.model_config = c.model_config
+        self.max_model_len = c.max_model_len
+        self.device = c.device
+        self.tokenizer = Tokenizer.from_dir(c.model_config.path)
+        self.vocab_size = c.model_config.vocab_size
+        self.pool = c.pool
+        self.radix = RadixCache(c.pool, config.page_size, enabled=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, c.pool, self.radix, c.max_model_len)
+        self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device)
+        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, c.device)
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineCounters()
+        self._seq_ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field for anything this engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        params.validate_against(self.vocab_size)
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len} "
+                             "and at least one must remain for the completion")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens {params.max_tokens} exceeds the room left in the context: "
+                             f"{self.max_model_len} - {len(prompt_token_ids)} prompt tokens = {room}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, ids, params,
+                     generator=_seed_generator(params.seed, i, self.device) if params.seed is not None else None,
+                     logprobs=[] if params.logprobs is not None else None,
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
+            for i in range(params.n)
+        ]
+        req = Request(request_id, text, ids, params, seqs,
+                      [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs])
+        self.requests[request_id] = req
+        self.scheduler.add(seqs)
+        self.counters.prompt_tokens += len(ids)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        for s in req.seqs:
+            if not s.is_finished:
+                s.status, s.finish_reason = SeqStatus.FINISHED, "abort"
+        self._count_finish(req)
+        return req.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the cumulative output of every request it changed."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        step_logits = self.runner.execute(sched)
+        to_sample: list[tuple[Sequence, int]] = []
+        for i, s in enumerate(sched.scheduled):
+            s.seq.num_computed = s.context_len + s.num_new
+            if s.needs_all_logits:
+                self._record_prompt_logprobs(s, step_logits, i)
+            if s.samples:
+                row = step_logits.last_row(i)
+                to_sample.append((s.seq, row))
+                if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
+                    to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
+        touched = self._sample_and_stop(to_sample, step_logits)
+        return [self.requests.pop(r).output() if self.requests[r].finished else self.requests[r].output()
+                for r in touched]
+
+    def _record_prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> None:
+        seq = s.seq
+        start, count = step_logits.rows[i]
+        prompt = seq.prompt_token_ids
+        last = min(s.context_len + count, len(prompt) - 1)  # positions predicting a prompt token
+        n = last - s.context_len
+        if n <= 0:
+            return
+        nexts = prompt[s.context_len + 1: last + 1]
+        seq.prompt_logprobs.extend(
+            prompt_logprobs(step_logits.logits[start: start + n], nexts, seq.params.prompt_logprobs))
+
+    def _sample_and_stop(self, to_sample: list[tuple[Sequence, int]], step_logits: StepLogits) -> list[str]:
+        if not to_sample:
+            return []
+        rows = torch.tensor([r for _, r in to_sample], device=step_logits.logits.device)
+        out = self.sampler(step_logits.logits.index_select(0, rows),
+                           [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
+                            for s, _ in to_sample])
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for k, (seq, _) in enumerate(to_sample):
+            req = self.requests[seq.request_id]
+            token = out.token_ids[k]
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.scheduler.cache_prompt(seq)
+            if seq.logprobs is not None:
+                entry = dict(out.top_logprobs[k] or [])
+                entry[token] = out.logprobs[k]
+                seq.logprobs.append(entry)
+            self.counters.generation_tokens += 1
+            self._check_stop(seq, req, token)
+            touched[seq.request_id] = None
+        for rid in touched:
+            req = self.requests[rid]
+            if req.finished:
+                req.finish_time = now
+                self._count_finish(req)
+        return list(touched)
+
+    def _check_stop(self, seq: Sequence, req: Request, token: int) -> None:
+        p = seq.params
+        detok = req.detokenizers[seq.index]
+        detok.add(token)
+        n_out = len(seq.output_token_ids)
+        if n_out >= p.min_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return self._finish(seq, detok, "stop", token)
+            if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+                return self._finish(seq, detok, "stop", None)
+            if detok.finished_by_stop is not None:
+                return self._finish(seq, detok, "stop", detok.finished_by_stop)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, detok, "length", None)
+
+    def _finish(self, seq: Sequence, detok: IncrementalDetokenizer, reason: str, stop_reason) -> None:
+        if detok.finished_by_stop is None:
+            detok.flush()
+        self.scheduler.finish(seq, reason, stop_reason)
+
+    def _count_finish(self, req: Request) -> None:
+        for s in req.seqs:
+            self.counters.finished[s.finish_reason] = self.counters.finished.get(s.finish_reason, 0) + 1

@@ -1,0 +1,47 @@
+"""Reading a checkpoint directory: sharded safetensors, memory-mapped, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, from its index when it has one."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iter_checkpoint(path: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor; tensors are views of the memory-mapped files."""
+    files = checkpoint_files(path)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    try:
+        for f, h in zip(files, handles):
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+                bar.update(1)
+    finally:
+        bar.close()
+    logger.info("read %d tensors from %d file(s) in %s", total, len(files), path)

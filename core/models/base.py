@@ -1,0 +1,58 @@
+"""What every model class provides to the runner, and the backends it is built with."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..families.attention import AttentionBackend
+from ..families.linear import LinearBackend
+from ..families.moe import MoEBackend
+from ..forward import ForwardBatch
+from ..kv.storage import KVCache, KVLayerSpec
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The implementations selected at start-up; layers hold them as plain objects."""
+
+    attention: AttentionBackend
+    linear: LinearBackend
+    moe: MoEBackend | None = None
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only LM over packed, paged batches.
+
+    Built on the meta device or directly on the target device with empty parameters, then filled
+    by ``load_weights``; no parameter is ever initialised twice.
+    """
+
+    def __init__(self, config: ModelConfig, backends: Backends) -> None:
+        super().__init__()
+        self.config = config
+        self.backends = backends
+
+    @abstractmethod
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        """One spec per layer that keeps KV pages, in layer order."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Hidden states [T, hidden] of every packed token after the final norm."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (checkpoint name, tensor) pairs; raise on unknown names, shapes, missing ones."""
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}

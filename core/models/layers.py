@@ -1,0 +1,67 @@
+"""Layers shared by the model definitions; each calls its family backend or a native op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..families.linear import LinearBackend, LinearWeight
+from ..native.norm import add_rms_norm, rms_norm
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b) through the selected linear backend.
+
+    ``shards`` names the checkpoint tensors stacked along the output rows (fused q/k/v or
+    gate/up): name -> (row offset, rows). The loader writes each shard in place.
+    """
+
+    def __init__(self, in_features: int, out_features: int, backend: LinearBackend, *, bias: bool = False,
+                 dtype: torch.dtype, device: torch.device | str,
+                 shards: dict[str, tuple[int, int]] | None = None) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.shards = shards or {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.apply(x, LinearWeight(self.weight, bias=self.bias))
+
+
+def stacked_shards(**sizes: int) -> dict[str, tuple[int, int]]:
+    """Row ranges of fused projections, in the order given: q=..., k=..., v=..."""
+    out, offset = {}, 0
+    for name, rows in sizes.items():
+        out[name] = (offset, rows)
+        offset += rows
+    return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm of x + residual, and that sum as the next residual (the first layer has none)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = empty_param(vocab, hidden, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)

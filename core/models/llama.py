@@ -1,0 +1,173 @@
+"""Llama-family decoders: Llama 3.x, and Qwen3 (Llama with per-head q/k RMSNorm).
+
+Q, K and V are one fused projection and gate/up another; the loader writes the checkpoint's
+separate tensors into their row ranges.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..families.attention import AttentionLayer
+from ..forward import ForwardBatch
+from ..kv.storage import KVCache, KVLayerSpec
+from ..native.activation import silu_and_mul
+from ..native.rope import RotaryEmbedding, rope_from_hf
+from .base import Backends, CausalLM
+from .layers import Embedding, Linear, RMSNorm, stacked_shards
+from .weights import Target, load_into
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, backends: Backends, rope: RotaryEmbedding,
+                 qk_norm: bool, sliding_window: int | None, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        hf = config.hf
+        hidden = hf["hidden_size"]
+        self.num_heads = hf["num_attention_heads"]
+        self.num_kv_heads = hf.get("num_key_value_heads") or self.num_heads
+        self.head_dim = hf.get("head_dim") or hidden // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(hf.get("attention_bias", False))
+        self.qkv_proj = Linear(hidden, q + 2 * kv, backends.linear, bias=bias, dtype=dtype, device=device,
+                               shards=stacked_shards(q=q, k=kv, v=kv))
+        self.o_proj = Linear(q, hidden, backends.linear, bias=bias, dtype=dtype, device=device)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.rope = rope
+        self.backend = backends.attention
+        self.spec = AttentionLayer(layer_id=layer_id, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                   head_dim=self.head_dim, scale=self.head_dim**-0.5, sliding_window=sliding_window)
+        self.sizes = (q, kv, kv)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope.apply(q, k, batch.positions)
+        out = self.backend.forward(q, k, v, kv.layer(self.spec.layer_id), self.spec, batch)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, backends: Backends, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, backends.linear, dtype=dtype, device=device,
+                                   shards=stacked_shards(gate=intermediate, up=intermediate))
+        self.down_proj = Linear(intermediate, hidden, backends.linear, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, *, dtype, device) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, batch, kv)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h, batch), residual
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, *, dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(vocab, hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        x, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, kv)
+        return self.norm.add_forward(x, residual)[0]
+
+
+_QKV = re.compile(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$")
+
+
+class LlamaForCausalLM(CausalLM):
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
+        super().__init__(config, backends)
+        hf, dtype = config.hf, config.dtype
+        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        rope = rope_from_hf(hf, device=device)
+        layers = [
+            DecoderLayer(
+                Attention(config, i, backends, rope, self.qk_norm, self.sliding_window(i), dtype=dtype, device=device),
+                self.make_mlp(i, backends, dtype=dtype, device=device),
+                hidden, eps, dtype=dtype, device=device,
+            )
+            for i in range(hf["num_hidden_layers"])
+        ]
+        self.model = Decoder(layers, config.vocab_size, hidden, eps, dtype=dtype, device=device)
+        self.lm_head = Linear(hidden, config.vocab_size, backends.linear, dtype=dtype, device=device)
+        self.tied = bool(hf.get("tie_word_embeddings", False))
+
+    def sliding_window(self, layer_id: int) -> int | None:
+        return None
+
+    def make_mlp(self, layer_id: int, backends: Backends, *, dtype, device) -> nn.Module:
+        return MLP(self.config.hf["hidden_size"], self.config.hf["intermediate_size"], backends,
+                   dtype=dtype, device=device)
+
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        return [KVLayerSpec(l.self_attn.num_kv_heads, l.self_attn.head_dim, l.self_attn.head_dim)
+                for l in self.model.layers]
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        return self.model(batch, kv)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def resolve(self, name: str) -> Target | None:
+        """Checkpoint name -> parameter (and row range of a fused projection)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.tied:
+            return None
+        if m := _QKV.match(name):
+            return Target(f"{m[1]}.self_attn.qkv_proj.{m[3]}", self.qkv_rows(m[1], m[2]))
+        if m := _GATE_UP.match(name):
+            mlp = self.get_submodule(f"{m[1]}.mlp")
+            return Target(f"{m[1]}.mlp.gate_up_proj.weight", mlp.gate_up_proj.shards[m[2]])
+        return Target(name)
+
+    def qkv_rows(self, layer_prefix: str, which: str) -> tuple[int, int]:
+        return self.get_submodule(f"{layer_prefix}.self_attn").qkv_proj.shards[which]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        shared = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else None
+        with torch.no_grad():
+            load_into(self, weights, self.resolve, shared)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+    def sliding_window(self, layer_id: int) -> int | None:
+        hf = self.config.hf
+        types = hf.get("layer_types")
+        if hf.get("use_sliding_window") and types and types[layer_id] == "sliding_attention":
+            return hf.get("sliding_window")
+        return None

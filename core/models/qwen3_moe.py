@@ -1,0 +1,66 @@
+"""Qwen3-MoE: Qwen3 attention with a routed-expert MLP in the sparse layers."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..families.moe import ExpertWeights, RoutingConfig
+from ..forward import ForwardBatch
+from .base import Backends
+from .layers import Linear, empty_param
+from .llama import MLP, Qwen3ForCausalLM
+from .weights import Target
+
+_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"(.*)\.mlp\.experts\.(gate_up|down)_proj$")
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hf: dict, backends: Backends, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        hidden, inter, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
+        self.gate = Linear(hidden, experts, backends.linear, dtype=dtype, device=device)
+        self.experts = nn.Module()
+        self.experts.gate_up = empty_param(experts, 2 * inter, hidden, dtype=dtype, device=device)
+        self.experts.down = empty_param(experts, hidden, inter, dtype=dtype, device=device)
+        self.routing = RoutingConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], scoring="softmax",
+                                     renormalize=bool(hf.get("norm_topk_prob", True)))
+        self.intermediate = inter
+        self.backend = backends.moe
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        weights, ids = self.backend.route(self.gate(x), self.routing, batch.input_ids)
+        # HF rounds the routing weights to the activation dtype before combining
+        weights = weights.to(x.dtype).float()
+        return self.backend.experts(x, weights, ids, ExpertWeights(self.experts.gate_up, self.experts.down))
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def sliding_window(self, layer_id: int) -> int | None:
+        hf = self.config.hf
+        return hf.get("sliding_window") if hf.get("use_sliding_window") else None
+
+    def make_mlp(self, layer_id: int, backends: Backends, *, dtype, device) -> nn.Module:
+        hf = self.config.hf
+        sparse = (layer_id not in (hf.get("mlp_only_layers") or []) and hf.get("num_experts", 0) > 0
+                  and (layer_id + 1) % hf.get("decoder_sparse_step", 1) == 0)
+        if not sparse:
+            return MLP(hf["hidden_size"], hf["intermediate_size"], backends, dtype=dtype, device=device)
+        if backends.moe is None:
+            raise ValueError("Qwen3-MoE needs an MoE backend")
+        return SparseMoE(hf, backends, dtype=dtype, device=device)
+
+    def resolve(self, name: str) -> Target | None:
+        if m := _EXPERT.match(name):
+            prefix, expert, which = m[1], int(m[2]), m[3]
+            if which == "down":
+                return Target(f"{prefix}.mlp.experts.down", expert=expert)
+            inter = self.get_submodule(f"{prefix}.mlp").intermediate
+            rows = (0, inter) if which == "gate" else (inter, inter)
+            return Target(f"{prefix}.mlp.experts.gate_up", rows=rows, expert=expert)
+        if m := _FUSED_EXPERTS.match(name):
+            return Target(f"{m[1]}.mlp.experts.{'gate_up' if m[2] == 'gate_up' else 'down'}")
+        return super().resolve(name)

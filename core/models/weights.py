@@ -1,0 +1,65 @@
+"""Copying checkpoint tensors into a model's parameters, with the checks a user needs.
+
+A model maps each checkpoint name to a :class:`Target`: the parameter, and optionally the row
+range of a fused projection and the expert index of a stacked expert tensor. Every element of
+every parameter must be written exactly once; anything else is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str
+    rows: tuple[int, int] | None = None  # (offset, count) along dim 0 (dim 1 for stacked experts)
+    expert: int | None = None
+
+
+Resolver = Callable[[str], "Target | None"]  # None: a tensor the model deliberately ignores
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], resolve: Resolver,
+              shared: dict[str, str] | None = None) -> None:
+    """Fill ``model``'s parameters; ``shared`` maps a parameter to the one it is tied to."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shared = shared or {}
+    written: dict[str, int] = {}
+    for name, tensor in weights:
+        target = resolve(name)
+        if target is None:
+            continue
+        if target.param not in params:
+            raise WeightLoadError(f"checkpoint tensor {name!r} maps to {target.param!r}, which the model lacks")
+        param = params[target.param]
+        dest = param.data
+        if target.expert is not None:
+            dest = dest[target.expert]
+        if target.rows is not None:
+            offset, count = target.rows
+            dest = dest.narrow(0, offset, count)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise WeightLoadError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"but {target.param!r} expects {tuple(dest.shape)} there"
+            )
+        dest.copy_(tensor)
+        written[target.param] = written.get(target.param, 0) + tensor.numel()
+    for tied, source in shared.items():
+        if written.get(tied, 0) == 0 and source in written:
+            params[tied].data = params[source].data
+            written[tied] = params[tied].numel()
+    incomplete = [n for n, p in params.items() if written.get(n, 0) != p.numel()]
+    if incomplete:
+        detail = ", ".join(f"{n} ({written.get(n, 0)}/{params[n].numel()} elements)" for n in incomplete[:8])
+        more = f" and {len(incomplete) - 8} more" if len(incomplete) > 8 else ""
+        raise WeightLoadError(f"checkpoint does not fill every parameter: {detail}{more}")

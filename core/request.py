@@ -1,0 +1,64 @@
+"""A request as the engine tracks it: its sequences, their text, and its timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def first_token_time(self) -> float | None:
+        times = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
+        return min(times) if times else None
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        return self.seqs[0].first_scheduled_time
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(s.output_token_ids) for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """The cumulative state so far (what ``LLM.generate`` returns once finished)."""
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=d.output_text,
+                token_ids=list(s.output_token_ids),
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s, d in zip(self.seqs, self.detokenizers)
+        ]
+        first = self.seqs[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=completions,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            finished=self.finished,
+            num_cached_tokens=first.num_cached,
+        )

@@ -1,0 +1,67 @@
+"""The model runner: turns a scheduled step into one forward batch and returns its logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .forward import ForwardBatch
+from .kv.storage import KVCache
+from .models.base import CausalLM
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class StepLogits:
+    logits: torch.Tensor  # [N, vocab] fp32
+    rows: list[tuple[int, int]]  # per scheduled sequence: (first logits row, number of rows)
+
+    def last_row(self, i: int) -> int:
+        start, count = self.rows[i]
+        return start + count - 1
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVCache, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.page_size = page_size
+        self.device = device
+
+    def build_batch(self, step: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        rows: list[tuple[int, int]] = []
+        for s in step.scheduled:
+            seq, start = s.seq, len(input_ids)
+            input_ids.extend(seq.tokens[s.context_len: s.context_len + s.num_new])
+            query_lens.append(s.num_new)
+            context_lens.append(s.context_len)
+            tables.append(seq.pages)
+            if s.needs_all_logits:
+                rows.append((len(logits_indices), s.num_new))
+                logits_indices.extend(range(start, start + s.num_new))
+            elif s.samples:
+                rows.append((len(logits_indices), 1))
+                logits_indices.append(start + s.num_new - 1)
+            else:
+                rows.append((len(logits_indices), 0))
+        batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size,
+                                   logits_indices, device=self.device)
+        return batch, rows
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepLogits:
+        if step.page_copies:
+            src, dst = zip(*step.page_copies)
+            self.kv.copy_pages(list(src), list(dst))
+        batch, rows = self.build_batch(step)
+        batch.attn_metadata = self.model.backends.attention.prepare(batch)
+        hidden = self.model(batch, self.kv)
+        if batch.logits_indices.numel() == 0:
+            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)
+        return StepLogits(self.model.compute_logits(hidden[batch.logits_indices]), rows)

@@ -1,0 +1,69 @@
+"""A sequence: one of a request's ``n`` completions, with the pages that hold its KV."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds pages; prefilling in chunks or decoding
+    FORK_PENDING = "fork_pending"  # a sibling of n > 1 waiting for the first sequence's prompt
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in ``pages``
+    num_cached: int = 0  # of those, how many came from the prefix cache at admission
+    prefix_node: Any = None  # radix node locked on this sequence's behalf
+    inserted_prompt: bool = False  # the prompt's pages are in the radix cache already
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens it already knows (its prompt, or everything after a preemption)."""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.index == 0

@@ -1,0 +1,99 @@
+"""Start-up: plugins, platform, backend selection, model and KV cache, resolved exactly once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig, ModelConfig
+from .kv.pages import PagePool
+from .kv.storage import KVCache, pages_for_budget
+from .models.base import Backends, CausalLM
+from .plugins import Plugins, load_plugins
+from .platform import PlatformSpec
+from .registry import Selection, SelectionContext, SelectionError
+from .loader import iter_checkpoint
+
+logger = logging.getLogger(__name__)
+
+BACKEND_FAMILIES = ("attention", "linear", "moe")
+
+
+@dataclass
+class Components:
+    plugins: Plugins
+    platform: PlatformSpec
+    device: torch.device
+    model_config: ModelConfig
+    selections: dict[str, Selection]
+    model: CausalLM
+    kv: KVCache
+    pool: PagePool
+    max_model_len: int
+
+
+def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
+    descriptors = plugins.descriptors("model")
+    if not any(d.name == architecture for d in descriptors):
+        known = ", ".join(sorted({d.name for d in descriptors})) or "none"
+        raise SelectionError(f"unknown model architecture {architecture!r}; known architectures: {known}")
+    return plugins.select("model", ctx, requested=architecture).create(ctx)
+
+
+def select_backends(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> dict[str, Selection]:
+    requested = config.requested_backends()
+    return {family: plugins.select(family, ctx, requested.get(family)) for family in BACKEND_FAMILIES}
+
+
+def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
+              max_model_len: int) -> int:
+    specs = model.kv_layer_specs()
+    if config.num_pages is not None:
+        return config.num_pages
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = config.cpu_kv_cache_memory
+    pages = pages_for_budget(budget, specs, config.page_size, dtype)
+    useful = config.max_num_seqs * -(-max_model_len // config.page_size) + 1
+    return min(pages, useful)
+
+
+def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> Components:
+    started = time.monotonic()
+    plugins = plugins or load_plugins()
+    plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
+    platform = plugins.detect_platform()
+    device = torch.device(config.device or platform.torch_device)
+    model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len)
+    ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
+    selections = select_backends(plugins, ctx, config)
+    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
+    model_cls = select_model_class(plugins, ctx, model_config.architecture)
+    logger.info("platform %s; %s", platform.summary(),
+                ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
+
+    model = model_cls(model_config, backends, device=device)
+    model.load_weights(iter_checkpoint(model_config.path, progress=progress))
+    model.eval()
+
+    max_model_len = model_config.max_model_len
+    num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len)
+    capacity = (num_pages - 1) * config.page_size
+    if capacity < max_model_len:
+        logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: max_model_len lowered to fit",
+                       capacity, max_model_len)
+        max_model_len = capacity
+    kv = KVCache(model.kv_layer_specs(), num_pages, config.page_size, model_config.dtype, device)
+    logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB)",
+                model_config.architecture, model_config.dtype, device, time.monotonic() - started,
+                num_pages, config.page_size,
+                KVCache.bytes_per_page(model.kv_layer_specs(), config.page_size, model_config.dtype) * num_pages / 2**20)
+    return Components(plugins, platform, device, model_config, selections, model, kv, PagePool(num_pages),
+                      max_model_len)

@@ -1,0 +1,69 @@
+"""Command-line flags for an engine, turned into an ``EngineConfig``. Shared by every subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from ..core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1073741824' -> bytes."""
+    m = _SIZE.match(text)
+    unit = (m[2] or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1073741824)")
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory; without it, the embedded default model (random weights)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: fp32 on CPU)")
+    g.add_argument("--device", default=None, help="torch device; default: the detected platform's")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="bytes for KV pages (e.g. 4GiB); default: a fraction of free GPU memory, 2GiB on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--num-pages", type=int, default=None, help="exact KV page count (overrides the budget)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--chunked-prefill-size", type=int, default=2048, help="0 turns chunked prefill off")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    for family in ("attention", "moe", "linear", "graph"):
+        g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
+
+
+def model_dir(args: argparse.Namespace) -> str:
+    """The --model directory, or the embedded default written on first use."""
+    if args.model:
+        return args.model
+    from ..core.checkpoint_gen import ensure_default_model
+
+    path = ensure_default_model()
+    print(f"[engine] no --model given: using the embedded default model at {path}. "
+          "It has RANDOM weights and its output is meaningless text.", flush=True)
+    return str(path)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir(args), dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill_size=args.chunked_prefill_size or None, enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        linear_backend=args.linear_backend, graph_backend=args.graph_backend,
+    )
