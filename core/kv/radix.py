@@ -1,0 +1,243 @@
+"""Radix prefix cache: token prefixes -> KV pages, shared across requests.
+
+Page-granular: every edge covers whole pages, so a hit hands out pages a request can use as they
+are, and a prefix that ends inside a page matches only the whole pages before it. The tree holds
+one pool reference on every page it stores, so a page outlives the request that computed it.
+Nodes on the path of a running request are locked and never evicted; unlocked leaves go least
+recently used first, by an explicit access counter (deterministic, unlike wall-clock time).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .pages import PagePool
+
+
+@dataclass
+class RadixStats:
+    """Token counts as vLLM reports them (prefix_cache_queries / prefix_cache_hits), plus calls."""
+
+    queries: int = 0
+    hits: int = 0
+    match_calls: int = 0
+    hit_calls: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class _Node:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, uid: int) -> None:
+        self.key = key  # tokens of the edge from the parent: len(pages) * page_size of them
+        self.pages = pages
+        self.children: dict[tuple[int, ...], _Node] = {}  # keyed by the child's first page of tokens
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        self.uid = uid  # creation order: breaks LRU ties deterministically
+
+
+@dataclass
+class PrefixMatch:
+    """Pages of the longest cached whole-page prefix; ``node`` is the handle to lock it by."""
+
+    pages: list[int]
+    num_tokens: int
+    node: _Node = field(repr=False)
+
+
+class RadixCache:
+    """Prefix tree over token ids; match/lock_prefix hand out node handles that lock/unlock take."""
+
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.pool = pool
+        self.page_size = page_size
+        self.enabled = enabled
+        self.stats = RadixStats()
+        self._clock = 0
+        self._uids = 0
+        self._root = self._new_node((), [], None)
+        self._cached_pages = 0
+        self._evictable_pages = 0
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached_pages
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages in unlocked nodes: what eviction could release (some may still be held elsewhere)."""
+        return self._evictable_pages
+
+    # -- lookup -------------------------------------------------------------------------------
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """The longest cached whole-page prefix of ``tokens``; takes no references."""
+        self.stats.queries += len(tokens)
+        self.stats.match_calls += 1
+        if not self.enabled:
+            return PrefixMatch([], 0, self._root)
+        node, pages = self._walk(tokens)
+        num_tokens = len(pages) * self.page_size
+        self.stats.hits += num_tokens
+        self.stats.hit_calls += num_tokens > 0
+        return PrefixMatch(pages, num_tokens, node)
+
+    def lock_prefix(self, tokens: list[int]) -> _Node:
+        """Lock the node where the cached whole-page prefix of ``tokens`` ends (no statistics)."""
+        node = self._walk(tokens)[0] if self.enabled else self._root
+        self.lock(node)
+        return node
+
+    def _walk(self, tokens: list[int]) -> tuple[_Node, list[int]]:
+        """Follow ``tokens`` down whole pages, splitting the last edge where the match ends inside it."""
+        self._clock += 1
+        ps = self.page_size
+        node, pos, pages = self._root, 0, []
+        node.last_access = self._clock
+        end = len(tokens) // ps * ps
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+        return node, pages
+
+    # -- locking ------------------------------------------------------------------------------
+
+    def lock(self, node: _Node) -> None:
+        self._check_attached(node)
+        n = node
+        while n is not None:
+            if n.lock_ref == 0:
+                self._evictable_pages -= len(n.pages)
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: _Node) -> None:
+        self._check_attached(node)
+        n = node
+        while n is not None:
+            if n.lock_ref == 0:
+                raise ValueError("unlock of a node that is not locked")
+            n = n.parent
+        n = node
+        while n is not None:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._evictable_pages += len(n.pages)
+            n = n.parent
+
+    def _check_attached(self, node: _Node) -> None:
+        if node is not self._root and node.parent is None:
+            raise ValueError("node was evicted from the cache; its handle is stale")
+
+    # -- insertion ----------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Store the whole-page prefix of ``tokens`` on ``pages``; return the tokens already cached.
+
+        Ranges already in the tree keep the tree's pages (the caller still owns and frees its
+        own); the tree takes one reference on exactly the pages it newly stores.
+        """
+        ps = self.page_size
+        num_pages = len(tokens) // ps
+        if len(pages) < num_pages:
+            raise ValueError(f"{len(tokens)} tokens need {num_pages} pages, got {len(pages)}")
+        if not self.enabled:
+            return 0
+        node, held = self._walk(tokens)
+        present = len(held)
+        if present < num_pages:
+            new_pages = list(pages[present:num_pages])
+            self.pool.incref(new_pages)
+            leaf = self._new_node(tuple(tokens[present * ps:num_pages * ps]), new_pages, node)
+            leaf.last_access = self._clock
+            node.children[leaf.key[:ps]] = leaf
+            self._cached_pages += len(new_pages)
+            self._evictable_pages += len(new_pages)
+        return present * ps
+
+    def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
+        """Whole pages shared by an edge ``key`` and ``tokens[pos:]`` (the first page is known equal)."""
+        ps = self.page_size
+        n = 1
+        while (n + 1) * ps <= min(len(key), len(tokens) - pos) and \
+                key[n * ps:(n + 1) * ps] == tuple(tokens[pos + n * ps:pos + (n + 1) * ps]):
+            n += 1
+        return n
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut ``child``'s edge after ``n`` pages; the new upper node is returned (callers touch it).
+
+        ``child`` stays the lower part, so handles to it (and its locks) keep meaning the same prefix.
+        """
+        ps = self.page_size
+        upper = self._new_node(child.key[:n * ps], child.pages[:n], child.parent)
+        upper.lock_ref = child.lock_ref
+        child.parent.children[upper.key[:ps]] = upper
+        child.key, child.pages, child.parent = child.key[n * ps:], child.pages[n:], upper
+        upper.children[child.key[:ps]] = child
+        return upper
+
+    def _new_node(self, key: tuple[int, ...], pages: list[int], parent: _Node | None) -> _Node:
+        self._uids += 1
+        return _Node(key, pages, parent, self._uids)
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Drop least recently used unlocked leaves until ``num_pages`` pages are actually free.
+
+        A dropped page that a request still references does not count. Returns the pages freed.
+        """
+        heap = [(n.last_access, n.uid, n) for n in self._nodes() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._drop(node)
+            if self._evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return freed
+
+    def reset(self) -> int:
+        """Drop every unlocked node, releasing the tree's references; locked paths stay cached.
+
+        Statistics are kept. Returns the pages freed.
+        """
+        return self.evict(self._cached_pages + 1)
+
+    def _evictable_leaf(self, node: _Node) -> bool:
+        return node is not self._root and not node.children and node.lock_ref == 0
+
+    def _drop(self, node: _Node) -> int:
+        """Detach a leaf and release its pages; returns how many of them became free."""
+        del node.parent.children[node.key[:self.page_size]]
+        node.parent = None
+        self.pool.decref(node.pages)
+        freed = sum(self.pool.refcount(p) == 0 for p in set(node.pages))
+        self._cached_pages -= len(node.pages)
+        self._evictable_pages -= len(node.pages)
+        return freed
+
+    def _nodes(self):
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,80 @@
+"""The KV tensors: one K and one V page array per layer, indexed by the pool's page ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..families.attention import LayerKV
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """What one layer keeps per token; ``v_head_dim == 0`` means no V (a layer sharing another's KV)."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+class KVCache:
+    """Zero-initialised pages (a padded slot or the null page reads as zeros, never NaN garbage)."""
+
+    def __init__(self, layers: list[KVLayerSpec], num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if num_pages < 2:
+            raise ValueError(f"a KV cache needs at least 2 pages (the null page and one usable), got {num_pages}")
+        self.specs = list(layers)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._layers = [
+            LayerKV(
+                k=torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device),
+                v=torch.zeros(num_pages, page_size, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=self.device),
+            )
+            for s in self.specs
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, i: int) -> LayerKV:
+        return self._layers[i]
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy page ``src[j]`` onto ``dst[j]`` in every layer (a forked sequence's partial last page)."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source pages but {len(dst)} destinations")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"destination pages repeat: {dst}")
+        if not src:
+            return
+        src_idx = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for kv in self._layers:
+            for t in (kv.k, kv.v):
+                t.index_copy_(0, dst_idx, t.index_select(0, src_idx))
+
+    @staticmethod
+    def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
+        """K and V bytes one page takes across all layers."""
+        per_token = sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layers)
+        return per_token * page_size * dtype.itemsize
+
+
+def pages_for_budget(budget_bytes: int, layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
+    """How many pages (the null page included) fit in ``budget_bytes``."""
+    per_page = KVCache.bytes_per_page(layers, page_size, dtype)
+    if per_page <= 0:
+        raise ValueError("the KV layers keep no bytes per token")
+    pages = budget_bytes // per_page
+    if pages < 2:
+        raise ValueError(
+            f"KV cache budget of {budget_bytes} bytes holds {pages} page(s); at least 2 are needed (the null "
+            f"page and one usable), and one page of {page_size} tokens over {len(layers)} layers needs "
+            f"{per_page} bytes ({per_page / 2**20:.2f} MiB), so at least {2 * per_page} bytes")
+    return pages

@@ -1,0 +1,63 @@
+"""KVCache: page arrays per layer, their byte arithmetic, and page copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.kv.storage import KVCache, KVLayerSpec, pages_for_budget
+
+LAYERS = [KVLayerSpec(2, 8, 8), KVLayerSpec(1, 16, 0), KVLayerSpec(4, 4, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_bytes_per_page_matches_the_allocated_tensors(dtype):
+    kv = KVCache(LAYERS, num_pages=5, page_size=16, dtype=dtype, device="cpu")
+    allocated = sum(kv.layer(i).k.nbytes + kv.layer(i).v.nbytes for i in range(kv.num_layers))
+    assert KVCache.bytes_per_page(LAYERS, 16, dtype) == allocated // 5
+    per_token = 2 * (8 + 8) + 1 * 16 + 4 * (4 + 6)
+    assert KVCache.bytes_per_page(LAYERS, 16, dtype) == 16 * per_token * torch.empty((), dtype=dtype).element_size()
+
+
+def test_layers_have_the_spec_shapes_and_start_zeroed():
+    kv = KVCache(LAYERS, num_pages=3, page_size=4, dtype=torch.float16, device="cpu")
+    for i, s in enumerate(LAYERS):
+        layer = kv.layer(i)
+        assert layer.k.shape == (3, 4, s.num_kv_heads, s.head_dim) and layer.k.dtype == torch.float16
+        assert layer.v.shape == (3, 4, s.num_kv_heads, s.v_head_dim)
+        assert not layer.k.any() and not layer.v.any()
+    assert kv.layer(1).v.numel() == 0
+
+
+def test_pages_for_budget():
+    per_page = KVCache.bytes_per_page(LAYERS, 8, torch.bfloat16)
+    assert pages_for_budget(7 * per_page + per_page - 1, LAYERS, 8, torch.bfloat16) == 7
+    assert pages_for_budget(2 * per_page, LAYERS, 8, torch.bfloat16) == 2
+    with pytest.raises(ValueError, match=f"needs {per_page} bytes"):
+        pages_for_budget(2 * per_page - 1, LAYERS, 8, torch.bfloat16)
+    with pytest.raises(ValueError):
+        pages_for_budget(10**9, [KVLayerSpec(2, 0, 0)], 8, torch.bfloat16)
+
+
+def test_copy_pages_copies_exactly_the_named_pages_in_every_layer(seed):
+    kv = KVCache(LAYERS, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
+    for i in range(kv.num_layers):
+        kv.layer(i).k.normal_()
+        kv.layer(i).v.normal_()
+    before = [(kv.layer(i).k.clone(), kv.layer(i).v.clone()) for i in range(kv.num_layers)]
+    src, dst = [3, 1, 5], [5, 2, 7]  # page 5 is read before it is overwritten
+    kv.copy_pages(src, dst)
+    for i, (k0, v0) in enumerate(before):
+        expect_k, expect_v = k0.clone(), v0.clone()
+        expect_k[dst], expect_v[dst] = k0[src], v0[src]
+        assert torch.equal(kv.layer(i).k, expect_k) and torch.equal(kv.layer(i).v, expect_v)
+        assert not torch.equal(kv.layer(i).k[2], k0[2])  # it really moved data
+
+
+def test_copy_pages_rejects_mismatched_or_repeated_destinations():
+    kv = KVCache(LAYERS, num_pages=4, page_size=2, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError):
+        kv.copy_pages([1, 2], [3])
+    with pytest.raises(ValueError):
+        kv.copy_pages([1, 2], [3, 3])
+    kv.copy_pages([], [])
