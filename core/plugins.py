@@ -40,12 +40,23 @@ class Plugins:
 
     pm: pluggy.PluginManager
     discovered: list[PluginInfo] = field(default_factory=list)
+    trace: bool = False
+
+    def _call(self, impl: pluggy.HookImpl) -> Any:
+        """Call one plugin's implementation directly, so results stay attributed to their plugin.
+
+        Direct calls bypass pluggy's call monitoring, hence the trace here.
+        """
+        result = impl.function()
+        if self.trace:
+            logger.info("hook %s of plugin %s -> %r", impl.function.__name__, impl.plugin_name, result)
+        return result
 
     def descriptors(self, family: str) -> list[Descriptor]:
         hook = getattr(self.pm.hook, hookspecs.FAMILIES[family])
         out: list[Descriptor] = []
         for impl in hook.get_hookimpls():
-            result = impl.function()
+            result = self._call(impl)
             for d in result or []:
                 if d.family != family:
                     raise SelectionError(
@@ -59,7 +70,7 @@ class Plugins:
         claims = []
         for impl in self.pm.hook.engine_detect_platform.get_hookimpls():
             try:
-                spec = impl.function()
+                spec = self._call(impl)
             except Exception as exc:
                 logger.warning("platform detection in plugin %s failed: %s", impl.plugin_name, exc)
                 continue
@@ -100,7 +111,11 @@ def load_plugins(extra: list[Any] | None = None, entry_points: bool = True) -> P
     allow = _allowlist()
     discovered: list[PluginInfo] = []
     if entry_points:
-        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        found = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        unknown = sorted((allow or set()) - {ep.name for ep in found})
+        if unknown:
+            logger.warning("ENGINE_PLUGINS names plugins that are not installed: %s", ", ".join(unknown))
+        for ep in found:
             dist = ep.dist.name if ep.dist is not None else "?"
             if allow is not None and ep.name not in allow:
                 discovered.append(PluginInfo(ep.name, ep.value, dist, False, "not in ENGINE_PLUGINS"))
@@ -117,10 +132,11 @@ def load_plugins(extra: list[Any] | None = None, entry_points: bool = True) -> P
     for i, plugin in enumerate(extra or []):
         pm.register(plugin, name=getattr(plugin, "__name__", f"extra-{i}"))
     pm.check_pending()
-    if os.environ.get("ENGINE_TRACE_PLUGINS") == "1":
+    trace = os.environ.get("ENGINE_TRACE_PLUGINS") == "1"
+    if trace:
         pm.add_hookcall_monitoring(
             lambda name, impls, kw: logger.info("hook %s -> %s", name, [i.plugin_name for i in impls]),
             lambda outcome, name, impls, kw: None,
         )
     logger.debug("plugins loaded: %s", [p.name for p in discovered if p.loaded])
-    return Plugins(pm, discovered)
+    return Plugins(pm, discovered, trace)

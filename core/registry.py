@@ -65,7 +65,15 @@ class Selection:
 
 
 class SelectionError(RuntimeError):
-    """No candidate can serve, or the one the user named cannot."""
+    """No candidate can serve, or the one the user named cannot.
+
+    ``candidates`` are every descriptor that was weighed, with its reasons, for callers that
+    explain the failure in their own words (``engine plugins``).
+    """
+
+    def __init__(self, message: str, candidates: tuple[Candidate, ...] = ()) -> None:
+        super().__init__(message)
+        self.candidates = candidates
 
 
 def _evaluate(descriptor: Descriptor, ctx: SelectionContext) -> Candidate:
@@ -89,19 +97,25 @@ def select(family: str, descriptors: list[Descriptor], ctx: SelectionContext, re
     candidates = tuple(
         sorted((_evaluate(d, ctx) for d in descriptors), key=lambda c: (-c.priority, c.descriptor.name))
     )
+    listing = describe_candidates(candidates)
     if requested:
         named = [c for c in candidates if c.descriptor.name == requested]
         if not named:
+            raise SelectionError(f"{family} backend {requested!r} is not registered; candidates:\n{listing}", candidates)
+        if len(named) > 1:  # which one the user meant is unknowable; picking one would be silent
+            plugins = ", ".join(c.descriptor.plugin or "?" for c in named)
             raise SelectionError(
-                f"{family} backend {requested!r} is not registered; candidates:\n{describe_candidates(candidates)}"
+                f"{family} backend {requested!r} is registered by several plugins ({plugins}); candidates:\n{listing}",
+                candidates,
             )
         if named[0].reasons:
             raise SelectionError(
                 f"{family} backend {requested!r} cannot run here: {'; '.join(named[0].reasons)}\n"
-                f"candidates:\n{describe_candidates(candidates)}"
+                f"candidates:\n{listing}",
+                candidates,
             )
         return Selection(family, named[0].descriptor, candidates, explicit=True)
     usable = [c for c in candidates if not c.reasons]
     if not usable:
-        raise SelectionError(f"no {family} backend can run here; candidates:\n{describe_candidates(candidates)}")
+        raise SelectionError(f"no {family} backend can run here; candidates:\n{listing}", candidates)
     return Selection(family, usable[0].descriptor, candidates, explicit=False)
