@@ -1,0 +1,173 @@
+"""Batched token sampling over one step's fp32 logits, in vLLM's order of processing.
+
+Logit bias, min_tokens masking, repetition penalty, then frequency and presence penalties; greedy
+rows take the argmax of that, the others go through temperature, top-k, top-p and min-p before a
+draw. Reported logprobs are those of the raw model logits (vLLM's default), so they say what the
+model thought, not what the sampling settings made of it.
+
+A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token, which picks token ``i`` with
+probability ``probs[i]``. A seeded row takes its ``q`` from its own generator only, so its tokens
+do not depend on what else is in the batch; unseeded rows share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits and what sampling it needs to know about its sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None: the sampler's shared generator
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each chosen token
+    top_logprobs: list[list[tuple[int, float]] | None]  # top-n (id, logprob) where params.logprobs is set
+
+
+def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token that top-k, then top-p, then min-p leaves out, row by row.
+
+    ``top_k`` 0 is off; top-p keeps the smallest set of most likely tokens whose probability
+    reaches ``top_p``; min-p drops tokens less likely than ``min_p`` times the most likely one.
+    """
+    vocab = logits.shape[-1]
+    dev = logits.device
+    use_k = any(0 < k < vocab for k in top_k)
+    use_p = any(p < 1 for p in top_p)
+    if use_k or use_p:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        if use_k:
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+            ordered.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
+        if use_p:
+            probs = ordered.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+            p = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=dev)
+            ordered.masked_fill_(before >= p[:, None], float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, ordered)
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=dev)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column index tensors for per-row token lists of different lengths."""
+    rows = [i for i, toks in pairs for _ in toks]
+    cols = [t for _, toks in pairs for t in toks]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], device: torch.device | str,
+                 seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}], got {list(logits.shape)}")
+        logits = logits.float()
+        raw = torch.log_softmax(logits, dim=-1)
+        x = self.process(logits, rows)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        tokens = x.argmax(dim=-1)
+        if sampled:
+            idx = torch.tensor(sampled, device=x.device)
+            tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw, rows))
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits after bias, min_tokens masking and penalties: greedy rows take their argmax."""
+        x = logits.clone()
+        dev = x.device
+        bias = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+        if bias:
+            ri, ci = _ragged_index([(i, list(b)) for i, b in bias], dev)
+            x.index_put_((ri, ci), torch.tensor([v for _, b in bias for v in b.values()], device=dev),
+                         accumulate=True)
+        early = [(i, self.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
+                 if len(r.output_token_ids) < r.params.min_tokens]
+        if early:
+            x.index_put_(_ragged_index(early, dev), torch.tensor(float("-inf"), device=dev))
+        rep = [(i, r.prompt_token_ids + r.output_token_ids) for i, r in enumerate(rows)
+               if r.params.repetition_penalty != 1.0]
+        if rep:
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen.index_put_(_ragged_index(rep, dev), torch.tensor(True, device=dev))
+            pen = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+        counted = [(i, r.output_token_ids) for i, r in enumerate(rows)
+                   if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
+        if counted:
+            ri, ci = _ragged_index(counted, dev)
+            counts = torch.zeros_like(x).index_put_((ri, ci), torch.ones_like(ci, dtype=x.dtype), accumulate=True)
+            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+            x = x - freq * counts - pres * (counts > 0)
+        return x
+
+    def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
+        x = x / torch.tensor([p.temperature for p in params], device=x.device)[:, None]
+        x = filter_logits(x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
+        probs = x.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(generator=self.generator)
+            q[torch.tensor(shared, device=probs.device)] = noise
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                q[j].exponential_(generator=r.generator)
+        # q == 0 would turn an excluded token's 0/0 into NaN, which argmax prefers
+        return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    @staticmethod
+    def _top_logprobs(raw: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
+        out: list[list[tuple[int, float]] | None] = [None if r.params.logprobs is None else [] for r in rows]
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+        if not wanted:
+            return out
+        most = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
+        vals, ids = raw.index_select(0, torch.tensor(wanted, device=raw.device)).topk(most, dim=-1)
+        for i, v, t in zip(wanted, vals.tolist(), ids.tolist()):
+            n = rows[i].params.logprobs
+            out[i] = list(zip(t[:n], v[:n]))
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> list[dict[int, float]]:
+    """For each position, the logprobs of the token that actually follows and of the top_n tokens."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(next_token_ids)} next tokens")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    nxt = torch.tensor(next_token_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
+    out = [{t: c} for t, c in zip(next_token_ids, chosen)]
+    if top_n > 0:
+        vals, ids = lp.topk(min(top_n, lp.shape[1]), dim=-1)
+        for d, t, v in zip(out, ids.tolist(), vals.tolist()):
+            d.update(zip(t, v))
+    return out
