@@ -1,0 +1,90 @@
+"""MoE in plain torch: routing as HF computes it, and experts run one group of tokens at a time."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..families.moe import ExpertWeights, MoEBackend, RoutingConfig
+
+SCORINGS = {
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),  # DeepSeek-V4
+}
+ACTIVATIONS = {"silu": F.silu}
+
+
+def _keep_best_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """Mask (-inf) every expert outside the ``topk_groups`` best of ``num_groups`` groups.
+
+    A group scores the sum of its two best biased scores when a correction bias is present
+    (DeepSeek-V3), otherwise its best score.
+    """
+    grouped = choice.view(choice.shape[0], cfg.num_groups, -1)
+    if cfg.correction_bias is not None:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.amax(dim=-1)
+    best = group_scores.topk(cfg.topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
+def _swiglu(gate_up: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """act(gate) * up; DeepSeek-V4 first clamps gate from above and up on both sides at the limit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if w.swiglu_limit is not None:
+        gate = gate.clamp(max=w.swiglu_limit)
+        up = up.clamp(min=-w.swiglu_limit, max=w.swiglu_limit)
+    try:
+        act = ACTIVATIONS[w.activation]
+    except KeyError:
+        raise ValueError(f"expert activation {w.activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return act(gate) * up
+
+
+class NativeMoE(MoEBackend):
+    name = "native"
+
+    def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
+              input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores in fp32; the bias and groups only choose experts, the weights are unbiased scores."""
+        try:
+            scores = SCORINGS[cfg.scoring](router_logits.float())
+        except KeyError:
+            raise ValueError(f"scoring {cfg.scoring!r} is not supported; supported: {sorted(SCORINGS)}")
+        if cfg.hash_table is not None:
+            if input_ids is None:
+                raise ValueError("hash routing needs the token ids")
+            ids = cfg.hash_table[input_ids].long()
+        else:
+            choice = scores if cfg.correction_bias is None else scores + cfg.correction_bias.float()
+            if cfg.num_groups > 1:
+                choice = _keep_best_groups(choice, cfg)
+            ids = choice.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # the epsilon guards 0/0
+        return weights * cfg.routed_scaling_factor, ids
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        """Tokens sorted by expert, each used expert's MLP on its slice in x's dtype, then the top-k
+        outputs weighted and summed in fp32 (no scatter-add, so the sum is deterministic)."""
+        num_tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        rows = x[order // top_k]
+        counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
+        sorted_out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                seg = slice(start, start + count)
+                h = _swiglu(F.linear(rows[seg], w.gate_up[expert]), w)
+                sorted_out[seg] = F.linear(h, w.down[expert])
+                start += count
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        combined = (out.view(num_tokens, top_k, -1).float() * weights[..., None].float()).sum(dim=1)
+        return combined.to(x.dtype)

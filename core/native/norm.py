@@ -1,0 +1,24 @@
+"""RMSNorm with HF's rounding order, so model logits can match HF transformers bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last axis, normalised in fp32, returned in x's dtype.
+
+    The product with ``weight`` is taken in the wider of the two dtypes: a weight in x's dtype
+    multiplies the normalised x *after* it is cast back (HF LlamaRMSNorm / Qwen3RMSNorm, which
+    matters in bf16), an fp32 weight multiplies before the one final cast (HF DeepseekV4RMSNorm).
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(torch.promote_types(x.dtype, weight.dtype))).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual sum is kept in x's dtype, as HF does."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed

@@ -1,0 +1,96 @@
+"""Reference FP8 (E4M3) quantization: DeepSeek-V3 block scales and OCP MX (MXFP8) block scales.
+
+Kernels of every backend are checked against these, so each step is spelled out in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+FP8_EMAX = 8  # exponent of FP8_MAX's leading bit: 448 = 1.75 * 2**8
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def _quantize_blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``x`` in blocks of rows x cols (edge blocks partial): scale = amax / 448 per block.
+
+    An all-zero block gets scale 1 (its data is zero either way), so no block divides by zero.
+    """
+    n, k = x.shape
+    nb, kb = math.ceil(n / rows), math.ceil(k / cols)
+    padded = x.new_zeros(nb * rows, kb * cols, dtype=torch.float32)
+    padded[:n, :k] = x
+    blocks = padded.view(nb, rows, kb, cols)
+    amax = blocks.abs().amax(dim=(1, 3))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+    # which can differ in the last bit; this keeps amax / 448 correctly rounded on every device
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    data = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return data.view(nb * rows, kb * cols)[:n, :k].contiguous(), scale
+
+
+def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    n, k = data.shape
+    expanded = scale.repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols, dim=1)[:, :k]
+    return (data.float() * expanded).to(dtype)
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [N, K] -> (E4M3 data [N, K], fp32 scale [ceil(N/block), ceil(K/block)])."""
+    return _quantize_blocks(w, block, block)
+
+
+def dequantize_fp8_block(data: torch.Tensor, scale: torch.Tensor, block: int = 128,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _dequantize_blocks(data, scale, block, block, dtype)
+
+
+def quantize_fp8_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [..., K] -> (E4M3 data [..., K], fp32 scale [..., ceil(K/group)]): one scale per
+    token and group of ``group`` channels, the activation side of the DeepSeek-V3 FP8 GEMM."""
+    data, scale = _quantize_blocks(x.reshape(-1, x.shape[-1]), 1, group)
+    return data.view(x.shape), scale.view(*x.shape[:-1], scale.shape[-1])
+
+
+def dequantize_fp8_token_group(data: torch.Tensor, scale: torch.Tensor, group: int = 128,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    flat = _dequantize_blocks(data.reshape(-1, data.shape[-1]), scale.reshape(-1, scale.shape[-1]), 1, group, dtype)
+    return flat.view(data.shape)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) -> fp32 2**(e - 127); 255 is NaN per the OCP MX spec."""
+    e = scale.to(torch.int32)
+    value = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - E8M0_BIAS)
+    return torch.where(e == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def quantize_mxfp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (E4M3 data [..., K], uint8 E8M0 scale [..., K/block]), OCP MX v1.0.
+
+    Shared scale 2**(floor(log2(amax)) - 8): the block's largest value lands in [256, 512) and
+    anything above 448 saturates. floor(log2) comes from frexp, exact for every fp32 amax. An
+    all-zero block gets the smallest exponent (biased 0).
+    """
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"MXFP8 needs the last axis ({k}) to be a multiple of the block size {block}")
+    blocks = x.float().unflatten(-1, (k // block, block))
+    amax = blocks.abs().amax(dim=-1)
+    _, exponent = torch.frexp(amax)  # amax = m * 2**exponent with m in [0.5, 1)
+    unbiased = torch.where(amax > 0, exponent - 1 - FP8_EMAX, torch.full_like(exponent, -E8M0_BIAS))
+    biased = (unbiased + E8M0_BIAS).clamp(0, E8M0_NAN - 1).to(torch.uint8)
+    data = (blocks / e8m0_to_float(biased)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return data.flatten(-2), biased
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_mxfp8`; the block size is K / scale.shape[-1]."""
+    blocks = data.float().unflatten(-1, (scale.shape[-1], -1))
+    return (blocks * e8m0_to_float(scale)[..., None]).flatten(-2).to(dtype)
