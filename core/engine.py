@@ -74,13 +74,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         params.validate_against(self.vocab_size)
-        room = self.max_model_len - len(prompt_token_ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len} "
-                             "and at least one must remain for the completion")
+        # The context holds max_model_len positions of KV; the last sampled token needs none.
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than the context length "
+                             f"{self.max_model_len}")
+        room = self.max_model_len - len(prompt_token_ids) + 1
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens {params.max_tokens} exceeds the room left in the context: "
-                             f"{self.max_model_len} - {len(prompt_token_ids)} prompt tokens = {room}")
+                             f"{room} for a {len(prompt_token_ids)}-token prompt and context length "
+                             f"{self.max_model_len}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
         if request_id in self.requests:
@@ -197,7 +199,7 @@ class LLMEngine:
                 return self._finish(seq, detok, "stop", None)
             if detok.finished_by_stop is not None:
                 return self._finish(seq, detok, "stop", detok.finished_by_stop)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens > self.max_model_len:
             return self._finish(seq, detok, "length", None)
 
     def _finish(self, seq: Sequence, detok: IncrementalDetokenizer, reason: str, stop_reason) -> None:

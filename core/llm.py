@@ -29,12 +29,11 @@ def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str, progress: bool = True, **kwargs) -> None:
         unknown = set(kwargs) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}; "
                             f"known: {', '.join(sorted(_ENGINE_FIELDS - {'model'}))}")
-        progress = kwargs.pop("progress", True) if "progress" in kwargs else True
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs), progress=progress)
         self._ids = itertools.count()
 
