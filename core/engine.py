@@ -84,7 +84,9 @@ class LLMEngine:
                              f"{room} for a {len(prompt_token_ids)}-token prompt and context length "
                              f"{self.max_model_len}")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Request:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = True) -> Request:
+        """Queue a request. With ``stream`` every step that changes it reports it; else only its end."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -99,7 +101,7 @@ class LLMEngine:
             for i in range(params.n)
         ]
         req = Request(request_id, text, ids, params, seqs,
-                      [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs])
+                      [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs], stream=stream)
         self.requests[request_id] = req
         self.scheduler.add(seqs)
         self.counters.prompt_tokens += len(ids)
@@ -141,9 +143,14 @@ class LLMEngine:
                 to_sample.append((s.seq, row))
                 if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
                     to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
-        touched = self._sample_and_stop(to_sample, step_logits)
-        return [self.requests.pop(r).output() if self.requests[r].finished else self.requests[r].output()
-                for r in touched]
+        outputs = []
+        for rid in self._sample_and_stop(to_sample, step_logits):
+            req = self.requests[rid]
+            if req.finished:
+                outputs.append(self.requests.pop(rid).output())
+            elif req.stream:
+                outputs.append(req.output())
+        return outputs
 
     def _record_prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> None:
         seq = s.seq

@@ -55,7 +55,7 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, p, sp)
+                self.engine.add_request(rid, p, sp, stream=False)
                 order[rid] = i
         except Exception:
             for rid in order:

@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
+    stream: bool = True  # report every change, not only the end
     arrival_time: float = field(default_factory=time.monotonic)
     finish_time: float | None = None
 
