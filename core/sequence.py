@@ -51,10 +51,6 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

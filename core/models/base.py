@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -53,6 +53,3 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (checkpoint name, tensor) pairs; raise on unknown names, shapes, missing ones."""
-
-    def extra_state(self) -> dict[str, Any]:
-        return {}

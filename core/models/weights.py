@@ -17,7 +17,7 @@ from torch import nn
 @dataclass(frozen=True)
 class Target:
     param: str
-    rows: tuple[int, int] | None = None  # (offset, count) along dim 0 (dim 1 for stacked experts)
+    rows: tuple[int, int] | None = None  # (offset, count) along the rows (of one expert's slice)
     expert: int | None = None
 
 

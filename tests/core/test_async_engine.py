@@ -1,0 +1,72 @@
+"""The asyncio front: streaming, concurrent requests, early exit aborts and frees pages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.async_engine import AsyncLLM
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_qwen3):
+    llm = LLM(str(tiny_qwen3), dtype="float32", page_size=4, enable_prefix_caching=False, progress=False)
+    front = AsyncLLM(llm.engine)
+    yield llm, front
+    front.shutdown()
+
+
+def collect(front, prompt, params, rid):
+    async def run():
+        return [out async for out in front.generate(prompt, params, rid)]
+    return asyncio.run(run())
+
+
+def test_stream_is_cumulative_and_ends_like_generate(async_llm):
+    llm, front = async_llm
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = collect(front, "import os\n", params, "s1")
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 12 and len(outs) >= 2
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    for a, b in zip(outs, outs[1:]):
+        assert b.outputs[0].text.startswith(a.outputs[0].text)
+
+
+def test_concurrent_streams_and_early_exit_free_pages(async_llm):
+    llm, front = async_llm
+    pool = llm.engine.pool
+    free_before = pool.num_free
+
+    async def run():
+        params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
+
+        async def full(i):
+            return [o async for o in front.generate(f"def f{i}(x):", params, f"c{i}")][-1]
+
+        async def leave_early(i):
+            async for o in front.generate(f"class C{i}:", params, f"e{i}"):
+                if len(o.outputs[0].token_ids) >= 3:
+                    break
+
+        results = await asyncio.gather(*(full(i) for i in range(4)), *(leave_early(i) for i in range(4)))
+        for _ in range(100):
+            if not llm.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        return results[:4]
+
+    finals = asyncio.run(run())
+    assert all(len(o.outputs[0].token_ids) == 40 for o in finals)
+    assert not llm.engine.has_unfinished_requests()
+    assert pool.num_free == free_before
+    pool.check_consistency()
+
+
+def test_validation_error_raises_and_engine_keeps_serving(async_llm):
+    llm, front = async_llm
+    with pytest.raises(ValueError, match="max_tokens"):
+        collect(front, "x", SamplingParams(max_tokens=10**9), "bad")
+    assert collect(front, "x", SamplingParams(max_tokens=2, ignore_eos=True), "good")[-1].finished
