@@ -36,10 +36,6 @@ class Request:
     def first_scheduled_time(self) -> float | None:
         return self.seqs[0].first_scheduled_time
 
-    @property
-    def num_generated(self) -> int:
-        return sum(len(s.output_token_ids) for s in self.seqs)
-
     def output(self) -> RequestOutput:
         """The cumulative state so far (what ``LLM.generate`` returns once finished)."""
         completions = [

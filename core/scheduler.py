@@ -246,8 +246,7 @@ class Scheduler:
             seq = self.waiting[0]
             if budget <= 0:
                 break
-            if not seq.pages:
-                self._match_prefix(seq)
+            self._match_prefix(seq)  # waiting sequences hold no pages
             remaining = seq.num_tokens - seq.num_computed
             if cfg.chunk_size:
                 num_new = min(remaining, budget)
@@ -259,6 +258,8 @@ class Scheduler:
                 self._release(seq, cache=False)
                 break
             self.waiting.popleft()
+            # a lookup counts once, when admitted, however many steps the sequence waited
+            self.radix.record(seq.num_tokens - 1, seq.num_cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed))
@@ -266,9 +267,10 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start from the longest cached prefix, leaving at least one token to compute."""
+        seq.num_cached = 0
         if seq.wants_prompt_logprobs:
             return  # prompt logprobs need the logits of every prompt position
-        match = self.radix.match(seq.tokens[: seq.num_tokens - 1])
+        match = self.radix.match(seq.tokens[: seq.num_tokens - 1], record=False)
         if match.num_tokens == 0:
             return
         self.radix.lock(match.node)

@@ -78,17 +78,27 @@ class RadixCache:
 
     # -- lookup -------------------------------------------------------------------------------
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """The longest cached whole-page prefix of ``tokens``; takes no references."""
-        self.stats.queries += len(tokens)
-        self.stats.match_calls += 1
+    def match(self, tokens: list[int], record: bool = True) -> PrefixMatch:
+        """The longest cached whole-page prefix of ``tokens``; takes no references.
+
+        ``record=False`` leaves the statistics alone, for a caller that may still back out and
+        counts the lookup with :meth:`record` once it commits to it.
+        """
         if not self.enabled:
-            return PrefixMatch([], 0, self._root)
-        node, pages = self._walk(tokens)
-        num_tokens = len(pages) * self.page_size
-        self.stats.hits += num_tokens
-        self.stats.hit_calls += num_tokens > 0
-        return PrefixMatch(pages, num_tokens, node)
+            found = PrefixMatch([], 0, self._root)
+        else:
+            node, pages = self._walk(tokens)
+            found = PrefixMatch(pages, len(pages) * self.page_size, node)
+        if record:
+            self.record(len(tokens), found.num_tokens)
+        return found
+
+    def record(self, num_queried: int, num_hit: int) -> None:
+        """Count one lookup of ``num_queried`` tokens of which ``num_hit`` were cached."""
+        self.stats.queries += num_queried
+        self.stats.match_calls += 1
+        self.stats.hits += num_hit
+        self.stats.hit_calls += num_hit > 0
 
     def lock_prefix(self, tokens: list[int]) -> _Node:
         """Lock the node where the cached whole-page prefix of ``tokens`` ends (no statistics)."""
