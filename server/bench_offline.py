@@ -33,6 +33,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     from ..core.llm import LLM
     from ..core.sampling_params import SamplingParams
 
+    commit = _commit()  # the code that runs, even if the tree moves on during a long run
     config = engine_config(args)
     fields = asdict(config)
     llm = LLM(fields.pop("model"), **fields)
@@ -55,7 +56,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "model": config.model, "architecture": engine.model_config.architecture,
         "dtype": str(engine.model_config.dtype), "device": engine.components.platform.summary(),
         "host": host.processor() or host.machine(), "preemptions": engine.scheduler.stats.num_preemptions,
-        "backends": {f: s.chosen.name for f, s in engine.components.selections.items()}, "commit": _commit(),
+        "backends": {f: s.chosen.name for f, s in engine.components.selections.items()}, "commit": commit,
     }
     print(f"{out_tokens} output tokens from {len(work)} sequences in {elapsed:.2f}s: "
           f"{result['output_tokens_per_s']:.1f} output tokens/s ({result['total_tokens_per_s']:.1f} total tokens/s)")
