@@ -65,33 +65,27 @@ class ForwardBatch:
     ) -> "ForwardBatch":
         """Build a batch from host lists (the runner's path; tests use it too)."""
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        positions: list[int] = []
-        slots: list[int] = []
-        for ctx, q, pages in zip(context_lens, query_lens, page_tables):
-            for pos in range(ctx, ctx + q):
-                positions.append(pos)
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
         width = max((len(p) for p in page_tables), default=0) or 1
-        table = torch.zeros((len(page_tables), width), dtype=torch.int32)
-        for i, pages in enumerate(page_tables):
-            if pages:
-                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int32)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(qlens, 0, out=starts[1:])
+        owner = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)  # sequence of each token
+        pos = torch.tensor(context_lens, dtype=torch.int64)[owner] + torch.arange(len(input_ids)) - starts[owner]
+        slots = table[owner, pos // page_size].to(torch.int64) * page_size + pos % page_size
 
-        def put(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
         return cls(
-            input_ids=put(input_ids, torch.int64),
-            positions=put(positions, torch.int64),
-            query_start_loc=put(starts, torch.int32),
-            seq_lens=put(seq_lens, torch.int32),
-            context_lens=put(context_lens, torch.int32),
-            page_table=table.to(device, non_blocking=True),
-            slot_mapping=put(slots, torch.int64),
-            logits_indices=put(logits_indices, torch.int64),
+            input_ids=put(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=put(pos),
+            query_start_loc=put(starts.to(torch.int32)),
+            seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)),
+            context_lens=put(torch.tensor(context_lens, dtype=torch.int32)),
+            page_table=put(table),
+            slot_mapping=put(slots),
+            logits_indices=put(torch.tensor(logits_indices, dtype=torch.int64)),
             page_size=page_size,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=seq_lens,

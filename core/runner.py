@@ -38,7 +38,7 @@ class ModelRunner:
         rows: list[tuple[int, int]] = []
         for s in step.scheduled:
             seq, start = s.seq, len(input_ids)
-            input_ids.extend(seq.tokens[s.context_len: s.context_len + s.num_new])
+            input_ids.extend(seq.token_slice(s.context_len, s.context_len + s.num_new))
             query_lens.append(s.num_new)
             context_lens.append(s.context_len)
             tables.append(seq.pages)

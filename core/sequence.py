@@ -51,6 +51,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """tokens[lo:hi] without building the whole list (decode reads one token per step)."""
+        n = len(self.prompt_token_ids)
+        if lo >= n:
+            return self.output_token_ids[lo - n: hi - n]
+        if hi <= n:
+            return self.prompt_token_ids[lo:hi]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[: hi - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
