@@ -59,12 +59,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, radix: RadixCache, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, pool: PagePool, radix: RadixCache) -> None:
         self.config = config
         self.pool = pool
         self.radix = radix
         self.page_size = config.page_size
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fork_pending: dict[str, list[Sequence]] = {}  # request id -> siblings of n > 1
@@ -214,7 +213,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed
-            if remaining > 1 or seq.in_prefill:
+            prefilling = seq.in_prefill
+            if prefilling:
                 if prefill_budget <= 0:
                     i += 1
                     continue
@@ -229,7 +229,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted itself; ``i`` now points at the next sequence
-            if num_new > 1 or seq.in_prefill:
+            if prefilling:
                 prefill_budget -= num_new
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed))
             i += 1
