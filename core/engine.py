@@ -153,16 +153,16 @@ class LLMEngine:
         return outputs
 
     def _record_prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> None:
+        """Logprobs of the prompt tokens this chunk predicts, skipping any a preemption recomputes."""
         seq = s.seq
         start, count = step_logits.rows[i]
         prompt = seq.prompt_token_ids
-        last = min(s.context_len + count, len(prompt) - 1)  # positions predicting a prompt token
-        n = last - s.context_len
-        if n <= 0:
+        first = max(s.context_len, len(seq.prompt_logprobs) - 1)  # first position still missing
+        last = min(s.context_len + count, len(prompt) - 1)
+        if last <= first:
             return
-        nexts = prompt[s.context_len + 1: last + 1]
-        seq.prompt_logprobs.extend(
-            prompt_logprobs(step_logits.logits[start: start + n], nexts, seq.params.prompt_logprobs))
+        rows = step_logits.logits[start + first - s.context_len: start + last - s.context_len]
+        seq.prompt_logprobs.extend(prompt_logprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs))
 
     def _sample_and_stop(self, to_sample: list[tuple[Sequence, int]], step_logits: StepLogits) -> list[str]:
         if not to_sample:

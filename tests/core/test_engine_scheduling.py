@@ -184,3 +184,18 @@ def test_invalid_requests_raise_naming_the_field(short_llm, eval_text, seed, cas
 
     (out,) = short_llm.generate([prompt], greedy(64 - 10))
     assert out.finished and len(out.outputs[0].token_ids) == 64 - 10
+
+
+def test_prompt_logprobs_survive_preemption(tiny_qwen3, eval_text):
+    """A preempted request recomputes its prompt; its prompt logprobs are neither lost nor doubled."""
+    roomy = LLM(str(tiny_qwen3), dtype="float32", page_size=4, progress=False)
+    tight = LLM(str(tiny_qwen3), dtype="float32", page_size=4, num_pages=24, chunked_prefill_size=8,
+                progress=False)
+    prompts = [random_prompt(roomy, eval_text, n) for n in (30, 33, 35, 31)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    want, got = roomy.generate(prompts, params), tight.generate(prompts, params)
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    for w, g, p in zip(want, got, prompts):
+        assert len(g.prompt_logprobs) == len(p)
+        assert [sorted(d) if d else d for d in g.prompt_logprobs] == [sorted(d) if d else d for d in w.prompt_logprobs]
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
