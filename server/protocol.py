@@ -1,0 +1,301 @@
+"""OpenAI-compatible request and response bodies, and their translation into ``SamplingParams``.
+
+Requests validate types strictly (``"3"`` is not a number) but ignore unknown fields, because
+OpenAI clients send extras. Every refusal is an ``APIError`` 400 naming the field at fault.
+Response models use OpenAI's field names exactly, so the official client parses them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..core.sampling_params import SamplingParams
+from .errors import APIError, invalid
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request ceilings that keep one request from costing the server unbounded work."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_length: int = 1024
+
+
+# ---- requests ----
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields both endpoints share; None means the engine's default."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Declared only to refuse them: templates run server-side code and are the operator's choice.
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+
+    @field_validator("chat_template", "chat_template_kwargs")
+    @classmethod
+    def _refuse_client_templates(cls, v, info):
+        if v is not None:
+            raise ValueError(f"{info.field_name} may not be set by the request")
+        return v
+
+
+# ---- requests -> engine inputs ----
+
+_SHARED_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+                  "logit_bias", "skip_special_tokens")
+
+
+def _check_range(param: str, value: int | None, low: int, high: int) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(param, f"{param} must be in [{low}, {high}], got {value}")
+
+
+def _check_stops(stop: str | list[str] | None, limits: Limits) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > limits.max_stop_sequences:
+        raise invalid("stop", f"stop may hold at most {limits.max_stop_sequences} sequences, got {len(stops)}")
+    for s in stops:
+        if len(s) > limits.max_stop_length:
+            raise invalid("stop", f"stop sequences may be at most {limits.max_stop_length} characters, "
+                                  f"got {len(s)}")
+
+
+def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict:
+    """The fields whose names or meaning differ between the two endpoints, plus which field set each."""
+    if isinstance(req, CompletionRequest):
+        return {"max_tokens": (req.max_tokens, "max_tokens"), "logprobs": (req.logprobs, "logprobs"),
+                "prompt_logprobs": (req.logprobs if req.echo else None, "logprobs")}
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
+    if req.max_completion_tokens is not None:
+        max_tokens = (req.max_completion_tokens, "max_completion_tokens")
+    else:
+        max_tokens = (req.max_tokens, "max_tokens")
+    top = "top_logprobs" if req.top_logprobs is not None else "logprobs"
+    return {"max_tokens": max_tokens, "logprobs": ((req.top_logprobs or 0) if req.logprobs else None, top)}
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits,
+                       vocab_size: int) -> SamplingParams:
+    """Enforce the server's limits, then let ``SamplingParams`` judge the rest; 400s name the field."""
+    _check_range("n", req.n, 1, limits.max_n)
+    _check_stops(req.stop, limits)
+    special = _length_and_logprobs(req)
+    for name, (value, param) in special.items():
+        if name == "max_tokens":
+            if value is not None and value < 1:
+                raise invalid(param, f"{param} must be >= 1, got {value}")
+        else:
+            _check_range(param, value, 0, limits.max_logprobs)
+    kwargs = {f: getattr(req, f) for f in _SHARED_FIELDS if getattr(req, f) is not None}
+    kwargs.update({name: value for name, (value, _) in special.items()})
+    try:
+        params = SamplingParams(**kwargs)
+        params.validate_against(vocab_size)
+    except ValueError as e:  # SamplingParams' messages start with the field name
+        raise invalid(str(e).split(" ", 1)[0], str(e)) from None
+    return params
+
+
+def prompt_token_lists(req: CompletionRequest, vocab_size: int) -> list[list[int]] | list[str]:
+    """One entry per prompt (text, or token ids checked against the vocabulary)."""
+    p = req.prompt
+    prompts = [p] if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)) else list(p)
+    if not prompts:
+        raise invalid("prompt", "prompt must not be empty")
+    for item in prompts:
+        if len(item) == 0:
+            raise invalid("prompt", "prompt must not be empty (nor hold an empty prompt)")
+        if isinstance(item, list):
+            if min(item) < 0:
+                raise invalid("prompt", f"prompt token ids must be >= 0, got {min(item)}")
+            if max(item) >= vocab_size:
+                raise invalid("prompt", f"prompt token id {max(item)} is out of vocabulary "
+                                        f"(vocabulary size {vocab_size})")
+    return prompts
+
+
+# Pydantic labels a union member's error with the member's type ("str", "list[int]", "TextPart");
+# those are not fields, so the param leaves them out.
+_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_type_label(x: str) -> bool:
+    return x in _TYPE_LABELS or "[" in x or x[:1].isupper()
+
+
+def pydantic_error_to_api(exc: pydantic.ValidationError) -> APIError:
+    """A 400 naming the first failing field by its dotted location (``messages.0.content``)."""
+    first = exc.errors()[0]
+    parts = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_type_label(x)]
+    param = ".".join(parts) or None
+    return invalid(param, f"{param}: {first['msg']}" if param else first["msg"])
+
+
+# ---- responses ----
+
+FinishReason = Literal["stop", "length"]
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None  # None only in a stream, before the last chunk
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    """OpenAI streams completions as partial ``text_completion`` objects."""
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only on the final chunk, when stream_options.include_usage
