@@ -1,0 +1,189 @@
+"""Paged decode attention, split-KV (flash-decoding): one new query per sequence over its pages.
+
+A decode step has few queries and long key ranges, so one program per sequence and KV head
+leaves most of the chip idle. The visible keys of each sequence are cut into ``num_splits``
+equal ranges; each (sequence, KV head, split) program attends the query heads of that KV head's
+group over its range and writes a partial output with its log-sum-exp, and a second kernel
+combines the splits (and the sink logit, which belongs to no split). The number of splits
+depends only on the batch size, never on sequence lengths, so a captured graph's grid holds
+across replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.attention import AttentionLayer, LayerKV
+
+from .attention_prefill import LOG2E, pick_dim
+from .target import config_for
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per inner step
+    block_h: int  # query heads per program (at least 16, the smallest tl.dot)
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    per_dim: dict[int, DecodeConfig]  # keyed by the padded head dim (the larger of head_dim and v_head_dim)
+    min_programs: int  # split until the grid has about this many programs (a few per SM/CU)
+    max_splits: int
+
+
+D = DecodeConfig
+DECODE = {
+    "sm_90": DecodeTuning({64: D(64, 64, 4, 3), 128: D(64, 64, 4, 3), 256: D(32, 32, 4, 2), 512: D(32, 16, 8, 2)},
+                          min_programs=132 * 4, max_splits=32),
+    "sm_100": DecodeTuning({64: D(64, 64, 4, 3), 128: D(64, 64, 4, 3), 256: D(32, 32, 4, 2), 512: D(32, 16, 8, 2)},
+                           min_programs=148 * 4, max_splits=32),
+    "gfx942": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 16, 8, 1)},
+                           min_programs=304 * 2, max_splits=32),
+    "gfx950": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 16, 8, 1)},
+                           min_programs=256 * 2, max_splits=32),
+    "default": DecodeTuning({64: D(32, 16, 4, 1), 128: D(32, 16, 4, 1), 256: D(16, 16, 4, 1), 512: D(16, 16, 4, 1)},
+                            min_programs=16, max_splits=4),
+}
+
+
+def num_splits_for(tuning: DecodeTuning, num_seqs: int, programs_per_seq: int) -> int:
+    return max(1, min(tuning.max_splits, triton.cdiv(tuning.min_programs, max(1, num_seqs * programs_per_seq))))
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
+    page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+    qk_scale, window,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + i)
+    tok = tl.load(query_start_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = g < GROUP
+    head = kv_head * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    # the query sits at seq_len - 1: it sees every key below seq_len that the window keeps
+    lo = tl.maximum(seq_len - window, 0) if SLIDING else 0
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    pages_row = page_table_ptr + seq * stride_pt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % PAGE_SIZE
+        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # an empty split (short sequence, many splits) has weight 0: lse -inf and a zero, not NaN, output
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    part = (i * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_lse_ptr + part, lse, mask=h_ok)
+    tl.store(part_out_ptr + part[:, None] * V_HEAD_DIM + offs_dv[None, :], acc,
+             mask=h_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, query_start_ptr, seq_ids_ptr,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, V_HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_ptr + tl.load(seq_ids_ptr + i))
+    splits = tl.arange(0, BLOCK_S)
+    s_ok = splits < NUM_SPLITS
+    offs_dv = tl.arange(0, BLOCK_DV)
+    part = (i * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the query's own key is never empty
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    dv_ok = offs_dv < V_HEAD_DIM
+    parts = tl.load(part_out_ptr + part[:, None] * V_HEAD_DIM + offs_dv[None, :],
+                    mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / denom
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv, o.to(out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
+                     page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     seq_ids: torch.Tensor) -> None:
+    """Attend the one new query of each sequence in ``seq_ids`` (its row ``query_start_loc[seq]``
+    of q and out) over its first ``seq_lens`` keys in ``kv``'s pages."""
+    num_seqs = seq_ids.shape[0]
+    if num_seqs == 0:
+        return
+    head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
+    group = layer.num_heads // layer.num_kv_heads
+    tuning = config_for(DECODE, q.device)
+    cfg = pick_dim(tuning.per_dim, max(head_dim, v_head_dim))
+    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(group)))
+    head_blocks = triton.cdiv(group, block_h)
+    splits = num_splits_for(tuning, num_seqs, layer.num_kv_heads * head_blocks)
+    part_out = torch.empty(num_seqs, layer.num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, layer.num_heads, splits, dtype=torch.float32, device=q.device)
+    decode_split_kernel[(num_seqs, layer.num_kv_heads * head_blocks, splits)](
+        q, kv.k, kv.v, part_out, part_lse,
+        page_table, query_start_loc, seq_lens, seq_ids,
+        q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2), page_table.stride(0),
+        layer.scale * LOG2E.value, layer.sliding_window or 0,
+        NUM_HEADS=layer.num_heads, GROUP=group, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
+        PAGE_SIZE=kv.k.shape[1], NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        SLIDING=layer.sliding_window is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    decode_reduce_kernel[(num_seqs, layer.num_heads)](
+        part_out, part_lse, out, layer.sinks, query_start_loc, seq_ids,
+        out.stride(0), out.stride(1),
+        NUM_HEADS=layer.num_heads, V_HEAD_DIM=v_head_dim, NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        HAS_SINKS=layer.sinks is not None,
+    )

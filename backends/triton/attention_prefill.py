@@ -1,0 +1,154 @@
+"""Paged prefill attention: a varlen batch of new queries over keys and values read from pages.
+
+The new tokens' K/V are already in their pages, so the pages are the only source of keys: a
+cached prefix and the step's own tokens are read the same way. One program takes ``BLOCK_M``
+rows of one sequence, a row being one (query token, query head) pair of the query heads that
+share a KV head: under GQA/MQA every key block is loaded once for the whole group. Online softmax
+in fp32 (exp2 domain); a sink is one more logit per head that joins the denominator at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.attention import AttentionLayer, LayerKV
+
+from .target import config_for
+
+LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: scores and sinks are scaled by it
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # rows (query token x group head) per program
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+# keyed by arch, then by the padded head dim (the larger of head_dim and v_head_dim)
+P = PrefillConfig
+PREFILL = {
+    "sm_90": {64: P(128, 64, 4, 3), 128: P(128, 64, 8, 3), 256: P(64, 64, 8, 2), 512: P(64, 32, 8, 1)},
+    "sm_100": {64: P(128, 64, 4, 3), 128: P(128, 64, 8, 3), 256: P(64, 64, 8, 2), 512: P(64, 32, 8, 1)},
+    "gfx942": {64: P(128, 64, 4, 1), 128: P(128, 64, 8, 1), 256: P(64, 64, 8, 1), 512: P(64, 32, 8, 1)},
+    "gfx950": {64: P(128, 64, 4, 2), 128: P(128, 64, 8, 2), 256: P(64, 64, 8, 1), 512: P(64, 32, 8, 1)},
+    "default": {64: P(64, 32, 4, 1), 128: P(64, 32, 4, 1), 256: P(32, 32, 4, 1), 512: P(16, 16, 4, 1)},
+}
+
+
+def pick_dim(configs: dict[int, object], dim: int):
+    """The entry of the smallest head-dim bucket that holds ``dim``."""
+    fits = [d for d in configs if d >= dim]
+    if not fits:
+        raise ValueError(f"head dim {dim} exceeds the largest tuned one ({max(configs)})")
+    return configs[min(fits)]
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
+    page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_pt,
+    qk_scale, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    # the last row blocks of a causal sequence see the most keys: launch them first
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + tl.program_id(2))
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    num_rows = q_len * GROUP
+    if block * BLOCK_M >= num_rows:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = context + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    # keys every row of the block may see: [lo, hi)
+    first_tok = (block * BLOCK_M) // GROUP
+    last_tok = (tl.minimum((block + 1) * BLOCK_M, num_rows) - 1) // GROUP
+    hi = context + last_tok + 1 if CAUSAL else seq_len
+    lo = tl.maximum(context + first_tok - window + 1, 0) if SLIDING else 0
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked key block gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    pages_row = page_table_ptr + seq * stride_pt
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % PAGE_SIZE
+        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # masked slots may hold anything, NaN included: load them as 0 so 0 * NaN cannot leak in
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E
+        m_f = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_f)
+        acc = acc * (rescale / (l_i * rescale + tl.exp2(sink - m_f)))[:, None]
+    else:
+        acc = acc / l_i[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
+
+
+def prefill_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
+                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      seq_ids: torch.Tensor, max_query_len: int) -> None:
+    """Attend the new queries of sequences ``seq_ids`` (q, out: [T, H, D|Dv], packed by
+    ``query_start_loc``) over their first ``seq_lens`` keys in ``kv``'s pages."""
+    num_seqs = seq_ids.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
+    group = layer.num_heads // layer.num_kv_heads
+    cfg = pick_dim(config_for(PREFILL, q.device), max(head_dim, v_head_dim))
+    grid = (triton.cdiv(max_query_len * group, cfg.block_m), layer.num_kv_heads, num_seqs)
+    prefill_attention_kernel[grid](
+        q, kv.k, kv.v, out, layer.sinks,
+        page_table, query_start_loc, seq_lens, seq_ids,
+        q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2),
+        out.stride(0), out.stride(1), page_table.stride(0),
+        layer.scale * LOG2E.value, layer.sliding_window or 0,
+        GROUP=group, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim, PAGE_SIZE=kv.k.shape[1],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        CAUSAL=layer.causal, SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
