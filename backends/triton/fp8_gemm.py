@@ -1,0 +1,134 @@
+"""Block-scaled FP8 GEMM, the DeepSeek-V3 scheme: out = (a * sa) @ (b * sb).T.
+
+``a`` [M, K] is E4M3 with one fp32 scale per token and 128 channels, ``b`` [N, K] is E4M3 with one
+fp32 scale per 128 x 128 block. The E4M3 tiles go to ``tl.dot`` as they are (on Hopper a
+``wgmma`` with e4m3 operands, both K-major since ``b`` is stored [N, K]) and the product of a
+K step is scaled in fp32 before it joins the accumulator, so no dequantized copy is ever made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_quant import GROUP, quantize_fp8_token_group
+from .target import config_for
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # divides 128, so a K step never straddles two scale blocks
+    group_m: int  # M tiles that sweep N together, so a band of ``b`` stays in L2
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class GemmTuning:
+    """Decode-sized M (at most ``small_m`` rows) reads each weight once, so it wants narrow N tiles
+    that spread the weight over every SM; large M wants big tiles that reuse each load."""
+
+    small: GemmConfig
+    large: GemmConfig
+    small_m: int = 64
+
+    def for_m(self, m: int) -> GemmConfig:
+        return self.small if m <= self.small_m else self.large
+
+
+FP8_GEMM = {
+    "sm_90": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 8, 3)),
+    "sm_100": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3)),
+    "gfx942": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
+    "gfx950": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
+    "default": GemmTuning(GemmConfig(16, 32, 128, 1, 4, 1), GemmConfig(32, 32, 128, 2, 4, 1), small_m=16),
+}
+
+
+@triton.jit
+def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (M tile, N tile), GROUP_M tiles of M at a time along N."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+                           stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # rows past M and N read row 0 / N-1 again instead of being masked; their results are not stored
+    am = (rm % M).to(tl.int64)
+    bn = (rn % N).to(tl.int64)
+    a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + bn[None, :] * stride_bn + rk[:, None]
+    a_scale_ptrs = a_scale_ptr + am * stride_as
+    b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        group = kb * BLOCK_K // SCALE_BLOCK
+        a_scale = tl.load(a_scale_ptrs + group)
+        b_scale = tl.load(b_scale_ptrs + group)
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _unit_inner_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] E4M3, a_scale [M, ceil(K/128)], b [N, K] E4M3, b_scale [ceil(N/128), ceil(K/128)]
+    -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K must match")
+    groups = triton.cdiv(k, GROUP)
+    if a_scale.shape != (m, groups) or b_scale.shape != (triton.cdiv(n, GROUP), groups):
+        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
+                         f"a [{m}, {k}] and b [{n}, {k}] in blocks of {GROUP}")
+    a, a_scale, b, b_scale = map(_unit_inner_stride, (a, a_scale, b, b_scale))
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    elif out.shape != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit stride along N, not {list(out.shape)}")
+    if m == 0 or n == 0:
+        return out
+    cfg = config_for(FP8_GEMM, a.device).for_m(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp8_block_gemm_kernel[grid](
+        a, a_scale, b, b_scale, out, m, n, k,
+        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SCALE_BLOCK=GROUP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized weight.T -> [..., N]: x is quantized per token and 128 channels
+    first. The output is in ``out_dtype``, by default x's dtype."""
+    k = x.shape[-1]
+    data, scale = quantize_fp8_token_group(x.reshape(-1, k))
+    out = fp8_block_gemm(data, scale, weight_data, weight_scale, out_dtype or x.dtype)
+    return out.view(*x.shape[:-1], weight_data.shape[0])

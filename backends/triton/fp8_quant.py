@@ -1,0 +1,96 @@
+"""Per-token-group FP8 activation quantization: the activation side of the DeepSeek-V3 FP8 GEMM.
+
+Each token's K channels are cut into groups of 128; a group's scale is amax / 448 in fp32 (1 for
+an all-zero group) and its data is x / scale clamped to +-448 in E4M3, bit for bit what
+``core.native.quant.quantize_fp8_token_group`` computes. Divisions are correctly rounded
+(``div_rn``) because the fast fp32 division of the GPU can differ from torch's in the last bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .target import config_for
+
+FP8_MAX = tl.constexpr(448.0)
+GROUP = 128
+
+
+@triton.jit
+def e4m3_rne(y):
+    """fp32 ``y`` in [-448, 448] to E4M3, rounded to nearest even.
+
+    The rounding is done here, in fp32, so that the cast itself is exact: every target then gives
+    torch's result, and so does the interpreter, whose fp8 cast rounds ties up and loses the carry
+    into the exponent. Normals keep 3 mantissa bits; below 2**-6 (E4M3 subnormals, a fixed step of
+    2**-9) adding and removing 2**14, whose fp32 ulp is 2**-9, rounds to that step.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = (tl.abs(y) + 16384.0) - 16384.0
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    return tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, tiny).to(tl.float8e4nv)
+
+
+@triton.jit
+def larger(a, b):
+    """Combine function of an amax: ``tl.max`` would do, but a combine function that lives here
+    is one the AOT tests can rebuild when the interpreter has replaced triton's own."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride_data, stride_scale,
+                              BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr):
+    """One program: BLOCK_T tokens x one group of GROUP_K channels."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    group = tl.program_id(1)
+    cols = group * GROUP_K + tl.arange(0, GROUP_K)
+    mask = (rows[:, None] < T) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.reduce(tl.abs(x), 1, larger)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    tl.store(data_ptr + rows[:, None].to(tl.int64) * stride_data + cols[None, :], e4m3_rne(y), mask=mask)
+    tl.store(scale_ptr + rows.to(tl.int64) * stride_scale + group, scale, mask=rows < T)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    block_t: int  # tokens per program
+    num_warps: int
+
+
+QUANT = {
+    "cuda": QuantConfig(8, 4),
+    "hip": QuantConfig(8, 4),
+    "default": QuantConfig(4, 4),
+}
+
+
+def quantize_fp8_token_group(x: torch.Tensor, group: int = GROUP,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [..., K] -> (E4M3 data [..., K], fp32 scale [..., ceil(K/group)]), written into
+    ``out`` (contiguous tensors of those shapes) where given."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    t = flat.shape[0]
+    groups = triton.cdiv(k, group)
+    if out is None:
+        data = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(t, groups, dtype=torch.float32, device=x.device)
+    else:
+        data, scale = out[0].view(t, k), out[1].view(t, groups)
+    cfg = config_for(QUANT, x.device)
+    if t:
+        _token_group_quant_kernel[(triton.cdiv(t, cfg.block_t), groups)](
+            flat, data, scale, t, k, flat.stride(0), data.stride(0), scale.stride(0),
+            BLOCK_T=cfg.block_t, GROUP_K=group, num_warps=cfg.num_warps)
+    return data.view(x.shape), scale.view(*x.shape[:-1], groups)
