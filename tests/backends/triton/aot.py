@@ -4,14 +4,20 @@
 wheel and the AMD linker is built into it, so every stage down to cubin/hsaco runs on a CPU. Tests
 read the assembly texts to check that a kernel lowers to the instructions its arch should use.
 
-Where the interpreter is on (``TRITON_INTERPRET=1``), ``@triton.jit`` returns interpreted
-functions, which the compiler cannot take; :func:`compilable` rebuilds the real ``JITFunction``
-of a kernel and of every jitted helper it reaches through its globals.
+Under ``TRITON_INTERPRET=1`` (set for the CPU test session) ``@triton.jit`` makes interpreted
+functions, triton's own ``tl.sum``/``tl.max``/... among them, and running one leaves
+``triton.language`` patched for the interpreter for the rest of the process. Such kernels are
+compiled in one worker process started with the interpreter off, which imports the kernel's
+module afresh: the compiler sees the same ``JITFunction`` a GPU run would.
 """
 
 from __future__ import annotations
 
-import types
+import importlib
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Iterable
 
 import triton
@@ -28,34 +34,7 @@ TARGETS = {
 
 TEXT_STAGES = ("ttir", "ttgir", "llir", "ptx", "amdgcn")
 
-try:
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # a triton without the interpreter
-    InterpretedFunction = ()
-
-
-def compilable(kernel: Any, _done: dict[int, JITFunction] | None = None) -> JITFunction:
-    """``kernel`` as a ``JITFunction``, with interpreted helpers in its globals made real too."""
-    if isinstance(kernel, JITFunction) and not _uses_interpreted(kernel.fn):
-        return kernel
-    if not isinstance(kernel, (JITFunction, InterpretedFunction)):
-        raise TypeError(f"{kernel!r} is not a @triton.jit function")
-    done = {} if _done is None else _done
-    if id(kernel) in done:
-        return done[id(kernel)]
-    kwargs = getattr(kernel, "kwargs", None) or {}
-    jit = JITFunction(kernel.fn, **kwargs)
-    done[id(kernel)] = jit
-    scope = dict(kernel.fn.__globals__)
-    for name, value in scope.items():
-        if isinstance(value, (JITFunction, InterpretedFunction)) and value is not kernel:
-            scope[name] = compilable(value, done)
-    jit.__globals__ = scope
-    return jit
-
-
-def _uses_interpreted(fn: types.FunctionType) -> bool:
-    return bool(InterpretedFunction) and any(isinstance(v, InterpretedFunction) for v in fn.__globals__.values())
+_worker: ProcessPoolExecutor | None = None
 
 
 def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], target: str,
@@ -67,20 +46,56 @@ def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, An
     the compile-time ones. Pointers are taken as 16-byte aligned, as torch allocations are when the
     JIT specializes a launch; integers named in ``divisible_by_16`` get the same hint.
     """
-    fn = compilable(kernel)
-    aligned = set(divisible_by_16)
-    unknown = aligned - set(signature)
-    if unknown:
-        raise ValueError(f"divisible_by_16 names arguments not in the signature: {sorted(unknown)}")
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; known: {sorted(TARGETS)}")
+    if not hasattr(kernel, "fn") or not hasattr(kernel, "arg_names"):
+        raise TypeError(f"{kernel!r} is not a @triton.jit function")
+    missing = [name for name in kernel.arg_names if name not in signature and name not in constexprs]
+    unknown = (set(signature) | set(constexprs) | set(divisible_by_16)) - set(kernel.arg_names)
+    if missing or unknown:
+        raise ValueError(f"{kernel.fn.__name__}: no type or constexpr value for {missing}; "
+                         f"not arguments: {sorted(unknown)}")
+    job = (signature, dict(constexprs), target, num_warps, num_stages, tuple(divisible_by_16))
+    if isinstance(kernel, JITFunction):
+        return _compile(kernel, *job)
+    return _interpreter_free_worker().submit(_compile_by_name, kernel.fn.__module__, kernel.fn.__qualname__,
+                                             *job).result()
+
+
+def amdgcn_target(amdgcn: str) -> str:
+    """The ``.amdgcn_target`` an AMD assembly text was built for (it names the gfx arch)."""
+    return next(line for line in amdgcn.splitlines() if ".amdgcn_target" in line)
+
+
+def _compile(fn: JITFunction, signature, constexprs, target, num_warps, num_stages, divisible_by_16):
     full = {**signature, **{name: "constexpr" for name in constexprs}}
-    missing = [name for name in fn.arg_names if name not in full]
-    if missing:
-        raise ValueError(f"{fn.__name__}: no type or constexpr value for {missing}")
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name, ty in signature.items() if ty.startswith("*") or name in aligned}
-    options = {"num_warps": num_warps}
-    if num_stages is not None:
-        options["num_stages"] = num_stages
-    src = ASTSource(fn=fn, signature=full, constexprs=dict(constexprs), attrs=attrs)
-    compiled = triton.compile(src, target=TARGETS[target], options=options)
+             for name, ty in signature.items() if ty.startswith("*") or name in divisible_by_16}
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs),
+                              target=TARGETS[target], options=options)
     return {stage: text for stage, text in compiled.asm.items() if stage in TEXT_STAGES}
+
+
+def _compile_by_name(module: str, qualname: str, *job) -> dict[str, str]:
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    try:
+        return _compile(fn, *job)
+    except Exception as e:  # compiler errors hold unpicklable IR: send the message back
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None
+
+
+def _interpreter_free_worker() -> ProcessPoolExecutor:
+    """One spawned process for the session, started with ``TRITON_INTERPRET`` unset."""
+    global _worker
+    if _worker is None:
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            _worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            _worker.submit(sys.path.copy).result()  # starts the process while the variable is unset
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
+    return _worker
