@@ -122,7 +122,7 @@ def prefill_attention_kernel(
         rescale = tl.exp2(m_i - m_f)
         acc = acc * (rescale / (l_i * rescale + tl.exp2(sink - m_f)))[:, None]
     else:
-        acc = acc / l_i[:, None]
+        acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows may see no key at all
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
 

@@ -1,0 +1,230 @@
+"""Triton paged attention against the native oracle: same pages, same new K/V, same batch.
+
+Batches mix decode sequences, fresh prefills and prefills over a cached prefix, with random
+lengths and page lists drawn from the test seed; the pool starts NaN-filled, so a read of a slot
+the sequence does not own, or of padding, shows up in the output. Outputs are poisoned before
+each run. Both the pages written and the outputs must match.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.backends.triton import attention_decode
+from engine.backends.triton.attention import TritonAttention
+from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, decode_reduce_kernel,
+                                                     decode_split_kernel)
+from engine.backends.triton.attention_prefill import prefill_attention_kernel
+from engine.core.families.attention import AttentionLayer, LayerKV
+from engine.core.forward import ForwardBatch
+from engine.core.native.attention import NativeAttention
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def make_layer(heads, kv_heads, head_dim, v_head_dim=None, window=None, sinks=False, causal=True, device="cpu"):
+    return AttentionLayer(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                          scale=head_dim**-0.5 * 1.3, v_head_dim=v_head_dim, sliding_window=window,
+                          sinks=torch.randn(heads, device=device) * 2 if sinks else None, causal=causal)
+
+
+def random_lens(decode=2, fresh=1, cached=1, max_ctx=40, max_new=14):
+    """(context_len, query_len) pairs in random order: one-token steps, new prompts, prompts over a prefix."""
+    lens = ([(random.randint(0, max_ctx), 1) for _ in range(decode)]
+            + [(0, random.randint(2, max_new)) for _ in range(fresh)]
+            + [(random.randint(1, max_ctx), random.randint(2, max_new)) for _ in range(cached)])
+    random.shuffle(lens)
+    return lens
+
+
+class Case:
+    """A NaN-filled page pool holding each sequence's cached prefix, plus the step's new q/k/v."""
+
+    def __init__(self, lens, layer, page_size, dtype, device="cpu"):
+        self.layer, self.lens, self.dtype = layer, lens, dtype
+        dv = layer.v_head_dim or layer.head_dim
+        need = [-(-(c + q) // page_size) for c, q in lens]
+        num_pages = 1 + sum(need) + 3
+        ids = list(range(1, num_pages))
+        random.shuffle(ids)
+        tables = []
+        for n in need:
+            tables.append(ids[:n])
+            ids = ids[n:]
+        shape = (num_pages, page_size, layer.num_kv_heads)
+        self.k_pages = torch.full((*shape, layer.head_dim), float("nan"), dtype=dtype, device=device)
+        self.v_pages = torch.full((*shape, dv), float("nan"), dtype=dtype, device=device)
+        for (c, _), pages in zip(lens, tables):
+            slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(c)],
+                                 dtype=torch.long, device=device)
+            self.k_pages.view(-1, layer.num_kv_heads, layer.head_dim)[slots] = torch.randn(
+                c, layer.num_kv_heads, layer.head_dim, device=device).to(dtype)
+            self.v_pages.view(-1, layer.num_kv_heads, dv)[slots] = torch.randn(
+                c, layer.num_kv_heads, dv, device=device).to(dtype)
+        tokens = sum(q for _, q in lens)
+        # q as a slice of a fused qkv projection: its rows are strided, as in a model
+        qkv = torch.randn(tokens, layer.num_heads + 1, layer.head_dim, device=device).to(dtype)
+        self.q = qkv[:, :layer.num_heads]
+        self.k = torch.randn(tokens, layer.num_kv_heads, layer.head_dim, device=device).to(dtype)
+        self.v = torch.randn(tokens, layer.num_kv_heads, dv, device=device).to(dtype)
+        self.batch = ForwardBatch.build(input_ids=[0] * tokens, query_lens=[q for _, q in lens],
+                                        context_lens=[c for c, _ in lens], page_tables=tables,
+                                        page_size=page_size, logits_indices=[], device=device)
+
+    def run(self, backend, prepare=True):
+        kv = LayerKV(k=self.k_pages.clone(), v=self.v_pages.clone())
+        self.batch.attn_metadata = backend.prepare(self.batch) if prepare else None
+        if isinstance(backend, TritonAttention):
+            poisoned = torch.full((self.q.shape[0], self.layer.num_heads, kv.v.shape[-1]), float("nan"),
+                                  dtype=self.dtype, device=self.q.device)
+            out = backend.forward(self.q, self.k, self.v, kv, self.layer, self.batch, out=poisoned)
+            assert out is poisoned
+        else:
+            out = backend.forward(self.q, self.k, self.v, kv, self.layer, self.batch)
+        return out, kv
+
+    def check(self, prepare=True):
+        want, want_kv = self.run(NativeAttention(ctx=None))
+        got, got_kv = self.run(TritonAttention(ctx=None), prepare=prepare)
+        torch.testing.assert_close(got_kv.k, want_kv.k, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_kv.v, want_kv.v, rtol=0, atol=0, equal_nan=True)
+        assert got.dtype == self.dtype and not got.isnan().any()
+        tol = TOLERANCE[self.dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+LAYERS = {
+    "mha": dict(heads=4, kv_heads=4, head_dim=64),
+    "gqa4_window": dict(heads=8, kv_heads=2, head_dim=64, window=7),
+    "gqa8_sinks": dict(heads=16, kv_heads=2, head_dim=64, sinks=True),
+    "mqa_d128": dict(heads=4, kv_heads=1, head_dim=128),
+    "gqa3_vdim": dict(heads=6, kv_heads=2, head_dim=64, v_head_dim=32),
+    "window1": dict(heads=4, kv_heads=2, head_dim=64, window=1),
+    "bidirectional": dict(heads=4, kv_heads=2, head_dim=64, causal=False),
+    "all_d128": dict(heads=8, kv_heads=2, head_dim=128, window=9, sinks=True),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_mixed_batch_matches_native(seed, name, dtype):
+    Case(random_lens(), make_layer(**LAYERS[name]), page_size=random.choice([4, 16]), dtype=dtype).check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("page_size", [1, 16, 32])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "cached_prefix"])
+def test_pure_batches_and_page_sizes(seed, kind, page_size):
+    counts = {"decode": dict(decode=4, fresh=0, cached=0), "prefill": dict(decode=0, fresh=3, cached=0),
+              "cached_prefix": dict(decode=0, fresh=0, cached=3)}[kind]
+    layer = make_layer(heads=8, kv_heads=2, head_dim=64, window=11, sinks=True)
+    Case(random_lens(**counts), layer, page_size, torch.float16).check(prepare=kind != "prefill")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_head_dim_512(seed, dtype):
+    layer = make_layer(heads=4, kv_heads=1, head_dim=512, window=6, sinks=True)
+    Case([(random.randint(1, 20), 1), (random.randint(0, 8), random.randint(2, 5))], layer, 16, dtype).check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_splits_combine(seed, monkeypatch, splits):
+    """Many splits over short sequences leave some empty: their weight must be 0, not NaN."""
+    per_dim = DECODE["default"].per_dim
+    monkeypatch.setitem(DECODE, "default", DecodeTuning(per_dim, min_programs=1 << 20, max_splits=splits))
+    assert attention_decode.num_splits_for(DECODE["default"], 3, 2) == splits
+    layer = make_layer(heads=8, kv_heads=2, head_dim=64, window=random.choice([None, 5]), sinks=True)
+    lens = [(0, 1), (random.randint(1, 6), 1), (random.randint(30, 60), 1)]
+    Case(lens, layer, 4, torch.float32).check()
+
+
+# real shapes on a GPU, bf16: (heads, kv_heads, head_dim, window, sinks)
+GPU_LAYERS = {
+    "llama8b": dict(heads=32, kv_heads=8, head_dim=128),
+    "qwen3_0.6b": dict(heads=16, kv_heads=8, head_dim=128),
+    "gpt_oss": dict(heads=64, kv_heads=8, head_dim=64, window=128, sinks=True),
+    "d256_mha": dict(heads=8, kv_heads=8, head_dim=256, window=1024),
+    "d512_mqa": dict(heads=16, kv_heads=1, head_dim=512, sinks=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_LAYERS))
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_decode_matches_native(seed, name, batch):
+    layer = make_layer(**GPU_LAYERS[name], device="cuda")
+    lens = [(random.randint(1, 8191), 1) for _ in range(batch)]
+    Case(lens, layer, 16, torch.bfloat16, device="cuda").check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_LAYERS))
+def test_gpu_prefill_matches_native(seed, name):
+    layer = make_layer(**GPU_LAYERS[name], device="cuda")
+    lens = random_lens(decode=8, fresh=2, cached=2, max_ctx=4096, max_new=2048)
+    Case(lens, layer, random.choice([16, 64]), torch.bfloat16, device="cuda").check()
+
+
+def _pointers(names, dtype):
+    return {name: dtype for name in names}
+
+
+def _ints(names):
+    return {name: "i32" for name in names}
+
+
+STRIDES = ["stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs", "stride_vh"]
+TABLES = _pointers(["page_table_ptr", "query_start_ptr", "seq_lens_ptr", "seq_ids_ptr"], "*i32")
+SHAPE = dict(HEAD_DIM=128, V_HEAD_DIM=128, PAGE_SIZE=16, BLOCK_D=128, BLOCK_DV=128)
+# the matrix instruction each kernel's bf16 tl.dot must become: a decode program has only 16 query
+# rows, too few for Hopper's wgmma or Blackwell's tcgen05, so it stays on mma.sync there
+PREFILL_MMA = {"sm_90": "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "sm_100": "tcgen05.mma",
+               "gfx942": "v_mfma_f32_32x32x8_bf16", "gfx950": "v_mfma_f32_32x32x16_bf16"}
+DECODE_MMA = {"sm_90": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+              "sm_100": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+              "gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
+
+
+def _compile(kernel, signature, constexprs, target, cfg):
+    from aot import compile_asm
+    asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return asm.get("ptx") or asm["amdgcn"]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+def test_kernels_compile_for_target(target):
+    """bf16 at head dim 128, GQA 4, window and sinks: both attention kernels reach the matrix units."""
+    from engine.backends.triton.attention_prefill import PREFILL, pick_dim
+    from engine.backends.triton.target import pick
+
+    prefill_cfg = pick_dim(pick(PREFILL, target), 128)
+    prefill = _compile(
+        prefill_attention_kernel,
+        {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16"), "sinks_ptr": "*fp32", **TABLES,
+         **_ints(STRIDES + ["stride_ot", "stride_oh", "stride_pt"]), "qk_scale": "fp32", "window": "i32"},
+        dict(GROUP=4, BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, CAUSAL=True, HAS_SINKS=True,
+             SLIDING=True, **SHAPE), target, prefill_cfg)
+    tuning = pick(DECODE, target)
+    decode_cfg = pick_dim(tuning.per_dim, 128)
+    split = _compile(
+        decode_split_kernel,
+        {**_pointers(["q_ptr", "k_ptr", "v_ptr"], "*bf16"), "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+         **TABLES, **_ints(STRIDES + ["stride_pt"]), "qk_scale": "fp32", "window": "i32"},
+        dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=8, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=decode_cfg.block_n,
+             SLIDING=True, **SHAPE), target, decode_cfg)
+    reduce = _compile(
+        decode_reduce_kernel,
+        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*fp32",
+         "query_start_ptr": "*i32", "seq_ids_ptr": "*i32", **_ints(["stride_ot", "stride_oh"])},
+        dict(NUM_HEADS=32, V_HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8, BLOCK_DV=128, HAS_SINKS=True),
+        target, decode_cfg)
+    assert PREFILL_MMA[target] in prefill
+    assert DECODE_MMA[target] in split
+    assert ("st.global" in reduce) if target.startswith("sm_") else ("global_store" in reduce or "buffer_store" in reduce)
