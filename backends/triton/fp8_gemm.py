@@ -62,10 +62,10 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
                            stride_am, stride_as, stride_bn, stride_bs, stride_cm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                           GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,18 +88,36 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, 
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS)
+
+
+@triton.jit
+def store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS: tl.constexpr):
+    """The fp32 tile, plus the bias where there is one, rounded once to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _unit_inner_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def unit_inner_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def output_for(m: int, n: int, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked to be [m, n] with unit stride along n, or a new such tensor."""
+    if out is None:
+        return torch.empty(m, n, dtype=dtype, device=device)
+    if out.shape != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit stride along N, not {list(out.shape)}")
+    return out
 
 
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                   out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] E4M3, a_scale [M, ceil(K/128)], b [N, K] E4M3, b_scale [ceil(N/128), ceil(K/128)]
-    -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
+    (+ bias [N]) -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
     (m, k), n = a.shape, b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K must match")
@@ -107,28 +125,25 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     if a_scale.shape != (m, groups) or b_scale.shape != (triton.cdiv(n, GROUP), groups):
         raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
                          f"a [{m}, {k}] and b [{n}, {k}] in blocks of {GROUP}")
-    a, a_scale, b, b_scale = map(_unit_inner_stride, (a, a_scale, b, b_scale))
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit stride along N, not {list(out.shape)}")
+    a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
+    out = output_for(m, n, out_dtype, a.device, out)
     if m == 0 or n == 0:
         return out
     cfg = config_for(FP8_GEMM, a.device).for_m(m)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_block_gemm_kernel[grid](
-        a, a_scale, b, b_scale, out, m, n, k,
+        a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=GROUP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def fp8_block_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantized weight.T -> [..., N]: x is quantized per token and 128 channels
-    first. The output is in ``out_dtype``, by default x's dtype."""
+                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized weight.T (+ bias) -> [..., N]: x is quantized per token and 128
+    channels first. The output is in ``out_dtype``, by default x's dtype."""
     k = x.shape[-1]
     data, scale = quantize_fp8_token_group(x.reshape(-1, k))
-    out = fp8_block_gemm(data, scale, weight_data, weight_scale, out_dtype or x.dtype)
+    out = fp8_block_gemm(data, scale, weight_data, weight_scale, out_dtype or x.dtype, bias)
     return out.view(*x.shape[:-1], weight_data.shape[0])

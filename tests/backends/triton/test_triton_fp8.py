@@ -2,19 +2,24 @@
 
 Quantization must match the native reference bit for bit. The GEMM is checked two ways: on the
 same quantized inputs against dequantize-then-matmul in fp32 (only summation order differs), and
-end to end through ``fp8_block_linear`` against the native linear, which leaves x unquantized
+end to end through ``TritonLinear`` against the native linear, which leaves x unquantized
 (the gap is E4M3's rounding of the activations, a few percent).
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from engine.backends.triton.fp8_gemm import FP8_GEMM, _fp8_block_gemm_kernel, fp8_block_gemm, fp8_block_linear
+from engine.backends.triton.fp8_gemm import FP8_GEMM, _fp8_block_gemm_kernel, fp8_block_gemm
 from engine.backends.triton.fp8_quant import QUANT, _token_group_quant_kernel, quantize_fp8_token_group
+from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.target import pick
+from engine.core.families.linear import LinearWeight
 from engine.core.native import quant
+from engine.core.native.linear import NativeLinear
 
 from aot import TARGETS, compile_asm
 
@@ -84,17 +89,32 @@ def test_fp8_block_gemm_matches_dequantized(seed, m, n, k, out_dtype, bound):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("lead", [(3,), (2, 9)])
-def test_fp8_block_linear_matches_native(seed, lead):
-    from engine.core.native.linear import NativeLinear
-    from engine.core.families.linear import LinearWeight
-
+@pytest.mark.parametrize("lead,with_bias", [((3,), False), ((2, 9), True)])
+def test_triton_linear_fp8_block_matches_native(seed, lead, with_bias):
     x = random_activations((*lead, 256), torch.float16)
     data, scale = quant.quantize_fp8_block(torch.randn(192, 256) * 0.05)
-    got = fp8_block_linear(x, data, scale)
-    ref = NativeLinear(None).apply(x, LinearWeight(data, "fp8_block", scale))
+    w = LinearWeight(data, "fp8_block", scale, torch.randn(192) if with_bias else None)
+    got = TritonLinear(None).apply(x, w)
+    ref = NativeLinear(None).apply(x, w)
     assert got.shape == ref.shape and got.dtype == ref.dtype
     assert rel_err(got, ref) < 0.06  # E4M3 keeps 3 mantissa bits of x
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_linear_dense_matches_native(seed, dtype):
+    x = torch.randn(4, 5, 64, dtype=dtype)
+    w = LinearWeight(torch.randn(48, 64, dtype=torch.bfloat16), bias=torch.randn(48))
+    got, ref = TritonLinear(None).apply(x, w), NativeLinear(None).apply(x, w)
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_triton_linear_refuses_unknown_scheme_and_missing_scale():
+    data = torch.zeros(8, 128).to(FP8)
+    with pytest.raises(ValueError, match="needs its scale"):
+        TritonLinear(None).apply(torch.zeros(1, 128), LinearWeight(data, "fp8_block"))
+    with pytest.raises(ValueError, match="no scheme"):
+        TritonLinear(None).apply(torch.zeros(1, 128), LinearWeight(data, "int4", torch.ones(1, 1)))
 
 
 @pytest.mark.gpu
@@ -108,26 +128,24 @@ def test_fp8_block_gemm_gpu(seed, m, n, k):
 @pytest.mark.parametrize("m", [1, 100, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_quant_and_linear_gpu(seed, m, dtype):
-    from engine.core.native.linear import NativeLinear
-    from engine.core.families.linear import LinearWeight
-
     x = random_activations((m, 4096), dtype, "cuda")
     check_quant(x)
     data, scale = quant.quantize_fp8_block(torch.randn(2048, 4096, device="cuda") * 0.05)
-    got = fp8_block_linear(x, data, scale)
-    ref = NativeLinear(None).apply(x, LinearWeight(data, "fp8_block", scale))
+    w = LinearWeight(data, "fp8_block", scale, torch.randn(2048, device="cuda"))
+    got = TritonLinear(None).apply(x, w)
+    ref = NativeLinear(None).apply(x, w)
     assert got.dtype == dtype and rel_err(got, ref) < 0.06
 
 
 GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
-                  "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_as": "i32",
-                  "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32"}
+                  "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                  "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32"}
 
 
-def compile_gemm(target: str, which: str) -> dict[str, str]:
+def compile_gemm(target: str, which: str, has_bias: bool = False) -> dict[str, str]:
     cfg = getattr(pick(FP8_GEMM, target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      SCALE_BLOCK=128)
+                      SCALE_BLOCK=128, HAS_BIAS=has_bias)
     return compile_asm(_fp8_block_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
 
@@ -136,14 +154,14 @@ def compile_gemm(target: str, which: str) -> dict[str, str]:
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_fp8_gemm_uses_wgmma_e4m3_on_sm90(which):
     ptx = compile_gemm("sm_90", which)["ptx"]
-    assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx
+    assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_fp8_gemm_compiles(target, which):
-    asm = compile_gemm(target, which)
+    asm = compile_gemm(target, which, has_bias=True)
     assert ("ptx" if TARGETS[target].backend == "cuda" else "amdgcn") in asm
 
 

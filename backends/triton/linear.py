@@ -1,0 +1,33 @@
+"""Linear layers on Triton GEMMs: the same contract as the native backend, quantized weights
+multiplied in their stored format instead of dequantized first.
+
+The activations are quantized to the weight's format on the way in (per token and 128 channels
+for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands; this is the one
+numerical difference from the native backend, which multiplies unquantized x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.core.families.linear import LinearBackend, LinearWeight
+
+from .fp8_gemm import fp8_block_linear
+from .mxfp8 import mxfp8_linear
+
+QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
+
+
+class TritonLinear(LinearBackend):
+    name = "triton"
+    schemes = ("dense", *QUANTIZED)
+
+    def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "dense":
+            return F.linear(x, w.data.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
+        if w.scheme not in QUANTIZED:
+            raise ValueError(f"the triton linear backend has no scheme {w.scheme!r}; it has {self.schemes}")
+        if w.scale is None:
+            raise ValueError(f"a {w.scheme!r} weight needs its scale")
+        return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)

@@ -1,0 +1,151 @@
+"""MXFP8 (OCP MX v1.0): E4M3 data with one E8M0 power-of-two scale per 32 values along K.
+
+Quantization matches ``core.native.quant.quantize_mxfp8`` bit for bit: the shared exponent is
+floor(log2(amax)) - 8, read straight from amax's fp32 exponent field (frexp's answer for every
+finite amax, zero and subnormals included, once clamped to E8M0's range). The GEMM hands both
+E4M3 operands and their scales to ``tl.dot_scaled``: a block-scaled MMA on sm_100
+(``tcgen05.mma ... block_scale``) and gfx950 (``v_mfma_scale_f32``); elsewhere triton scales
+and upcasts to bf16 before an ordinary MMA, which is exact for E4M3 times a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import GemmConfig, GemmTuning, output_for, store_tile, tile_of, unit_inner_stride
+from .fp8_quant import FP8_MAX, e4m3_rne, larger
+from .target import config_for
+
+MX_BLOCK = 32
+E8M0_MAX = tl.constexpr(254)  # 255 is NaN
+
+
+@triton.jit
+def e8m0_to_float(e):
+    """Biased E8M0 exponents (int32, 0..254) -> 2**(e - 127) in fp32; 0 is the subnormal 2**-127."""
+    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp8_quant_kernel(x_ptr, data_ptr, scale_ptr, T, blocks_per_row, stride_x, stride_data, stride_scale,
+                        BLOCK_B: tl.constexpr, MX: tl.constexpr):
+    """One program: BLOCK_B consecutive blocks of MX values, counted row-major over [T, K / MX]."""
+    blk = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row = (blk // blocks_per_row).to(tl.int64)
+    col = blk % blocks_per_row
+    valid = row < T
+    lanes = col[:, None] * MX + tl.arange(0, MX)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + lanes, mask=valid[:, None], other=0.0).to(tl.float32)
+    amax = tl.reduce(tl.abs(x), 1, larger)
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) - 8
+    biased = tl.minimum(tl.maximum(exponent, 0), E8M0_MAX)
+    y = tl.math.div_rn(x, e8m0_to_float(biased)[:, None])
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    tl.store(data_ptr + row[:, None] * stride_data + lanes, e4m3_rne(y), mask=valid[:, None])
+    tl.store(scale_ptr + row * stride_scale + col, biased.to(tl.uint8), mask=valid)
+
+
+QUANT_BLOCKS = {"cuda": (64, 4), "hip": (64, 4), "default": (16, 4)}  # (blocks per program, num_warps)
+
+
+def quantize_mxfp8(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (E4M3 data [..., K], uint8 E8M0 scale [..., K/32]), written into ``out``
+    (contiguous tensors of those shapes) where given."""
+    k = x.shape[-1]
+    if k % MX_BLOCK:
+        raise ValueError(f"MXFP8 needs the last axis ({k}) to be a multiple of the block size {MX_BLOCK}")
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    t, per_row = flat.shape[0], k // MX_BLOCK
+    if out is None:
+        data = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(t, per_row, dtype=torch.uint8, device=x.device)
+    else:
+        data, scale = out[0].view(t, k), out[1].view(t, per_row)
+    block_b, num_warps = config_for(QUANT_BLOCKS, x.device)
+    if t * per_row:
+        _mxfp8_quant_kernel[(triton.cdiv(t * per_row, block_b),)](
+            flat, data, scale, t, per_row, flat.stride(0), data.stride(0), scale.stride(0),
+            BLOCK_B=block_b, MX=MX_BLOCK, num_warps=num_warps)
+    return data.view(x.shape), scale.view(*x.shape[:-1], per_row)
+
+
+# sm_100 and gfx950 run the block-scaled MMA natively; sm_90 and gfx942 emulate it in bf16
+MXFP8_GEMM = {
+    "sm_90": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 8, 3)),
+    "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3)),
+    "gfx942": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 64, 8, 8, 2)),
+    "gfx950": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
+    "default": GemmTuning(GemmConfig(16, 32, 64, 1, 4, 1), GemmConfig(32, 32, 64, 2, 4, 1), small_m=16),
+}
+
+
+@triton.jit
+def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
+                       stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_K // MX)
+    am = (rm % M).to(tl.int64)
+    bn = (rn % N).to(tl.int64)
+    a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + bn[None, :] * stride_bn + rk[:, None]
+    a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
+    b_scale_ptrs = b_scale_ptr + bn[:, None] * stride_bs + rs[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        # scales past K are 2**0: their data is zero, and a NaN scale (255) would poison the sum
+        a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
+        b_scale = tl.load(b_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
+        acc = tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        a_scale_ptrs += BLOCK_K // MX
+        b_scale_ptrs += BLOCK_K // MX
+    store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS)
+
+
+def mxfp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] and b [N, K] E4M3 with E8M0 scales [M, K/32] and [N, K/32] (+ bias [N]) -> [M, N]
+    in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k or k % MX_BLOCK:
+        raise ValueError(f"a is [{m}, {k}] and b {list(b.shape)}: K must match and be a multiple of {MX_BLOCK}")
+    if a_scale.shape != (m, k // MX_BLOCK) or b_scale.shape != (n, k // MX_BLOCK):
+        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
+                         f"a [{m}, {k}] and b [{n}, {k}] in blocks of {MX_BLOCK}")
+    a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
+    out = output_for(m, n, out_dtype, a.device, out)
+    if m == 0 or n == 0:
+        return out
+    cfg = config_for(MXFP8_GEMM, a.device).for_m(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _mxfp8_gemm_kernel[grid](
+        a, a_scale, b, b_scale, bias, out, m, n, k,
+        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        MX=MX_BLOCK, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def mxfp8_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized weight.T (+ bias) -> [..., N]: x is quantized to MXFP8 first, so
+    both operands reach the block-scaled MMA. The output is in ``out_dtype``, by default x's dtype."""
+    k = x.shape[-1]
+    data, scale = quantize_mxfp8(x.reshape(-1, k))
+    out = mxfp8_gemm(data, scale, weight_data, weight_scale, out_dtype or x.dtype, bias)
+    return out.view(*x.shape[:-1], weight_data.shape[0])
