@@ -31,12 +31,35 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class EngineStats:
+    """A snapshot for gauges: what is running, waiting and held right now, and the totals so far."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # pages held by requests / usable pages (cached but evictable pages are free)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass
 class EngineCounters:
     """Monotonic totals for metrics; finished requests are counted by finish reason."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The context rule; a ValueError names the field. The context holds max_model_len positions
+    of KV and the last sampled token needs none, so prompt + max_tokens may reach max_model_len + 1."""
+    if prompt_len > max_model_len:
+        raise ValueError(f"prompt has {prompt_len} tokens, more than the context length {max_model_len}")
+    room = max_model_len - prompt_len + 1
+    if max_tokens is not None and max_tokens > room:
+        raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: {room} for a "
+                         f"{prompt_len}-token prompt and context length {max_model_len}")
 
 
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -46,8 +69,12 @@ def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Genera
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
+                 detokenize: bool = True) -> None:
+        """``detokenize=False``: outputs carry token ids only and stop strings are the caller's to
+        apply (with ``finish_sequence``); the server's API process does that off the engine loop."""
         self.config = config
+        self.detokenize = detokenize
         c = build(config, plugins, progress=progress)
         self.components = c
         self.model_config = c.model_config
@@ -74,15 +101,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         params.validate_against(self.vocab_size)
-        # The context holds max_model_len positions of KV; the last sampled token needs none.
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, more than the context length "
-                             f"{self.max_model_len}")
-        room = self.max_model_len - len(prompt_token_ids) + 1
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens {params.max_tokens} exceeds the room left in the context: "
-                             f"{room} for a {len(prompt_token_ids)}-token prompt and context length "
-                             f"{self.max_model_len}")
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     stream: bool = True) -> Request:
@@ -100,8 +119,8 @@ class LLMEngine:
                      prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
             for i in range(params.n)
         ]
-        req = Request(request_id, text, ids, params, seqs,
-                      [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs], stream=stream)
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs] if self.detokenize else None
+        req = Request(request_id, text, ids, params, seqs, detoks, stream=stream)
         self.requests[request_id] = req
         self.scheduler.add(seqs)
         self.counters.prompt_tokens += len(ids)
@@ -118,6 +137,24 @@ class LLMEngine:
         self._count_finish(req)
         return req.output()
 
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> Request | None:
+        """End one completion that the caller saw reach a stop string; the request if that ended it."""
+        req = self.requests.get(request_id)
+        if req is None or req.seqs[index].is_finished:
+            return None
+        self.scheduler.finish(req.seqs[index], "stop", stop_reason)
+        if not req.finished:
+            return None
+        req.finish_time = time.monotonic()
+        self._count_finish(req)
+        return self.requests.pop(request_id)
+
+    def stats(self) -> EngineStats:
+        held = max(0, self.pool.num_used - self.radix.evictable_pages)
+        s = self.scheduler
+        return EngineStats(s.num_running, s.num_waiting, held / self.pool.num_usable,
+                           self.radix.stats.queries, self.radix.stats.hits, s.stats.num_preemptions)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -125,6 +162,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the cumulative output of every request it changed."""
+        return [req.output() for req in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """Run one step; return every request it changed (streaming ones) or finished."""
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -143,14 +184,14 @@ class LLMEngine:
                 to_sample.append((s.seq, row))
                 if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
                     to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
-        outputs = []
+        changed = []
         for rid in self._sample_and_stop(to_sample, step_logits):
             req = self.requests[rid]
             if req.finished:
-                outputs.append(self.requests.pop(rid).output())
+                changed.append(self.requests.pop(rid))
             elif req.stream:
-                outputs.append(req.output())
-        return outputs
+                changed.append(req)
+        return changed
 
     def _record_prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> None:
         """Logprobs of the prompt tokens this chunk predicts, skipping any a preemption recomputes."""
@@ -196,21 +237,22 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, req: Request, token: int) -> None:
         p = seq.params
-        detok = req.detokenizers[seq.index]
-        detok.add(token)
+        detok = req.detokenizers[seq.index] if req.detokenizers is not None else None
+        if detok is not None:
+            detok.add(token)
         n_out = len(seq.output_token_ids)
         if n_out >= p.min_tokens:
             if p.stop_token_ids and token in p.stop_token_ids:
                 return self._finish(seq, detok, "stop", token)
             if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
                 return self._finish(seq, detok, "stop", None)
-            if detok.finished_by_stop is not None:
+            if detok is not None and detok.finished_by_stop is not None:
                 return self._finish(seq, detok, "stop", detok.finished_by_stop)
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens > self.max_model_len:
             return self._finish(seq, detok, "length", None)
 
-    def _finish(self, seq: Sequence, detok: IncrementalDetokenizer, reason: str, stop_reason) -> None:
-        if detok.finished_by_stop is None:
+    def _finish(self, seq: Sequence, detok: IncrementalDetokenizer | None, reason: str, stop_reason) -> None:
+        if detok is not None and detok.finished_by_stop is None:
             detok.flush()
         self.scheduler.finish(seq, reason, stop_reason)
 

@@ -18,7 +18,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer] | None  # None: the caller detokenizes
     stream: bool = True  # report every change, not only the end
     arrival_time: float = field(default_factory=time.monotonic)
     finish_time: float | None = None
@@ -41,13 +41,13 @@ class Request:
         completions = [
             CompletionOutput(
                 index=s.index,
-                text=d.output_text,
+                text=self.detokenizers[s.index].output_text if self.detokenizers is not None else "",
                 token_ids=list(s.output_token_ids),
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
-            for s, d in zip(self.seqs, self.detokenizers)
+            for s in self.seqs
         ]
         first = self.seqs[0]
         return RequestOutput(

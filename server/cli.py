@@ -51,6 +51,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_offline_bench(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine")
     p.add_argument("--log-level", default="INFO")
@@ -69,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_generate)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(sv)
+    from .serve import add_serve_args
+    add_serve_args(sv)
+    sv.set_defaults(func=_serve)
 
     pl = sub.add_parser("plugins", help="what was discovered and what each family would select")
     add_engine_args(pl)

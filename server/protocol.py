@@ -201,7 +201,7 @@ def pydantic_error_to_api(exc: pydantic.ValidationError) -> APIError:
 
 # ---- responses ----
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 def _now() -> int:

@@ -1,0 +1,212 @@
+"""The API process's handle on the engine process: start it, stream its outputs, watch it die.
+
+One reader task drains the engine's socket into a queue per request, so the engine never waits
+on a slow client: a client that stops reading only grows its own queue. A monitor task notices a
+dead engine process (exit, or a ``Failed`` message) within a fraction of a second; every waiting
+request then fails with ``EngineDeadError`` and ``on_death`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..core.config import EngineConfig
+from . import wire
+
+logger = logging.getLogger(__name__)
+
+MONITOR_S = 0.2
+HEARTBEAT_TIMEOUT_S = 30.0  # no heartbeat for this long: not healthy (a step may be long, not this long)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; no request can be served until it is back."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request at admission; the message names the field."""
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO",
+                 on_death: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.on_death = on_death
+        self.info: wire.Ready | None = None
+        self.stats = wire.Stats()
+        self.dead_reason: str | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._proc: subprocess.Popen | None = None
+        self._dir: str | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._last_beat = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, timeout: float | None = None) -> wire.Ready:
+        """Spawn the engine process and wait until its model is loaded."""
+        self._dir = tempfile.mkdtemp(prefix="engine-ipc-")  # 0700: only this user reaches the sockets
+        self._ctx = zmq.asyncio.Context()
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.setsockopt(zmq.LINGER, 0)
+        to_engine, from_engine = f"ipc://{self._dir}/requests", f"ipc://{self._dir}/outputs"
+        self._push.bind(to_engine)
+        self._pull.bind(from_engine)
+        cmd = [sys.executable, "-m", "engine.server.engine_process", "--input", to_engine, "--output", from_engine,
+               "--log-level", self.log_level]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        self._proc.stdin.write(json.dumps(asdict(self.config)).encode())
+        self._proc.stdin.close()
+        logger.info("engine process %d started; loading %s", self._proc.pid, self.config.model)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise EngineDeadError(f"the engine process exited with status {self._proc.returncode} "
+                                      "while starting (its log above says why)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineDeadError(f"the engine did not become ready within {timeout} s")
+            if await self._pull.poll(int(MONITOR_S * 1000)):
+                msg = wire.from_engine_decoder.decode(await self._pull.recv())
+                if isinstance(msg, wire.Failed):
+                    raise EngineDeadError(f"the engine failed to start: {msg.message}")
+                if isinstance(msg, wire.Ready):
+                    break
+        self.info = msg
+        self._last_beat = time.monotonic()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._monitor())]
+        return msg
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def healthy(self) -> bool:
+        return (self.info is not None and self.dead_reason is None
+                and time.monotonic() - self._last_beat < HEARTBEAT_TIMEOUT_S)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process, reap it, and remove the sockets' directory."""
+        for t in self._tasks:
+            t.cancel()
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._push.send(wire.encoder.encode(wire.Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            try:
+                await asyncio.to_thread(self._proc.wait, timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine process %d did not stop in %.0f s; killing it", self._proc.pid, timeout)
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: dict) -> AsyncIterator[wire.RequestDelta]:
+        """Stream one request's deltas until it finishes; leaving early aborts it in the engine."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            await self._push.send(wire.encoder.encode(wire.AddRequest(request_id, prompt_token_ids, params)))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine holds nothing for it any more
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.dead_reason is None:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send_nowait(wire.AbortRequest(request_id))
+
+    def finish_sequence(self, request_id: str, index: int, stop: str) -> None:
+        self._send_nowait(wire.FinishSequence(request_id, index, stop))
+
+    def abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    def _send_nowait(self, msg) -> None:
+        try:
+            self._push.send(wire.encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send %s to the engine: %s", type(msg).__name__, exc)
+
+    # -- background tasks ---------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self._pull.recv()
+            try:
+                msg = wire.from_engine_decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                logger.error("dropped a malformed message from the engine: %s", exc)
+                continue
+            if isinstance(msg, wire.Outputs):
+                self.stats = msg.stats
+                for d in msg.deltas:
+                    if (q := self._streams.get(d.request_id)) is not None:
+                        q.put_nowait(d)
+            elif isinstance(msg, wire.Heartbeat):
+                self.stats = msg.stats
+                self._last_beat = time.monotonic()
+            elif isinstance(msg, wire.Rejected):
+                if (q := self._streams.get(msg.request_id)) is not None:
+                    q.put_nowait(RequestRejected(msg.message))
+            elif isinstance(msg, wire.Failed):
+                self._died(f"the engine loop died: {msg.message}")
+
+    async def _monitor(self) -> None:
+        while self.dead_reason is None:
+            code = self._proc.poll()
+            if code is not None:
+                self._died(f"the engine process exited with status {code}")
+                return
+            await asyncio.sleep(MONITOR_S)
+
+    def _died(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s; failing %d waiting requests", reason, len(self._streams))
+        for q in self._streams.values():
+            q.put_nowait(EngineDeadError(reason))
+        if self.on_death is not None:
+            self.on_death(reason)

@@ -1,0 +1,180 @@
+"""The engine process: owns the device, runs the scheduler loop, talks msgpack over ZMQ.
+
+Started by the API process as ``python -m engine.server.engine_process`` with the engine config
+as JSON on stdin and two socket addresses the API process has bound. It sends ``Ready`` once the
+model is loaded, then per step the token deltas of the requests the step changed, and a heartbeat
+with the gauges while idle. A dead loop says ``Failed`` and exits non-zero; a vanished parent
+ends it too, so no engine outlives its server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from ..core.config import EngineConfig
+from ..core.engine import LLMEngine
+from ..core.request import Request
+from ..core.sampling_params import SamplingParams
+from . import wire
+
+logger = logging.getLogger("engine.server.engine_process")
+
+HEARTBEAT_S = 0.5
+
+
+class DeltaTracker:
+    """What each request has already been told, so every message carries only what is new."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[int]] = {}  # per sequence: tokens sent, -1 once its end was sent
+        self._prompt_logprobs_sent: set[str] = set()
+
+    def delta(self, req: Request) -> wire.RequestDelta | None:
+        sent = self._sent.setdefault(req.request_id, [0] * len(req.seqs))
+        seqs = []
+        for s in req.seqs:
+            k = sent[s.index]
+            if k < 0:
+                continue
+            new = s.output_token_ids[k:]
+            if not new and not s.is_finished:
+                continue
+            lps = s.logprobs[k:] if s.logprobs is not None else None
+            seqs.append(wire.SeqDelta(s.index, new, lps, s.finish_reason, s.stop_reason))
+            sent[s.index] = -1 if s.is_finished else k + len(new)
+        first = req.seqs[0]
+        prompt_lps = None
+        if first.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent and (
+                first.output_token_ids or first.is_finished):
+            prompt_lps = list(first.prompt_logprobs)
+            self._prompt_logprobs_sent.add(req.request_id)
+        finished = req.finished
+        if finished:
+            self._sent.pop(req.request_id, None)
+            self._prompt_logprobs_sent.discard(req.request_id)
+        if not seqs and not finished:
+            return None
+        queue_time = None
+        if finished and first.first_scheduled_time is not None:
+            queue_time = first.first_scheduled_time - req.arrival_time
+        return wire.RequestDelta(req.request_id, seqs, finished, prompt_lps, first.num_cached, queue_time)
+
+
+def _stats(engine: LLMEngine) -> wire.Stats:
+    s = engine.stats()
+    return wire.Stats(s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+                      s.num_preemptions)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self.tracker = DeltaTracker()
+        self._stop = False
+        self._pending: list[wire.RequestDelta] = []
+
+    def _send(self, msg) -> None:
+        self.push.send(wire.encoder.encode(msg), copy=False)
+
+    def _report(self, req: Request | None) -> None:
+        if req is not None and (d := self.tracker.delta(req)) is not None:
+            self._pending.append(d)
+
+    def _apply(self, msg) -> None:
+        e = self.engine
+        if isinstance(msg, wire.AddRequest):
+            try:
+                params = SamplingParams(**msg.params)
+                e.add_request(msg.request_id, msg.prompt_token_ids, params)
+            except (TypeError, ValueError) as exc:
+                self._send(wire.Rejected(msg.request_id, str(exc)))
+        elif isinstance(msg, wire.AbortRequest):
+            req = e.requests.get(msg.request_id)
+            if req is not None:
+                e.abort_request(msg.request_id)
+                self._report(req)
+        elif isinstance(msg, wire.FinishSequence):
+            req = e.requests.get(msg.request_id)
+            if req is not None and 0 <= msg.index < len(req.seqs):
+                e.finish_sequence(msg.request_id, msg.index, msg.stop)
+                self._report(req)
+        elif isinstance(msg, wire.Shutdown):
+            self._stop = True
+
+    def _receive(self, timeout_ms: int) -> None:
+        while self.pull.poll(timeout_ms):
+            timeout_ms = 0
+            try:
+                msg = wire.to_engine_decoder.decode(self.pull.recv(copy=False).buffer)
+            except msgspec.DecodeError as exc:  # a bad message is dropped, never trusted
+                logger.error("dropped a malformed message: %s", exc)
+                continue
+            self._apply(msg)
+
+    def run(self) -> None:
+        last_beat = 0.0
+        while not self._stop:
+            busy = self.engine.has_unfinished_requests()
+            self._receive(0 if busy else int(HEARTBEAT_S * 1000))
+            if self._stop:
+                break
+            if self.engine.has_unfinished_requests():
+                for req in self.engine.step_requests():
+                    self._report(req)
+            if self._pending:
+                self._send(wire.Outputs(self._pending, _stats(self.engine)))
+                self._pending = []
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_S:
+                last_beat = now
+                self._send(wire.Heartbeat(_stats(self.engine)))
+                if os.getppid() != self.parent_pid:
+                    logger.error("the API process is gone; stopping")
+                    return
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="engine process (started by `engine serve`)")
+    p.add_argument("--input", required=True, help="ZMQ address to pull requests from")
+    p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s engine-process: %(message)s")
+    parent = os.getppid()
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    pull.connect(args.input)
+    push.connect(args.output)
+    try:
+        config = EngineConfig(**json.loads(sys.stdin.read()))
+        engine = LLMEngine(config, detokenize=False)
+        push.send(wire.encoder.encode(wire.Ready(engine.max_model_len, engine.vocab_size, engine.pool.num_pages,
+                                                 config.page_size)))
+        logger.info("serving: max_model_len %d, %d KV pages of %d tokens", engine.max_model_len,
+                    engine.pool.num_pages, config.page_size)
+        EngineLoop(engine, pull, push, parent).run()
+    except BaseException as exc:
+        logger.exception("engine loop died")
+        push.send(wire.encoder.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
+        push.close(linger=2000)
+        return 1
+    push.close()
+    pull.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""/v1/completions and /v1/chat/completions: requests in, engine runs, OpenAI bodies out.
+
+A request with several prompts (or ``n`` > 1) becomes one engine request per prompt; choice
+``index`` is ``prompt_index * n + completion_index`` as in vLLM. Streams merge the runs as their
+tokens arrive. A client that goes away, streaming or not, cancels the runs, which aborts them in
+the engine and frees their pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..core.engine import check_context
+from ..core.sampling_params import SamplingParams
+from ..core.tokenizer import Tokenizer
+from .chat_template import ChatTemplate
+from .engine_client import EngineClient, EngineDeadError, RequestRejected
+from .errors import APIError, error_body, invalid
+from .generation import Completion, PromptRun, Update
+from .metrics import ServerMetrics
+from .protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                       CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Limits,
+                       TopLogprob, Usage, prompt_token_lists, to_sampling_params)
+
+
+@dataclass
+class Serving:
+    """What every generation route needs; built once when the engine is ready."""
+
+    client: EngineClient
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    metrics: ServerMetrics
+    limits: Limits
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def new_run(self, ids: list[int], params: SamplingParams, text: str | None) -> PromptRun:
+        try:
+            check_context(len(ids), params.max_tokens, self.max_model_len)
+        except ValueError as e:
+            raise invalid("prompt" if str(e).startswith("prompt") else "max_tokens", str(e)) from None
+        return PromptRun(self.tokenizer, ids, params, text)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text; a piece of a multi-byte character has none, so it is named by id (as vLLM's
+        ``token_id:N``), which also keeps top-logprob keys distinct."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}" if "\ufffd" in text else text
+
+
+# ---- running ----
+
+async def _merged(runs: list[PromptRun], s: Serving, arrival: float) -> AsyncIterator[tuple[int, Update]]:
+    """Updates of all runs as they come, tagged with the run's position."""
+    if len(runs) == 1:
+        async for u in runs[0].run(s.client, s.metrics, arrival):
+            yield 0, u
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, run: PromptRun) -> None:
+        try:
+            async for u in run.run(s.client, s.metrics, arrival):
+                queue.put_nowait((i, u))
+        except BaseException as exc:
+            queue.put_nowait(exc)
+            raise
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _run_to_end(runs: list[PromptRun], s: Serving, arrival: float, request: Request) -> bool:
+    """Run every prompt to its end; False if the client went away first (then all are aborted)."""
+    async def consume() -> None:
+        async for _ in _merged(runs, s, arrival):
+            pass
+
+    work = asyncio.create_task(consume())
+    gone = asyncio.create_task(_wait_disconnect(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return False
+    gone.cancel()
+    work.result()  # raises what the run raised
+    return True
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    if isinstance(exc, RequestRejected):
+        return invalid(str(exc).split(" ", 1)[0], str(exc))
+    return APIError(500, f"the engine is not serving: {exc}", "internal_server_error", None, "engine_dead")
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def _stream(events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in events():
+                yield _sse(chunk)
+        except (EngineDeadError, RequestRejected) as exc:
+            yield _sse(json.dumps(error_body(_engine_error(exc))))
+        yield _sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _usage(runs: list[PromptRun]) -> Usage:
+    prompt = sum(len(r.prompt_token_ids) for r in runs)
+    completion = sum(len(c.token_ids) for r in runs for c in r.completions)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _respond(runs: list[PromptRun], s: Serving, arrival: float, request: Request,
+                   build: Callable[[], dict]) -> Response:
+    try:
+        if not await _run_to_end(runs, s, arrival, request):
+            return Response(status_code=499)  # nobody is listening
+    except (EngineDeadError, RequestRejected) as exc:
+        err = _engine_error(exc)
+        return JSONResponse(error_body(err), status_code=err.status_code)
+    return JSONResponse(build())
+
+
+# ---- /v1/completions ----
+
+def _completion_logprobs(s: Serving, token_ids: list[int], logprobs: list[dict[int, float] | None],
+                         offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for tid, lp in zip(token_ids, logprobs):
+        text = s.token_text(tid)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        out.token_logprobs.append(lp[tid] if lp is not None else None)
+        out.top_logprobs.append({s.token_text(t): v for t, v in lp.items()} if lp is not None else None)
+    return out
+
+
+def _merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+async def create_completion(s: Serving, req: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    s.check_model(req.model)
+    params = to_sampling_params(req, s.limits, s.vocab_size)
+    runs = []
+    for p in prompt_token_lists(req, s.vocab_size):
+        ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise invalid("prompt", "prompt must not be empty")
+        runs.append(s.new_run(ids, params, p if isinstance(p, str) else None))
+    n = params.n
+    want_logprobs = req.logprobs is not None
+
+    def echo_text(r: PromptRun) -> str:
+        return r.prompt_text if r.prompt_text is not None else s.tokenizer.decode(r.prompt_token_ids)
+
+    def logprobs_of(r: PromptRun, c: Completion, start: int, count: int, offset: int) -> CompletionLogprobs | None:
+        if not want_logprobs:
+            return None
+        return _completion_logprobs(s, c.token_ids[start:start + count], c.logprobs[start:start + count], offset)
+
+    def choice(i: int, r: PromptRun, c: Completion) -> CompletionChoice:
+        text, lps = c.text, logprobs_of(r, c, 0, len(c.token_ids), 0)
+        if req.echo:
+            prompt = echo_text(r)
+            text = prompt + text
+            if want_logprobs:
+                plps = r.prompt_logprobs or [None] * len(r.prompt_token_ids)
+                head = _completion_logprobs(s, r.prompt_token_ids, plps, 0)
+                lps = _merge_logprobs(head, logprobs_of(r, c, 0, len(c.token_ids), len(prompt)))
+        return CompletionChoice(index=i * n + c.index, text=text, logprobs=lps, finish_reason=c.finish_reason)
+
+    if not req.stream:
+        return await _respond(runs, s, arrival, request, lambda: CompletionResponse(
+            model=s.model_name, choices=[choice(i, r, c) for i, r in enumerate(runs) for c in r.completions],
+            usage=_usage(runs)).model_dump())
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = CompletionChunk(model=s.model_name, choices=[])
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return CompletionChunk(id=head.id, created=head.created, model=s.model_name, choices=choices,
+                               usage=usage).model_dump_json()
+
+    async def events() -> AsyncIterator[str]:
+        if req.echo:
+            for i, r in enumerate(runs):
+                for c in r.completions:
+                    yield chunk([CompletionChoice(index=i * n + c.index, text=echo_text(r))])
+        offsets: dict[tuple[int, int], int] = {}
+        async for i, u in _merged(runs, s, arrival):
+            c = u.completion
+            key = (i, c.index)
+            off = offsets.get(key, 0)
+            offsets[key] = off + len(u.text)
+            yield chunk([CompletionChoice(index=i * n + c.index, text=u.text,
+                                          logprobs=logprobs_of(runs[i], c, u.first_token, u.num_tokens, off),
+                                          finish_reason=c.finish_reason if u.finished else None)])
+        if include_usage:
+            yield chunk([], _usage(runs))
+
+    return _stream(events)
+
+
+# ---- /v1/chat/completions ----
+
+def _chat_logprobs(s: Serving, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> ChatChoiceLogprobs:
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        text = s.token_text(tid)
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        content.append(ChatTokenLogprob(
+            token=text, logprob=lp[tid], bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=(t := s.token_text(k)), logprob=v, bytes=list(t.encode())) for k, v in best]))
+    return ChatChoiceLogprobs(content=content)
+
+
+async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    s.check_model(req.model)
+    params = to_sampling_params(req, s.limits, s.vocab_size)
+    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    text = s.chat_template.render(messages, add_generation_prompt=True)
+    ids = s.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise invalid("messages", "the conversation renders to an empty prompt")
+    run = s.new_run(ids, params, text)
+    top = req.top_logprobs or 0
+
+    def logprobs_of(c: Completion, start: int, count: int) -> ChatChoiceLogprobs | None:
+        if not req.logprobs:
+            return None
+        return _chat_logprobs(s, c.token_ids[start:start + count], c.logprobs[start:start + count], top)
+
+    if not req.stream:
+        return await _respond([run], s, arrival, request, lambda: ChatCompletionResponse(
+            model=s.model_name, usage=_usage([run]),
+            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                logprobs=logprobs_of(c, 0, len(c.token_ids)), finish_reason=c.finish_reason)
+                     for c in run.completions]).model_dump())
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = ChatCompletionChunk(model=s.model_name, choices=[])
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(id=head.id, created=head.created, model=s.model_name, choices=choices,
+                                   usage=usage).model_dump_json()
+
+    async def events() -> AsyncIterator[str]:
+        for c in run.completions:
+            yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
+        async for _, u in _merged([run], s, arrival):
+            c = u.completion
+            yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(content=u.text),
+                                         logprobs=logprobs_of(c, u.first_token, u.num_tokens),
+                                         finish_reason=c.finish_reason if u.finished else None)])
+        if include_usage:
+            yield chunk([], _usage([run]))
+
+    return _stream(events)

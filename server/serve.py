@@ -1,0 +1,120 @@
+"""``engine serve``: the API process. Starts the engine process, serves HTTP, drains on SIGTERM.
+
+SIGTERM (or the first Ctrl-C) stops admitting: generation routes and /health answer 503 while
+in-flight requests run on for up to ``--shutdown-timeout`` seconds; what is left is then aborted
+(its clients get ``finish_reason: "abort"``), the engine process is stopped and reaped, and the
+server exits 0. A dead engine turns /health to 503 at once, fails waiting requests with 500, and
+the server exits 1 after ``ENGINE_DEATH_LINGER_S`` (so probes can see the 503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+
+from ..core.tokenizer import Tokenizer
+from .app import ServerState, build_app
+from .chat_template import ChatTemplate
+from .engine_args import engine_config
+from .engine_client import EngineClient
+from .metrics import ServerMetrics
+from .openai_serving import Serving
+from .protocol import Limits
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEATH_LINGER_S = 2.0
+ABORT_GRACE_S = 2.0  # after aborting the rest, how long their clients get to hear it
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
+                   help="require this key on every route but /health (default: $ENGINE_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model directory's name)")
+    g.add_argument("--max-concurrent-requests", type=int, default=1024,
+                   help="answer 429 past this many requests in flight (0: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    g.add_argument("--max-n", type=int, default=Limits.max_n)
+    g.add_argument("--max-logprobs", type=int, default=Limits.max_logprobs)
+    g.add_argument("--max-stop-sequences", type=int, default=Limits.max_stop_sequences)
+    g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining or self._loop is None or self.state.serving is None:
+            return super().handle_exit(sig, frame)
+        self.state.draining = True
+        logger.info("signal %d: draining %d requests (up to %.0f s)", sig, self.state.in_flight, self.shutdown_timeout)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        await self._wait_idle(self.shutdown_timeout)
+        if self.state.in_flight:
+            logger.warning("aborting %d requests still running after %.0f s", self.state.in_flight,
+                           self.shutdown_timeout)
+            self.state.serving.client.abort_all()
+            await self._wait_idle(ABORT_GRACE_S)
+        self.should_exit = True
+
+    async def _wait_idle(self, seconds: float) -> None:
+        deadline = self._loop.time() + seconds
+        while self.state.in_flight and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    def engine_died(self, reason: str) -> None:
+        self.exit_code = 1
+        self._loop.call_later(ENGINE_DEATH_LINGER_S, setattr, self, "should_exit", True)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences)
+    state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None)
+    name = args.served_model_name or Path(config.model).name
+    server: DrainingServer | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        client = EngineClient(config, args.log_level, on_death=lambda why: server.engine_died(why))
+        try:
+            info = await client.start(args.engine_start_timeout)
+            tokenizer = Tokenizer.from_dir(config.model)
+            token = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
+            template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
+            state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
+                                    limits, name, info.max_model_len, info.vocab_size)
+            logger.info("serving %r on http://%s:%d (max context %d)", name, args.host, args.port, info.max_model_len)
+            yield
+        finally:
+            await client.shutdown()
+            logger.info("engine process stopped")
+
+    uv = uvicorn.Config(build_app(state, lifespan), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                        timeout_graceful_shutdown=5, access_log=False, lifespan="on")
+    server = DrainingServer(uv, state, args.shutdown_timeout)
+    server.run()
+    if state.serving is None and server.exit_code == 0:
+        return 1  # never started
+    return server.exit_code

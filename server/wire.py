@@ -1,0 +1,104 @@
+"""Messages between the API process and the engine process: msgpack through msgspec, typed.
+
+Every message is a tagged ``msgspec.Struct``; decoding checks the shape and types, so nothing
+from a socket becomes an arbitrary object (no pickle anywhere). Outputs are deltas: the tokens a
+step added, so a long generation costs the same per step at its end as at its start.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# ---- API process -> engine process ----
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams fields; stop strings stay in the API process
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class FinishSequence(msgspec.Struct, tag="finish_seq"):
+    """One completion reached a stop string (seen by the API process's detokenizer)."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToEngine = AddRequest | AbortRequest | FinishSequence | Shutdown
+
+
+# ---- engine process -> API process ----
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per new token: {token id: logprob}, chosen included
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDelta(msgspec.Struct):
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the first delta
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival in the engine to first scheduling
+
+
+class Stats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The engine loaded its model and serves; what the API process needs to validate requests."""
+
+    max_model_len: int
+    vocab_size: int
+    num_pages: int
+    page_size: int
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    deltas: list[RequestDelta]
+    stats: Stats
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    """The engine refused a request at admission (a ValueError naming the field)."""
+
+    request_id: str
+    message: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    stats: Stats
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    """The engine loop died; the message says why. The process exits after sending it."""
+
+    message: str
+
+
+FromEngine = Ready | Outputs | Rejected | Heartbeat | Failed
+
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+encoder = msgspec.msgpack.Encoder()
