@@ -50,6 +50,52 @@ def pick_dim(configs: dict[int, object], dim: int):
 
 
 @triton.jit
+def _attend_keys(q, acc, m_i, l_i, k_ptr, v_ptr, pages_row, kv_head, q_pos, start, end, hi, qk_scale, window,
+                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                 HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 CAUSAL: tl.constexpr, SLIDING: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax over keys [start, end); ``MASKED`` blocks check each key against ``hi``, the
+    causal edge and the window, the others are seen whole by every row."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < V_HEAD_DIM
+    for first in range(start, end, BLOCK_N):
+        n = first + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_ok = n < hi
+            page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            k_ok = n_ok[None, :] & d_ok[:, None]
+            # masked slots may hold anything, NaN included: load them as 0 so 0 * NaN cannot leak in
+            v_ok = n_ok[:, None] & dv_ok[None, :]
+        else:
+            page = tl.load(pages_row + n // PAGE_SIZE).to(tl.int64)
+            k_ok = d_ok[:, None]
+            v_ok = dv_ok[None, :]
+        slot = n % PAGE_SIZE
+        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
+                    + offs_d[:, None], mask=k_ok, other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (n[None, :] <= q_pos[:, None])
+            if SLIDING:
+                visible = visible & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_dv[None, :], mask=v_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
     page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
@@ -82,39 +128,28 @@ def prefill_attention_kernel(
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
-    # keys every row of the block may see: [lo, hi)
-    first_tok = (block * BLOCK_M) // GROUP
-    last_tok = (tl.minimum((block + 1) * BLOCK_M, num_rows) - 1) // GROUP
-    hi = context + last_tok + 1 if CAUSAL else seq_len
-    lo = tl.maximum(context + first_tok - window + 1, 0) if SLIDING else 0
+    # keys [lo, hi) are seen by some row of the block; the key blocks in [full_lo, full_hi) by all
+    first_pos = context + (block * BLOCK_M) // GROUP
+    last_pos = context + (tl.minimum((block + 1) * BLOCK_M, num_rows) - 1) // GROUP
+    hi = last_pos + 1 if CAUSAL else seq_len
+    lo = tl.maximum(first_pos - window + 1, 0) if SLIDING else 0
+    full_lo = lo + tl.cdiv(tl.maximum(last_pos - window + 1 - lo, 0), BLOCK_N) * BLOCK_N if SLIDING else lo
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = lo + ((first_pos + 1 if CAUSAL else seq_len) - lo) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(full_hi, full_lo)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked key block gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     pages_row = page_table_ptr + seq * stride_pt
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = n % PAGE_SIZE
-        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, k) * qk_scale
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # masked slots may hold anything, NaN included: load them as 0 so 0 * NaN cannot leak in
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    args = (k_ptr, v_ptr, pages_row, kv_head, q_pos)
+    strides = (stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh)
+    acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, *args, lo, full_lo, hi, qk_scale, window, *strides,
+                                 HEAD_DIM, V_HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, SLIDING, True)
+    acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, *args, full_lo, full_hi, hi, qk_scale, window, *strides,
+                                 HEAD_DIM, V_HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, SLIDING, False)
+    acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, *args, full_hi, hi, hi, qk_scale, window, *strides,
+                                 HEAD_DIM, V_HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, SLIDING, True)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E

@@ -17,7 +17,7 @@ from engine.backends.triton import attention_decode
 from engine.backends.triton.attention import TritonAttention
 from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, decode_reduce_kernel,
                                                      decode_split_kernel)
-from engine.backends.triton.attention_prefill import prefill_attention_kernel
+from engine.backends.triton.attention_prefill import PREFILL, PrefillConfig, prefill_attention_kernel
 from engine.core.families.attention import AttentionLayer, LayerKV
 from engine.core.forward import ForwardBatch
 from engine.core.native.attention import NativeAttention
@@ -144,6 +144,19 @@ def test_decode_splits_combine(seed, monkeypatch, splits):
     Case(lens, layer, 4, torch.float32).check()
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("window", [None, 21, 40])
+def test_prefill_key_blocks_inside_and_on_the_edges(seed, monkeypatch, window, causal):
+    """Blocks of 16 keys over long-enough sequences: every row block has masked key blocks at the
+    window's edge and the causal diagonal, and unmasked ones between them."""
+    small = {dim: PrefillConfig(16, 16, 4, 1) for dim in PREFILL["default"]}
+    monkeypatch.setitem(PREFILL, "default", small)
+    layer = make_layer(heads=4, kv_heads=2, head_dim=64, window=window, sinks=True, causal=causal)
+    lens = random_lens(decode=1, fresh=1, cached=2, max_ctx=90, max_new=40)
+    Case(lens, layer, random.choice([4, 16]), torch.float32).check()
+
+
 # real shapes on a GPU, bf16: (heads, kv_heads, head_dim, window, sinks)
 GPU_LAYERS = {
     "llama8b": dict(heads=32, kv_heads=8, head_dim=128),
@@ -201,7 +214,7 @@ def _compile(kernel, signature, constexprs, target, cfg):
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 def test_kernels_compile_for_target(target):
     """bf16 at head dim 128, GQA 4, window and sinks: both attention kernels reach the matrix units."""
-    from engine.backends.triton.attention_prefill import PREFILL, pick_dim
+    from engine.backends.triton.attention_prefill import pick_dim
     from engine.backends.triton.target import pick
 
     prefill_cfg = pick_dim(pick(PREFILL, target), 128)
