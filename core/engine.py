@@ -51,7 +51,7 @@ class EngineCounters:
     finished: dict[str, int] = field(default_factory=dict)
 
 
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, min_tokens: int = 0) -> None:
     """The context rule; a ValueError names the field. The context holds max_model_len positions
     of KV and the last sampled token needs none, so prompt + max_tokens may reach max_model_len + 1."""
     if prompt_len > max_model_len:
@@ -60,6 +60,8 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
     if max_tokens is not None and max_tokens > room:
         raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: {room} for a "
                          f"{prompt_len}-token prompt and context length {max_model_len}")
+    if min_tokens > room:
+        raise ValueError(f"min_tokens {min_tokens} exceeds the room left in the context: {room}")
 
 
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -101,7 +103,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         params.validate_against(self.vocab_size)
-        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.min_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     stream: bool = True) -> Request:

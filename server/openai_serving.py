@@ -51,9 +51,9 @@ class Serving:
 
     def new_run(self, ids: list[int], params: SamplingParams, text: str | None) -> PromptRun:
         try:
-            check_context(len(ids), params.max_tokens, self.max_model_len)
+            check_context(len(ids), params.max_tokens, self.max_model_len, params.min_tokens)
         except ValueError as e:
-            raise invalid("prompt" if str(e).startswith("prompt") else "max_tokens", str(e)) from None
+            raise invalid(str(e).split(" ", 1)[0], str(e)) from None
         return PromptRun(self.tokenizer, ids, params, text)
 
     def token_text(self, token_id: int) -> str:

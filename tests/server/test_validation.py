@@ -1,0 +1,105 @@
+"""Bad inputs get a 4xx naming the field, before any allocation, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+OK_COMPLETION = {"prompt": "def f(x):", "max_tokens": 2}
+LONG_PROMPT = "hello " * 2000  # past the test server's 512-token context
+
+COMPLETION_CASES = [
+    ({"n": 5}, 400, "n"),
+    ({"n": 10**9}, 400, "n"),
+    ({"logprobs": 6}, 400, "logprobs"),
+    ({"max_tokens": 600}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": -1}, 400, "max_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ({"max_tokens": None, "min_tokens": 10**9}, 400, "min_tokens"),
+    ({"prompt": LONG_PROMPT}, 400, "prompt"),
+    ({"prompt": [999999]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": [[-1]]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["ok", ""]}, 400, "prompt"),
+    ({"stop_token_ids": [999999]}, 400, "stop_token_ids"),
+    ({"stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ({"logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
+    ({"logit_bias": {"-1": 1.0}}, 400, "logit_bias"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"model": "no-such-model"}, 404, "model"),
+]
+
+CHAT_CASES = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 3}]}, 400, "messages.0.content"),
+    ({"top_logprobs": 6, "logprobs": True}, 400, "top_logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"n": 5}, 400, "n"),
+    ({"chat_template": "{{ 7 * 7 }}"}, 400, "chat_template"),
+    ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
+]
+
+
+def _post(server, path: str, headers: dict | None = None, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, headers=headers or server.headers, timeout=60, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int, param: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+
+
+def _still_serves(server) -> None:
+    r = _post(server, "/v1/completions", json={"model": server.model_name, **OK_COMPLETION})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("change,status,param", COMPLETION_CASES, ids=[c[2] + str(i) for i, c in enumerate(COMPLETION_CASES)])
+def test_bad_completion_fields(tiny_server, change, status, param):
+    body = {"model": tiny_server.model_name, **OK_COMPLETION, **change}
+    _assert_error(_post(tiny_server, "/v1/completions", json=body), status, param)
+    _still_serves(tiny_server)
+
+
+@pytest.mark.parametrize("change,status,param", CHAT_CASES, ids=[c[2] + str(i) for i, c in enumerate(CHAT_CASES)])
+def test_bad_chat_fields(tiny_server, change, status, param):
+    body = {"model": tiny_server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **change}
+    _assert_error(_post(tiny_server, "/v1/chat/completions", json=body), status, param)
+    _still_serves(tiny_server)
+
+
+@pytest.mark.parametrize("content,ctype,status", [
+    ('{"prompt": "x"}', "text/plain", 415),
+    ("[1, 2, 3]", "application/json", 400),
+    ('"just a string"', "application/json", 400),
+    ("{not json", "application/json", 400),
+])
+def test_bodies_that_are_not_json_objects(tiny_server, content, ctype, status):
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        r = _post(tiny_server, path, content=content, headers={**tiny_server.headers, "content-type": ctype})
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["error"]["message"]
+    _still_serves(tiny_server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input_ids": [999999]}, "input_ids"),
+    ({"input_ids": []}, "input_ids"),
+    ({"text": "x", "input_ids": [1]}, "text"),
+    ({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ({"text": "x", "sampling_params": {"n": 9}}, "sampling_params.n"),
+    ({"text": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "sampling_params.stop_token_ids"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "max_tokens"),
+])
+def test_bad_native_generate(tiny_server, body, param):
+    _assert_error(_post(tiny_server, "/generate", json=body), 400, param)
+    _still_serves(tiny_server)
