@@ -78,11 +78,11 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
     a_scale_ptrs = a_scale_ptr + am * stride_as
     b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kb * BLOCK_K
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
         a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        group = kb * BLOCK_K // SCALE_BLOCK
+        group = k0 // SCALE_BLOCK
         a_scale = tl.load(a_scale_ptrs + group)
         b_scale = tl.load(b_scale_ptrs + group)
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]

@@ -101,8 +101,8 @@ def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, 
     a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
     b_scale_ptrs = b_scale_ptr + bn[:, None] * stride_bs + rs[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kb * BLOCK_K
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
         a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
         # scales past K are 2**0: their data is zero, and a NaN scale (255) would poison the sum
