@@ -22,7 +22,7 @@ from .target import config_for
 class GemmConfig:
     block_m: int
     block_n: int
-    block_k: int  # divides 128, so a K step never straddles two scale blocks
+    block_k: int  # FP8: divides 128, so a K step stays in one scale block; MXFP8: a multiple of 32
     group_m: int  # M tiles that sweep N together, so a band of ``b`` stays in L2
     num_warps: int
     num_stages: int
