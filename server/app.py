@@ -159,7 +159,7 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
         s = state.serving
         return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(state.started),
                                             "owned_by": "engine", "root": s.model_name,
-                                            "max_model_len": s.max_model_len}]}
+                                            "max_model_len": s.max_model_len, "vocab_size": s.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -7,7 +7,9 @@ import logging
 import sys
 from dataclasses import asdict
 
+from .bench_serve import add_bench_serve_args
 from .engine_args import add_engine_args, engine_config
+from .serve import add_serve_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -51,6 +53,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_offline_bench(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .bench_serve import run_serve_bench
+
+    return run_serve_bench(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .serve import run_server
 
@@ -78,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(sv)
-    from .serve import add_serve_args
     add_serve_args(sv)
     sv.set_defaults(func=_serve)
 
@@ -96,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--bench-seed", type=int, default=0)
     off.add_argument("--json", default=None, help="also write the result as JSON to this path")
     off.set_defaults(func=_bench)
+    srv = bsub.add_parser("serve", help="load a running server over HTTP: throughput, TTFT, ITL, latency")
+    add_bench_serve_args(srv)
+    srv.set_defaults(func=_bench_serve)
     return p
 
 
