@@ -141,6 +141,6 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         ROT_HALF=rot_half, PAGE_SIZE=kv.k.shape[1], IS_NEOX=rope.is_neox_style, Q_BLOCKS=q_blocks,
         BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_REST=triton.next_power_of_2(rest) if rest else 0, BLOCK_DV=triton.next_power_of_2(v_head_dim),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
     )
     return q_out

@@ -39,12 +39,13 @@ _worker: ProcessPoolExecutor | None = None
 
 def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], target: str,
                 num_warps: int = 4, num_stages: int | None = None,
-                divisible_by_16: Iterable[str] = ()) -> dict[str, str]:
+                divisible_by_16: Iterable[str] = (), **options: Any) -> dict[str, str]:
     """The text stages (ttir, ttgir, llir, then ptx or amdgcn) of ``kernel`` compiled for ``target``.
 
     ``signature`` types every runtime argument (``"*fp16"``, ``"i32"``, ...); ``constexprs`` gives
     the compile-time ones. Pointers are taken as 16-byte aligned, as torch allocations are when the
-    JIT specializes a launch; integers named in ``divisible_by_16`` get the same hint.
+    JIT specializes a launch; integers named in ``divisible_by_16`` get the same hint. Further
+    keywords are compile options, as a launch takes them (``enable_fp_fusion=False``, ...).
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; known: {sorted(TARGETS)}")
@@ -55,7 +56,10 @@ def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, An
     if missing or unknown:
         raise ValueError(f"{kernel.fn.__name__}: no type or constexpr value for {missing}; "
                          f"not arguments: {sorted(unknown)}")
-    job = (signature, dict(constexprs), target, num_warps, num_stages, tuple(divisible_by_16))
+    options = {"num_warps": num_warps, **options}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    job = (signature, dict(constexprs), target, options, tuple(divisible_by_16))
     if isinstance(kernel, JITFunction):
         return _compile(kernel, *job)
     return _interpreter_free_worker().submit(_compile_by_name, kernel.fn.__module__, kernel.fn.__qualname__,
@@ -67,11 +71,10 @@ def amdgcn_target(amdgcn: str) -> str:
     return next(line for line in amdgcn.splitlines() if ".amdgcn_target" in line)
 
 
-def _compile(fn: JITFunction, signature, constexprs, target, num_warps, num_stages, divisible_by_16):
+def _compile(fn: JITFunction, signature, constexprs, target, options, divisible_by_16):
     full = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty in signature.items() if ty.startswith("*") or name in divisible_by_16}
-    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     compiled = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs),
                               target=TARGETS[target], options=options)
     return {stage: text for stage, text in compiled.asm.items() if stage in TEXT_STAGES}

@@ -132,18 +132,21 @@ def test_rope_store_kv_gpu(seed, batch, heads, kv_heads, head_dim, rotary_dim):
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_rope_store_kv_compiles(target):
-    """Llama-3.1-8B heads in bf16: 16-byte loads of q/k and 16-byte stores into the pages."""
+    """Llama-3.1-8B heads in bf16: 16-byte loads of q/k and 16-byte stores into the pages, and (as
+    launched, without FP fusion) no fused multiply-add that would skip the oracle's rounding step."""
     pointers = ["q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"]
     strides = [name for name in rope_store_kv_kernel.arg_names if name.startswith("stride_")]
     signature = {**{p: "*bf16" for p in pointers}, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                  "positions_ptr": "*i64", "slots_ptr": "*i64", **{s: "i32" for s in strides}}
     constexprs = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, V_HEAD_DIM=128, ROT_HALF=64, PAGE_SIZE=16,
                       IS_NEOX=True, Q_BLOCKS=2, BLOCK_H=16, BLOCK_HALF=64, BLOCK_REST=0, BLOCK_DV=128)
-    asm = compile_asm(rope_store_kv_kernel, signature, constexprs, target, divisible_by_16=strides)
+    asm = compile_asm(rope_store_kv_kernel, signature, constexprs, target, divisible_by_16=strides,
+                      enable_fp_fusion=False)
     if target.startswith("sm_"):
         ptx = asm["ptx"]
         assert f".target {target}a" in ptx
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+        assert "fma.rn" not in ptx
     else:
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)
