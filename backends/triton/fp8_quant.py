@@ -37,13 +37,6 @@ def e4m3_rne(y):
 
 
 @triton.jit
-def larger(a, b):
-    """Combine function of an amax: ``tl.max`` would do, but a combine function that lives here
-    is one the AOT tests can rebuild when the interpreter has replaced triton's own."""
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride_data, stride_scale,
                               BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr):
     """One program: BLOCK_T tokens x one group of GROUP_K channels."""
@@ -53,7 +46,7 @@ def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride
     mask = (rows[:, None] < T) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    amax = tl.reduce(tl.abs(x), 1, larger)
+    amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
     tl.store(data_ptr + rows[:, None].to(tl.int64) * stride_data + cols[None, :], e4m3_rne(y), mask=mask)

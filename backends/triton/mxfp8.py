@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, store_tile, tile_of, unit_inner_stride
-from .fp8_quant import FP8_MAX, e4m3_rne, larger
+from .fp8_quant import FP8_MAX, e4m3_rne
 from .target import config_for
 
 MX_BLOCK = 32
@@ -38,7 +38,7 @@ def _mxfp8_quant_kernel(x_ptr, data_ptr, scale_ptr, T, blocks_per_row, stride_x,
     valid = row < T
     lanes = col[:, None] * MX + tl.arange(0, MX)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_x + lanes, mask=valid[:, None], other=0.0).to(tl.float32)
-    amax = tl.reduce(tl.abs(x), 1, larger)
+    amax = tl.max(tl.abs(x), axis=1)
     exponent = (amax.to(tl.int32, bitcast=True) >> 23) - 8
     biased = tl.minimum(tl.maximum(exponent, 0), E8M0_MAX)
     y = tl.math.div_rn(x, e8m0_to_float(biased)[:, None])
