@@ -36,6 +36,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 class ServerState:
     api_key: str | None = None
     max_concurrent_requests: int | None = None
+    max_body_bytes: int = 32 * 2**20
     serving: Serving | None = None
     draining: bool = False
     in_flight: int = 0
@@ -92,13 +93,31 @@ class Gate:
             st.in_flight -= 1
 
 
-async def _json_object(request: Request) -> dict:
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the body is larger than {limit} bytes", "invalid_request_error", None, "body_too_large")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it passes ``limit`` (declared or streamed), never read whole first."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _json_object(request: Request, limit: int) -> dict:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise APIError(415, f"the body must be application/json, got {ctype or 'no content type'!r}",
                        "invalid_request_error", None, "unsupported_media_type")
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await _read_body(request, limit))
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(None, f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -137,7 +156,7 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
 
     def route(handler: Callable[[Serving, dict, Request], Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
-            return await handler(state.serving, await _json_object(request), request)
+            return await handler(state.serving, await _json_object(request, state.max_body_bytes), request)
         return endpoint
 
     app.add_api_route("/v1/completions", route(lambda s, b, r: create_completion(s, _parse(CompletionRequest, b), r)),

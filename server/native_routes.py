@@ -50,14 +50,14 @@ def _params(raw, limits: Limits, vocab_size: int) -> SamplingParams:
     return params
 
 
-def _prompt(body: dict, s: Serving) -> tuple[list[int], str | None]:
+async def _prompt(body: dict, s: Serving) -> tuple[list[int], str | None]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise invalid("text", "give exactly one of text and input_ids")
     if text is not None:
         if not isinstance(text, str) or not text:
             raise invalid("text", "text must be a non-empty string")
-        return s.tokenizer.encode(text), text
+        return await s.encode(text), text
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise invalid("input_ids", "input_ids must be a non-empty list of token ids")
     bad = [t for t in ids if not 0 <= t < s.vocab_size]
@@ -75,7 +75,7 @@ def _meta(run: PromptRun, c) -> dict:
 async def generate(s: Serving, body: dict, request: Request) -> Response:
     arrival = time.monotonic()
     params = _params(body.get("sampling_params"), s.limits, s.vocab_size)
-    ids, text = _prompt(body, s)
+    ids, text = await _prompt(body, s)
     run = s.new_run(ids, params, text)
 
     def result():

@@ -31,6 +31,9 @@ from .protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatComp
                        TopLogprob, Usage, prompt_token_lists, to_sampling_params)
 
 
+INLINE_TOKENIZE_CHARS = 1 << 14
+
+
 @dataclass
 class Serving:
     """What every generation route needs; built once when the engine is ready."""
@@ -55,6 +58,12 @@ class Serving:
         except ValueError as e:
             raise invalid(str(e).split(" ", 1)[0], str(e)) from None
         return PromptRun(self.tokenizer, ids, params, text)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize; long texts in a worker thread, so one huge prompt does not stall every stream."""
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """A token's text; a piece of a multi-byte character has none, so it is named by id (as vLLM's
@@ -190,7 +199,7 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
     params = to_sampling_params(req, s.limits, s.vocab_size)
     runs = []
     for p in prompt_token_lists(req, s.vocab_size):
-        ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = await s.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise invalid("prompt", "prompt must not be empty")
         runs.append(s.new_run(ids, params, p if isinstance(p, str) else None))
@@ -267,7 +276,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     params = to_sampling_params(req, s.limits, s.vocab_size)
     messages = [{"role": m.role, "content": m.text} for m in req.messages]
     text = s.chat_template.render(messages, add_generation_prompt=True)
-    ids = s.tokenizer.encode(text, add_special_tokens=False)
+    ids = await s.encode(text, add_special_tokens=False)
     if not ids:
         raise invalid("messages", "the conversation renders to an empty prompt")
     run = s.new_run(ids, params, text)

@@ -3,8 +3,9 @@
 SIGTERM (or the first Ctrl-C) stops admitting: generation routes and /health answer 503 while
 in-flight requests run on for up to ``--shutdown-timeout`` seconds; what is left is then aborted
 (its clients get ``finish_reason: "abort"``), the engine process is stopped and reaped, and the
-server exits 0. A dead engine turns /health to 503 at once, fails waiting requests with 500, and
-the server exits 1 after ``ENGINE_DEATH_LINGER_S`` (so probes can see the 503).
+server exits 0. A dead engine turns /health to 503 at once and fails waiting requests with 500;
+then the server exits 1 after ``ENGINE_DEATH_LINGER_S`` (so probes can see the 503), or, with
+``--on-engine-death restart``, starts a new engine process and serves again once it is ready.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uvicorn
 from ..core.tokenizer import Tokenizer
 from .app import ServerState, build_app
 from .chat_template import ChatTemplate
-from .engine_args import engine_config
+from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
 from .metrics import ServerMetrics
 from .openai_serving import Serving
@@ -42,6 +43,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model directory's name)")
     g.add_argument("--max-concurrent-requests", type=int, default=1024,
                    help="answer 429 past this many requests in flight (0: no limit)")
+    g.add_argument("--max-request-body", type=parse_size, default=32 * 2**20,
+                   help="refuse larger request bodies with 413 (default 32MiB)")
+    g.add_argument("--on-engine-death", choices=["exit", "restart"], default="exit",
+                   help="when the engine process dies: exit 1 (for a supervisor to restart), or start a new one")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     g.add_argument("--max-n", type=int, default=Limits.max_n)
@@ -83,21 +88,47 @@ class DrainingServer(uvicorn.Server):
         while self.state.in_flight and self._loop.time() < deadline:
             await asyncio.sleep(0.05)
 
-    def engine_died(self, reason: str) -> None:
-        self.exit_code = 1
-        self._loop.call_later(ENGINE_DEATH_LINGER_S, setattr, self, "should_exit", True)
+    def engine_died(self, reason: str, restart) -> None:
+        """Exit 1 after a short linger, or run ``restart`` (a coroutine function) to bring a new engine up."""
+        if restart is None or self.state.draining:
+            self.exit_code = 1
+            self._loop.call_later(ENGINE_DEATH_LINGER_S, setattr, self, "should_exit", True)
+        else:
+            self._loop.create_task(restart())
 
 
 def run_server(args: argparse.Namespace) -> int:
     config = engine_config(args)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences)
-    state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None)
+    state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None,
+                        max_body_bytes=args.max_request_body)
     name = args.served_model_name or Path(config.model).name
     server: DrainingServer | None = None
 
+    def new_client() -> EngineClient:
+        return EngineClient(config, args.log_level, on_death=lambda why: server.engine_died(why, restart))
+
+    async def restart() -> None:
+        old = state.serving.client
+        await old.shutdown()
+        client = new_client()
+        logger.warning("starting a new engine process")
+        try:
+            await client.start(args.engine_start_timeout)
+        except Exception:
+            logger.exception("the new engine failed to start; exiting")
+            await client.shutdown()
+            server.engine_died("restart failed", None)
+            return
+        state.serving.client = client
+        logger.info("the new engine process %d serves", client.pid)
+
+    if args.on_engine_death != "restart":
+        restart = None
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        client = EngineClient(config, args.log_level, on_death=lambda why: server.engine_died(why))
+        client = new_client()
         try:
             info = await client.start(args.engine_start_timeout)
             tokenizer = Tokenizer.from_dir(config.model)
@@ -108,7 +139,7 @@ def run_server(args: argparse.Namespace) -> int:
             logger.info("serving %r on http://%s:%d (max context %d)", name, args.host, args.port, info.max_model_len)
             yield
         finally:
-            await client.shutdown()
+            await (state.serving.client if state.serving else client).shutdown()
             logger.info("engine process stopped")
 
     uv = uvicorn.Config(build_app(state, lifespan), host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -121,3 +121,21 @@ def test_sigterm_with_zero_timeout_aborts_and_exits_fast(tiny_qwen3, tmp_path):
     assert server.proc.wait(10) == 0
     assert time.monotonic() - t0 < 6
     assert _gone(engine)
+
+
+def test_restart_mode_brings_a_new_engine_up(tiny_qwen3, tmp_path):
+    server = _start(tiny_qwen3, tmp_path, "--on-engine-death", "restart")
+    first = server.engine_pid()
+    os.kill(first, signal.SIGKILL)
+    t0 = time.monotonic()
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.05)
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.monotonic() - t0 < 120, "no new engine within two minutes"
+        time.sleep(0.2)
+    r = httpx.post(server.url + "/v1/completions", json=_body(3, stream=False), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    second = server.engine_pid()
+    assert second != first and _gone(first)
+    assert server.stop() == 0 and _gone(second)

@@ -107,3 +107,35 @@ def test_metric_counts_are_exact(tiny_server, seed):
     # the last prompt token is always computed, so a lookup covers the others
     assert grew("engine:prefix_cache_queries_total") == n_req * (n_prompt - 1)
     assert after['engine:time_to_first_token_seconds_bucket{le="+Inf"}'] == after["engine:time_to_first_token_seconds_count"]
+
+
+def test_a_client_that_stops_reading_stalls_nobody(tiny_server):
+    import socket
+
+    body = json.dumps({"prompt": "def stuck():", "max_tokens": 480, "ignore_eos": True, "stream": True}).encode()
+    host, port = tiny_server.url.removeprefix("http://").split(":")
+    stuck = socket.create_connection((host, int(port)))
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {tiny_server.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        for i in range(5):  # others are served while it sits there, never reading
+            r = httpx.post(tiny_server.url + "/v1/completions", headers=tiny_server.headers, timeout=30,
+                           json={"prompt": f"ok {i}", "max_tokens": 8, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert tiny_server.metrics()["engine:num_requests_in_flight"] == 1
+    finally:
+        stuck.close()
+    assert _idle(_wait_idle(tiny_server)), "hanging up did not free the stuck request"
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_oversized_bodies_are_refused(tiny_server, declared):
+    big = b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}'
+    headers = {**tiny_server.headers, "content-type": "application/json"}
+    content = big if declared else iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)])
+    r = httpx.post(tiny_server.url + "/v1/completions", headers=headers, content=content, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    ok = httpx.post(tiny_server.url + "/v1/completions", headers=tiny_server.headers, timeout=60,
+                    json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200
