@@ -1,0 +1,58 @@
+"""What every device benchmark shares: timing, the device's measured ceilings, and result files.
+
+Ceilings are measured in the same run as the kernels they judge: a large device-to-device copy
+(bytes read plus written) for bandwidth, large random bf16 and FP8 matrix products for the
+matrix rates. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def device_info(device: torch.device) -> dict:
+    p = torch.cuda.get_device_properties(device)
+    return {"name": p.name, "sm": f"{p.major}{p.minor}", "sm_count": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "host": platform.node()}
+
+
+def measure_limits(device: torch.device) -> dict:
+    """Copy bandwidth (GB/s) and bf16 / FP8 (per-tensor ``_scaled_mm``) matrix rates (TFLOP/s)."""
+    src = torch.randn(2**30 // 2, dtype=torch.bfloat16, device=device)  # 1 GiB, far past the L2
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    bf16_ms = bench_ms(lambda: a @ b)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    fp8_ms = bench_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+    flops = 2 * n**3
+    return {"copy_gb_s": round(2 * src.numel() * 2 / copy_ms / 1e6, 1),
+            "bf16_tflop_s": round(flops / bf16_ms / 1e9, 1), "fp8_tflop_s": round(flops / fp8_ms / 1e9, 1)}
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")

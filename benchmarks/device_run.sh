@@ -1,0 +1,25 @@
+#!/bin/bash
+# One device call: install the engine, run the GPU tests, run the kernel benchmarks; results in $OUT.
+#   bash benchmarks/device_run.sh [tests|attention|gemm|moe|e2e ...]   (default: all of them)
+set -o pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/engine-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; git rev-parse --short HEAD;
+  git status --short; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } >"$OUT/env.txt" 2>&1
+steps=${*:-tests attention gemm moe}
+for step in $steps; do
+  echo "== $step"
+  case $step in
+    tests) timeout 420 python3 -m pytest -q -m gpu tests/backends/triton tests/core/native 2>&1 \
+             | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    attention) timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/attention-h200.json" 2>&1 | tail -40 ;;
+    gemm) timeout 300 python3 benchmarks/gemm_bench.py --json "$OUT/gemm-h200.json" 2>&1 | tail -40 ;;
+    moe) timeout 300 python3 benchmarks/moe_bench.py --json "$OUT/moe-h200.json" 2>&1 | tail -30 ;;
+    *) python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tail -30 ;;
+  esac
+done
