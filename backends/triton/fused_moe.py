@@ -1,0 +1,199 @@
+"""Fused MoE experts: two grouped GEMMs over the assignments sorted and aligned by expert.
+
+gate/up: a program takes BLOCK_M rows of one expert (see moe_align) and BLOCK_N columns of the
+intermediate, multiplies the rows' tokens by that expert's gate rows and up rows in one K loop,
+and applies SwiGLU in its epilogue, so the [T * top_k, 2I] projection is never stored. down: the
+same grouped GEMM over the SwiGLU output with the routing weight multiplied in; rows are written
+in assignment order, [T, top_k, H], and summed over top_k afterwards: no atomics, deterministic.
+
+Rounding follows core/native/moe.py: each GEMM's fp32 result is rounded to x's dtype; SwiGLU is
+the native ``_swiglu`` (the DeepSeek-V4 clamp, silu in fp32 rounded, times up rounded); the top-k
+sum is in fp32. One rounding more than native: the weighted rows are stored in x's dtype.
+
+FP8 weights (E4M3 with one fp32 scale per 128 x 128 block of each expert, what
+``quantize_fp8_block`` makes of each expert's matrices) meet E4M3 activations with one scale per
+token and 128 channels, scaled per K step in fp32 as the FP8 block GEMM does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
+from .fp8_quant import GROUP, quantize_fp8_token_group
+from .moe_align import ExpertBlocks, align_by_expert
+from .target import config_for
+
+FP8 = torch.float8_e4m3fn
+ACTIVATIONS = ("silu",)
+
+# small: decode, a few rows per expert, so narrow N tiles spread each expert's weights over every
+# SM; large: prefill, full matrix-unit tiles. ``small_m`` counts rows per expert (T * top_k / E).
+# block_k divides 128 so that an FP8 K step stays inside one scale block.
+MOE_GEMM = {
+    "sm_90": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(64, 128, 64, 8, 4, 3), small_m=16),
+    "sm_100": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(128, 128, 64, 8, 4, 3), small_m=16),
+    "gfx942": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 2), GemmConfig(64, 128, 64, 8, 4, 2), small_m=16),
+    "gfx950": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 2), GemmConfig(64, 128, 64, 8, 4, 2), small_m=16),
+    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 64, 2, 4, 1), small_m=2),
+}
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_ptr,
+                     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                     M, N, K, num_assignments, rows_per_a, swiglu_limit,
+                     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
+                     FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
+
+    GATED: b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two products.
+    WEIGHTED: c gets the product times the assignment's routing weight.
+    """
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_assignments
+    # padding rows read row 0 and columns past N read column N-1 again; neither is stored
+    am = tl.where(valid, ids // rows_per_a, 0).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    bn = (rn % N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rk[:, None]
+    if FP8:
+        a_scale_ptrs = a_scale_ptr + am * stride_as
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + (bn // SCALE_BLOCK) * stride_bsn
+        up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((bn + N) // SCALE_BLOCK) * stride_bsn
+    up_offset = N * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
+        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if GATED:
+            up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
+        if FP8:
+            group = k0 // SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptrs + group)
+            acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
+            if GATED:
+                acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                acc_up = tl.dot(a, up, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype = c_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)
+    if GATED:
+        up_out = acc_up.to(dtype).to(tl.float32)
+        if HAS_LIMIT:
+            out = tl.minimum(out, swiglu_limit)
+            up_out = tl.minimum(tl.maximum(up_out, -swiglu_limit), swiglu_limit)
+        out = (out / (1.0 + tl.exp(-out))).to(dtype).to(tl.float32) * up_out
+    if WEIGHTED:
+        out *= tl.load(topk_weight_ptr + tl.where(valid, ids, 0))[:, None]
+    c_ptrs = c_ptr + ids[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> GemmConfig:
+    """The launch parameters for the rows an expert gets on average."""
+    return config_for(MOE_GEMM, device).for_m(-(-num_tokens * top_k // num_experts))
+
+
+def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
+                  out: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
+                  topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    if blocks.block_m != cfg.block_m:
+        raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
+    fp8 = b.dtype == FP8
+    if fp8 != (a.dtype == FP8) or fp8 != (b_scale is not None) or fp8 != (a_scale is not None):
+        raise ValueError("FP8 expert weights need E4M3 activations and scales for both, other weights none")
+    if not fp8 and a.dtype != b.dtype:
+        raise ValueError(f"activations in {a.dtype} but expert weights in {b.dtype}")
+    if blocks.num_blocks == 0:
+        return out
+    k = a.shape[1]
+    if b.shape[2] != k:
+        raise ValueError(f"expert weights {list(b.shape)} do not take rows of {k} channels")
+    grid = (blocks.num_blocks * triton.cdiv(n, cfg.block_n),)
+    scale_strides = (a_scale.stride(0), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0)
+    _moe_gemm_kernel[grid](
+        a, a_scale, b, b_scale, out, topk_weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
+        blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
+        0.0 if swiglu_limit is None else float(swiglu_limit),
+        a.stride(0), scale_strides[0], b.stride(0), b.stride(1), scale_strides[1], scale_strides[2], out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
+        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fp8, SCALE_BLOCK=GROUP,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def moe_gate_up(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, top_k: int, cfg: GemmConfig, *,
+                swiglu_limit: float | None = None, x_scale: torch.Tensor | None = None,
+                gate_up_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] through gate_up [E, 2I, H] (gate rows first) and SwiGLU -> [T * top_k, I], row
+    ``t * top_k + k`` for token t's k-th expert; in ``out_dtype`` (by default x's), or into ``out``."""
+    x, gate_up = unit_inner_stride(x, gate_up)
+    inner = gate_up.shape[1] // 2
+    out = output_for(blocks.num_assignments, inner, out_dtype or x.dtype, x.device, out)
+    return _grouped_gemm(x, x_scale, gate_up, gate_up_scale, blocks, cfg, inner, top_k, out, gated=True,
+                         swiglu_limit=swiglu_limit)
+
+
+def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_weights: torch.Tensor,
+             cfg: GemmConfig, *, h_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T * top_k, I] through down [E, H, I], times the routing weight of each assignment
+    (``topk_weights`` [T, top_k]) -> [T * top_k, H]."""
+    h, down = unit_inner_stride(h, down)
+    out = output_for(blocks.num_assignments, down.shape[1], out_dtype or h.dtype, h.device, out)
+    return _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, down.shape[1], 1, out, gated=False,
+                         topk_weights=topk_weights.float().contiguous())
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, *, activation: str = "silu", swiglu_limit: float | None = None,
+              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
+    -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
+
+    FP8 weights come with ``gate_up_scale`` [E, ceil(2I/128), ceil(H/128)] and ``down_scale``
+    [E, ceil(H/128), ceil(I/128)]; x and the SwiGLU output are then quantized per token and 128
+    channels on the way into each GEMM.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    num_tokens, top_k = ids.shape
+    num_experts, two_inner, hidden = gate_up.shape
+    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, two_inner // 2):
+        raise ValueError(f"x {list(x.shape)}, ids {list(ids.shape)}, gate_up {list(gate_up.shape)} and "
+                         f"down {list(down.shape)} do not fit together")
+    out = output_for(num_tokens, hidden, x.dtype, x.device, out)
+    if num_tokens == 0:
+        return out
+    cfg = moe_config(num_tokens, top_k, num_experts, x.device)
+    blocks = align_by_expert(ids, num_experts, cfg.block_m)
+    x_scale = h_scale = None
+    a = x
+    if gate_up.dtype == FP8:
+        a, x_scale = quantize_fp8_token_group(x)
+    h = moe_gate_up(a, blocks, gate_up, top_k, cfg, swiglu_limit=swiglu_limit, x_scale=x_scale,
+                    gate_up_scale=gate_up_scale, out_dtype=x.dtype)
+    if down.dtype == FP8:
+        h, h_scale = quantize_fp8_token_group(h)
+    y = moe_down(h, blocks, down, topk_weights, cfg, h_scale=h_scale, down_scale=down_scale, out_dtype=x.dtype)
+    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)

@@ -1,0 +1,315 @@
+"""Fused MoE on Triton against core/native/moe.py.
+
+The alignment is checked for its invariants; the grouped GEMMs stage by stage (poisoned outputs,
+every row must be written) and end to end through ``TritonMoE.experts`` against
+``NativeMoE.experts``, with routings built to leave experts empty and to put experts' row counts
+on, just below and just above the BLOCK_M boundaries. ``ExpertWeights`` has no quantized form, so
+the FP8 path is tested on weights made by ``quantize_fp8_block`` per expert, against the native
+experts on the dequantized weights (the gap is E4M3's rounding of the activations).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.backends.triton.fused_moe import MOE_GEMM, _moe_gemm_kernel, fused_moe, moe_config, moe_down, moe_gate_up
+from engine.backends.triton.moe import TritonMoE
+from engine.backends.triton.moe_align import align_by_expert, max_padded_rows
+from engine.backends.triton.target import pick
+from engine.core.families.moe import ExpertWeights, RoutingConfig
+from engine.core.native import quant
+from engine.core.native.moe import NativeMoE, _swiglu
+
+FP8 = torch.float8_e4m3fn
+DEFAULT = pick(MOE_GEMM, "default")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_ids(num_tokens: int, num_experts: int, top_k: int, device="cpu") -> torch.Tensor:
+    """Distinct experts per token, as top-k routing chooses them."""
+    return torch.rand(num_tokens, num_experts, device=device).argsort(dim=1)[:, :top_k]
+
+
+def ids_with_counts(counts: list[int], top_k: int) -> torch.Tensor:
+    """A routing in which expert e gets ``counts[e]`` tokens (each at most once per token): the
+    experts listed count times fill the [top_k, T] grid row by row, then tokens and slots are
+    shuffled."""
+    num_tokens = sum(counts) // top_k
+    assert sum(counts) == num_tokens * top_k and max(counts) <= num_tokens
+    listed = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    ids = listed.view(top_k, num_tokens).T[torch.randperm(num_tokens)]
+    return ids.gather(1, torch.rand(num_tokens, top_k).argsort(dim=1))
+
+
+def random_experts(num_experts, hidden, inner, dtype, device="cpu", swiglu_limit=None) -> ExpertWeights:
+    gate_up = torch.randn(num_experts, 2 * inner, hidden, device=device) * hidden**-0.5
+    down = torch.randn(num_experts, hidden, inner, device=device) * inner**-0.5
+    return ExpertWeights(gate_up.to(dtype), down.to(dtype), swiglu_limit=swiglu_limit)
+
+
+def routing_weights(num_tokens, top_k, device="cpu") -> torch.Tensor:
+    w = torch.rand(num_tokens, top_k, device=device) + 0.1
+    return w / w.sum(dim=1, keepdim=True)
+
+
+def activations(num_tokens, hidden, dtype, device="cpu", scale=1.0) -> torch.Tensor:
+    return (torch.randn(num_tokens, hidden, device=device) * scale).to(dtype)
+
+
+def check_experts(x, weights, ids, w, bound):
+    out = torch.full_like(x, float("nan"))
+    got = TritonMoE(None).experts(x, weights, ids, w, out=out)
+    ref = NativeMoE(None).experts(x, weights, ids, w)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == ref.dtype and got.shape == ref.shape
+    assert not got.isnan().any()
+    assert rel_err(got, ref) < bound
+
+
+# alignment
+
+
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    blocks = align_by_expert(ids, num_experts, block_m)
+    flat = ids.reshape(-1).cpu()
+    n = flat.numel()
+    sorted_ids, block_expert = blocks.sorted_ids.cpu(), blocks.block_expert.cpu()
+    counts = torch.bincount(flat, minlength=num_experts)
+    used = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.dtype == block_expert.dtype == blocks.num_padded.dtype == torch.int32
+    assert sorted_ids.numel() == max_padded_rows(n, num_experts, block_m) == block_expert.numel() * block_m
+    assert int(blocks.num_padded) == used and blocks.num_assignments == n
+    assert (sorted_ids[used:] == n).all() and (block_expert[used // block_m:] == -1).all()
+    live = sorted_ids[:used]
+    assert torch.equal(live[live < n].sort().values, torch.arange(n, dtype=torch.int32))
+    per_block = live.view(-1, block_m)
+    experts = block_expert[:used // block_m]
+    assert (experts[1:] > experts[:-1]).sum() == (counts > 0).sum() - 1  # contiguous, ascending
+    assert torch.equal(torch.bincount(experts.long(), minlength=num_experts), (counts + block_m - 1) // block_m)
+    for block, expert in zip(per_block, experts.tolist()):
+        rows = block[block < n].long()
+        assert rows.numel() > 0 and (flat[rows] == expert).all()
+        assert (block[:rows.numel()] == block[block < n]).all()  # padding only after the rows
+    for expert in range(num_experts):
+        rows = live[(live < n) & (block_expert.repeat_interleave(block_m)[:used] == expert)]
+        assert (rows[1:] > rows[:-1]).all()  # stable: assignment order inside an expert
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 1), (5, 8, 2), (40, 16, 4), (3, 256, 8),
+                                                         (300, 256, 6), (97, 64, 8)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_alignment_invariants(seed, num_tokens, num_experts, top_k, block_m):
+    check_alignment(random_ids(num_tokens, num_experts, top_k), num_experts, block_m)
+
+
+@pytest.mark.parametrize("counts,top_k", [([16, 17, 15, 0, 1, 32, 0, 7], 2), ([16, 16, 16, 16, 0, 0, 0, 0], 2),
+                                          ([64, 0, 0, 0, 0, 0, 0, 0], 1)])
+def test_alignment_at_block_boundaries(seed, counts, top_k):
+    check_alignment(ids_with_counts(counts, top_k), len(counts), 16)
+
+
+def test_alignment_of_no_tokens():
+    blocks = align_by_expert(torch.zeros(0, 4, dtype=torch.long), 8, 16)
+    assert blocks.num_blocks == 0 and int(blocks.num_padded) == 0
+
+
+# grouped GEMMs in the interpreter
+
+
+def assignment_reference(x, ids, w: ExpertWeights, weights):
+    """Per assignment (token t's k-th expert e): SwiGLU of x[t] @ gate_up[e].T, and that through
+    down[e] times the routing weight, each GEMM rounded to x's dtype as F.linear does."""
+    token = torch.arange(ids.numel()) // ids.shape[1]
+    expert = ids.reshape(-1)
+    gu = torch.einsum("ah,aoh->ao", x[token].float(), w.gate_up[expert].float()).to(x.dtype)
+    h = _swiglu(gu, w)
+    y = torch.einsum("ai,ahi->ah", h.float(), w.down[expert].float()).to(x.dtype)
+    return h, y.float() * weights.reshape(-1, 1).float()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("which", ["small", "large"])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_gate_up_and_down_stages_write_every_row(seed, which, dtype, bound):
+    num_tokens, num_experts, top_k, hidden, inner = (5, 16, 2, 64, 80) if which == "small" else (24, 8, 4, 96, 64)
+    cfg = getattr(DEFAULT, which)
+    assert moe_config(num_tokens, top_k, num_experts, torch.device("cpu")) == cfg
+    x = activations(num_tokens, hidden, dtype)
+    ids = random_ids(num_tokens, num_experts, top_k)
+    weights = routing_weights(num_tokens, top_k)
+    w = random_experts(num_experts, hidden, inner, dtype, swiglu_limit=1.0)
+    ref_h, ref_y = assignment_reference(x, ids, w, weights)
+    blocks = align_by_expert(ids, num_experts, cfg.block_m)
+    h = moe_gate_up(x, blocks, w.gate_up, top_k, cfg, swiglu_limit=w.swiglu_limit,
+                    out=torch.full((ids.numel(), inner), float("nan"), dtype=dtype))
+    assert not h.isnan().any() and rel_err(h, ref_h) < bound
+    y = moe_down(ref_h, blocks, w.down, weights, cfg, out=torch.full((ids.numel(), hidden), float("nan"), dtype=dtype))
+    assert not y.isnan().any() and rel_err(y, ref_y) < bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit", [
+    (1, 8, 2, 64, 64, None),     # decode config, 6 experts without tokens
+    (3, 16, 4, 128, 96, 1.0),    # most experts empty; the clamp bites at this limit
+    (40, 8, 4, 64, 128, None),   # prefill config, several blocks per expert
+    (17, 12, 3, 96, 256, 0.5),
+])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_experts_match_native(seed, num_tokens, num_experts, top_k, hidden, inner, limit, dtype, bound):
+    x = activations(num_tokens, hidden, dtype, scale=2.0)
+    w = random_experts(num_experts, hidden, inner, dtype, swiglu_limit=limit)
+    check_experts(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, bound)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("which,counts,top_k", [
+    ("small", [16, 0, 15, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], 2),
+    ("large", [32, 33, 31, 0, 1, 24, 0, 39], 4),
+])
+def test_experts_at_block_boundaries(seed, which, counts, top_k):
+    """Experts with exactly BLOCK_M rows, one more, one fewer, one row and none."""
+    assert getattr(DEFAULT, which).block_m in counts
+    ids = ids_with_counts(counts, top_k)
+    num_tokens = ids.shape[0]
+    assert moe_config(num_tokens, top_k, len(counts), torch.device("cpu")) == getattr(DEFAULT, which)
+    x = activations(num_tokens, 64, torch.float32)
+    check_experts(x, routing_weights(num_tokens, top_k), ids, random_experts(len(counts), 64, 64, torch.float32), 1e-5)
+
+
+def fp8_experts(w: ExpertWeights):
+    """Each expert's matrices quantized in 128 x 128 blocks, and the weights they stand for."""
+    def per_expert(stack):
+        data, scale = zip(*(quant.quantize_fp8_block(m.float()) for m in stack))
+        return torch.stack(data), torch.stack(scale)
+    (gu, gu_scale), (dn, dn_scale) = per_expert(w.gate_up), per_expert(w.down)
+    dequantized = ExpertWeights(
+        torch.stack([quant.dequantize_fp8_block(d, s, dtype=w.gate_up.dtype) for d, s in zip(gu, gu_scale)]),
+        torch.stack([quant.dequantize_fp8_block(d, s, dtype=w.down.dtype) for d, s in zip(dn, dn_scale)]),
+        swiglu_limit=w.swiglu_limit)
+    return (gu, gu_scale, dn, dn_scale), dequantized
+
+
+def check_fp8(x, weights, ids, w, bound):
+    (gu, gu_scale, dn, dn_scale), dequantized = fp8_experts(w)
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, weights, ids, gu, dn, swiglu_limit=w.swiglu_limit, gate_up_scale=gu_scale,
+                    down_scale=dn_scale, out=out)
+    ref = NativeMoE(None).experts(x, weights, ids, dequantized)
+    assert not got.isnan().any() and rel_err(got, ref) < bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit", [
+    (2, 8, 2, 256, 192, None),   # I = 192: a 128-row scale block holds gate and up rows
+    (20, 8, 4, 128, 256, 1.0),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_experts, top_k, hidden, inner,
+                                                          limit, dtype):
+    x = activations(num_tokens, hidden, dtype, scale=2.0)
+    w = random_experts(num_experts, hidden, inner, dtype, swiglu_limit=limit)
+    check_fp8(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, 0.06)
+
+
+def test_route_is_the_native_routing(seed):
+    logits = torch.randn(9, 16)
+    cfg = RoutingConfig(num_experts=16, top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2,
+                        correction_bias=torch.randn(16))
+    for got, ref in zip(TritonMoE(None).route(logits, cfg), NativeMoE(None).route(logits, cfg)):
+        assert torch.equal(got, ref)
+
+
+def test_refuses_unknown_activation_and_fp8_without_scales():
+    x, weights, ids = torch.zeros(2, 128), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)
+    w = random_experts(4, 128, 128, torch.float32)
+    with pytest.raises(ValueError, match="not supported"):
+        TritonMoE(None).experts(x, weights, ids, ExpertWeights(w.gate_up, w.down, activation="gelu"))
+    with pytest.raises(ValueError, match="scales"):
+        fused_moe(x, weights, ids, w.gate_up.to(FP8), w.down.to(FP8))
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, weights, ids, w.gate_up, w.down[:, :64])
+
+
+# GPU: bf16 and FP8 at real expert shapes
+
+QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden=2048, inner=768, limit=None)
+DEEPSEEK_V4_FLASH = dict(num_experts=256, top_k=6, hidden=4096, inner=2048, limit=10.0)
+GPU_TOKENS = [1, 3, 16, 128, 1024, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3_30B_A3B, DEEPSEEK_V4_FLASH], ids=["qwen3-30b-a3b", "deepseek-v4-flash"])
+@pytest.mark.parametrize("num_tokens", GPU_TOKENS)
+def test_experts_bf16_gpu(seed, shape, num_tokens):
+    e, k = shape["num_experts"], shape["top_k"]
+    x = activations(num_tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
+    w = random_experts(e, shape["hidden"], shape["inner"], torch.bfloat16, "cuda", shape["limit"])
+    check_experts(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 128, 4096])
+def test_experts_fp8_gpu(seed, num_tokens):
+    """DeepSeek-V4-Flash expert shapes with a quarter of the experts, to keep three copies small."""
+    shape = dict(DEEPSEEK_V4_FLASH, num_experts=64)
+    e, k = shape["num_experts"], shape["top_k"]
+    x = activations(num_tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
+    w = random_experts(e, shape["hidden"], shape["inner"], torch.bfloat16, "cuda", shape["limit"])
+    check_fp8(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, 0.06)
+
+
+# ahead-of-time compilation
+
+SIGNATURE = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "topk_weight_ptr": "*fp32",
+             "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+             **{name: "i32" for name in ["M", "N", "K", "num_assignments", "rows_per_a", "stride_am", "stride_as",
+                                         "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm"]},
+             "swiglu_limit": "fp32"}
+# the matrix instruction the bf16 dot must become: decode blocks of 16 rows are too few for
+# Hopper's wgmma and Blackwell's tcgen05, so they stay on mma.sync there
+BF16_MMA = {
+    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ("sm_90", "small"): r"mma\.sync\S*\.bf16\.bf16",
+    ("sm_100", "large"): r"tcgen05\.mma", ("sm_100", "small"): r"mma\.sync\S*\.bf16\.bf16",
+    ("gfx942", "large"): r"v_mfma_f32_\w+_bf16", ("gfx942", "small"): r"v_mfma_f32_\w+_bf16",
+    ("gfx950", "large"): r"v_mfma_f32_\w+_bf16", ("gfx950", "small"): r"v_mfma_f32_\w+_bf16",
+}
+# gfx942's FP8 is the FNUZ variant, not OCP E4M3: there the operands are widened to fp16 first
+FP8_MMA = {"sm_90": r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", "sm_100": r"tcgen05\.mma\S*kind::f8f6f4",
+           "gfx942": r"v_mfma_f32_\w+_f16", "gfx950": r"v_mfma_f32_\w+_f8f6f4"}
+
+
+def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[str, str]:
+    from aot import compile_asm
+
+    cfg = getattr(pick(MOE_GEMM, target), which)
+    operand = "*fp8e4nv" if fp8 else "*bf16"
+    signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=fp8, SCALE_BLOCK=128)
+    return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
+
+
+def check_compiled(asm: dict[str, str], target: str, mma: str) -> None:
+    text = asm.get("ptx") or asm["amdgcn"]
+    assert re.search(mma, text), f"no {mma} in the {target} assembly"
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("which,gated", [("small", True), ("large", True), ("large", False)],
+                         ids=["gate_up-small", "gate_up-large", "down-large"])
+def test_bf16_moe_gemm_reaches_the_matrix_units(target, which, gated):
+    check_compiled(compile_moe_gemm(target, which, gated, fp8=False), target, BF16_MMA[target, which])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+def test_fp8_moe_gemm_reaches_the_matrix_units(target):
+    check_compiled(compile_moe_gemm(target, "large", True, fp8=True), target, FP8_MMA[target])
