@@ -8,6 +8,7 @@ matrix rates. Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -16,6 +17,9 @@ import torch
 
 
 def commit() -> str:
+    """$ENGINE_COMMIT where set (a device copy's git metadata can be stale), else git's HEAD."""
+    if os.environ.get("ENGINE_COMMIT"):
+        return os.environ["ENGINE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()

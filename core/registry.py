@@ -102,6 +102,8 @@ def select(family: str, descriptors: list[Descriptor], ctx: SelectionContext, re
         named = [c for c in candidates if c.descriptor.name == requested]
         if not named:
             raise SelectionError(f"{family} backend {requested!r} is not registered; candidates:\n{listing}", candidates)
+        if len(named) > 1:  # several plugins offer the name (the CUDA and ROCm Triton kernels): the one
+            named = [c for c in named if not c.reasons] or named  # that can run here is the one meant
         if len(named) > 1:  # which one the user meant is unknowable; picking one would be silent
             plugins = ", ".join(c.descriptor.plugin or "?" for c in named)
             raise SelectionError(

@@ -8,10 +8,27 @@ from __future__ import annotations
 
 from engine.core.hookspecs import hookimpl
 from engine.core.platform import PlatformSpec
+from engine.core.registry import Descriptor
 
+from ..triton.descriptors import triton_descriptors
 from . import platform
 
 
 @hookimpl
 def engine_detect_platform() -> PlatformSpec | None:
     return platform.detect()
+
+
+@hookimpl
+def engine_register_attention_backends() -> list[Descriptor]:
+    return triton_descriptors("attention", "amd")
+
+
+@hookimpl
+def engine_register_moe_backends() -> list[Descriptor]:
+    return triton_descriptors("moe", "amd")
+
+
+@hookimpl
+def engine_register_linear_backends() -> list[Descriptor]:
+    return triton_descriptors("linear", "amd")

@@ -96,6 +96,15 @@ def test_a_name_registered_twice_is_refused_when_requested():
         select("attention", descs, CTX, requested="same")
 
 
+def test_a_name_registered_twice_means_the_one_that_can_run_here():
+    descs = [_desc("same", 1, ["needs an AMD GPU"], plugin="rocm"), _desc("same", 2, plugin="cuda")]
+    sel = select("attention", descs, CTX, requested="same")
+    assert sel.chosen.plugin == "cuda" and sel.explicit
+    with pytest.raises(SelectionError, match="registered by several plugins"):  # neither can: ambiguous
+        select("attention", [_desc("same", 1, ["no"], plugin="a"), _desc("same", 2, ["no"], plugin="b")], CTX,
+               requested="same")
+
+
 def test_nothing_usable_or_nothing_registered_is_an_error():
     with pytest.raises(SelectionError, match="no attention backend can run here") as err:
         select("attention", [_desc("x", 1, ["broken"])], CTX)

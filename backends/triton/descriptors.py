@@ -1,0 +1,38 @@
+"""Descriptors for the shared Triton kernels, offered by the CUDA and the ROCm plugins alike.
+
+Each plugin passes its vendor; a descriptor refuses (with the reason) on another vendor's device,
+where triton is missing, or where the model needs what the kernels lack, and otherwise outranks
+the native oracle, which stays selectable by name (``--attention-backend native``).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.util import find_spec
+
+from engine.core.registry import Descriptor, SelectionContext
+
+TRITON_PRIORITY = 100
+PLATFORM_NAMES = {"nvidia": "an NVIDIA GPU", "amd": "an AMD GPU"}
+
+
+def _platform_reasons(ctx: SelectionContext, vendor: str) -> list[str]:
+    reasons = []
+    if ctx.platform.vendor != vendor:
+        reasons.append(f"needs {PLATFORM_NAMES[vendor]} (the platform is {ctx.platform.summary()})")
+    if find_spec("triton") is None:
+        reasons.append("triton is not installed (pip install engine[cuda] or engine[rocm])")
+    return reasons
+
+
+def _create(path: str):
+    module, _, name = path.partition(":")
+    return lambda ctx: getattr(import_module(module), name)(ctx)
+
+
+def triton_descriptors(family: str, vendor: str) -> list[Descriptor]:
+    impl = {"attention": "engine.backends.triton.attention:TritonAttention",
+            "moe": "engine.backends.triton.moe:TritonMoE",
+            "linear": "engine.backends.triton.linear:TritonLinear"}[family]
+    return [Descriptor(family, "triton", _create(impl), priority=TRITON_PRIORITY,
+                       check=lambda ctx: _platform_reasons(ctx, vendor))]
