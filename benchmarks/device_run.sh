@@ -15,11 +15,14 @@ steps=${*:-tests attention gemm moe}
 for step in $steps; do
   echo "== $step"
   case $step in
-    tests) timeout 420 python3 -m pytest -q -m gpu tests/backends/triton tests/core/native 2>&1 \
+    tests) timeout 420 python3 -m pytest -q -m gpu tests/backends tests/core/native 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -25 ;;
     attention) timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/attention-h200.json" 2>&1 | tail -40 ;;
     gemm) timeout 300 python3 benchmarks/gemm_bench.py --json "$OUT/gemm-h200.json" 2>&1 | tail -40 ;;
     moe) timeout 300 python3 benchmarks/moe_bench.py --json "$OUT/moe-h200.json" 2>&1 | tail -30 ;;
-    *) python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tail -30 ;;
+    fp8_quant_diag) timeout 60 python3 benchmarks/fp8_quant_diag.py ;;
+    models) mkdir -p ../shared/models && cp -r .models/* ../shared/models/ ;;
+    serve) timeout 300 bash benchmarks/serve_on_device.sh 2>&1 | tail -45 ;;
+    *) timeout 280 python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tail -30 ;;
   esac
 done

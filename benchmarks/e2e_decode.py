@@ -1,0 +1,135 @@
+"""End-to-end decode on the device with random bf16 weights, next to its roofline and to HF.
+
+For each batch size the engine generates ``--decode`` tokens after a 1K-token prompt (ignore_eos,
+greedy, prefix cache off); decode tokens/s is batch x decode over the time beyond a
+one-token run of the same prompts (prefill and first token), so prefill stays out of it. The
+roofline of a step is its bytes (every weight once, plus each sequence's KV) over the measured
+copy bandwidth. HF transformers generates the same prompts on the same device the same way.
+
+    python benchmarks/e2e_decode.py --json benchmarks/results/e2e-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.checkpoint_gen import write_checkpoint
+
+try:
+    from common import commit, device_info, measure_limits, write_result
+except ImportError:
+    from benchmarks.common import commit, device_info, measure_limits, write_result
+
+CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
+HF_MAX_BATCH = 64  # HF's cache at 256 x 1K adds minutes for a figure nobody would serve with
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def _engine_decode(llm: LLM, prompts, decode: int) -> float:
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        torch.cuda.synchronize()
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return time.perf_counter() - t
+
+    run(2)  # warm-up: kernels compile for these shapes
+    return len(prompts) * decode / (run(1 + decode) - run(1))
+
+
+def _hf_decode(model, prompts, decode: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t
+
+    run(2)
+    return len(prompts) * decode / (run(1 + decode) - run(1))
+
+
+def _roofline(config: dict, batch: int, ctx: int, copy_gb_s: float, weight_bytes: int) -> float:
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config.get(
+        "head_dim", config["hidden_size"] // config["num_attention_heads"]) * 2
+    step_bytes = weight_bytes + batch * ctx * kv_per_token
+    return batch / (step_bytes / (copy_gb_s * 1e9))
+
+
+def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024, decode: int = 32,
+        hf: bool = True) -> dict:
+    import json
+
+    limits = limits or measure_limits(device)
+    results = []
+    root = Path(tempfile.mkdtemp(prefix="engine-e2e-"))
+    for preset, batches in CASES:
+        path = write_checkpoint(root / preset, preset)
+        config = json.loads((path / "config.json").read_text())
+        weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=prompt_len + decode + 8,
+                  max_num_seqs=max(batches))
+        backends = {f: s.chosen.name for f, s in llm.engine.components.selections.items()}
+        rows = []
+        for b in batches:
+            prompts = _prompts(b, prompt_len, config["vocab_size"], b)
+            tps = _engine_decode(llm, prompts, decode)
+            roof = _roofline(config, b, prompt_len + decode // 2, limits["copy_gb_s"], weight_bytes)
+            rows.append({"batch": b, "engine_tok_s": round(tps, 1), "roofline_tok_s": round(roof, 1),
+                         "fraction_of_roofline": round(tps / roof, 3)})
+            print(f"{preset} batch {b}: {tps:.1f} tok/s, roofline {roof:.1f} ({tps / roof:.2f})", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        if hf:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+            for row in rows:
+                if row["batch"] > HF_MAX_BATCH:
+                    continue
+                try:
+                    row["hf_tok_s"] = round(_hf_decode(model, _prompts(row["batch"], prompt_len, config["vocab_size"],
+                                                                        row["batch"]), decode), 1)
+                    row["engine_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
+                except Exception as exc:  # noqa: BLE001 - a failed reference is recorded, not fatal
+                    row["hf_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"{preset} batch {row['batch']}: HF {row.get('hf_tok_s')}", flush=True)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+        results.append({"preset": preset, "weight_bytes": weight_bytes, "backends": backends, "rows": rows})
+    return {"benchmark": "e2e_decode", "prompt_len": prompt_len, "decode_tokens": decode, "limits": limits,
+            "cases": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-hf", action="store_true")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    result = {"device": device_info(device), "commit": commit(), **run(device, hf=not args.no_hf)}
+    if args.json:
+        write_result(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The whole engine on a GPU with the Triton backends against the native oracle on the same GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+NATIVE = {"attention_backend": "native", "moe_backend": "native", "linear_backend": "native"}
+
+
+def _prompts(seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(rng.randint(1, 300))] for _ in range(6)]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def pair(request, tiny_qwen3):
+    kw = dict(device="cuda", dtype=request.param, max_model_len=512, progress=False)
+    fast, oracle = LLM(str(tiny_qwen3), **kw), LLM(str(tiny_qwen3), **kw, **NATIVE)
+    return request.param, fast, oracle
+
+
+def test_the_triton_backends_are_selected_on_cuda(pair):
+    _, fast, oracle = pair
+    chosen = {f: s.chosen.name for f, s in fast.engine.components.selections.items()}
+    assert chosen["attention"] == chosen["linear"] == "triton"
+    assert {f: s.chosen.name for f, s in oracle.engine.components.selections.items()}["attention"] == "native"
+
+
+def test_greedy_and_logprobs_match_the_oracle(pair, seed):
+    dtype, fast, oracle = pair
+    prompts = _prompts(seed, fast.engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    a, b = fast.generate(prompts, params), oracle.generate(prompts, params)
+    worst = 0.0
+    for x, y in zip(a, b):
+        lx = torch.tensor([next(iter(d.values())) for d in x.prompt_logprobs[1:]])
+        ly = torch.tensor([next(iter(d.values())) for d in y.prompt_logprobs[1:]])
+        worst = max(worst, (lx - ly).abs().max().item() if len(lx) else 0.0)
+        if dtype == "float32":
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    assert worst < (2e-3 if dtype == "float32" else 0.15), worst
