@@ -39,15 +39,15 @@ class DecodeTuning:
 
 
 D = DecodeConfig
-DECODE = {
-    "sm_90": DecodeTuning({64: D(64, 64, 4, 3), 128: D(64, 64, 4, 3), 256: D(32, 32, 4, 2), 512: D(32, 16, 8, 2)},
-                          min_programs=132 * 4, max_splits=32),
-    "sm_100": DecodeTuning({64: D(64, 64, 4, 3), 128: D(64, 64, 4, 3), 256: D(32, 32, 4, 2), 512: D(32, 16, 8, 2)},
-                           min_programs=148 * 4, max_splits=32),
-    "gfx942": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 16, 8, 1)},
-                           min_programs=304 * 2, max_splits=32),
-    "gfx950": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 16, 8, 1)},
-                           min_programs=256 * 2, max_splits=32),
+DECODE = {  # sm_90 measured on an H200 (bf16, graph replay); the others are first guesses
+    "sm_90": DecodeTuning({64: D(64, 64, 4, 2), 128: D(64, 64, 4, 2), 256: D(32, 32, 4, 2), 512: D(32, 64, 4, 2)},
+                          min_programs=132 * 4, max_splits=64),
+    "sm_100": DecodeTuning({64: D(64, 64, 4, 2), 128: D(64, 64, 4, 2), 256: D(32, 32, 4, 2), 512: D(32, 64, 4, 2)},
+                           min_programs=148 * 4, max_splits=64),
+    "gfx942": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 32, 4, 1)},
+                           min_programs=304 * 2, max_splits=64),
+    "gfx950": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 32, 4, 1)},
+                           min_programs=256 * 2, max_splits=64),
     "default": DecodeTuning({64: D(32, 16, 4, 1), 128: D(32, 16, 4, 1), 256: D(16, 16, 4, 1), 512: D(16, 16, 4, 1)},
                             min_programs=16, max_splits=4),
 }
@@ -125,30 +125,34 @@ def decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, query_start_ptr, seq_ids_ptr,
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, V_HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_ptr + tl.load(seq_ids_ptr + i))
+    first = (i * NUM_HEADS + head) * NUM_SPLITS
     splits = tl.arange(0, BLOCK_S)
-    s_ok = splits < NUM_SPLITS
-    offs_dv = tl.arange(0, BLOCK_DV)
-    part = (i * NUM_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + first + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)  # finite: the split holding the query's own key is never empty
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head) * LOG2E
         m = tl.maximum(m, sink)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m)
+    # the partial outputs go CHUNK_S splits at a time: all of them at head dim 512 would spill
+    offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < V_HEAD_DIM
-    parts = tl.load(part_out_ptr + part[:, None] * V_HEAD_DIM + offs_dv[None, :],
-                    mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
-    o = tl.sum(parts * w[:, None], 0) / denom
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv, o.to(out_ptr.dtype.element_ty), mask=dv_ok)
-
+    o = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in tl.static_range(0, BLOCK_S, CHUNK_S):
+        chunk = s0 + tl.arange(0, CHUNK_S)
+        c_ok = chunk < NUM_SPLITS
+        w = tl.exp2(tl.load(part_lse_ptr + first + chunk, mask=c_ok, other=float("-inf")) - m)
+        parts = tl.load(part_out_ptr + (first + chunk)[:, None] * V_HEAD_DIM + offs_dv[None, :],
+                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+        o += tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv, (o / denom).to(out_ptr.dtype.element_ty),
+             mask=dv_ok)
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -184,6 +188,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
         part_out, part_lse, out, layer.sinks, query_start_loc, seq_ids,
         out.stride(0), out.stride(1),
         NUM_HEADS=layer.num_heads, V_HEAD_DIM=v_head_dim, NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(v_head_dim),
-        HAS_SINKS=layer.sinks is not None,
+        BLOCK_S=triton.next_power_of_2(splits), CHUNK_S=min(8, triton.next_power_of_2(splits)),
+        BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINKS=layer.sinks is not None,
     )

@@ -32,11 +32,11 @@ class PrefillConfig:
 
 # keyed by arch, then by the padded head dim (the larger of head_dim and v_head_dim)
 P = PrefillConfig
-PREFILL = {
-    "sm_90": {64: P(128, 64, 4, 3), 128: P(128, 64, 8, 3), 256: P(64, 64, 8, 2), 512: P(64, 32, 8, 1)},
-    "sm_100": {64: P(128, 64, 4, 3), 128: P(128, 64, 8, 3), 256: P(64, 64, 8, 2), 512: P(64, 32, 8, 1)},
-    "gfx942": {64: P(128, 64, 4, 1), 128: P(128, 64, 8, 1), 256: P(64, 64, 8, 1), 512: P(64, 32, 8, 1)},
-    "gfx950": {64: P(128, 64, 4, 2), 128: P(128, 64, 8, 2), 256: P(64, 64, 8, 1), 512: P(64, 32, 8, 1)},
+PREFILL = {  # sm_90 measured on an H200 (bf16, causal, GQA 4-8); the others are first guesses
+    "sm_90": {64: P(128, 64, 4, 3), 128: P(128, 128, 8, 3), 256: P(128, 64, 8, 2), 512: P(32, 32, 4, 2)},
+    "sm_100": {64: P(128, 64, 4, 3), 128: P(128, 128, 8, 3), 256: P(128, 64, 8, 2), 512: P(32, 32, 4, 2)},
+    "gfx942": {64: P(128, 64, 4, 1), 128: P(128, 64, 8, 1), 256: P(64, 64, 8, 1), 512: P(32, 32, 4, 1)},
+    "gfx950": {64: P(128, 64, 4, 2), 128: P(128, 64, 8, 2), 256: P(64, 64, 8, 1), 512: P(32, 32, 4, 1)},
     "default": {64: P(64, 32, 4, 1), 128: P(64, 32, 4, 1), 256: P(32, 32, 4, 1), 512: P(16, 16, 4, 1)},
 }
 
@@ -66,17 +66,19 @@ def _attend_keys(q, acc, m_i, l_i, k_ptr, v_ptr, pages_row, kv_head, q_pos, star
         if MASKED:
             n_ok = n < hi
             page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            k_ok = n_ok[None, :] & d_ok[:, None]
+            k_ok = n_ok[:, None] & d_ok[None, :]
             # masked slots may hold anything, NaN included: load them as 0 so 0 * NaN cannot leak in
             v_ok = n_ok[:, None] & dv_ok[None, :]
         else:
             page = tl.load(pages_row + n // PAGE_SIZE).to(tl.int64)
-            k_ok = d_ok[:, None]
+            k_ok = d_ok[None, :]
             v_ok = dv_ok[None, :]
         slot = n % PAGE_SIZE
-        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=k_ok, other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        # keys load row-major like the values, then transpose in registers: faster than a
+        # column-major gather on sm_90 (0.60 against 0.54 of SDPA at head dim 128)
+        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
+                    + offs_d[None, :], mask=k_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = n_ok[None, :]
             if CAUSAL:
@@ -84,9 +86,10 @@ def _attend_keys(q, acc, m_i, l_i, k_ptr, v_ptr, pages_row, kv_head, q_pos, star
             if SLIDING:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # the scale folds into the exponent's multiply-add: one op per score, not two
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
                     + offs_dv[None, :], mask=v_ok, other=0.0)
