@@ -10,7 +10,6 @@ out contiguously for it and in scattered pages for the engine's kernel.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -22,9 +21,9 @@ from engine.backends.triton.attention_prefill import prefill_attention
 from engine.core.families.attention import AttentionLayer, LayerKV
 
 try:
-    from common import bench_ms, commit, device_info, measure_limits, write_result
+    from common import bench_main, bench_ms, measure_limits
 except ImportError:  # run as a module
-    from benchmarks.common import bench_ms, commit, device_info, measure_limits, write_result
+    from benchmarks.common import bench_main, bench_ms, measure_limits
 
 PAGE = 16
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
@@ -104,21 +103,12 @@ def run(device: torch.device, limits: dict | None = None) -> dict:
             "limits": limits, "decode": decode, "prefill": prefill}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    device = torch.device("cuda")
-    result = {"device": device_info(device), "commit": commit(), **run(device)}
-    for r in result["decode"]:
-        print(f"decode b={r['batch']:4d} ctx={r['context']:6d}: {r['ms']:.3f} ms, {r['gb_s']:.0f} GB/s, "
-              f"{r['fraction_of_copy_bw']:.2f} of copy")
-    for r in result["prefill"]:
-        print(f"prefill b={r['batch']} s={r['seq']} d={r['head_dim']}: {r['tflop_s']} TFLOP/s, "
-              f"SDPA {r['sdpa_tflop_s']} ({r['ratio_vs_sdpa']}x)")
-    if args.json:
-        write_result(args.json, result)
+def summary(result: dict) -> list[str]:
+    return ([f"decode b={r['batch']:4d} ctx={r['context']:6d}: {r['ms']:.3f} ms, {r['gb_s']:.0f} GB/s, "
+             f"{r['fraction_of_copy_bw']:.2f} of copy" for r in result["decode"]]
+            + [f"prefill b={r['batch']} s={r['seq']} d={r['head_dim']}: {r['tflop_s']} TFLOP/s, "
+               f"SDPA {r['sdpa_tflop_s']} ({r['ratio_vs_sdpa']}x)" for r in result["prefill"]])
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(run, summary)

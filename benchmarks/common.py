@@ -60,3 +60,18 @@ def measure_limits(device: torch.device) -> dict:
 def write_result(path: str | Path, result: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def bench_main(run, lines) -> None:
+    """The command line of a device benchmark: run on the GPU, print ``lines(result)``, write --json."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    result = {"device": device_info(device), "commit": commit(), **run(device)}
+    for line in lines(result):
+        print(line)
+    if args.json:
+        write_result(args.json, result)

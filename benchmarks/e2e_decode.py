@@ -11,7 +11,6 @@ copy bandwidth. HF transformers generates the same prompts on the same device th
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import tempfile
@@ -24,9 +23,9 @@ from engine import LLM, SamplingParams
 from engine.core.checkpoint_gen import write_checkpoint
 
 try:
-    from common import commit, device_info, measure_limits, write_result
+    from common import bench_main, measure_limits
 except ImportError:
-    from benchmarks.common import commit, device_info, measure_limits, write_result
+    from benchmarks.common import bench_main, measure_limits
 
 CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
 HF_MAX_BATCH = 64  # HF's cache at 256 x 1K adds minutes for a figure nobody would serve with
@@ -75,6 +74,7 @@ def _roofline(config: dict, batch: int, ctx: int, copy_gb_s: float, weight_bytes
 
 def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024, decode: int = 32,
         hf: bool = True) -> dict:
+    """Prints each figure as it is measured (the checkpoints take minutes to write)."""
     import json
 
     limits = limits or measure_limits(device)
@@ -120,16 +120,5 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
             "cases": results}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default=None)
-    p.add_argument("--no-hf", action="store_true")
-    args = p.parse_args()
-    device = torch.device("cuda")
-    result = {"device": device_info(device), "commit": commit(), **run(device, hf=not args.no_hf)}
-    if args.json:
-        write_result(args.json, result)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, lambda result: [])

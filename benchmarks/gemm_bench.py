@@ -10,8 +10,6 @@ quantization included).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from tqdm import tqdm
 
@@ -20,9 +18,9 @@ from engine.backends.triton.fp8_quant import quantize_fp8_token_group
 from engine.core.native.quant import dequantize_fp8_block, quantize_fp8_block
 
 try:
-    from common import bench_ms, commit, device_info, measure_limits, write_result
+    from common import bench_main, bench_ms, measure_limits
 except ImportError:
-    from benchmarks.common import bench_ms, commit, device_info, measure_limits, write_result
+    from benchmarks.common import bench_main, bench_ms, measure_limits
 
 MS = (1, 16, 64, 256, 1024, 4096, 8192)
 NKS = ((2048, 2048), (4096, 4096), (8192, 8192), (8192, 2048), (2048, 8192))
@@ -60,18 +58,11 @@ def run(device: torch.device, limits: dict | None = None) -> dict:
             "cases": [case(m, n, k, device, gen) for m, n, k in tqdm(cases, desc="fp8 gemm")]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    device = torch.device("cuda")
-    result = {"device": device_info(device), "commit": commit(), **run(device)}
-    for r in result["cases"]:
-        print(f"M={r['m']:5d} N={r['n']} K={r['k']}: {r['gemm_tflop_s']:7.1f} TFLOP/s, _scaled_mm "
-              f"{r['scaled_mm_tflop_s']:7.1f} ({r['gemm_vs_scaled_mm']:.2f}x), bf16 {r['bf16_tflop_s']:7.1f}")
-    if args.json:
-        write_result(args.json, result)
+def summary(result: dict) -> list[str]:
+    return [f"M={r['m']:5d} N={r['n']} K={r['k']}: {r['gemm_tflop_s']:7.1f} TFLOP/s, _scaled_mm "
+            f"{r['scaled_mm_tflop_s']:7.1f} ({r['gemm_vs_scaled_mm']:.2f}x), bf16 {r['bf16_tflop_s']:7.1f}"
+            for r in result["cases"]]
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(run, summary)

@@ -39,6 +39,14 @@ async def _finish_reason(client: httpx.AsyncClient, url: str, body: dict, starte
         return "disconnected"
 
 
+async def _started_streams(client: httpx.AsyncClient, server, n: int, max_tokens: int) -> list[asyncio.Task]:
+    """``n`` streamed completions, returned once each has sent its first chunk."""
+    started = [asyncio.Event() for _ in range(n)]
+    jobs = [asyncio.create_task(_finish_reason(client, server.url, _body(max_tokens), e)) for e in started]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    return jobs
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -82,9 +90,7 @@ def test_sigterm_drains_in_flight_and_refuses_new_work(tiny_qwen3, tmp_path):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            started = [asyncio.Event() for _ in range(8)]
-            jobs = [asyncio.create_task(_finish_reason(client, server.url, _body(48), e)) for e in started]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            jobs = await _started_streams(client, server, 8, 48)
             over = await client.post(server.url + "/v1/completions", json=_body(4, stream=False))
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -108,9 +114,7 @@ def test_sigterm_with_zero_timeout_aborts_and_exits_fast(tiny_qwen3, tmp_path):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            started = [asyncio.Event() for _ in range(4)]
-            jobs = [asyncio.create_task(_finish_reason(client, server.url, _body(900), e)) for e in started]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            jobs = await _started_streams(client, server, 4, 900)
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             reasons = await asyncio.gather(*jobs)
