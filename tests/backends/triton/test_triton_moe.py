@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from engine.backends.triton.fused_moe import MOE_GEMM, _moe_gemm_kernel, fused_moe, moe_config, moe_down, moe_gate_up
 from engine.backends.triton.moe import TritonMoE
-from engine.backends.triton.moe_align import align_by_expert, max_padded_rows
+from engine.backends.triton.moe_align import (ALIGN, _count_kernel, _place_kernel, _scan_kernel, align_by_expert,
+                                               max_padded_rows)
 from engine.backends.triton.target import pick
 from engine.core.families.moe import ExpertWeights, RoutingConfig
 from engine.core.native import quant
@@ -101,6 +102,7 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
         assert (rows[1:] > rows[:-1]).all()  # stable: assignment order inside an expert
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 1), (5, 8, 2), (40, 16, 4), (3, 256, 8),
                                                          (300, 256, 6), (97, 64, 8)])
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -108,12 +110,14 @@ def test_alignment_invariants(seed, num_tokens, num_experts, top_k, block_m):
     check_alignment(random_ids(num_tokens, num_experts, top_k), num_experts, block_m)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("counts,top_k", [([16, 17, 15, 0, 1, 32, 0, 7], 2), ([16, 16, 16, 16, 0, 0, 0, 0], 2),
                                           ([64, 0, 0, 0, 0, 0, 0, 0], 1)])
 def test_alignment_at_block_boundaries(seed, counts, top_k):
     check_alignment(ids_with_counts(counts, top_k), len(counts), 16)
 
 
+@pytest.mark.interpret
 def test_alignment_of_no_tokens():
     blocks = align_by_expert(torch.zeros(0, 4, dtype=torch.long), 8, 16)
     assert blocks.num_blocks == 0 and int(blocks.num_padded) == 0
@@ -205,11 +209,10 @@ def check_fp8(x, weights, ids, w, bound):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit", [
-    (2, 8, 2, 256, 192, None),   # I = 192: a 128-row scale block holds gate and up rows
-    (20, 8, 4, 128, 256, 1.0),
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit,dtype", [
+    (2, 8, 2, 256, 192, None, torch.float32),  # I = 192: a 128-row scale block holds gate and up rows
+    (20, 8, 4, 128, 256, 1.0, torch.float16),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_experts, top_k, hidden, inner,
                                                           limit, dtype):
     x = activations(num_tokens, hidden, dtype, scale=2.0)
@@ -225,6 +228,7 @@ def test_route_is_the_native_routing(seed):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.interpret
 def test_refuses_unknown_activation_and_fp8_without_scales():
     x, weights, ids = torch.zeros(2, 128), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)
     w = random_experts(4, 128, 128, torch.float32)
@@ -313,3 +317,22 @@ def test_bf16_moe_gemm_reaches_the_matrix_units(target, which, gated):
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 def test_fp8_moe_gemm_reaches_the_matrix_units(target):
     check_compiled(compile_moe_gemm(target, "large", True, fp8=True), target, FP8_MMA[target])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+def test_alignment_kernels_compile(target):
+    from aot import compile_asm
+
+    cfg = pick(ALIGN, target)
+    shape = dict(CHUNK=cfg.chunk, EXPERTS=256)
+    kernels = [
+        (_count_kernel, {"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "n": "i32"}, shape),
+        (_scan_kernel, {"chunk_counts_ptr": "*i32", "chunk_start_ptr": "*i32", "block_expert_ptr": "*i32",
+                        "num_padded_ptr": "*i32", "num_chunks": "i32", "num_experts": "i32", "num_blocks": "i32"},
+         dict(BLOCK_M=64, EXPERTS=256, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks)),
+        (_place_kernel, {"ids_ptr": "*i64", "chunk_start_ptr": "*i32", "sorted_ids_ptr": "*i32", "n": "i32"}, shape),
+    ]
+    for kernel, signature, constexprs in kernels:
+        asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps)
+        assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
