@@ -147,7 +147,6 @@ class LLMEngine:
         self.scheduler.finish(req.seqs[index], "stop", stop_reason)
         if not req.finished:
             return None
-        req.finish_time = time.monotonic()
         self._count_finish(req)
         return self.requests.pop(request_id)
 
@@ -233,7 +232,6 @@ class LLMEngine:
         for rid in touched:
             req = self.requests[rid]
             if req.finished:
-                req.finish_time = now
                 self._count_finish(req)
         return list(touched)
 

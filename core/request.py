@@ -21,20 +21,10 @@ class Request:
     detokenizers: list[IncrementalDetokenizer] | None  # None: the caller detokenizes
     stream: bool = True  # report every change, not only the end
     arrival_time: float = field(default_factory=time.monotonic)
-    finish_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-    @property
-    def first_token_time(self) -> float | None:
-        times = [s.first_token_time for s in self.seqs if s.first_token_time is not None]
-        return min(times) if times else None
-
-    @property
-    def first_scheduled_time(self) -> float | None:
-        return self.seqs[0].first_scheduled_time
 
     def output(self) -> RequestOutput:
         """The cumulative state so far (what ``LLM.generate`` returns once finished)."""

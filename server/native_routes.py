@@ -15,10 +15,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..core.sampling_params import SamplingParams
-from .errors import invalid
+from .errors import APIError, invalid
 from .generation import PromptRun
 from .openai_serving import Serving, _respond, _stream
-from .protocol import Limits
+from .protocol import Limits, check_range, check_stops
 
 
 def _params(raw, limits: Limits, vocab_size: int) -> SamplingParams:
@@ -39,14 +39,14 @@ def _params(raw, limits: Limits, vocab_size: int) -> SamplingParams:
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise invalid(f"sampling_params.{field}", str(e)) from None
-    if params.n > limits.max_n:
-        raise invalid("sampling_params.n", f"n must be in [1, {limits.max_n}], got {params.n}")
-    for name in ("logprobs", "prompt_logprobs"):
-        v = getattr(params, name)
-        if v is not None and v > limits.max_logprobs:
-            raise invalid(f"sampling_params.{name}", f"{name} must be in [0, {limits.max_logprobs}], got {v}")
-    if len(params.stop) > limits.max_stop_sequences:
-        raise invalid("sampling_params.stop", f"stop may hold at most {limits.max_stop_sequences} sequences")
+    try:
+        check_range("n", params.n, 1, limits.max_n)
+        for name in ("logprobs", "prompt_logprobs"):
+            check_range(name, getattr(params, name), 0, limits.max_logprobs)
+        check_stops(params.stop, limits)
+    except APIError as e:
+        e.param = f"sampling_params.{e.param}"
+        raise
     return params
 
 

@@ -112,12 +112,12 @@ _SHARED_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_t
                   "logit_bias", "skip_special_tokens")
 
 
-def _check_range(param: str, value: int | None, low: int, high: int) -> None:
+def check_range(param: str, value: int | None, low: int, high: int) -> None:
     if value is not None and not low <= value <= high:
         raise invalid(param, f"{param} must be in [{low}, {high}], got {value}")
 
 
-def _check_stops(stop: str | list[str] | None, limits: Limits) -> None:
+def check_stops(stop: str | list[str] | None, limits: Limits) -> None:
     stops = [stop] if isinstance(stop, str) else stop or []
     if len(stops) > limits.max_stop_sequences:
         raise invalid("stop", f"stop may hold at most {limits.max_stop_sequences} sequences, got {len(stops)}")
@@ -145,15 +145,15 @@ def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits,
                        vocab_size: int) -> SamplingParams:
     """Enforce the server's limits, then let ``SamplingParams`` judge the rest; 400s name the field."""
-    _check_range("n", req.n, 1, limits.max_n)
-    _check_stops(req.stop, limits)
+    check_range("n", req.n, 1, limits.max_n)
+    check_stops(req.stop, limits)
     special = _length_and_logprobs(req)
     for name, (value, param) in special.items():
         if name == "max_tokens":
             if value is not None and value < 1:
                 raise invalid(param, f"{param} must be >= 1, got {value}")
         else:
-            _check_range(param, value, 0, limits.max_logprobs)
+            check_range(param, value, 0, limits.max_logprobs)
     kwargs = {f: getattr(req, f) for f in _SHARED_FIELDS if getattr(req, f) is not None}
     kwargs.update({name: value for name, (value, _) in special.items()})
     try:
