@@ -90,6 +90,9 @@ class EngineConfig:
     moe_backend: str | None = None
     linear_backend: str | None = None
     graph_backend: str | None = None
+    enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
+    max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
+    graph_memory: int | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.max_graph_batch < 1:
+            raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
 

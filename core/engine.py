@@ -87,7 +87,7 @@ class LLMEngine:
         self.pool = c.pool
         self.radix = RadixCache(c.pool, config.page_size, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, c.pool, self.radix)
-        self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device)
+        self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device, c.graphs)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, c.device)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward import ForwardBatch
+from .graph_runner import DecodeGraphs
 from .kv.storage import KVCache
 from .models.base import CausalLM
 from .scheduler import SchedulerOutput
@@ -23,11 +24,13 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, page_size: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, page_size: int, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
         self.page_size = page_size
         self.device = device
+        self.graphs = graphs
 
     def build_batch(self, step: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         input_ids: list[int] = []
@@ -60,6 +63,8 @@ class ModelRunner:
             src, dst = zip(*step.page_copies)
             self.kv.copy_pages(list(src), list(dst))
         batch, rows = self.build_batch(step)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return StepLogits(self.graphs.run(batch), rows)  # decode: one logits row per sequence, in order
         batch.attn_metadata = self.model.backends.attention.prepare(batch)
         hidden = self.model(batch, self.kv)
         if batch.logits_indices.numel() == 0:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .graph_runner import DecodeGraphs
 from .kv.pages import PagePool
 from .kv.storage import KVCache, pages_for_budget
 from .models.base import Backends, CausalLM
@@ -33,6 +34,7 @@ class Components:
     kv: KVCache
     pool: PagePool
     max_model_len: int
+    graphs: DecodeGraphs | None = None
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -46,6 +48,34 @@ def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: st
 def select_backends(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> dict[str, Selection]:
     requested = config.requested_backends()
     return {family: plugins.select(family, ctx, requested.get(family)) for family in BACKEND_FAMILIES}
+
+
+def select_graphs(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> Selection | None:
+    """The graphs backend, or None for eager steps: by choice, or where nothing can capture here."""
+    if config.enforce_eager:
+        return None
+    requested = config.requested_backends().get("graphs")
+    try:
+        return plugins.select("graphs", ctx, requested)
+    except SelectionError:
+        if requested:
+            raise
+        return None
+
+
+def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selection, model: CausalLM, kv: KVCache,
+                   max_model_len: int, device: torch.device, progress: bool) -> DecodeGraphs | None:
+    attention = model.backends.attention
+    if not attention.graph_safe:
+        logger.info("attention backend %s is not graph-safe: decode runs eagerly", attention.name)
+        return None
+    budget = config.graph_memory
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] // 2
+    graphs = DecodeGraphs(model, kv, selection.create(ctx), config.page_size, max_model_len,
+                          min(config.max_graph_batch, config.max_num_seqs), device)
+    graphs.capture(budget, progress=progress)
+    return graphs
 
 
 def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
@@ -74,6 +104,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
     selections = select_backends(plugins, ctx, config)
+    graph_selection = select_graphs(plugins, ctx, config)
     backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
     model_cls = select_model_class(plugins, ctx, model_config.architecture)
     logger.info("platform %s; %s", platform.summary(),
@@ -95,5 +126,9 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 model_config.architecture, model_config.dtype, device, time.monotonic() - started,
                 num_pages, config.page_size,
                 KVCache.bytes_per_page(model.kv_layer_specs(), config.page_size, model_config.dtype) * num_pages / 2**20)
+    graphs = None
+    if graph_selection is not None:
+        selections["graphs"] = graph_selection
+        graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
     return Components(plugins, platform, device, model_config, selections, model, kv, PagePool(num_pages),
-                      max_model_len)
+                      max_model_len, graphs)

@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="0 turns chunked prefill off")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA/HIP graphs")
+    g.add_argument("--max-graph-batch", type=int, default=256, help="capture decode graphs up to this batch size")
+    g.add_argument("--graph-memory", type=parse_size, default=None,
+                   help="bytes decode graphs may take (default: half of what the KV cache leaves)")
     for family in ("attention", "moe", "linear", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -65,5 +69,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size or None, enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,
-        linear_backend=args.linear_backend, graph_backend=args.graph_backend,
+        linear_backend=args.linear_backend, graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
+        max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory,
     )

@@ -32,3 +32,18 @@ def engine_register_moe_backends() -> list[Descriptor]:
 @hookimpl
 def engine_register_linear_backends() -> list[Descriptor]:
     return triton_descriptors("linear", "nvidia")
+
+
+@hookimpl
+def engine_register_graph_backends() -> list[Descriptor]:
+    return [Descriptor("graphs", "cuda_graphs", _create_graphs, priority=100, check=_graph_reasons)]
+
+
+def _graph_reasons(ctx) -> list[str]:
+    return [] if ctx.platform.vendor == "nvidia" else [f"needs an NVIDIA GPU (the platform is {ctx.platform.summary()})"]
+
+
+def _create_graphs(ctx):
+    from .graphs import CudaGraphs
+
+    return CudaGraphs(ctx)

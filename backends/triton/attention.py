@@ -35,6 +35,7 @@ def _indices(ids: list[int], num_seqs: int, device: torch.device) -> torch.Tenso
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     def prepare(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         device = batch.seq_lens.device

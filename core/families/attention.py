@@ -43,6 +43,9 @@ class AttentionBackend(ABC):
     """Stores the step's new K/V into pages and attends every new query over its sequence."""
 
     name: str = "?"
+    # True if forward reads lengths only from the batch's device tensors (never its host lists) and
+    # syncs with nothing, so a decode step can be captured in a graph and replayed with new contents
+    graph_safe: bool = False
 
     def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext; one constructor for all
         self.ctx = ctx

@@ -48,3 +48,17 @@ def test_greedy_and_logprobs_match_the_oracle(pair, seed):
     # fp32: the Triton attention's tl.dot runs on TF32 tensor cores (10-bit mantissa), the oracle in
     # IEEE fp32; measured on the H200, prompt logprobs then agree to 2e-2 and greedy tokens exactly
     assert worst < (5e-2 if dtype == "float32" else 0.15), worst
+
+
+def test_graph_replay_equals_eager(pair, tiny_qwen3, seed):
+    dtype, fast, _ = pair
+    assert fast.engine.runner.graphs is not None and fast.engine.runner.graphs.buckets[-1] >= 6
+    eager = LLM(str(tiny_qwen3), device="cuda", dtype=dtype, max_model_len=512, progress=False, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    prompts = _prompts(seed + 1, fast.engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    for x, y in zip(fast.generate(prompts, params), eager.generate(prompts, params)):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        a = torch.tensor([next(iter(d.values())) for d in x.outputs[0].logprobs])
+        b = torch.tensor([next(iter(d.values())) for d in y.outputs[0].logprobs])
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3 if dtype == "float32" else 5e-2)

@@ -369,7 +369,9 @@ def test_report_names_every_family_and_the_platform(dummy):
         assert any(name in line and module in line and "loaded" in line for line in text.splitlines())
     assert "attention (requested 'dummy-refuses'): nothing selected" in text
     assert DUMMY_REASON in text and DUMMY_REFUSAL in text
-    assert "graphs: no candidates registered" in text
+    assert "graphs: selects cuda_graphs (plugin cuda)" in text  # the platform is an H200
+    assert "linear: selects triton (plugin cuda)" in text
+    assert "spec: no candidates registered" in text
     assert "DummyForCausalLM" in text
 
     model_config = SimpleNamespace(architecture="DummyForCausalLM")
