@@ -74,7 +74,13 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
         budget = torch.cuda.mem_get_info(device)[0] // 2
     graphs = DecodeGraphs(model, kv, selection.create(ctx), config.page_size, max_model_len,
                           min(config.max_graph_batch, config.max_num_seqs), device)
-    graphs.capture(budget, progress=progress)
+    try:
+        graphs.capture(budget, progress=progress)
+    except Exception:
+        if selection.explicit:
+            raise
+        logger.exception("capturing decode graphs failed; decode runs eagerly (--enforce-eager skips the attempt)")
+        return None
     return graphs
 
 
