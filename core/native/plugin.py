@@ -17,6 +17,7 @@ MODELS = {
     "LlamaForCausalLM": "engine.core.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "engine.core.models.llama:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "engine.core.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV4ForCausalLM": "engine.core.models.deepseek_v4.model:DeepseekV4ForCausalLM",
 }
 
 

@@ -1,0 +1,1 @@
+"""DeepSeek-V4: mHC residual streams, compressed sparse / heavily compressed attention, hash and routed MoE."""

@@ -1,0 +1,189 @@
+"""DeepseekV4ForCausalLM: token embedding spread over hc_mult residual streams, per layer an mHC-wrapped
+attention sublayer and MoE sublayer, and the final mHC head, norm and LM head.
+
+The attention keeps no paged KV yet: each step recomputes every sequence it touches from position
+0. What the pages hold per token is the token id (in base-16 digits, exact in any float dtype),
+so a step with cached context (a later prefill chunk, a prefix-cache hit, a decode step) reads
+the earlier tokens back from its pages and recomputes them with the new ones.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ...config import ModelConfig
+from ...forward import ForwardBatch
+from ...kv.storage import KVCache, KVLayerSpec
+from ...native.mhc import hc_head, hc_post, hc_pre
+from ...native.rope import RotaryEmbedding, rope_from_hf
+from ..base import Backends, CausalLM
+from ..layers import Embedding, Linear, RMSNorm, empty_param
+from ..weights import Target, load_into
+from .attention import Attention
+from .moe import SparseMoE
+
+DIGIT_BITS = 4  # a bf16 holds integers up to 256 exactly, so ids are stored 4 bits per channel
+
+_EXPERT = re.compile(r"(.*\.ffn)\.(experts\.(\d+)|shared_experts)\.(w[123])\.weight$")
+_PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+              "hc_head_scale": "model.hc_head.hc_scale"}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf: dict, layer_id: int, backends: Backends, ropes: dict[str, RotaryEmbedding], *,
+                 dtype: torch.dtype, device) -> None:
+        super().__init__()
+        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.attn = Attention(hf, layer_id, backends, ropes, dtype=dtype, device=device)
+        self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
+                             device=device)
+        self.attn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
+        self.ffn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
+        n = hf.get("hc_mult", 4)
+        for name in ("attn", "ffn"):
+            mixes = (2 + n) * n
+            self.register_parameter(f"hc_{name}_fn", empty_param(mixes, n * hidden, dtype=torch.float32,
+                                                                 device=device))
+            self.register_parameter(f"hc_{name}_base", empty_param(mixes, dtype=torch.float32, device=device))
+            self.register_parameter(f"hc_{name}_scale", empty_param(3, dtype=torch.float32, device=device))
+        self.eps, self.hc_eps, self.iters = eps, hf.get("hc_eps", 1e-6), hf.get("hc_sinkhorn_iters", 20)
+
+    def _pre(self, name: str, streams: torch.Tensor):
+        return hc_pre(streams, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
+                      getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                seq_lens: list[int]) -> torch.Tensor:
+        x, post, comb = self._pre("attn", streams)
+        streams = hc_post(self.attn(self.attn_norm(x), positions, seq_lens), streams, post, comb)
+        x, post, comb = self._pre("ffn", streams)
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hf: dict, device) -> None:
+        super().__init__()
+        n = hf.get("hc_mult", 4)
+        self.hc_fn = empty_param(n, n * hf["hidden_size"], dtype=torch.float32, device=device)
+        self.hc_base = empty_param(n, dtype=torch.float32, device=device)
+        self.hc_scale = empty_param(1, dtype=torch.float32, device=device)
+        self.eps, self.hc_eps = hf.get("rms_norm_eps", 1e-6), hf.get("hc_eps", 1e-6)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)
+
+
+class Decoder(nn.Module):
+    def __init__(self, hf: dict, backends: Backends, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
+        self.embed_tokens = Embedding(hf["vocab_size"], hf["hidden_size"], dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(hf, i, backends, ropes, dtype=dtype, device=device)
+                                    for i in range(hf["num_hidden_layers"]))
+        self.hc_head = HyperHead(hf, device)
+        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device)
+        self.hc_mult = hf.get("hc_mult", 4)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, seq_lens)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
+        super().__init__(config, backends)
+        hf, dtype = _normalised(config.hf), config.dtype
+        self.model = Decoder(hf, backends, dtype=dtype, device=device)
+        self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
+        self.id_digits = -(-max(1, (config.vocab_size - 1).bit_length()) // DIGIT_BITS)
+        self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
+
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        return [KVLayerSpec(num_kv_heads=1, head_dim=self.id_digits, v_head_dim=0)]
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        ids_pages = kv.layer(0).k.view(-1, self.id_digits)
+        ids_pages.index_copy_(0, batch.slot_mapping, self._digits(batch.input_ids).to(ids_pages.dtype))
+        if not any(batch.context_lens_cpu):
+            return self.model(batch.input_ids, batch.positions, batch.query_lens_cpu)
+        ids, rows, start = [], [], 0
+        for i, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
+            pos = torch.arange(seq_len, device=batch.page_table.device)
+            slots = batch.page_table[i, pos // batch.page_size].long() * batch.page_size + pos % batch.page_size
+            ids.append(self._ids(ids_pages[slots]))
+            rows.append(torch.arange(start + seq_len - q_len, start + seq_len, device=pos.device))
+            start += seq_len
+        seq_ids = torch.cat(ids)
+        positions = torch.cat([torch.arange(n, device=seq_ids.device) for n in batch.seq_lens_cpu])
+        return self.model(seq_ids, positions, batch.seq_lens_cpu)[torch.cat(rows)]
+
+    def _digits(self, ids: torch.Tensor) -> torch.Tensor:
+        shifts = torch.arange(self.id_digits, device=ids.device) * DIGIT_BITS
+        return (ids[:, None] >> shifts) & ((1 << DIGIT_BITS) - 1)
+
+    def _ids(self, digits: torch.Tensor) -> torch.Tensor:
+        shifts = torch.arange(self.id_digits, device=digits.device) * DIGIT_BITS
+        return (digits.long() << shifts).sum(dim=-1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def resolve(self, name: str) -> Target | None:
+        """Checkpoint name (as HF writes it, or in the published layout without ``model.``) -> parameter."""
+        name = _PUBLISHED.get(name, name)
+        if name.startswith("layers."):
+            name = "model." + name
+        if m := _EXPERT.match(name):
+            ffn, which = self.get_submodule(m[1]), m[4]
+            stack, expert = (f"{m[1]}.experts", int(m[3])) if m[3] is not None else (f"{m[1]}.shared_experts", 0)
+            if which == "w2":
+                return Target(f"{stack}.down", expert=expert)
+            inter = ffn.intermediate
+            return Target(f"{stack}.gate_up", rows=(0, inter) if which == "w1" else (inter, inter), expert=expert)
+        return Target(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def main_weights():
+            for name, tensor in weights:
+                if name.startswith(("mtp.", "model.mtp.")):
+                    self.mtp[name] = tensor.clone()
+                else:
+                    yield name, tensor
+
+        with torch.no_grad():
+            load_into(self, main_weights(), self.resolve)
+
+
+def _normalised(hf: dict) -> dict:
+    """config.json with the fields older V4 configs spell differently filled in, as HF does."""
+    hf = dict(hf)
+    n = hf["num_hidden_layers"]
+    rates = dict(hf.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    hf["compress_rates"] = rates
+    if "layer_types" not in hf or hf["layer_types"] is None:
+        by_ratio = {0: "sliding_attention", rates["compressed_sparse_attention"]: "compressed_sparse_attention",
+                    rates["heavily_compressed_attention"]: "heavily_compressed_attention"}
+        if "compress_ratios" not in hf:
+            raise ValueError("DeepSeek-V4 config.json names neither layer_types nor compress_ratios")
+        hf["layer_types"] = [by_ratio[r] for r in hf["compress_ratios"][:n]]
+    if not hf.get("mlp_layer_types"):
+        hashed = hf.get("num_hash_layers", 3)
+        hf["mlp_layer_types"] = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if not all(isinstance(rope.get(k), dict) for k in ("main", "compress")):
+        partial = hf.get("partial_rotary_factor") or hf.get("qk_rope_head_dim", 64) / hf["head_dim"]
+        compress = {**rope, "rope_theta": hf.get("compress_rope_theta", 160000.0), "partial_rotary_factor": partial}
+        compress.setdefault("rope_type", "default")
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin by YaRN's mscale
+        hf["rope_parameters"] = {"main": {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0),
+                                          "partial_rotary_factor": partial}, "compress": compress}
+    return hf

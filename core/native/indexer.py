@@ -1,0 +1,32 @@
+"""DeepSeek-V4's lightning indexer: which compressed entries each CSA query attends to.
+
+A query scores entry s as sum_h w_h * ReLU(q_h . k_s) / sqrt(d). ReLU makes exact ties (often at 0)
+common, so the top-k is a stable descending sort: among equal scores the lowest entry index wins.
+This makes the choice independent of tensor shapes, hence a prefix's choices equal the full
+sequence's and cached decoding equals recomputation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """q [S, H, d] (rotated), keys [N, d], head_weights [S, H] (already scaled) -> fp32 scores [S, N]."""
+    scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * q.shape[-1] ** -0.5
+    return (scores * head_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last axis; ties go to the lowest index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_entries(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
+    """scores [S, N], visible [S] (entries 0..visible-1 are causal) -> bool [S, N]: the top_k best
+    visible entries of each query (all of them when fewer are visible)."""
+    n = scores.shape[-1]
+    future = torch.arange(n, device=scores.device) >= visible.unsqueeze(-1)
+    picks = stable_topk(scores.masked_fill(future, float("-inf")), min(top_k, n))
+    chosen = torch.zeros_like(future).scatter_(-1, picks, True)
+    return chosen & ~future

@@ -1,0 +1,215 @@
+"""DeepSeek-V4 against HF transformers' deepseek_v4 in fp32, with the stable indexer top-k patched in.
+
+HF's indexer breaks top-k ties with ``torch.topk``, which depends on tensor shapes; the reference
+here is HF with the engine's rule (stable descending sort, lowest entry index wins among ties).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.forward import ForwardBatch
+from engine.core.native.indexer import select_entries, stable_topk
+from engine.core.native.mhc import sinkhorn
+from engine.core.startup import build
+
+PAGE = 16
+
+
+@pytest.fixture(autouse=True)
+def stable_hf_indexer(monkeypatch):
+    """Route the topk inside HF's indexer (its only one) through the engine's stable rule."""
+    forward = M.DeepseekV4Indexer.forward
+
+    def stable_topk_method(t, k, dim=-1, *args, **kwargs):
+        assert dim in (-1, t.dim() - 1)
+        idx = stable_topk(t, k)
+        return torch.return_types.topk((t.gather(-1, idx), idx))
+
+    def patched(self, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "topk", stable_topk_method)
+            return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(M.DeepseekV4Indexer, "forward", patched)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def engine_logits(c, prompts: list[list[int]], split: float | None = None) -> list[torch.Tensor]:
+    """All-position logits of each prompt from one packed batch; ``split`` cuts each prompt in two
+    steps (the second has cached context)."""
+    tables, next_page = [], 1
+    for p in prompts:
+        n = -(-len(p) // PAGE)
+        tables.append(list(range(next_page, next_page + n)))
+        next_page += n
+    cuts = [0 if split is None else int(len(p) * split) for p in prompts]
+    out = [[] for _ in prompts]
+    for part in ((0, cuts), (cuts, None)) if split is not None else ((0, None),):
+        lo_of, hi_of = part
+        ids, qlens, ctx = [], [], []
+        for i, p in enumerate(prompts):
+            lo = 0 if lo_of == 0 else lo_of[i]
+            hi = len(p) if hi_of is None else hi_of[i]
+            ids.extend(p[lo:hi])
+            qlens.append(hi - lo)
+            ctx.append(lo)
+        batch = ForwardBatch.build(ids, qlens, ctx, tables, PAGE, list(range(len(ids))))
+        with torch.inference_mode():
+            batch.attn_metadata = c.model.backends.attention.prepare(batch)
+            logits = c.model.compute_logits(c.model(batch, c.kv))
+        start = 0
+        for i, q in enumerate(qlens):
+            out[i].append(logits[start:start + q])
+            start += q
+    return [torch.cat(chunks) for chunks in out]
+
+
+def hf_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def check(path, prompts: list[list[int]], split: float | None = None) -> None:
+    c = build(EngineConfig(model=str(path), dtype="float32", page_size=PAGE, num_pages=200), progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for p, got in zip(prompts, engine_logits(c, prompts, split)):
+        err = rel_err(got, hf_logits(hf, p))
+        assert err < 1e-4, f"length {len(p)}, split {split}: relative error {err:.2e}"
+
+
+def random_checkpoint(path, seed: int, layer_types: list[str], mlp_layer_types: list[str], hc_mult: int,
+                      window: int, csa_rate: int = 4, hca_rate: int = 16, yarn: bool = False):
+    """A tiny random V4 written by HF's save_pretrained, every parameter perturbed away from its
+    init (sinks, biases, position biases, gates are zeros or ones there) and a random hash table."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=len(layer_types),
+        num_attention_heads=2, head_dim=16, q_lora_rank=16, n_routed_experts=6, num_experts_per_tok=2,
+        layer_types=layer_types, mlp_layer_types=mlp_layer_types, hc_mult=hc_mult, o_groups=2, o_lora_rank=8,
+        index_n_heads=16, index_head_dim=8, index_topk=8, sliding_window=window, partial_rotary_factor=0.5,
+        compress_rates={"compressed_sparse_attention": csa_rate, "heavily_compressed_attention": hca_rate},
+        max_position_embeddings=1024, initializer_range=0.2, swiglu_limit=1.0, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+        if yarn else None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("tid2eid"):
+                t.copy_(torch.stack([torch.randperm(6)[:2] for _ in range(t.shape[0])]))
+            elif name.endswith(("sinks", "position_bias", "base", "e_score_correction_bias", "hc_base")):
+                t.normal_(0, 0.5)
+            elif name.endswith(("scale", "hc_scale")) or "norm" in name:
+                t.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def prompts_for(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def test_sinkhorn_is_doubly_stochastic(seed):
+    """It ends on a column normalisation: columns sum to 1, rows nearly (more iterations: closer)."""
+    logits = torch.randn(5, 4, 4)
+    comb = sinkhorn(logits, iters=20, eps=1e-6)
+    assert torch.allclose(comb.sum(-2), torch.ones(5, 4), atol=1e-5)
+    assert torch.allclose(comb.sum(-1), torch.ones(5, 4), atol=2e-2)
+    assert torch.allclose(sinkhorn(logits, iters=500, eps=1e-6).sum(-1), torch.ones(5, 4), atol=1e-4)
+
+
+def test_stable_topk_breaks_ties_by_lowest_index(seed):
+    scores = torch.randint(0, 3, (64, 40)).float()  # many exact ties
+    picks = stable_topk(scores, 7)
+    for row, idx in zip(scores, picks):
+        order = sorted(range(40), key=lambda j: (-row[j].item(), j))
+        assert idx.tolist() == order[:7]
+    visible = torch.randint(0, 41, (64,))
+    chosen = select_entries(scores, visible, 7)
+    assert (chosen.sum(-1) == visible.clamp(max=7)).all()
+    assert not (chosen & (torch.arange(40) >= visible[:, None])).any()
+
+
+def test_trained_checkpoint_matches_hf(shared_dir, seed):
+    rng = random.Random(seed)
+    prompts = prompts_for(rng, 4096, [1, rng.randint(2, 40), rng.randint(100, 300), 600])
+    check(shared_dir / "models" / "tiny-dsv4-py", prompts)
+
+
+CONFIGS = {
+    "sliding": (["sliding_attention"], ["moe"], 4, 8, {}),
+    "csa": (["compressed_sparse_attention"], ["hash_moe"], 4, 16, {}),
+    "hca": (["heavily_compressed_attention"], ["moe"], 2, 32, {"hca_rate": 8}),
+    "mixed": (["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+               "compressed_sparse_attention"], ["hash_moe", "hash_moe", "moe", "moe"], 3, 64,
+              {"hca_rate": 32, "yarn": True}),
+    "mixed-wide-window": (["compressed_sparse_attention", "heavily_compressed_attention"], ["moe", "hash_moe"], 4,
+                          128, {"csa_rate": 8}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_random_config_matches_hf(name, seed, tmp_path):
+    layers, mlps, hc, window, extra = CONFIGS[name]
+    path = random_checkpoint(tmp_path / name, seed, layers, mlps, hc, window, **extra)
+    rng = random.Random(seed)
+    check(path, prompts_for(rng, 128, [1, rng.randint(2, 40), rng.randint(41, 599), 600]))
+
+
+def test_cached_context_recomputes_exactly(seed, tmp_path):
+    """A step with context (a later chunk) recomputes its sequence: the same logits as HF's full pass."""
+    layers, mlps, hc, window, extra = CONFIGS["mixed"]
+    path = random_checkpoint(tmp_path / "m", seed, layers, mlps, hc, window, **extra)
+    rng = random.Random(seed)
+    check(path, prompts_for(rng, 128, [2, rng.randint(3, 60), 301]), split=0.5)
+
+
+def test_generation_with_prefix_cache_and_chunks_matches_hf(shared_dir):
+    path = shared_dir / "models" / "tiny-dsv4-py"
+    rng = random.Random(1)
+    base = [rng.randrange(4096) for _ in range(21)]
+    prompts = [base + [rng.randrange(4096) for _ in range(n)] for n in (3, 11)]
+    llm = LLM(str(path), dtype="float32", progress=False, page_size=4, chunked_prefill_size=7,
+              enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # its pages then serve prefix hits
+    outs = llm.generate(prompts, params)
+    assert all(o.num_cached_tokens >= 20 for o in outs)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == first
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, tokens in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(6):
+            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert tokens == seq[len(prompt):]
+
+
+def test_mtp_and_published_names_load(shared_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = shared_dir / "models" / "tiny-dsv4-py"
+    d = tmp_path / "published"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {{"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+                "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+                "model.hc_head.hc_scale": "hc_head_scale"}.get(k, k.removeprefix("model.")): v
+               for k, v in tensors.items()}
+    renamed["mtp.0.emb.tok_emb.weight"] = torch.zeros(4, 2)
+    save_file(renamed, str(d / "model.safetensors"))
+    c = build(EngineConfig(model=str(d), dtype="float32", num_pages=8), progress=False)
+    assert torch.equal(c.model.mtp["mtp.0.emb.tok_emb.weight"], torch.zeros(4, 2))
+    assert torch.equal(c.model.model.layers[2].ffn.experts.gate_up[3, 128:],
+                       tensors["model.layers.2.ffn.experts.3.w3.weight"].float())
