@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention: low-rank q, one shared K=V head with partial RoPE, sinks, a sliding window
 over raw tokens, and in compressed layers the pooled entries of a CSA or HCA compressor.
 
-Computed here in torch over whole sequences (positions 0..S-1), one sequence at a time.
+Computed here in torch over whole sequences (positions 0..S-1), one sequence at a time, its
+queries in chunks whose fp32 scores stay under the native attention's ``CHUNK_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from ...families.attention import AttentionLayer
-from ...native.attention import _attend
+from ...native.attention import CHUNK_ELEMENTS, _attend
 from ...native.compressor import entry_positions, pool_windows, visible_entries
 from ...native.indexer import index_scores, select_entries
 from ...native.mhc import unweighted_rms_norm
@@ -20,6 +21,10 @@ from ..base import Backends
 from ..layers import Linear, RMSNorm, empty_param
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def _rows_per_chunk(per_row: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, per_row))
 
 
 class GroupedLinear(nn.Module):
@@ -78,7 +83,10 @@ class Indexer(nn.Module):
         q = self.wq_b(q_low).view(-1, self.num_heads, self.head_dim)
         q = rotate_tail(q, rope.cos[positions][:, None], rope.sin[positions][:, None])
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        return select_entries(index_scores(q, keys, weights), visible_entries(positions, self.rate), self.top_k)
+        visible = visible_entries(positions, self.rate)
+        step = _rows_per_chunk(self.num_heads * keys.shape[0])
+        return torch.cat([select_entries(index_scores(q[a:a + step], keys, weights[a:a + step]),
+                                         visible[a:a + step], self.top_k) for a in range(0, q.shape[0], step)])
 
 
 class Attention(nn.Module):
@@ -127,10 +135,13 @@ class Attention(nn.Module):
         for n in seq_lens:
             s = slice(start, start + n)
             keys, allowed = self._keys(x[s], q_low[s], kv[s], positions[s])
-            q_s = q[s].float().view(n, 1, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
             k_s = keys.float()[None]
-            o = _attend(q_s, k_s, k_s, allowed[None, None], spec)  # [1, H, n, D]
-            out[s] = o[0].permute(1, 0, 2)
+            step = _rows_per_chunk(self.num_heads * keys.shape[0])
+            for a in range(0, n, step):
+                b = min(a + step, n)
+                q_c = q[start + a:start + b].float().view(b - a, 1, self.num_heads, -1).permute(1, 2, 0, 3)
+                o = _attend(q_c, k_s, k_s, allowed[None, None, a:b], spec)  # [1, H, b - a, D]
+                out[start + a:start + b] = o[0].permute(1, 0, 2)
             start += n
         out = rotate_tail(out.to(x.dtype), cos[:, None], -sin[:, None])
         return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))
