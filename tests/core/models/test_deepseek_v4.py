@@ -6,6 +6,7 @@ here is HF with the engine's rule (stable descending sort, lowest entry index wi
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -213,3 +214,17 @@ def test_mtp_and_published_names_load(shared_dir, tmp_path):
     assert torch.equal(c.model.mtp["mtp.0.emb.tok_emb.weight"], torch.zeros(4, 2))
     assert torch.equal(c.model.model.layers[2].ffn.experts.gate_up[3, 128:],
                        tensors["model.layers.2.ffn.experts.3.w3.weight"].float())
+
+
+def test_perplexity_matches_hf(shared_dir, eval_text):
+    """4,096 tokens through prompt_logprobs, prefilled in chunks (the second recomputes the first)."""
+    path = shared_dir / "models" / "tiny-dsv4-py"
+    llm = LLM(str(path), dtype="float32", progress=False, chunked_prefill_size=2048)
+    ids = llm.tokenizer.encode(eval_text)[:4096]
+    assert len(ids) == 4096
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    nll = -sum(lp[t] for lp, t in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+    assert abs(math.exp(nll) - math.exp(ref)) / math.exp(ref) < 1e-4, (math.exp(nll), math.exp(ref))
