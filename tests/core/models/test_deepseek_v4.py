@@ -228,3 +228,20 @@ def test_perplexity_matches_hf(shared_dir, eval_text):
     with torch.no_grad():
         ref = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     assert abs(math.exp(nll) - math.exp(ref)) / math.exp(ref) < 1e-4, (math.exp(nll), math.exp(ref))
+
+
+def test_greedy_under_preemption_matches_hf(shared_dir):
+    """Too few pages for the whole batch: sequences are preempted and recomputed, tokens unchanged."""
+    path = shared_dir / "models" / "tiny-dsv4-py"
+    rng = random.Random(2)
+    prompts = [[rng.randrange(4096) for _ in range(n)] for n in (9, 17, 30, 23)]
+    llm = LLM(str(path), dtype="float32", progress=False, page_size=4, num_pages=24, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats().num_preemptions > 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, tokens in zip(prompts, got):
+        seq = list(prompt)
+        for _ in range(8):
+            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+        assert tokens == seq[len(prompt):]
