@@ -66,8 +66,9 @@ def select_graphs(plugins: Plugins, ctx: SelectionContext, config: EngineConfig)
 def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selection, model: CausalLM, kv: KVCache,
                    max_model_len: int, device: torch.device, progress: bool) -> DecodeGraphs | None:
     attention = model.backends.attention
-    if not attention.graph_safe:
-        logger.info("attention backend %s is not graph-safe: decode runs eagerly", attention.name)
+    if not (attention.graph_safe and model.graph_safe):
+        why = f"attention backend {attention.name}" if not attention.graph_safe else type(model).__name__
+        logger.info("%s is not graph-safe: decode runs eagerly", why)
         return None
     budget = config.graph_memory
     if budget is None and device.type == "cuda":

@@ -33,6 +33,10 @@ class CausalLM(nn.Module, ABC):
     by ``load_weights``; no parameter is ever initialised twice.
     """
 
+    # True if forward reads the batch's shape only from device tensors and its attention backend's
+    # metadata, so a decode step can be captured in a graph (core/graph_runner.py)
+    graph_safe: bool = True
+
     def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()
         self.config = config

@@ -49,7 +49,7 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, layer: AttentionLayer) ->
     return allowed
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
             layer: AttentionLayer) -> torch.Tensor:
     """q [..., Hkv, G, Tq, D], k [..., Hkv, L, D], v [..., Hkv, L, Dv], allowed broadcastable to
     [..., Hkv, G, Tq, L] -> [..., Hkv, G, Tq, Dv]. Each KV head serves its group of G query heads.
@@ -108,7 +108,7 @@ class NativeAttention(AttentionBackend):
                 s, e = start + first, start + last
                 q_c = q[s:e].float().view(e - s, layer.num_kv_heads, -1, q.shape[-1]).permute(1, 2, 0, 3)
                 allowed = _allowed(batch.positions[s:e], k_pos[lo:hi], layer)
-                o = _attend(q_c, k_i[:, lo:hi], v_i[:, lo:hi], allowed, layer)
+                o = attend(q_c, k_i[:, lo:hi], v_i[:, lo:hi], allowed, layer)
                 out[s:e] = o.permute(2, 0, 1, 3).reshape(e - s, layer.num_heads, -1)
             start += q_len
         return out
@@ -136,6 +136,6 @@ class NativeAttention(AttentionBackend):
             k_c = _heads_first(keys[slots])
             q_c = q[s:e].float().view(e - s, layer.num_kv_heads, -1, 1, q.shape[-1])  # [b, Hkv, G, 1, D]
             allowed = _allowed(batch.positions[s:e, None], k_pos, layer) & valid[:, None, :]  # [b, 1, L]
-            o = _attend(q_c, k_c, v_c, allowed[:, None, None], layer)
+            o = attend(q_c, k_c, v_c, allowed[:, None, None], layer)
             out[s:e] = o.view(e - s, layer.num_heads, -1)
         return out

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...families.attention import AttentionLayer
-from ...native.attention import CHUNK_ELEMENTS, _attend
+from ...native.attention import CHUNK_ELEMENTS, attend
 from ...native.compressor import entry_positions, pool_windows, visible_entries
 from ...native.indexer import index_scores, select_entries
 from ...native.mhc import unweighted_rms_norm
@@ -140,7 +140,7 @@ class Attention(nn.Module):
             for a in range(0, n, step):
                 b = min(a + step, n)
                 q_c = q[start + a:start + b].float().view(b - a, 1, self.num_heads, -1).permute(1, 2, 0, 3)
-                o = _attend(q_c, k_s, k_s, allowed[None, None, a:b], spec)  # [1, H, b - a, D]
+                o = attend(q_c, k_s, k_s, allowed[None, None, a:b], spec)  # [1, H, b - a, D]
                 out[start + a:start + b] = o[0].permute(1, 0, 2)
             start += n
         out = rotate_tail(out.to(x.dtype), cos[:, None], -sin[:, None])

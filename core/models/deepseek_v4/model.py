@@ -98,6 +98,7 @@ class Decoder(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    graph_safe = False  # its steps read their shape from the batch's host lists
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
         hf, dtype = _normalised(config.hf), config.dtype
@@ -110,9 +111,6 @@ class DeepseekV4ForCausalLM(CausalLM):
         return [KVLayerSpec(num_kv_heads=1, head_dim=self.id_digits, v_head_dim=0)]
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        if batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError("DeepSeek-V4 steps read the batch's shape from its host lists, so they cannot be "
-                             "captured in a graph yet: run with enforce_eager")
         ids_pages = kv.layer(0).k.view(-1, self.id_digits)
         ids_pages.index_copy_(0, batch.slot_mapping, self._digits(batch.input_ids).to(ids_pages.dtype))
         if not any(batch.context_lens_cpu):
