@@ -17,10 +17,10 @@ M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.forward import ForwardBatch
 from engine.core.native.indexer import select_entries, stable_topk
 from engine.core.native.mhc import sinkhorn
 from engine.core.startup import build
+from packed_logits import engine_logits, hf_logits, rel_err
 
 PAGE = 16
 
@@ -43,49 +43,10 @@ def stable_hf_indexer(monkeypatch):
     monkeypatch.setattr(M.DeepseekV4Indexer, "forward", patched)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def engine_logits(c, prompts: list[list[int]], split: float | None = None) -> list[torch.Tensor]:
-    """All-position logits of each prompt from one packed batch; ``split`` cuts each prompt in two
-    steps (the second has cached context)."""
-    tables, next_page = [], 1
-    for p in prompts:
-        n = -(-len(p) // PAGE)
-        tables.append(list(range(next_page, next_page + n)))
-        next_page += n
-    cuts = [0 if split is None else int(len(p) * split) for p in prompts]
-    out = [[] for _ in prompts]
-    for part in ((0, cuts), (cuts, None)) if split is not None else ((0, None),):
-        lo_of, hi_of = part
-        ids, qlens, ctx = [], [], []
-        for i, p in enumerate(prompts):
-            lo = 0 if lo_of == 0 else lo_of[i]
-            hi = len(p) if hi_of is None else hi_of[i]
-            ids.extend(p[lo:hi])
-            qlens.append(hi - lo)
-            ctx.append(lo)
-        batch = ForwardBatch.build(ids, qlens, ctx, tables, PAGE, list(range(len(ids))))
-        with torch.inference_mode():
-            batch.attn_metadata = c.model.backends.attention.prepare(batch)
-            logits = c.model.compute_logits(c.model(batch, c.kv))
-        start = 0
-        for i, q in enumerate(qlens):
-            out[i].append(logits[start:start + q])
-            start += q
-    return [torch.cat(chunks) for chunks in out]
-
-
-def hf_logits(model, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
-
-
 def check(path, prompts: list[list[int]], split: float | None = None) -> None:
     c = build(EngineConfig(model=str(path), dtype="float32", page_size=PAGE, num_pages=200), progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for p, got in zip(prompts, engine_logits(c, prompts, split)):
+    for p, got in zip(prompts, engine_logits(c, prompts, PAGE, split)):
         err = rel_err(got, hf_logits(hf, p))
         assert err < 1e-4, f"length {len(p)}, split {split}: relative error {err:.2e}"
 

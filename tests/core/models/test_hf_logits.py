@@ -12,51 +12,11 @@ transformers = pytest.importorskip("transformers")
 
 from engine.core.checkpoint_gen import write_checkpoint
 from engine.core.config import EngineConfig
-from engine.core.forward import ForwardBatch
 from engine.core.startup import build
+from packed_logits import engine_logits, hf_logits, rel_err
 from engine import LLM, SamplingParams
 
 PAGE = 4
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
-def engine_logits(c, prompts: list[list[int]], split: float | None = None) -> list[torch.Tensor]:
-    """All-position logits of each prompt from one packed batch (two, when ``split`` chunks them)."""
-    tables, next_page = [], 1
-    for p in prompts:
-        n = -(-len(p) // PAGE)
-        tables.append(list(range(next_page, next_page + n)))
-        next_page += n
-    assert next_page <= c.kv.num_pages
-    cuts = [0 if split is None else int(len(p) * split) for p in prompts]
-    out = [[] for _ in prompts]
-    for lo_of, hi_of in ((lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: len(prompts[i]))):
-        ids, qlens, ctx, logits_rows = [], [], [], []
-        for i, p in enumerate(prompts):
-            lo, hi = lo_of(i), hi_of(i)
-            logits_rows.extend(range(len(ids), len(ids) + hi - lo))
-            ids.extend(p[lo:hi])
-            qlens.append(hi - lo)
-            ctx.append(lo)
-        if not ids:
-            continue
-        batch = ForwardBatch.build(ids, qlens, ctx, tables, PAGE, logits_rows)
-        with torch.inference_mode():
-            batch.attn_metadata = c.model.backends.attention.prepare(batch)
-            logits = c.model.compute_logits(c.model(batch, c.kv)[batch.logits_indices])
-        start = 0
-        for i, q in enumerate(qlens):
-            out[i].append(logits[start:start + q])
-            start += q
-    return [torch.cat(chunks) for chunks in out]
-
-
-def hf_logits(model, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
 
 
 def check_model(path, seed: int, max_len: int = 300) -> None:
@@ -67,7 +27,7 @@ def check_model(path, seed: int, max_len: int = 300) -> None:
     lengths = [1, 2, rng.randint(3, 40), rng.randint(41, max_len), max_len]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     for split in (None, 0.5):
-        got = engine_logits(c, prompts, split)
+        got = engine_logits(c, prompts, PAGE, split)
         for p, g in zip(prompts, got):
             err = rel_err(g, hf_logits(hf, p))
             assert err < 1e-4, f"length {len(p)} split {split}: relative error {err:.2e}"

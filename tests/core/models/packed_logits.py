@@ -1,0 +1,48 @@
+"""Engine logits of packed prompts (optionally in two chunks) and HF's, for the model-vs-HF tests."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.forward import ForwardBatch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | None = None) -> list[torch.Tensor]:
+    """All-position logits of each prompt from one packed batch; ``split`` cuts each prompt in two
+    steps, the second over cached context."""
+    tables, next_page = [], 1
+    for p in prompts:
+        n = -(-len(p) // page_size)
+        tables.append(list(range(next_page, next_page + n)))
+        next_page += n
+    assert next_page <= c.kv.num_pages
+    cuts = [0 if split is None else int(len(p) * split) for p in prompts]
+    out = [[] for _ in prompts]
+    for lo_of, hi_of in ((lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: len(prompts[i]))):
+        ids, qlens, ctx, logits_rows = [], [], [], []
+        for i, p in enumerate(prompts):
+            lo, hi = lo_of(i), hi_of(i)
+            logits_rows.extend(range(len(ids), len(ids) + hi - lo))
+            ids.extend(p[lo:hi])
+            qlens.append(hi - lo)
+            ctx.append(lo)
+        if not ids:
+            continue
+        batch = ForwardBatch.build(ids, qlens, ctx, tables, page_size, logits_rows)
+        with torch.inference_mode():
+            batch.attn_metadata = c.model.backends.attention.prepare(batch)
+            logits = c.model.compute_logits(c.model(batch, c.kv)[batch.logits_indices])
+        start = 0
+        for i, q in enumerate(qlens):
+            out[i].append(logits[start:start + q])
+            start += q
+    return [torch.cat(chunks) for chunks in out]
+
+
+def hf_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
