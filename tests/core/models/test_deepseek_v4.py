@@ -137,17 +137,19 @@ def test_cached_context_recomputes_exactly(seed, tmp_path):
     check(path, prompts_for(rng, 128, [2, rng.randint(3, 60), 301]), split=0.5)
 
 
-def test_generation_with_prefix_cache_and_chunks_matches_hf(shared_dir):
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 0])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_generation_with_prefix_cache_and_chunks_matches_hf(shared_dir, seed, chunk, prefix_caching):
     path = shared_dir / "models" / "tiny-dsv4-py"
-    rng = random.Random(1)
-    base = [rng.randrange(4096) for _ in range(21)]
+    rng = random.Random(seed)
+    base = [rng.randrange(4096) for _ in range(21)]  # 5 pages of 4 shared, ending inside an HCA window
     prompts = [base + [rng.randrange(4096) for _ in range(n)] for n in (3, 11)]
-    llm = LLM(str(path), dtype="float32", progress=False, page_size=4, chunked_prefill_size=7,
-              enable_prefix_caching=True)
+    llm = LLM(str(path), dtype="float32", progress=False, page_size=4, chunked_prefill_size=chunk,
+              enable_prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     first = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # its pages then serve prefix hits
     outs = llm.generate(prompts, params)
-    assert all(o.num_cached_tokens >= 20 for o in outs)
+    assert all((o.num_cached_tokens >= 20) == prefix_caching for o in outs)
     got = [o.outputs[0].token_ids for o in outs]
     assert got[0] == first
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
