@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine.core.families.linear import LinearBackend, LinearWeight
 
+from . import activation, norm
 from .fp8_gemm import fp8_block_linear
 from .mxfp8 import mxfp8_linear
 
@@ -31,3 +32,13 @@ class TritonLinear(LinearBackend):
         if w.scale is None:
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return activation.silu_and_mul(x)

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from ..native import activation as native_activation
+from ..native import norm as native_norm
+
 
 @dataclass
 class LinearWeight:
@@ -38,3 +41,19 @@ class LinearBackend(ABC):
     @abstractmethod
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         """x [..., K] @ w.T -> [..., N] in x's dtype."""
+
+    # The elementwise ops between the GEMMs. They belong to this family because a backend fuses
+    # them with what it does to a GEMM's input or output (one launch each instead of a handful,
+    # and later the activation quantization); the native ones are the reference.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return native_norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        return native_norm.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
+        return native_activation.silu_and_mul(x)

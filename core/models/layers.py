@@ -43,19 +43,27 @@ def stacked_shards(**sizes: int) -> dict[str, tuple[int, int]]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    """``ops``: the linear backend whose (possibly fused) norm kernels run it; None: the native ones."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
+                 ops: LinearBackend | None = None) -> None:
         super().__init__()
         self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if self.ops is None:
+            return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Norm of x + residual, and that sum as the next residual (the first layer has none)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps), x
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return self(x), x
+        if self.ops is None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Embedding(nn.Module):

@@ -14,9 +14,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..families.attention import AttentionLayer
+from ..families.linear import LinearBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
-from ..native.activation import silu_and_mul
 from ..native.rope import RotaryEmbedding, rope_from_hf
 from .base import Backends, CausalLM
 from .layers import Embedding, Linear, RMSNorm, stacked_shards
@@ -38,8 +38,9 @@ class Attention(nn.Module):
                                shards=stacked_shards(q=q, k=kv, v=kv))
         self.o_proj = Linear(q, hidden, backends.linear, bias=bias, dtype=dtype, device=device)
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        ops = backends.linear
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops) if qk_norm else None
         self.rope = rope
         self.backend = backends.attention
         self.spec = AttentionLayer(layer_id=layer_id, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -64,18 +65,20 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, backends.linear, dtype=dtype, device=device,
                                    shards=stacked_shards(gate=intermediate, up=intermediate))
         self.down_proj = Linear(intermediate, hidden, backends.linear, dtype=dtype, device=device)
+        self.ops = backends.linear
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, *, dtype, device) -> None:
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, ops: LinearBackend, *, dtype,
+                 device) -> None:
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device, ops=ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device, ops=ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +89,12 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, *, dtype, device) -> None:
+    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, ops: LinearBackend, *,
+                 dtype, device) -> None:
         super().__init__()
         self.embed_tokens = Embedding(vocab, hidden, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(hidden, eps, dtype=dtype, device=device, ops=ops)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(batch.input_ids), None
@@ -115,11 +119,11 @@ class LlamaForCausalLM(CausalLM):
             DecoderLayer(
                 Attention(config, i, backends, rope, self.qk_norm, self.sliding_window(i), dtype=dtype, device=device),
                 self.make_mlp(i, backends, dtype=dtype, device=device),
-                hidden, eps, dtype=dtype, device=device,
+                hidden, eps, backends.linear, dtype=dtype, device=device,
             )
             for i in range(hf["num_hidden_layers"])
         ]
-        self.model = Decoder(layers, config.vocab_size, hidden, eps, dtype=dtype, device=device)
+        self.model = Decoder(layers, config.vocab_size, hidden, eps, backends.linear, dtype=dtype, device=device)
         self.lm_head = Linear(hidden, config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.tied = bool(hf.get("tie_word_embeddings", False))
 

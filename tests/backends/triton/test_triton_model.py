@@ -1,4 +1,5 @@
-"""Decode through the graph runner's static, padded buffers equals the eager step.
+"""A model on the Triton backends in the interpreter: against the native backends, and decode through
+the graph runner's static, padded buffers against the eager step.
 
 The replay here runs the captured function again instead of a CUDA graph (no GPU in CI), so what
 is tested is everything but the capture itself: the buffers, the buckets, the padding rows on the
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from engine.backends.triton.attention import TritonAttention
+from engine.backends.triton.linear import TritonLinear
 from engine.core.config import ModelConfig
 from engine.core.families.graphs import GraphBackend
 from engine.core.forward import ForwardBatch
@@ -22,9 +24,45 @@ from engine.core.kv.storage import KVCache
 from engine.core.loader import iter_checkpoint
 from engine.core.models.base import Backends
 from engine.core.models.llama import Qwen3ForCausalLM
+from engine.core.native.attention import NativeAttention
 from engine.core.native.linear import NativeLinear
 
 PAGE = 16
+
+
+def _model(path, attention, linear) -> Qwen3ForCausalLM:
+    config = ModelConfig.from_dir(path, "float32", "cpu", 256)
+    model = Qwen3ForCausalLM(config, Backends(attention=attention, linear=linear), device="cpu")
+    model.load_weights(iter_checkpoint(config.path, progress=False))
+    return model
+
+
+def _pages(lens: list[int], extra: int = 0) -> tuple[list[list[int]], int]:
+    tables, nxt = [], 1
+    for n in lens:
+        pages = -(-(n + extra) // PAGE)
+        tables.append(list(range(nxt, nxt + pages)))
+        nxt += pages
+    return tables, nxt
+
+
+@pytest.mark.interpret
+def test_triton_backends_match_native(tiny_qwen3, seed):
+    """Attention, RMSNorm, add+RMSNorm and SiLU-and-mul all on Triton kernels, logits as native's."""
+    rng = random.Random(seed)
+    fast = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None))
+    oracle = _model(tiny_qwen3, NativeAttention(None), NativeLinear(None))
+    lens = [rng.randint(1, 60) for _ in range(3)]
+    prompts = [[rng.randrange(10, fast.config.vocab_size) for _ in range(n)] for n in lens]
+    tables, _ = _pages(lens)
+    out = []
+    for model in (fast, oracle):
+        kv = KVCache(model.kv_layer_specs(), 32, PAGE, torch.float32, "cpu")
+        batch = ForwardBatch.build([t for p in prompts for t in p], lens, [0] * 3, tables, PAGE, list(range(sum(lens))))
+        with torch.inference_mode():
+            batch.attn_metadata = model.backends.attention.prepare(batch)
+            out.append(model.compute_logits(model(batch, kv)))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
 
 
 class ReplayByRerun(GraphBackend):
@@ -47,9 +85,8 @@ def test_buckets():
 @pytest.mark.interpret
 def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
     rng = random.Random(seed)
-    config = ModelConfig.from_dir(tiny_qwen3, "float32", "cpu", 256)
-    model = Qwen3ForCausalLM(config, Backends(attention=TritonAttention(None), linear=NativeLinear(None)), device="cpu")
-    model.load_weights(iter_checkpoint(config.path, progress=False))
+    model = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None))
+    config = model.config
     kv = KVCache(model.kv_layer_specs(), 64, PAGE, torch.float32, "cpu")
     graphs = DecodeGraphs(model, kv, ReplayByRerun(None), PAGE, 256, 6, torch.device("cpu"))
     graphs.capture(progress=False)
@@ -57,11 +94,7 @@ def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
 
     lens = [rng.randint(1, 70) for _ in range(5)]
     prompts = [[rng.randrange(10, config.vocab_size) for _ in range(n)] for n in lens]
-    tables, nxt = [], 1
-    for n in lens:
-        pages = -(-(n + 1) // PAGE)
-        tables.append(list(range(nxt, nxt + pages)))
-        nxt += pages
+    tables, nxt = _pages(lens, extra=1)
     with torch.inference_mode():  # prefill every prompt but its last token, eagerly
         pre = ForwardBatch.build([t for p in prompts for t in p[:-1]], [n - 1 for n in lens], [0] * 5, tables, PAGE, [])
         pre.attn_metadata = model.backends.attention.prepare(pre)
