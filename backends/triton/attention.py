@@ -15,9 +15,11 @@ import torch
 
 from engine.core.families.attention import AttentionBackend, AttentionLayer, LayerKV
 from engine.core.forward import ForwardBatch
+from engine.core.native.rope import RotaryEmbedding
 
 from .attention_decode import decode_attention
 from .attention_prefill import prefill_attention
+from .rope_kv import rope_store_kv
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,16 @@ class TritonAttention(AttentionBackend):
         values = kv.v.view(-1, *kv.v.shape[2:])
         keys.index_copy_(0, batch.slot_mapping, k.to(keys.dtype))
         values.index_copy_(0, batch.slot_mapping, v.to(values.dtype))
+        return self._attend(q, kv, layer, batch, out)
+
+    def rope_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding,
+                     positions: torch.Tensor, kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """One kernel rotates q and k and stores k and v into the pages, then attention reads them."""
+        q = rope_store_kv(q, k, v, positions, batch.slot_mapping, rope, kv)
+        return self._attend(q, kv, layer, batch, None)
+
+    def _attend(self, q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch,
+                out: torch.Tensor | None) -> torch.Tensor:
         meta = batch.attn_metadata if isinstance(batch.attn_metadata, TritonAttentionMetadata) else self.prepare(batch)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -54,6 +54,13 @@ class AttentionBackend(ABC):
         """Per-step metadata shared by all layers (computed once, kept in ``batch.attn_metadata``)."""
         return None
 
+    def rope_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, positions: torch.Tensor,
+                     kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """Rotate q and k by ``rope`` (a core.native.rope.RotaryEmbedding) at ``positions``, then
+        ``forward``; a backend may fuse the rotation with its store of K/V into the pages."""
+        q, k = rope.apply(q, k, positions)
+        return self.forward(q, k, v, kv, layer, batch)
+
     @abstractmethod
     def forward(
         self,

@@ -54,8 +54,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope.apply(q, k, batch.positions)
-        out = self.backend.forward(q, k, v, kv.layer(self.spec.layer_id), self.spec, batch)
+        out = self.backend.rope_forward(q, k, v, self.rope, batch.positions, kv.layer(self.spec.layer_id), self.spec,
+                                        batch)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
