@@ -22,18 +22,21 @@ GROUP = 128
 
 @triton.jit
 def e4m3_rne(y):
-    """fp32 ``y`` in [-448, 448] to E4M3, rounded to nearest even.
+    """fp32 ``y`` in [-448, 448] to E4M3, rounded to nearest even, built bit by bit.
 
-    The rounding is done here, in fp32, so that the cast itself is exact: every target then gives
-    torch's result, and so does the interpreter, whose fp8 cast rounds ties up and loses the carry
-    into the exponent. Normals keep 3 mantissa bits; below 2**-6 (E4M3 subnormals, a fixed step of
-    2**-9) adding and removing 2**14, whose fp32 ulp is 2**-9, rounds to that step.
+    No float-to-fp8 conversion runs at all: the E4M3 bits are assembled from y's fp32 bits and
+    bitcast, so every target gives torch's result whatever its conversion instruction does (the
+    interpreter's rounds ties up and loses the carry into the exponent). Normals keep 3 mantissa
+    bits (add half an ulp, plus one for a tie to even, and truncate); below 2**-6 (subnormals, a
+    fixed step of 2**-9) adding and removing 2**14, whose fp32 ulp is 2**-9, rounds to that step.
     """
     bits = y.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    tiny = (tl.abs(y) + 16384.0) - 16384.0
-    tiny = tl.where(bits < 0, -tiny, tiny)
-    return tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, tiny).to(tl.float8e4nv)
+    sign = (bits >> 24) & 0x80
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0x7FF00000  # exponent and 3 mantissa bits
+    normal = (rounded >> 20) - (120 << 3)  # rebias the exponent from 127 to 7
+    subnormal = (((tl.abs(y) + 16384.0) - 16384.0) * 512.0).to(tl.int32)  # 0..8 steps of 2**-9
+    magnitude = tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, subnormal)
+    return (sign | magnitude).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

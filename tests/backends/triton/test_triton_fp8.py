@@ -82,6 +82,23 @@ def test_token_group_quant_zero_group_and_saturation(seed):
 
 
 @pytest.mark.interpret
+def test_every_e4m3_value_and_tie_rounds_as_torch(seed):
+    """Scale 1 (every group holds 448): each E4M3 value, each midpoint (ties go to even), points a
+    hair either side of them, and signed zeros and tiny values, all bit for bit as torch's cast."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mids * (1 + 2.0**-20), mids * (1 - 2.0**-20)])
+    y = torch.cat([grid, mids, near, torch.tensor([0.0, 2.0**-12, 2.0**-10, 3 * 2.0**-11])])
+    y = torch.cat([y, -y])
+    y = y[torch.randperm(len(y))]
+    pad = (-len(y)) % 127
+    y = torch.cat([y, torch.zeros(pad)]).view(-1, 127)
+    x = torch.cat([torch.full((y.shape[0], 1), 448.0), y], dim=1)  # amax 448: scale exactly 1
+    check_quant(x)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("m,n,k", [(1, 160, 300), (5, 96, 256), (37, 130, 200)])
 @pytest.mark.parametrize("out_dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_fp8_block_gemm_matches_dequantized(seed, m, n, k, out_dtype, bound):
