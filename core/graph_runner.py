@@ -70,6 +70,10 @@ class DecodeGraphs:
 
     def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:
         """Capture every bucket, largest first, stopping early past ``memory_budget`` bytes."""
+        with torch.inference_mode():  # as the steps run: no autograd state recorded into the graphs
+            self._capture(memory_budget, progress)
+
+    def _capture(self, memory_budget: int | None, progress: bool) -> None:
         start = self.backend.memory_in_use()
         for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress):
             batch = self._batch(b)
