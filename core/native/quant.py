@@ -94,3 +94,97 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     """Inverse of :func:`quantize_mxfp8`; the block size is K / scale.shape[-1]."""
     blocks = data.float().unflatten(-1, (scale.shape[-1], -1))
     return (blocks * e8m0_to_float(scale)[..., None]).flatten(-2).to(dtype)
+
+
+# DeepSeek-V4's published checkpoint layout: E8M0 (power-of-two) scales, FP8 128x128 blocks for
+# the dense linears and FP4 E2M1 with one scale per 32 along K for the routed experts.
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
+FP4_MAX = 6.0
+E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+FP4_PACKED_DTYPES = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
+
+
+def e8m0_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales stored as uint8 bytes or as ``torch.float8_e8m0fnu`` -> their uint8 bytes."""
+    if scale.dtype not in E8M0_DTYPES:
+        raise ValueError(f"an E8M0 scale is uint8 or float8_e8m0fnu, not {scale.dtype}")
+    return scale.view(torch.uint8)
+
+
+def _e8m0_ceil(ratio: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= ``ratio`` (> 0) as a biased E8M0 byte; 0 (the smallest) for ratio 0."""
+    mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2**exponent, m in [0.5, 1)
+    unbiased = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    unbiased = torch.where(ratio > 0, unbiased, torch.full_like(unbiased, -E8M0_BIAS))
+    return (unbiased + E8M0_BIAS).clamp(0, E8M0_NAN - 1).to(torch.uint8)
+
+
+def quantize_fp8_block_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [N, K] -> (E4M3 data [N, K], uint8 E8M0 scale [ceil(N/block), ceil(K/block)]).
+
+    DeepSeek-V4's weight format: each block's scale is amax / 448 rounded up to a power of two, so
+    no element saturates and the scale is exact in E8M0. Edge blocks are partial.
+    """
+    n, k = w.shape
+    nb, kb = math.ceil(n / block), math.ceil(k / block)
+    padded = w.new_zeros(nb * block, kb * block, dtype=torch.float32)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, block, kb, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    biased = _e8m0_ceil(amax / torch.full_like(amax, FP8_MAX))
+    data = (blocks / e8m0_to_float(biased)[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return data.view(nb * block, kb * block)[:n, :k].contiguous(), biased
+
+
+def dequantize_fp8_block_e8m0(data: torch.Tensor, scale: torch.Tensor, block: int = 128,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """E4M3 [N, K] times its E8M0 block scale [ceil(N/block), ceil(K/block)] (uint8 or float8_e8m0fnu)."""
+    return _dequantize_blocks(data, e8m0_to_float(e8m0_exponents(scale)), block, block, dtype)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (already scaled, |x| <= 6 after clamping) -> E2M1 codes 0..15, round half to even."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    a = x.abs().clamp(max=FP4_MAX)
+    lower = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, len(E2M1_VALUES) - 2)
+    upper = lower + 1
+    below, above = a - grid[lower], grid[upper] - a
+    up = (above < below) | ((above == below) & (upper % 2 == 0))  # even code: mantissa bit 0
+    magnitude = torch.where(up, upper, lower)
+    return (magnitude | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def quantize_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (packed E2M1 uint8 [..., K/2], uint8 E8M0 scale [..., K/block]).
+
+    DeepSeek-V4's expert format (as MXFP4): per block of 32 along K the scale is amax / 6 rounded up
+    to a power of two, elements round to the nearest E2M1 value (ties to even). Two codes per byte,
+    element 2j in the low nibble and 2j+1 in the high one.
+    """
+    k = w.shape[-1]
+    if k % block or block % 2:
+        raise ValueError(f"FP4 needs the last axis ({k}) to be a multiple of the (even) block size {block}")
+    blocks = w.float().unflatten(-1, (k // block, block))
+    amax = blocks.abs().amax(dim=-1)
+    biased = _e8m0_ceil(amax / torch.full_like(amax, FP4_MAX))
+    codes = _e2m1_codes(blocks / e8m0_to_float(biased)[..., None]).flatten(-2)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), biased
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 (uint8, int8 or float4_e2m1fn_x2) [..., K/2] -> fp32 [..., K], low nibble first."""
+    if packed.dtype not in FP4_PACKED_DTYPES:
+        raise ValueError(f"packed FP4 is uint8, int8 or float4_e2m1fn_x2, not {packed.dtype}")
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = torch.cat([grid, -grid])
+    u8 = packed.contiguous().view(torch.uint8).long()
+    return torch.stack([table[u8 & 0xF], table[u8 >> 4]], dim=-1).flatten(-2)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp4`: packed [..., K/2] and E8M0 scale [..., K/block] -> [..., K];
+    the block size is K / scale.shape[-1]."""
+    values = unpack_fp4(packed)
+    blocks = values.unflatten(-1, (scale.shape[-1], -1))
+    return (blocks * e8m0_to_float(e8m0_exponents(scale))[..., None]).flatten(-2).to(dtype)

@@ -24,6 +24,7 @@ from ..base import Backends, CausalLM
 from ..layers import Embedding, Linear, RMSNorm, empty_param
 from ..weights import Target, load_into
 from .attention import Attention
+from .checkpoint import check_quantization_config, dequantized
 from .moe import SparseMoE
 
 DIGIT_BITS = 4  # a bf16 holds integers up to 256 exactly, so ids are stored 4 bits per channel
@@ -102,6 +103,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
         hf, dtype = _normalised(config.hf), config.dtype
+        check_quantization_config(hf)
         self.model = Decoder(hf, backends, dtype=dtype, device=device)
         self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.id_digits = -(-max(1, (config.vocab_size - 1).bit_length()) // DIGIT_BITS)
@@ -153,7 +155,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def main_weights():
-            for name, tensor in weights:
+            for name, tensor in dequantized(weights, self.config.dtype):
                 if name.startswith(("mtp.", "model.mtp.")):
                     self.mtp[name] = tensor.clone()
                 else:

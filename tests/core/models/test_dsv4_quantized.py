@@ -1,0 +1,202 @@
+"""DeepSeek-V4 in the published quantized layout: FP8 E4M3 with E8M0 128x128 block scales for the
+attention and shared-expert linears, FP4 E2M1 with one E8M0 per 32 for the routed experts.
+
+tiny-dsv4-py is quantized into that layout (published names, scales under ``.scale`` or HF's
+``.weight_scale_inv``, uint8 or float8_e8m0fnu, packed FP4 as int8, uint8 or float4_e2m1fn_x2, two
+shards in shuffled order: all drawn fresh each run). The reference dequantizes it with HF
+transformers' own FP8/FP4 dequantization and is written as a plain fp32 checkpoint; the engine's
+parameters and logits on the quantized checkpoint must equal the engine's on that one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import RUN_SEED
+from engine.core.config import EngineConfig
+from engine.core.native.quant import quantize_fp4, quantize_fp8_block_e8m0
+from engine.core.startup import build
+from packed_logits import engine_logits, rel_err
+
+Fp8Dequantize = pytest.importorskip("transformers.integrations.finegrained_fp8").Fp8Dequantize
+
+PAGE = 16
+ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+             "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+@pytest.fixture(scope="module")
+def tiny(shared_dir):
+    return shared_dir / "models" / "tiny-dsv4-py"
+
+
+def read(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def published_name(name: str) -> str:
+    return PUBLISHED.get(name, name.removeprefix("model."))
+
+
+def hf_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """HF's dequantization; it reads packed FP4 from int8 or float4_e2m1fn_x2 (not uint8)."""
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.int8)
+    return Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
+
+
+def write(path, tiny, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1) -> None:
+    path.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / f, path / f)
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    names = list(tensors)
+    random.Random(RUN_SEED + shards).shuffle(names)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({n: tensors[n].contiguous() for n in part}, str(path / file))
+        weight_map |= {n: file for n in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory):
+    """(quantized layout, its dequantized reference, the quantized tensors): fresh choices each run."""
+    rng = random.Random(RUN_SEED)
+    scale_suffix = rng.choice(["scale", "weight_scale_inv"])
+    scale_dtype = rng.choice([torch.uint8, torch.float8_e8m0fnu])
+    packed_dtype = rng.choice([torch.int8, torch.uint8, torch.float4_e2m1fn_x2])
+    quantized, reference, kinds = {}, {}, {"fp8": 0, "fp4": 0}
+    for name, t in read(tiny).items():
+        out = published_name(name)
+        if ROUTED.search(name) or FP8_LINEARS.search(name):
+            kind = "fp4" if ROUTED.search(name) else "fp8"
+            data, scale = quantize_fp4(t) if kind == "fp4" else quantize_fp8_block_e8m0(t)
+            if kind == "fp4":
+                data = data.view(packed_dtype)
+            scale = scale.view(scale_dtype)
+            quantized[out] = data
+            quantized[out.removesuffix(".weight") + "." + scale_suffix] = scale
+            reference[name] = hf_dequantize(data, scale)
+            kinds[kind] += 1
+        else:
+            quantized[out] = t
+            reference[name] = t
+    assert kinds["fp8"] > 0 and kinds["fp4"] > 0
+    config = json.loads((tiny / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config["expert_dtype"] = "fp4"
+    root = tmp_path_factory.mktemp("dsv4q")
+    write(root / "quantized", tiny, quantized, config, shards=2)
+    write(root / "reference", tiny, reference)
+    print(f"layout: scales in .{scale_suffix} as {scale_dtype}, FP4 packed as {packed_dtype}")
+    return root / "quantized", root / "reference", quantized
+
+
+def engine(path):
+    return build(EngineConfig(model=str(path), dtype="float32", page_size=PAGE, num_pages=120), progress=False)
+
+
+def test_quantized_checkpoint_equals_dequantized_reference(checkpoints, quantized_engine, seed):
+    quantized, reference, _ = checkpoints
+    q, r = quantized_engine, engine(reference)
+    q_params, r_params = dict(q.model.named_parameters()), dict(r.model.named_parameters())
+    assert q_params.keys() == r_params.keys()
+    for name, p in q_params.items():
+        assert torch.equal(p, r_params[name]), f"{name} differs from the dequantized reference"
+    prompts = [[random.randrange(q.model_config.vocab_size) for _ in range(n)]
+               for n in (1, random.randint(2, 40), random.randint(60, 150))]
+    for p, got, want in zip(prompts, engine_logits(q, prompts, PAGE), engine_logits(r, prompts, PAGE)):
+        err = rel_err(got, want)
+        assert err < 1e-6, f"length {len(p)}: relative error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def quantized_engine(checkpoints):
+    return engine(checkpoints[0])
+
+
+@pytest.fixture
+def fresh(checkpoints, quantized_engine):
+    """A new unloaded model (the quantized engine's class and config) and the quantized tensors to break."""
+    c, tensors = quantized_engine, checkpoints[2]
+    return lambda hf=None: type(c.model)(dataclasses.replace(c.model_config, hf=hf or c.model_config.hf),
+                                         c.model.backends), dict(tensors)
+
+
+def _scale_of(tensors: dict, weight: str) -> str:
+    prefix = weight.removesuffix(".weight")
+    return next(n for n in tensors if n.startswith(prefix + ".") and n != weight)
+
+
+def _pick(tensors: dict, pattern: str) -> str:
+    return random.choice([n for n in tensors if re.search(pattern, n) and n.endswith(".weight")])
+
+
+def test_unknown_weight_dtype(fresh, seed):
+    new, tensors = fresh
+    name = _pick(tensors, FP8_LINEARS.pattern)
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match=re.escape(repr(name)) + ".*float8_e5m2"):
+        new().load_weights(tensors.items())
+
+
+@pytest.mark.parametrize("pattern", [FP8_LINEARS.pattern, ROUTED.pattern])
+def test_scale_of_wrong_shape(fresh, seed, pattern):
+    new, tensors = fresh
+    name = _pick(tensors, pattern)
+    scale = _scale_of(tensors, name)
+    s = tensors[scale]
+    tensors[scale] = torch.cat([s, s], dim=random.randrange(2))
+    with pytest.raises(ValueError, match=f"{re.escape(repr(scale))} has shape .*{re.escape(repr(name))}"):
+        new().load_weights(tensors.items())
+
+
+@pytest.mark.parametrize("pattern", [FP8_LINEARS.pattern, ROUTED.pattern])
+def test_quantized_weight_without_scale(fresh, seed, pattern):
+    new, tensors = fresh
+    name = _pick(tensors, pattern)
+    del tensors[_scale_of(tensors, name)]
+    with pytest.raises(ValueError, match="without a scale.*" + re.escape(repr(name))):
+        new().load_weights(tensors.items())
+
+
+def test_scale_without_quantized_weight(fresh, seed):
+    new, tensors = fresh
+    name = _pick(tensors, r"\.attn\.compressor\.wkv\.weight$")  # kept in bf16, as the published layout does
+    tensors[name.removesuffix(".weight") + ".scale"] = torch.zeros(1, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=re.escape(repr(name.removesuffix(".weight") + ".scale"))):
+        new().load_weights(tensors.items())
+
+
+def test_scale_of_wrong_dtype(fresh, seed):
+    new, tensors = fresh
+    name = _pick(tensors, ROUTED.pattern)
+    scale = _scale_of(tensors, name)
+    tensors[scale] = tensors[scale].view(torch.uint8).float()  # fp32 scales are FP8-only (DeepSeek-V3's)
+    with pytest.raises(ValueError, match=re.escape(repr(scale)) + ".*dtype torch.float32"):
+        new().load_weights(tensors.items())
+
+
+def test_unknown_quantization_config(fresh):
+    new, _ = fresh
+    bad = {**new().config.hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}
+    with pytest.raises(ValueError, match="weight_block_size"):
+        new(bad)
