@@ -101,8 +101,9 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
 FP4_MAX = 6.0
-E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
-FP4_PACKED_DTYPES = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
+# the dedicated dtypes where this torch has them (float8_e8m0fnu since 2.7, float4_e2m1fn_x2 since 2.8)
+E8M0_DTYPES = (torch.uint8, *filter(None, [getattr(torch, "float8_e8m0fnu", None)]))
+FP4_PACKED_DTYPES = (torch.uint8, torch.int8, *filter(None, [getattr(torch, "float4_e2m1fn_x2", None)]))
 
 
 def e8m0_exponents(scale: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ tiny-dsv4-py is quantized into that layout (published names, scales under ``.sca
 ``.weight_scale_inv``, uint8 or float8_e8m0fnu, packed FP4 as int8, uint8 or float4_e2m1fn_x2, two
 shards in shuffled order: all drawn fresh each run). The reference dequantizes it with HF
 transformers' own FP8/FP4 dequantization and is written as a plain fp32 checkpoint; the engine's
-parameters and logits on the quantized checkpoint must equal the engine's on that one.
+parameters and logits on the quantized checkpoint must equal the engine's on that one, and its
+logits HF's on that one. The quantizers themselves are checked against brute force.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from safetensors.torch import save_file
 
 from conftest import RUN_SEED
 from engine.core.config import EngineConfig
-from engine.core.native.quant import quantize_fp4, quantize_fp8_block_e8m0
+from engine.core.native.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8_block_e8m0, quantize_fp4,
+                                     quantize_fp8_block_e8m0, unpack_fp4)
 from engine.core.startup import build
-from packed_logits import engine_logits, rel_err
+from packed_logits import engine_logits, hf_logits, rel_err
 
 Fp8Dequantize = pytest.importorskip("transformers.integrations.finegrained_fp8").Fp8Dequantize
 
@@ -35,6 +37,45 @@ FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\
 PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
              "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
              "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def test_fp4_rounds_to_nearest_e2m1_ties_to_even(seed):
+    """Blocks pinned to amax 6 * 2**e (so the scale is 2**e) holding random values and every midpoint
+    of the E2M1 grid; brute force picks the nearest value, the even code among two."""
+    grid = torch.tensor(E2M1_VALUES)
+    rows, blocks = 16, 4
+    e = torch.randint(-20, 20, (rows, blocks, 1)).float()
+    v = torch.empty(rows, blocks, 32).uniform_(-6, 6)
+    mids = (grid[1:] + grid[:-1]) / 2
+    v[..., 1:1 + len(mids)] = mids * torch.where(torch.rand(rows, blocks, len(mids)) < 0.5, -1.0, 1.0)
+    v[..., 0] = 6.0 * torch.where(torch.rand(rows, blocks) < 0.5, -1.0, 1.0)
+    v = v[..., torch.randperm(32)]
+    x = (v * torch.exp2(e)).flatten(-2)
+    packed, scale = quantize_fp4(x)
+    assert torch.equal(scale.long(), (e[..., 0] + 127).long())
+    dist = (v.abs()[..., None] - grid).abs()
+    odd = torch.arange(len(grid)) % 2
+    code = torch.where(dist == dist.min(-1, keepdim=True).values, odd, 2).argmin(-1)  # nearest, then even
+    want = (grid[code] * v.sign() * torch.exp2(e)).flatten(-2)
+    assert torch.equal(dequantize_fp4(packed, scale), want)
+    hf_unpack = Fp8Dequantize(None)._unpack_fp4(packed.view(torch.int8))  # low nibble first, as HF reads it
+    assert torch.equal(unpack_fp4(packed), hf_unpack)
+
+
+def test_fp8_e8m0_block_scales(seed):
+    """Partial edge blocks, power-of-two scales with amax / scale in (224, 448], E4M3 precision."""
+    n, k = random.randint(129, 300), random.randint(129, 300)
+    w = torch.randn(n, k) * torch.exp2(torch.randint(-8, 8, (1,)).float())
+    data, scale = quantize_fp8_block_e8m0(w)
+    assert scale.shape == (-(-n // 128), -(-k // 128)) and scale.dtype == torch.uint8
+    s = torch.exp2(scale.float() - 127)
+    amax = torch.stack([torch.stack([w[i:i + 128, j:j + 128].abs().max() for j in range(0, k, 128)])
+                        for i in range(0, n, 128)])
+    assert bool(((amax / s > 224) & (amax / s <= 448)).all())
+    got = dequantize_fp8_block_e8m0(data, scale)
+    expanded = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    assert torch.equal(got, data.float() * expanded)
+    assert bool(((got - w).abs() <= w.abs() / 16 + expanded * 2.0 ** -10).all())
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +113,9 @@ def write(path, tiny, tensors: dict[str, torch.Tensor], config: dict | None = No
         part = names[i::shards]
         save_file({n: tensors[n].contiguous() for n in part}, str(path / file))
         weight_map |= {n: file for n in part}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size},
+                                                                   "weight_map": weight_map}))
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +169,19 @@ def test_quantized_checkpoint_equals_dequantized_reference(checkpoints, quantize
     for p, got, want in zip(prompts, engine_logits(q, prompts, PAGE), engine_logits(r, prompts, PAGE)):
         err = rel_err(got, want)
         assert err < 1e-6, f"length {len(p)}: relative error {err:.2e}"
+
+
+def test_quantized_checkpoint_matches_hf_on_dequantized_weights(checkpoints, quantized_engine, seed):
+    """HF deepseek_v4 on the dequantized reference. Prompts stay within index_topk * CSA rate tokens,
+    where the indexer keeps every entry, so its top-k ties (see DESIGN.md) cannot matter."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[1], dtype=torch.float32)
+    cfg = quantized_engine.model_config.hf
+    longest = cfg["index_topk"] * cfg["compress_rates"]["compressed_sparse_attention"]
+    prompts = [[random.randrange(cfg["vocab_size"]) for _ in range(random.randint(1, longest))] for _ in range(3)]
+    for p, got in zip(prompts, engine_logits(quantized_engine, prompts, PAGE)):
+        err = rel_err(got, hf_logits(hf, p))
+        assert err < 1e-4, f"length {len(p)}: relative error {err:.2e}"
 
 
 @pytest.fixture(scope="module")
