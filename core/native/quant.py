@@ -127,15 +127,11 @@ def quantize_fp8_block_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Te
     DeepSeek-V4's weight format: each block's scale is amax / 448 rounded up to a power of two, so
     no element saturates and the scale is exact in E8M0. Edge blocks are partial.
     """
-    n, k = w.shape
-    nb, kb = math.ceil(n / block), math.ceil(k / block)
-    padded = w.new_zeros(nb * block, kb * block, dtype=torch.float32)
-    padded[:n, :k] = w
-    blocks = padded.view(nb, block, kb, block)
-    amax = blocks.abs().amax(dim=(1, 3))
-    biased = _e8m0_ceil(amax / torch.full_like(amax, FP8_MAX))
-    data = (blocks / e8m0_to_float(biased)[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return data.view(nb * block, kb * block)[:n, :k].contiguous(), biased
+    _, ratio = _quantize_blocks(w, block, block)  # amax / 448 per block (1 for an all-zero block)
+    biased = _e8m0_ceil(ratio)
+    per_element = _dequantize_blocks(torch.ones_like(w, dtype=torch.float32), e8m0_to_float(biased), block, block,
+                                     torch.float32)
+    return (w.float() / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8), biased
 
 
 def dequantize_fp8_block_e8m0(data: torch.Tensor, scale: torch.Tensor, block: int = 128,

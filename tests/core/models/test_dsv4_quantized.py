@@ -256,3 +256,21 @@ def test_unknown_quantization_config(fresh):
     bad = {**new().config.hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}
     with pytest.raises(ValueError, match="weight_block_size"):
         new(bad)
+
+
+def test_fp32_block_scales_and_quantized_mtp(fresh, quantized_engine, seed):
+    """DeepSeek-V3's fp32 block scales load like the E8M0 ones; a quantized next-n weight is kept dequantized."""
+    new, tensors = fresh
+    for name in [n for n in tensors if FP8_LINEARS.search(n)]:
+        scale = _scale_of(tensors, name)
+        tensors[scale] = torch.exp2(tensors[scale].view(torch.uint8).float() - 127)
+    w = torch.randn(random.randint(1, 300), random.randint(1, 300))
+    data, scale = quantize_fp8_block_e8m0(w)
+    tensors |= {"mtp.0.attn.wq_a.weight": data, "mtp.0.attn.wq_a.scale": scale}
+    model = new()
+    model.load_weights(tensors.items())
+    want = dict(quantized_engine.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, want[name]), name
+    assert model.mtp.keys() == {"mtp.0.attn.wq_a.weight"}
+    assert torch.equal(model.mtp["mtp.0.attn.wq_a.weight"], dequantize_fp8_block_e8m0(data, scale))
