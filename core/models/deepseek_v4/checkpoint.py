@@ -33,9 +33,10 @@ def check_quantization_config(hf: dict) -> None:
     if not q:
         return
     method, block = q.get("quant_method", "fp8"), q.get("weight_block_size", [BLOCK, BLOCK])
-    if method != "fp8" or list(block) != [BLOCK, BLOCK]:
-        raise ValueError(f"DeepSeek-V4 quantization_config {q} is not the published layout "
-                         f"(quant_method fp8, weight_block_size [{BLOCK}, {BLOCK}])")
+    fmt, scale_fmt = q.get("fmt", "e4m3"), q.get("scale_fmt", "ue8m0")
+    if method != "fp8" or list(block) != [BLOCK, BLOCK] or fmt != "e4m3" or scale_fmt not in ("ue8m0", "float"):
+        raise ValueError(f"DeepSeek-V4 quantization_config {q} is not the published layout (quant_method fp8, "
+                         f"fmt e4m3, scale_fmt ue8m0 or float, weight_block_size [{BLOCK}, {BLOCK}])")
     expert_dtype = q.get("expert_dtype", hf.get("expert_dtype", "fp4"))
     if expert_dtype not in ("fp8", "fp4"):
         raise ValueError(f"DeepSeek-V4 expert_dtype {expert_dtype!r} is neither fp8 nor fp4")

@@ -251,10 +251,12 @@ def test_scale_of_wrong_dtype(fresh, seed):
         new().load_weights(tensors.items())
 
 
-def test_unknown_quantization_config(fresh):
+@pytest.mark.parametrize("change", [{"weight_block_size": [64, 64]}, {"fmt": "e5m2"}, {"quant_method": "awq"}])
+def test_unknown_quantization_config(fresh, change):
     new, _ = fresh
-    bad = {**new().config.hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}
-    with pytest.raises(ValueError, match="weight_block_size"):
+    hf = new().config.hf
+    bad = {**hf, "quantization_config": {**hf["quantization_config"], **change}}
+    with pytest.raises(ValueError, match="not the published layout"):
         new(bad)
 
 
