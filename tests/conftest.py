@@ -27,6 +27,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def run_seed() -> int:
+    """This run's seed, for module-scoped fixtures that build something random once per run."""
+    return RUN_SEED
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed each run (reported in the header), distinct per test, seeding torch and random."""

@@ -22,7 +22,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import RUN_SEED
 from engine.core.config import EngineConfig
 from engine.core.native.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8_block_e8m0, quantize_fp4,
                                      quantize_fp8_block_e8m0, unpack_fp4)
@@ -99,14 +98,15 @@ def hf_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
 
 
-def write(path, tiny, tensors: dict[str, torch.Tensor], config: dict | None = None, shards: int = 1) -> None:
+def write(path, tiny, tensors: dict[str, torch.Tensor], order_seed: int, config: dict | None = None,
+          shards: int = 1) -> None:
     path.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tiny / f, path / f)
     if config is not None:
         (path / "config.json").write_text(json.dumps(config))
     names = list(tensors)
-    random.Random(RUN_SEED + shards).shuffle(names)
+    random.Random(order_seed + shards).shuffle(names)
     weight_map = {}
     for i in range(shards):
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
@@ -119,9 +119,9 @@ def write(path, tiny, tensors: dict[str, torch.Tensor], config: dict | None = No
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny, tmp_path_factory):
+def checkpoints(tiny, tmp_path_factory, run_seed):
     """(quantized layout, its dequantized reference, the quantized tensors): fresh choices each run."""
-    rng = random.Random(RUN_SEED)
+    rng = random.Random(run_seed)
     scale_suffix = rng.choice(["scale", "weight_scale_inv"])
     scale_dtype = rng.choice([torch.uint8, torch.float8_e8m0fnu])
     packed_dtype = rng.choice([torch.int8, torch.uint8, torch.float4_e2m1fn_x2])
@@ -147,8 +147,8 @@ def checkpoints(tiny, tmp_path_factory):
                                      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     config["expert_dtype"] = "fp4"
     root = tmp_path_factory.mktemp("dsv4q")
-    write(root / "quantized", tiny, quantized, config, shards=2)
-    write(root / "reference", tiny, reference)
+    write(root / "quantized", tiny, quantized, run_seed, config, shards=2)
+    write(root / "reference", tiny, reference, run_seed)
     print(f"layout: scales in .{scale_suffix} as {scale_dtype}, FP4 packed as {packed_dtype}")
     return root / "quantized", root / "reference", quantized
 
