@@ -22,7 +22,9 @@ class CudaGraphs(GraphBackend):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive: a freed graph's replay is undefined
+        # each graph with the function it captured: a replay reads and writes the addresses the
+        # capture saw, so every tensor the function holds (a batch's metadata too) must outlive it
+        self._graphs: list[tuple[torch.cuda.CUDAGraph, Callable[[], torch.Tensor]]] = []
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         side = torch.cuda.Stream()
@@ -34,7 +36,7 @@ class CudaGraphs(GraphBackend):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn()
-        self._graphs.append(graph)
+        self._graphs.append((graph, fn))
 
         def replay() -> torch.Tensor:
             graph.replay()
