@@ -1,4 +1,5 @@
-"""CPU time of a 1K-token prefill and of a decode step for a DeepSeek-V4 checkpoint on the native backend.
+"""CPU time of a 1K-token prefill and of a decode step for a DeepSeek-V4 checkpoint on the native backend,
+and the KV bytes a token costs in each component of its cache (in bf16).
 
 A decode step is the difference between generating 9 tokens and 1 from the same prompt, over 8.
 
@@ -14,6 +15,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.models.deepseek_v4.cache import component_bytes_per_token
 
 
 def main(path: str) -> None:
@@ -28,6 +30,11 @@ def main(path: str) -> None:
         llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - start
 
+    model = llm.engine.runner.model
+    per_token = component_bytes_per_token(model.cache_specs, [l.attn.cache for l in model.model.layers],
+                                          torch.bfloat16)
+    print("KV bytes per token (bf16):", {k: round(v, 1) for k, v in per_token.items()},
+          f"total {sum(per_token.values()):.1f}")
     for ctx in (1024, 128):
         one, nine = timed(prompt[:ctx], 1), timed(prompt[:ctx], 9)
         print(f"context {ctx}: prefill {one:.3f} s, decode step {(nine - one) / 8:.3f} s")

@@ -1,4 +1,9 @@
-"""The KV tensors: one K and one V page array per layer, indexed by the pool's page ids."""
+"""The KV tensors: one K and one V page array per layer, indexed by the pool's page ids.
+
+A "layer" here is one component of the cache. Most keep a slot per token; a compressed one
+(``rate`` > 1, DeepSeek-V4's pooled entries) keeps a slot per ``rate`` tokens, so its page
+holds ``ceil(page_size / rate)`` slots and is paged, shared and freed with the tokens it covers.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,16 @@ from ..families.attention import LayerKV
 
 @dataclass(frozen=True)
 class KVLayerSpec:
-    """What one layer keeps per token; ``v_head_dim == 0`` means no V (a layer sharing another's KV)."""
+    """What one layer keeps per slot; ``v_head_dim == 0`` means no V (a layer sharing another's KV).
+    A slot covers ``rate`` tokens (1: one per token)."""
 
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    rate: int = 1
+
+    def slots_per_page(self, page_size: int) -> int:
+        return -(-page_size // self.rate)
 
 
 class KVCache:
@@ -32,8 +42,10 @@ class KVCache:
         self.device = torch.device(device)
         self._layers = [
             LayerKV(
-                k=torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device),
-                v=torch.zeros(num_pages, page_size, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=self.device),
+                k=torch.zeros(num_pages, s.slots_per_page(page_size), s.num_kv_heads, s.head_dim, dtype=dtype,
+                              device=self.device),
+                v=torch.zeros(num_pages, s.slots_per_page(page_size), s.num_kv_heads, s.v_head_dim, dtype=dtype,
+                              device=self.device),
             )
             for s in self.specs
         ]
@@ -62,8 +74,8 @@ class KVCache:
     @staticmethod
     def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
         """K and V bytes one page takes across all layers."""
-        per_token = sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layers)
-        return per_token * page_size * dtype.itemsize
+        return sum(s.slots_per_page(page_size) * s.num_kv_heads * (s.head_dim + s.v_head_dim)
+                   for s in layers) * dtype.itemsize
 
 
 def pages_for_budget(budget_bytes: int, layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:

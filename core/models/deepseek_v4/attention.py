@@ -1,8 +1,10 @@
 """DeepSeek-V4 attention: low-rank q, one shared K=V head with partial RoPE, sinks, a sliding window
 over raw tokens, and in compressed layers the pooled entries of a CSA or HCA compressor.
 
-Computed here in torch over whole sequences (positions 0..S-1), one sequence at a time, its
-queries in chunks whose fp32 scores stay under the native attention's ``CHUNK_ELEMENTS``.
+Each step stores its new tokens' components in the cache (cache.py), pools the compression
+windows that close in it, and attends each sequence's new queries over the last ``window`` tokens
+and the entries: O(window + entries) per query, whatever the context. In torch, one sequence at a
+time, queries in chunks whose fp32 scores stay under the native attention's ``CHUNK_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import torch
 from torch import nn
 
 from ...families.attention import AttentionLayer
+from ...forward import ForwardBatch
+from ...kv.storage import KVCache
 from ...native.attention import CHUNK_ELEMENTS, attend
 from ...native.compressor import entry_positions, pool_windows, visible_entries
 from ...native.indexer import index_scores, select_entries
@@ -19,6 +23,7 @@ from ...native.rope import RotaryEmbedding
 from ...native.tail_rope import rotate_tail
 from ..base import Backends
 from ..layers import Linear, RMSNorm, empty_param
+from .cache import LayerCache, SeqView, flat
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -55,11 +60,28 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
         self.rate, self.overlap = rate, overlap
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """x [S, hidden] of one sequence from position 0 -> entries [S // rate, head_dim]."""
-        entries = self.norm(pool_windows(self.wkv(x), self.wgate(x), self.ape, self.rate, self.overlap))
-        pos = entry_positions(entries.shape[0], self.rate, entries.device)
-        return rotate_tail(entries, rope.cos[pos], rope.sin[pos])
+    def store(self, x: torch.Tensor, slots: torch.Tensor, projections: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Keep the kv and gate projections of the step's tokens x [T, hidden] at their token slots."""
+        for dst, w in zip(projections, (self.wkv, self.wgate)):
+            dst.index_copy_(0, slots, w(x).to(dst.dtype))
+
+    def close_windows(self, seq: SeqView, projections: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor,
+                      rope: RotaryEmbedding) -> None:
+        """Pool every window whose last token the step brings and keep its entry.
+
+        An overlapping window pools its predecessor's Ca half too, so that window's tokens are
+        pooled along with it (window 0 has none) and its own entry, already kept, is dropped.
+        """
+        first, end = seq.context // self.rate, seq.end // self.rate
+        if first == end:
+            return
+        lead = 1 if self.overlap and first > 0 else 0
+        slots = seq.token_slots((first - lead) * self.rate, end * self.rate)
+        kv, gate = (p[slots] for p in projections)
+        pooled = self.norm(pool_windows(kv, gate, self.ape, self.rate, self.overlap)[lead:])
+        pos = entry_positions(end, self.rate, pooled.device)[first:]
+        entries.index_copy_(0, seq.entry_slots(first, end, self.rate),
+                            rotate_tail(pooled, rope.cos[pos], rope.sin[pos]).to(entries.dtype))
 
 
 class Indexer(nn.Module):
@@ -76,10 +98,9 @@ class Indexer(nn.Module):
                                      backends, dtype=dtype, device=device)
         self.rate = rate
 
-    def forward(self, x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
-        """bool [S, S // rate]: the entries each query of the sequence attends to."""
-        keys = self.compressor(x, rope)
+    def select(self, x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               rope: RotaryEmbedding) -> torch.Tensor:
+        """Queries of one sequence, its indexer keys [N, d] -> bool [S, N]: the entries each attends to."""
         q = self.wq_b(q_low).view(-1, self.num_heads, self.head_dim)
         q = rotate_tail(q, rope.cos[positions][:, None], rope.sin[positions][:, None])
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
@@ -90,14 +111,15 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, hf: dict, layer_id: int, backends: Backends, ropes: dict[str, RotaryEmbedding], *,
-                 dtype: torch.dtype, device) -> None:
+    def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
+                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         self.num_heads, self.head_dim = hf["num_attention_heads"], hf["head_dim"]
         self.groups, self.o_rank = hf["o_groups"], hf["o_lora_rank"]
         self.layer_type = hf["layer_types"][layer_id]
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
+        self.cache = cache
         self.eps = eps
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device)
@@ -122,40 +144,57 @@ class Attention(nn.Module):
         return AttentionLayer(layer_id=0, num_heads=self.num_heads, num_kv_heads=1, head_dim=self.head_dim,
                               scale=self.head_dim**-0.5, sinks=self.attn_sink)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """x [T, hidden] of whole sequences packed back to back -> [T, hidden]."""
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, seqs: list[SeqView]) -> torch.Tensor:
+        """x [T, hidden], the batch's new tokens packed -> [T, hidden]."""
+        cos, sin = self.rope.cos[batch.positions], self.rope.sin[batch.positions]
         q_low = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
         q = rotate_tail(q, cos[:, None], sin[:, None])
-        kv = rotate_tail(self.norm(self.wkv(x)), cos, sin)
+        window_kv = flat(kv, self.cache.window)[0]
+        window_kv.index_copy_(0, batch.slot_mapping, rotate_tail(self.norm(self.wkv(x)), cos, sin).to(window_kv.dtype))
+        if self.compressor is not None:
+            self.compressor.store(x, batch.slot_mapping, flat(kv, self.cache.projections))
+        if self.indexer is not None:
+            self.indexer.compressor.store(x, batch.slot_mapping, flat(kv, self.cache.index_projections))
         spec = self.layer_spec()
         out = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        start = 0
-        for n in seq_lens:
-            s = slice(start, start + n)
-            keys, allowed = self._keys(x[s], q_low[s], kv[s], positions[s])
-            k_s = keys.float()[None]
-            step = _rows_per_chunk(self.num_heads * keys.shape[0])
-            for a in range(0, n, step):
-                b = min(a + step, n)
-                q_c = q[start + a:start + b].float().view(b - a, 1, self.num_heads, -1).permute(1, 2, 0, 3)
-                o = attend(q_c, k_s, k_s, allowed[None, None, a:b], spec)  # [1, H, b - a, D]
-                out[start + a:start + b] = o[0].permute(1, 0, 2)
-            start += n
+        for seq in seqs:
+            rows = slice(seq.start, seq.start + seq.new)
+            self._attend(seq, q[rows], x[rows], q_low[rows], batch.positions[rows], kv, out[rows], spec)
         out = rotate_tail(out.to(x.dtype), cos[:, None], -sin[:, None])
         return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))
 
-    def _keys(self, x: torch.Tensor, q_low: torch.Tensor, kv: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's keys (its tokens, then its compressed entries) and which each query sees."""
-        q_pos, k_pos = positions[:, None], positions[None, :]
-        allowed = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        if self.compressor is None:
-            return kv, allowed
-        entries = self.compressor(x, self.rope)
-        if self.indexer is not None:
-            seen = self.indexer(x, q_low, positions, self.rope)
-        else:
-            seen = torch.arange(entries.shape[0], device=x.device) < visible_entries(positions, self.rate)[:, None]
-        return torch.cat([kv, entries.to(kv.dtype)]), torch.cat([allowed, seen], dim=-1)
+    def _attend(self, seq: SeqView, q: torch.Tensor, x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor,
+                kv: KVCache, out: torch.Tensor, spec: AttentionLayer) -> None:
+        """One sequence's new queries into ``out``, in chunks of at most ``window`` queries, each over
+        the tokens its window reaches and the entries closed before its last query."""
+        entries = index_keys = None
+        if self.compressor is not None:
+            slots = seq.entry_slots(0, seq.end // self.rate, self.rate)
+            self.compressor.close_windows(seq, flat(kv, self.cache.projections), flat(kv, self.cache.entries)[0],
+                                          self.rope)
+            entries = flat(kv, self.cache.entries)[0][slots]
+            if self.indexer is not None:
+                keys_kv = flat(kv, self.cache.index_keys)[0]
+                self.indexer.compressor.close_windows(seq, flat(kv, self.cache.index_projections), keys_kv, self.rope)
+                index_keys = keys_kv[slots]
+        window_kv = flat(kv, self.cache.window)[0]
+        num_entries = 0 if entries is None else entries.shape[0]
+        step = max(1, min(self.window, _rows_per_chunk(self.num_heads * (2 * self.window + num_entries))))
+        for a in range(0, seq.new, step):
+            b = min(a + step, seq.new)
+            first, end = max(0, seq.context + a - self.window + 1), seq.context + b
+            keys = window_kv[seq.token_slots(first, end)]
+            k_pos = torch.arange(first, end, device=positions.device)[None, :]
+            q_pos = positions[a:b, None]
+            allowed = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+            if entries is not None:
+                n = end // self.rate
+                if self.indexer is not None:
+                    seen = self.indexer.select(x[a:b], q_low[a:b], positions[a:b], index_keys[:n], self.rope)
+                else:
+                    seen = torch.arange(n, device=x.device) < visible_entries(positions[a:b], self.rate)[:, None]
+                keys, allowed = torch.cat([keys, entries[:n]]), torch.cat([allowed, seen], dim=-1)
+            k_s = keys.float()[None]
+            q_c = q[a:b].float().view(b - a, 1, self.num_heads, -1).permute(1, 2, 0, 3)
+            out[a:b] = attend(q_c, k_s, k_s, allowed[None, None], spec)[0].permute(1, 0, 2)  # [1, H, b - a, D]

@@ -1,10 +1,9 @@
 """DeepseekV4ForCausalLM: token embedding spread over hc_mult residual streams, per layer an mHC-wrapped
 attention sublayer and MoE sublayer, and the final mHC head, norm and LM head.
 
-The attention keeps no paged KV yet: each step recomputes every sequence it touches from position
-0. What the pages hold per token is the token id (in base-16 digits, exact in any float dtype),
-so a step with cached context (a later prefill chunk, a prefix-cache hit, a decode step) reads
-the earlier tokens back from its pages and recomputes them with the new ones.
+Each step computes only its new tokens: the attention finds what earlier tokens left behind (the
+window's KV, the compressors' open windows and entries, the indexer's keys) in the KV pages,
+laid out as cache.py describes.
 """
 
 from __future__ import annotations
@@ -23,11 +22,10 @@ from ...native.rope import RotaryEmbedding, rope_from_hf
 from ..base import Backends, CausalLM
 from ..layers import Embedding, Linear, RMSNorm, empty_param
 from ..weights import Target, load_into
-from .attention import Attention
+from .attention import CSA, SLIDING, Attention
+from .cache import LayerCache, SeqView, cache_layout, sequences
 from .checkpoint import check_quantization_config, dequantized
 from .moe import SparseMoE
-
-DIGIT_BITS = 4  # a bf16 holds integers up to 256 exactly, so ids are stored 4 bits per channel
 
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts\.(\d+)|shared_experts)\.(w[123])\.weight$")
 _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -36,11 +34,11 @@ _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf: dict, layer_id: int, backends: Backends, ropes: dict[str, RotaryEmbedding], *,
-                 dtype: torch.dtype, device) -> None:
+    def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
+                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        self.attn = Attention(hf, layer_id, backends, ropes, dtype=dtype, device=device)
+        self.attn = Attention(hf, layer_id, cache, backends, ropes, dtype=dtype, device=device)
         self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
                              device=device)
         self.attn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
@@ -58,12 +56,11 @@ class DecoderLayer(nn.Module):
         return hc_pre(streams, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
                       getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache, seqs: list[SeqView]) -> torch.Tensor:
         x, post, comb = self._pre("attn", streams)
-        streams = hc_post(self.attn(self.attn_norm(x), positions, seq_lens), streams, post, comb)
+        streams = hc_post(self.attn(self.attn_norm(x), batch, kv, seqs), streams, post, comb)
         x, post, comb = self._pre("ffn", streams)
-        return hc_post(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -80,21 +77,23 @@ class HyperHead(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, hf: dict, backends: Backends, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, hf: dict, caches: list[LayerCache], backends: Backends, *, dtype: torch.dtype,
+                 device) -> None:
         super().__init__()
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         self.embed_tokens = Embedding(hf["vocab_size"], hf["hidden_size"], dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(hf, i, backends, ropes, dtype=dtype, device=device)
-                                    for i in range(hf["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device)
+                                    for i, cache in enumerate(caches))
         self.hc_head = HyperHead(hf, device)
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device)
         self.hc_mult = hf.get("hc_mult", 4)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        seqs = sequences(batch)
         for layer in self.layers:
-            streams = layer(streams, input_ids, positions, seq_lens)
+            streams = layer(streams, batch, kv, seqs)
         return self.norm(self.hc_head(streams))
 
 
@@ -104,37 +103,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(config, backends)
         hf, dtype = _normalised(config.hf), config.dtype
         check_quantization_config(hf)
-        self.model = Decoder(hf, backends, dtype=dtype, device=device)
+        types = hf["layer_types"][:hf["num_hidden_layers"]]
+        self.cache_specs, caches = cache_layout(hf["head_dim"], [0 if t == SLIDING else hf["compress_rates"][t]
+                                                                 for t in types],
+                                                [t == CSA for t in types], hf.get("index_head_dim", 128))
+        self.model = Decoder(hf, caches, backends, dtype=dtype, device=device)
         self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
-        self.id_digits = -(-max(1, (config.vocab_size - 1).bit_length()) // DIGIT_BITS)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
-        return [KVLayerSpec(num_kv_heads=1, head_dim=self.id_digits, v_head_dim=0)]
+        return list(self.cache_specs)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        ids_pages = kv.layer(0).k.view(-1, self.id_digits)
-        ids_pages.index_copy_(0, batch.slot_mapping, self._digits(batch.input_ids).to(ids_pages.dtype))
-        if not any(batch.context_lens_cpu):
-            return self.model(batch.input_ids, batch.positions, batch.query_lens_cpu)
-        ids, rows, start = [], [], 0
-        for i, (q_len, seq_len) in enumerate(zip(batch.query_lens_cpu, batch.seq_lens_cpu)):
-            pos = torch.arange(seq_len, device=batch.page_table.device)
-            slots = batch.page_table[i, pos // batch.page_size].long() * batch.page_size + pos % batch.page_size
-            ids.append(self._ids(ids_pages[slots]))
-            rows.append(torch.arange(start + seq_len - q_len, start + seq_len, device=pos.device))
-            start += seq_len
-        seq_ids = torch.cat(ids)
-        positions = torch.cat([torch.arange(n, device=seq_ids.device) for n in batch.seq_lens_cpu])
-        return self.model(seq_ids, positions, batch.seq_lens_cpu)[torch.cat(rows)]
-
-    def _digits(self, ids: torch.Tensor) -> torch.Tensor:
-        shifts = torch.arange(self.id_digits, device=ids.device) * DIGIT_BITS
-        return (ids[:, None] >> shifts) & ((1 << DIGIT_BITS) - 1)
-
-    def _ids(self, digits: torch.Tensor) -> torch.Tensor:
-        shifts = torch.arange(self.id_digits, device=digits.device) * DIGIT_BITS
-        return (digits.long() << shifts).sum(dim=-1)
+        return self.model(batch, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

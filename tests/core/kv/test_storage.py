@@ -8,6 +8,7 @@ import torch
 from engine.core.kv.storage import KVCache, KVLayerSpec, pages_for_budget
 
 LAYERS = [KVLayerSpec(2, 8, 8), KVLayerSpec(1, 16, 0), KVLayerSpec(4, 4, 6)]
+COMPRESSED = [KVLayerSpec(1, 8, 0, rate=4), KVLayerSpec(1, 8, 2, rate=16), KVLayerSpec(1, 4, 0, rate=3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
@@ -17,6 +18,18 @@ def test_bytes_per_page_matches_the_allocated_tensors(dtype):
     assert KVCache.bytes_per_page(LAYERS, 16, dtype) == allocated // 5
     per_token = 2 * (8 + 8) + 1 * 16 + 4 * (4 + 6)
     assert KVCache.bytes_per_page(LAYERS, 16, dtype) == 16 * per_token * torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 6, 16, 32])
+def test_a_compressed_layer_keeps_a_slot_per_rate_tokens_of_a_page(page_size):
+    """ceil(page_size / rate) slots: enough for every window that closes inside the page."""
+    kv = KVCache(LAYERS + COMPRESSED, num_pages=3, page_size=page_size, dtype=torch.bfloat16, device="cpu")
+    for i, s in enumerate(COMPRESSED, start=len(LAYERS)):
+        most = max(sum(1 for t in range(p * page_size, (p + 1) * page_size) if t % s.rate == s.rate - 1)
+                   for p in range(s.rate))  # windows closing in one page, over every alignment
+        assert kv.layer(i).k.shape == (3, max(1, most), 1, s.head_dim)
+    allocated = sum(kv.layer(i).k.nbytes + kv.layer(i).v.nbytes for i in range(kv.num_layers))
+    assert KVCache.bytes_per_page(LAYERS + COMPRESSED, page_size, torch.bfloat16) * 3 == allocated
 
 
 def test_layers_have_the_spec_shapes_and_start_zeroed():

@@ -1,0 +1,116 @@
+"""DeepSeek-V4's cache: its components, laid out in the KV pages of the sequence's one page table.
+
+Per layer, per token: the sliding-window KV (normalised, rotated), and in compressed layers the
+compressor's kv and gate projections, so a window that closes in a later chunk pools exactly
+what a full pass pools. Per compressed entry (one per ``rate`` tokens): the pooled entry and,
+in CSA layers, the indexer's key, kept in the page of the window's last token, which the sequence
+that closed the window owns (a shared prefix page is never written).
+
+Being paged like any KV, every component follows the sequence through a prefix hit at any page
+boundary (inside a compression window too), a fork's page copy, preemption and abort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...forward import ForwardBatch
+from ...kv.storage import KVCache, KVLayerSpec
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """Indices, into the KV cache's layers, of one decoder layer's components (None: it has none)."""
+
+    window: int  # per token: k = the KV the sliding window reads
+    projections: int | None = None  # per token: k, v = the compressor's kv and gate projections
+    entries: int | None = None  # per entry: k = the pooled, normalised, rotated entry
+    index_projections: int | None = None  # CSA, per token: the indexer compressor's kv and gate
+    index_keys: int | None = None  # CSA, per entry: the indexer's key
+
+
+def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool],
+                 index_head_dim: int) -> tuple[list[KVLayerSpec], list[LayerCache]]:
+    """The KV layer specs of every component and, per decoder layer, where its components are.
+
+    ``layer_rates[i]`` is 0 for a sliding-only layer; ``overlaps[i]`` marks CSA (overlapping
+    windows, twice the projection width, and an indexer).
+    """
+    specs: list[KVLayerSpec] = []
+
+    def add(spec: KVLayerSpec) -> int:
+        specs.append(spec)
+        return len(specs) - 1
+
+    layers = []
+    for rate, overlap in zip(layer_rates, overlaps):
+        window = add(KVLayerSpec(1, head_dim, 0))
+        if not rate:
+            layers.append(LayerCache(window))
+            continue
+        width = 2 * head_dim if overlap else head_dim
+        parts = dict(projections=add(KVLayerSpec(1, width, width)), entries=add(KVLayerSpec(1, head_dim, 0, rate)))
+        if overlap:
+            parts.update(index_projections=add(KVLayerSpec(1, 2 * index_head_dim, 2 * index_head_dim)),
+                         index_keys=add(KVLayerSpec(1, index_head_dim, 0, rate)))
+        layers.append(LayerCache(window, **parts))
+    return specs, layers
+
+
+def component_bytes_per_token(specs: list[KVLayerSpec], layers: list[LayerCache], dtype: torch.dtype) -> dict:
+    """Bytes one token adds to each component over all layers (an entry counts 1/rate per token)."""
+    totals: dict[str, float] = {}
+    for layer in layers:
+        for name in ("window", "projections", "entries", "index_projections", "index_keys"):
+            i = getattr(layer, name)
+            if i is not None:
+                s = specs[i]
+                totals[name] = totals.get(name, 0.0) + s.num_kv_heads * (s.head_dim + s.v_head_dim) \
+                    * dtype.itemsize / s.rate
+    return totals
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One sequence of a batch: where its new tokens are in the packed axis and its page table row."""
+
+    start: int  # first row of its new tokens in the batch
+    context: int  # tokens already cached
+    new: int  # tokens this step brings
+    pages: torch.Tensor  # [max_pages] int32
+    page_size: int
+
+    @property
+    def end(self) -> int:
+        return self.context + self.new  # the sequence's length after the step
+
+    def token_slots(self, first: int, end: int) -> torch.Tensor:
+        """Flat slots, in a per-token layer viewed as [num_pages * page_size, ...], of positions first..end-1."""
+        pos = torch.arange(first, end, device=self.pages.device)
+        return self.pages[pos // self.page_size].long() * self.page_size + pos % self.page_size
+
+    def entry_slots(self, first: int, end: int, rate: int) -> torch.Tensor:
+        """Flat slots, in a rate-``rate`` layer viewed as [num_pages * slots_per_page, ...], of
+        entries first..end-1: each in the page of its window's last token."""
+        w = torch.arange(first, end, device=self.pages.device)
+        page = (w * rate + rate - 1) // self.page_size
+        per_page = -(-self.page_size // rate)
+        return self.pages[page].long() * per_page + w - page * self.page_size // rate
+
+
+def sequences(batch: ForwardBatch) -> list[SeqView]:
+    """The batch's sequences that bring tokens this step."""
+    views, start = [], 0
+    for i, (context, new) in enumerate(zip(batch.context_lens_cpu, batch.query_lens_cpu)):
+        if new:
+            views.append(SeqView(start, context, new, batch.page_table[i], batch.page_size))
+        start += new
+    return views
+
+
+def flat(kv: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V with their slots on one axis: [slots, width]."""
+    layer = kv.layer(index)
+    return tuple(t.view(t.shape[0] * t.shape[1], t.shape[-1]) for t in (layer.k, layer.v))
