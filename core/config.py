@@ -82,6 +82,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_memory: int = 2 * 2**30  # the default budget on the host, where free memory is shared
     num_pages: int | None = None  # an exact page count overrides the memory budget (tests, benchmarks)
+    window_pages: int | None = None  # an exact window page count (models with windowed KV, core/kv/window.py)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # per-step token budget
     chunked_prefill_size: int | None = 2048  # None or 0: prompts are never split
@@ -112,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+        if self.window_pages is not None and self.window_pages < 2:
+            raise ValueError(f"window_pages must be >= 2, got {self.window_pages}")
 
     @property
     def chunk_size(self) -> int | None:

@@ -85,8 +85,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(c.model_config.path)
         self.vocab_size = c.model_config.vocab_size
         self.pool = c.pool
-        self.radix = RadixCache(c.pool, config.page_size, enabled=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, c.pool, self.radix)
+        self.radix = RadixCache(c.pool, config.page_size, enabled=config.enable_prefix_caching, window=c.window)
+        self.scheduler = Scheduler(config, c.pool, self.radix, c.window)
         self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device, c.graphs)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, c.device)
         self.requests: dict[str, Request] = {}
@@ -209,10 +209,11 @@ class LLMEngine:
     def _sample_and_stop(self, to_sample: list[tuple[Sequence, int]], step_logits: StepLogits) -> list[str]:
         if not to_sample:
             return []
-        rows = torch.tensor([r for _, r in to_sample], device=step_logits.logits.device)
-        out = self.sampler(step_logits.logits.index_select(0, rows),
-                           [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
-                            for s, _ in to_sample])
+        logits, rows = step_logits.logits, [r for _, r in to_sample]
+        if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
+                                    for s, _ in to_sample])
         now = time.monotonic()
         touched: dict[str, None] = {}
         for k, (seq, _) in enumerate(to_sample):

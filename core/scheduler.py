@@ -5,6 +5,9 @@ take chunks), then admits waiting ones FCFS while pages, sequence slots and the 
 budget allow. When a running sequence needs a page and none is free, unlocked prefix-cache
 entries are evicted first, then the latest-arrived running sequence is preempted: its pages are
 freed and it goes back to the head of the queue to be recomputed (its outputs so far are kept).
+Where the model has windowed components (core/kv/window.py), a sequence also holds the window
+pages of the pages within reach of its end, and a shortage of those is met the same way: first
+the prefix cache's unlocked windows are let go, then a sequence is preempted.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .kv.pages import PagePool
 from .kv.radix import RadixCache
+from .kv.window import WindowPool
 from .sequence import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -59,10 +63,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, radix: RadixCache) -> None:
+    def __init__(self, config: EngineConfig, pool: PagePool, radix: RadixCache, window: WindowPool | None = None) -> None:
         self.config = config
         self.pool = pool
         self.radix = radix
+        self.window = window
         self.page_size = config.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -123,20 +128,41 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence, upto_tokens: int) -> bool:
         need = self._pages_for(upto_tokens) - len(seq.pages)
-        if need <= 0:
+        if need > 0:
+            if self.pool.num_free < need:
+                self.radix.evict(need - self.pool.num_free)
+            if self.pool.num_free < need:
+                return False
+            seq.pages.extend(self.pool.alloc(need))
+        return self._hold_windows(seq, upto_tokens)
+
+    def _hold_windows(self, seq: Sequence, upto_tokens: int) -> bool:
+        """Move the sequence's held windows to what a step up to ``upto_tokens`` reads (its pages exist)."""
+        if self.window is None:
             return True
-        if self.pool.num_free < need:
-            self.radix.evict(need - self.pool.num_free)
-        if self.pool.num_free < need:
+        a, b = self.window.span(seq.num_computed, upto_tokens, self.page_size)
+        a0, b0 = seq.window_span
+        gain = [seq.pages[i] for i in range(a, b) if not a0 <= i < b0]
+        short = self.window.missing(gain) - self.window.num_free
+        if short > 0 and not self.radix.release_windows(self.window.missing(gain)):
             return False
-        seq.pages.extend(self.pool.alloc(need))
+        self.window.hold(gain)
+        self.window.let_go([seq.pages[i] for i in range(a0, b0) if not a <= i < b])
+        seq.window_span = (a, b)
         return True
+
+    def _let_go_windows(self, seq: Sequence) -> None:
+        if self.window is not None:
+            a, b = seq.window_span
+            self.window.let_go(seq.pages[a:b])
+        seq.window_span = (0, 0)
 
     def _release(self, seq: Sequence, cache: bool) -> None:
         """Give back a sequence's pages; its computed full pages go to the prefix cache first."""
         if seq.pages:
             if cache and self.radix.enabled:
                 self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
+            self._let_go_windows(seq)
             self.pool.decref(seq.pages)
         if seq.prefix_node is not None:
             self.radix.unlock(seq.prefix_node)
@@ -185,19 +211,27 @@ class Scheduler:
                 if self.pool.num_free < 1:
                     self.radix.evict(1)
                 if self.pool.num_free < 1:
-                    self.pool.decref(s.pages)
-                    s.pages = []
-                    s.status = SeqStatus.WAITING
-                    self.waiting.append(s)
+                    self._wait_to_recompute(s)
                     continue
                 dst = self.pool.alloc(1)[0]
                 self.pending_copies.append((parent.pages[full], dst))
                 s.pages.append(dst)
             s.num_computed = prompt_len
+            if not self._hold_windows(s, prompt_len):  # the partial page copy reaches its window page too
+                self._wait_to_recompute(s)
+                continue
             s.status = SeqStatus.RUNNING
             s.first_scheduled_time = parent.first_scheduled_time
             self.running.append(s)
         return siblings
+
+    def _wait_to_recompute(self, seq: Sequence) -> None:
+        self._let_go_windows(seq)
+        self.pool.decref(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -279,3 +313,6 @@ class Scheduler:
         seq.pages = list(match.pages)
         seq.num_computed = match.num_tokens
         seq.num_cached = match.num_tokens
+        if self.window is not None:  # the match keeps every window within reach of its end: hold them now
+            seq.window_span = self.window.span(match.num_tokens, match.num_tokens, self.page_size)
+            self.window.hold(seq.pages[slice(*seq.window_span)])

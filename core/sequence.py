@@ -33,6 +33,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in ``pages``
     num_cached: int = 0  # of those, how many came from the prefix cache at admission
     prefix_node: Any = None  # radix node locked on this sequence's behalf
+    window_span: tuple[int, int] = (0, 0)  # indices into ``pages`` whose windows it holds (window.py)
     inserted_prompt: bool = False  # the prompt's pages are in the radix cache already
     num_preemptions: int = 0
     finish_reason: str | None = None

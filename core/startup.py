@@ -12,6 +12,7 @@ from .config import EngineConfig, ModelConfig
 from .graph_runner import DecodeGraphs
 from .kv.pages import PagePool
 from .kv.storage import KVCache, pages_for_budget
+from .kv.window import WindowPool
 from .models.base import Backends, CausalLM
 from .plugins import Plugins, load_plugins
 from .platform import PlatformSpec
@@ -35,6 +36,7 @@ class Components:
     pool: PagePool
     max_model_len: int
     graphs: DecodeGraphs | None = None
+    window: WindowPool | None = None  # window pages, for models with windowed KV layers
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -85,8 +87,21 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
     return graphs
 
 
+def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int) -> int:
+    """Window pages (0 without windowed layers): what every running sequence holds near its end
+    plus one step's tokens, and as many again for the ends of cached prefixes."""
+    if not any(s.windowed for s in model.kv_layer_specs()):
+        return 0
+    if config.window_pages is not None:
+        return config.window_pages
+    ps = config.page_size
+    step = max(config.max_num_batched_tokens, config.chunk_size or max_model_len)
+    running = config.max_num_seqs * (-(-model.window_reach() // ps) + 2) + -(-step // ps)
+    return 2 * running + 1
+
+
 def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype,
-              max_model_len: int) -> int:
+              max_model_len: int, window_pages: int) -> int:
     specs = model.kv_layer_specs()
     if config.num_pages is not None:
         return config.num_pages
@@ -97,6 +112,7 @@ def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype
         budget = int(free * config.gpu_memory_utilization)
     else:
         budget = config.cpu_kv_cache_memory
+    budget -= window_pages * KVCache.bytes_per_page(specs, config.page_size, dtype, windowed=True)
     pages = pages_for_budget(budget, specs, config.page_size, dtype)
     useful = config.max_num_seqs * -(-max_model_len // config.page_size) + 1
     return min(pages, useful)
@@ -122,20 +138,25 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     model.eval()
 
     max_model_len = model_config.max_model_len
-    num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len)
+    window_pages = _window_pages(config, model, max_model_len)
+    num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len, window_pages)
+    window_pages = min(window_pages, num_pages)  # one per page never runs short
     capacity = (num_pages - 1) * config.page_size
     if capacity < max_model_len:
         logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: max_model_len lowered to fit",
                        capacity, max_model_len)
         max_model_len = capacity
-    kv = KVCache(model.kv_layer_specs(), num_pages, config.page_size, model_config.dtype, device)
-    logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB)",
+    specs = model.kv_layer_specs()
+    kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
+    window = WindowPool(window_pages, kv, model.window_reach()) if window_pages else None
+    mib = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) * n / 2**20
+           for w, n in ((False, num_pages), (True, window_pages))]
+    logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB), %d window pages (%.1f MiB)",
                 model_config.architecture, model_config.dtype, device, time.monotonic() - started,
-                num_pages, config.page_size,
-                KVCache.bytes_per_page(model.kv_layer_specs(), config.page_size, model_config.dtype) * num_pages / 2**20)
+                num_pages, config.page_size, mib[0], window_pages, mib[1])
     graphs = None
     if graph_selection is not None:
         selections["graphs"] = graph_selection
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
     return Components(plugins, platform, device, model_config, selections, model, kv, PagePool(num_pages),
-                      max_model_len, graphs)
+                      max_model_len, graphs, window)

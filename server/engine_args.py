@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for KV pages (e.g. 4GiB); default: a fraction of free GPU memory, 2GiB on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     g.add_argument("--num-pages", type=int, default=None, help="exact KV page count (overrides the budget)")
+    g.add_argument("--window-pages", type=int, default=None,
+                   help="exact window page count (DeepSeek-V4's per-token components near each sequence's end)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="0 turns chunked prefill off")
@@ -66,6 +68,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=model_dir(args), dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, num_pages=args.num_pages,
+        window_pages=args.window_pages,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size or None, enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend, moe_backend=args.moe_backend,

@@ -5,6 +5,11 @@ are, and a prefix that ends inside a page matches only the whole pages before it
 one pool reference on every page it stores, so a page outlives the request that computed it.
 Nodes on the path of a running request are locked and never evicted; unlocked leaves go least
 recently used first, by an explicit access counter (deterministic, unlike wall-clock time).
+
+With window pages (window.py), the node where a stored prefix ends also holds the windows of the
+pages within reach of that end, and a match ends only where every such window is there: a hit
+restores every component, or is honestly shorter. A node's windows can be let go alone when
+window pages run short (the node then stays, for longer hits through it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from .pages import PagePool
+from .window import WindowPool
 
 
 @dataclass
@@ -30,7 +36,7 @@ class RadixStats:
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, uid: int) -> None:
         self.key = key  # tokens of the edge from the parent: len(pages) * page_size of them
@@ -40,6 +46,7 @@ class _Node:
         self.lock_ref = 0
         self.last_access = 0
         self.uid = uid  # creation order: breaks LRU ties deterministically
+        self.window: list[int] | None = None  # pages whose windows this node's end holds
 
 
 @dataclass
@@ -54,10 +61,11 @@ class PrefixMatch:
 class RadixCache:
     """Prefix tree over token ids; match/lock_prefix hand out node handles that lock/unlock take."""
 
-    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True) -> None:
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True, window: WindowPool | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.pool = pool
+        self.window = window
         self.page_size = page_size
         self.enabled = enabled
         self.stats = RadixStats()
@@ -88,6 +96,9 @@ class RadixCache:
             found = PrefixMatch([], 0, self._root)
         else:
             node, pages = self._walk(tokens)
+            usable = self._restorable(pages)
+            if usable < len(pages):
+                node, pages = self._walk(tokens[:usable * self.page_size])
             found = PrefixMatch(pages, len(pages) * self.page_size, node)
         if record:
             self.record(len(tokens), found.num_tokens)
@@ -99,6 +110,18 @@ class RadixCache:
         self.stats.match_calls += 1
         self.stats.hits += num_hit
         self.stats.hit_calls += num_hit > 0
+
+    def _restorable(self, pages: list[int]) -> int:
+        """The most leading pages a hit can take: where every window within reach of its end is kept."""
+        if self.window is None:
+            return len(pages)
+        k = len(pages)
+        while k and self.window.missing(pages[self._tail_start(k):k]):
+            k -= 1
+        return k
+
+    def _tail_start(self, num_pages: int) -> int:
+        return max(0, num_pages * self.page_size - self.window.reach) // self.page_size
 
     def lock_prefix(self, tokens: list[int]) -> _Node:
         """Lock the node where the cached whole-page prefix of ``tokens`` ends (no statistics)."""
@@ -179,7 +202,32 @@ class RadixCache:
             node.children[leaf.key[:ps]] = leaf
             self._cached_pages += len(new_pages)
             self._evictable_pages += len(new_pages)
+            node, held = leaf, held + new_pages
+        self._hold_window(node, held)
         return present * ps
+
+    def _hold_window(self, node: _Node, path_pages: list[int]) -> None:
+        """Let the node where a stored prefix ends hold the windows within reach of its end, if all are there."""
+        if self.window is None or node.window is not None or not path_pages:
+            return
+        tail = path_pages[self._tail_start(len(path_pages)):]
+        if not self.window.missing(tail):
+            self.window.hold(tail)
+            node.window = tail
+
+    def release_windows(self, num_window_pages: int) -> bool:
+        """Let go of nodes' windows, least recently used first, until that many window pages are
+        free; False if they cannot be. Locked nodes too: a running sequence holds the windows it
+        reads itself, a node's are only for later hits."""
+        if self.window is None:
+            return False
+        heap = [(n.last_access, n.uid, n) for n in self._nodes() if n.window is not None]
+        heapq.heapify(heap)
+        while self.window.num_free < num_window_pages and heap:
+            node = heapq.heappop(heap)[2]
+            self.window.let_go(node.window)
+            node.window = None
+        return self.window.num_free >= num_window_pages
 
     def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
         """Whole pages shared by an edge ``key`` and ``tokens[pos:]`` (the first page is known equal)."""
@@ -239,6 +287,9 @@ class RadixCache:
         """Detach a leaf and release its pages; returns how many of them became free."""
         del node.parent.children[node.key[:self.page_size]]
         node.parent = None
+        if node.window is not None:
+            self.window.let_go(node.window)
+            node.window = None
         self.pool.decref(node.pages)
         freed = sum(self.pool.refcount(p) == 0 for p in set(node.pages))
         self._cached_pages -= len(node.pages)

@@ -3,6 +3,8 @@
 A "layer" here is one component of the cache. Most keep a slot per token; a compressed one
 (``rate`` > 1, DeepSeek-V4's pooled entries) keeps a slot per ``rate`` tokens, so its page
 holds ``ceil(page_size / rate)`` slots and is paged, shared and freed with the tokens it covers.
+A windowed one lives in the smaller pool of window pages (window.py): page ``p``'s tokens are in
+window page ``window_table()[p]``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class KVLayerSpec:
     head_dim: int
     v_head_dim: int
     rate: int = 1
+    windowed: bool = False  # read only near a sequence's end: kept in window pages
 
     def slots_per_page(self, page_size: int) -> int:
         return -(-page_size // self.rate)
@@ -32,7 +35,7 @@ class KVCache:
     """Zero-initialised pages (a padded slot or the null page reads as zeros, never NaN garbage)."""
 
     def __init__(self, layers: list[KVLayerSpec], num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, num_window_pages: int = 0) -> None:
         if num_pages < 2:
             raise ValueError(f"a KV cache needs at least 2 pages (the null page and one usable), got {num_pages}")
         self.specs = list(layers)
@@ -40,15 +43,20 @@ class KVCache:
         self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
+        if any(s.windowed for s in self.specs) and num_window_pages < 2:
+            raise ValueError(f"windowed layers need at least 2 window pages, got {num_window_pages}")
+        self.num_window_pages = num_window_pages
         self._layers = [
             LayerKV(
-                k=torch.zeros(num_pages, s.slots_per_page(page_size), s.num_kv_heads, s.head_dim, dtype=dtype,
-                              device=self.device),
-                v=torch.zeros(num_pages, s.slots_per_page(page_size), s.num_kv_heads, s.v_head_dim, dtype=dtype,
-                              device=self.device),
+                k=torch.zeros(num_window_pages if s.windowed else num_pages, s.slots_per_page(page_size),
+                              s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device),
+                v=torch.zeros(num_window_pages if s.windowed else num_pages, s.slots_per_page(page_size),
+                              s.num_kv_heads, s.v_head_dim, dtype=dtype, device=self.device),
             )
             for s in self.specs
         ]
+        self._window_table = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
+        self._staged: dict[int, int] = {}
 
     @property
     def num_layers(self) -> int:
@@ -57,8 +65,22 @@ class KVCache:
     def layer(self, i: int) -> LayerKV:
         return self._layers[i]
 
+    def stage_window(self, page: int, window_page: int) -> None:
+        """Record that ``page``'s window is now ``window_page`` (0: none); sent with the next read."""
+        self._staged[page] = window_page
+
+    def window_table(self) -> torch.Tensor:
+        """[num_pages] int32 on the device: each page's window page, staged changes applied."""
+        if self._staged:
+            pages, windows = zip(*self._staged.items())
+            self._window_table[torch.tensor(pages, device=self.device)] = torch.tensor(
+                windows, dtype=torch.int32, device=self.device)
+            self._staged.clear()
+        return self._window_table
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy page ``src[j]`` onto ``dst[j]`` in every layer (a forked sequence's partial last page)."""
+        """Copy page ``src[j]`` onto ``dst[j]`` in every layer (a forked sequence's partial last page);
+        windowed layers copy between the pages' window pages."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source pages but {len(dst)} destinations")
         if len(set(dst)) != len(dst):
@@ -67,15 +89,19 @@ class KVCache:
             return
         src_idx = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for kv in self._layers:
+        if self.num_window_pages:
+            table = self.window_table()
+            windows = (table[src_idx].long(), table[dst_idx].long())
+        for spec, kv in zip(self.specs, self._layers):
+            s, d = windows if spec.windowed else (src_idx, dst_idx)
             for t in (kv.k, kv.v):
-                t.index_copy_(0, dst_idx, t.index_select(0, src_idx))
+                t.index_copy_(0, d, t.index_select(0, s))
 
     @staticmethod
-    def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
-        """K and V bytes one page takes across all layers."""
+    def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype, windowed: bool = False) -> int:
+        """K and V bytes one page (or one window page) takes across its layers."""
         return sum(s.slots_per_page(page_size) * s.num_kv_heads * (s.head_dim + s.v_head_dim)
-                   for s in layers) * dtype.itemsize
+                   for s in layers if s.windowed == windowed) * dtype.itemsize
 
 
 def pages_for_budget(budget_bytes: int, layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:

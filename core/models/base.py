@@ -46,6 +46,10 @@ class CausalLM(nn.Module, ABC):
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         """One spec per layer that keeps KV pages, in layer order."""
 
+    def window_reach(self) -> int:
+        """Tokens before a step's first new token whose windowed KV layers it reads (0: none windowed)."""
+        return 0
+
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] of every packed token after the final norm."""

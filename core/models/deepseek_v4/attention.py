@@ -23,7 +23,7 @@ from ...native.rope import RotaryEmbedding
 from ...native.tail_rope import rotate_tail
 from ..base import Backends
 from ..layers import Linear, RMSNorm, empty_param
-from .cache import LayerCache, SeqView, flat
+from .cache import LayerCache, SeqView, flat, window_slots
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -150,12 +150,13 @@ class Attention(nn.Module):
         q_low = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
         q = rotate_tail(q, cos[:, None], sin[:, None])
+        slots = window_slots(batch.slot_mapping, kv.window_table(), batch.page_size)
         window_kv = flat(kv, self.cache.window)[0]
-        window_kv.index_copy_(0, batch.slot_mapping, rotate_tail(self.norm(self.wkv(x)), cos, sin).to(window_kv.dtype))
+        window_kv.index_copy_(0, slots, rotate_tail(self.norm(self.wkv(x)), cos, sin).to(window_kv.dtype))
         if self.compressor is not None:
-            self.compressor.store(x, batch.slot_mapping, flat(kv, self.cache.projections))
+            self.compressor.store(x, slots, flat(kv, self.cache.projections))
         if self.indexer is not None:
-            self.indexer.compressor.store(x, batch.slot_mapping, flat(kv, self.cache.index_projections))
+            self.indexer.compressor.store(x, slots, flat(kv, self.cache.index_projections))
         spec = self.layer_spec()
         out = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         for seq in seqs:

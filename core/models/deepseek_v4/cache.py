@@ -7,7 +7,10 @@ in CSA layers, the indexer's key, kept in the page of the window's last token, w
 that closed the window owns (a shared prefix page is never written).
 
 Being paged like any KV, every component follows the sequence through a prefix hit at any page
-boundary (inside a compression window too), a fork's page copy, preemption and abort.
+boundary (inside a compression window too), a fork's page copy, preemption and abort. The
+per-token components are windowed (core/kv/window.py): read only ``window_reach`` tokens behind a
+step, they live in window pages that a page keeps only while a sequence's end or a cached
+prefix's end is near it, so they cost memory per running request, not per cached token.
 """
 
 from __future__ import annotations
@@ -46,17 +49,24 @@ def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool],
 
     layers = []
     for rate, overlap in zip(layer_rates, overlaps):
-        window = add(KVLayerSpec(1, head_dim, 0))
+        window = add(KVLayerSpec(1, head_dim, 0, windowed=True))
         if not rate:
             layers.append(LayerCache(window))
             continue
         width = 2 * head_dim if overlap else head_dim
-        parts = dict(projections=add(KVLayerSpec(1, width, width)), entries=add(KVLayerSpec(1, head_dim, 0, rate)))
+        parts = dict(projections=add(KVLayerSpec(1, width, width, windowed=True)),
+                     entries=add(KVLayerSpec(1, head_dim, 0, rate)))
         if overlap:
-            parts.update(index_projections=add(KVLayerSpec(1, 2 * index_head_dim, 2 * index_head_dim)),
+            parts.update(index_projections=add(KVLayerSpec(1, 2 * index_head_dim, 2 * index_head_dim, windowed=True)),
                          index_keys=add(KVLayerSpec(1, index_head_dim, 0, rate)))
         layers.append(LayerCache(window, **parts))
     return specs, layers
+
+
+def window_reach(sliding_window: int, layer_rates: list[int], overlaps: list[bool]) -> int:
+    """Tokens before a step's first one that it reads per token: the window's keys, an open
+    compression window's earlier tokens, and an overlapping window's predecessor."""
+    return max([sliding_window - 1] + [(2 if o else 1) * r - 1 for r, o in zip(layer_rates, overlaps) if r])
 
 
 def component_bytes_per_token(specs: list[KVLayerSpec], layers: list[LayerCache], dtype: torch.dtype) -> dict:
@@ -80,6 +90,7 @@ class SeqView:
     context: int  # tokens already cached
     new: int  # tokens this step brings
     pages: torch.Tensor  # [max_pages] int32
+    windows: torch.Tensor  # [num_pages] int32: each page's window page
     page_size: int
 
     @property
@@ -87,9 +98,10 @@ class SeqView:
         return self.context + self.new  # the sequence's length after the step
 
     def token_slots(self, first: int, end: int) -> torch.Tensor:
-        """Flat slots, in a per-token layer viewed as [num_pages * page_size, ...], of positions first..end-1."""
+        """Flat slots, in a windowed layer viewed as [num_window_pages * page_size, ...], of
+        positions first..end-1 (their pages must have window pages)."""
         pos = torch.arange(first, end, device=self.pages.device)
-        return self.pages[pos // self.page_size].long() * self.page_size + pos % self.page_size
+        return self.windows[self.pages[pos // self.page_size].long()].long() * self.page_size + pos % self.page_size
 
     def entry_slots(self, first: int, end: int, rate: int) -> torch.Tensor:
         """Flat slots, in a rate-``rate`` layer viewed as [num_pages * slots_per_page, ...], of
@@ -100,14 +112,19 @@ class SeqView:
         return self.pages[page].long() * per_page + w - page * self.page_size // rate
 
 
-def sequences(batch: ForwardBatch) -> list[SeqView]:
+def sequences(batch: ForwardBatch, windows: torch.Tensor) -> list[SeqView]:
     """The batch's sequences that bring tokens this step."""
     views, start = [], 0
     for i, (context, new) in enumerate(zip(batch.context_lens_cpu, batch.query_lens_cpu)):
         if new:
-            views.append(SeqView(start, context, new, batch.page_table[i], batch.page_size))
+            views.append(SeqView(start, context, new, batch.page_table[i], windows, batch.page_size))
         start += new
     return views
+
+
+def window_slots(slot_mapping: torch.Tensor, windows: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A batch's token slots (page * page_size + offset) in the window pages instead."""
+    return windows[slot_mapping // page_size].long() * page_size + slot_mapping % page_size
 
 
 def flat(kv: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from ..base import Backends, CausalLM
 from ..layers import Embedding, Linear, RMSNorm, empty_param
 from ..weights import Target, load_into
 from .attention import CSA, SLIDING, Attention
-from .cache import LayerCache, SeqView, cache_layout, sequences
+from .cache import LayerCache, SeqView, cache_layout, sequences, window_reach
 from .checkpoint import check_quantization_config, dequantized
 from .moe import SparseMoE
 
@@ -91,7 +91,7 @@ class Decoder(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        seqs = sequences(batch)
+        seqs = sequences(batch, kv.window_table())
         for layer in self.layers:
             streams = layer(streams, batch, kv, seqs)
         return self.norm(self.hc_head(streams))
@@ -104,15 +104,18 @@ class DeepseekV4ForCausalLM(CausalLM):
         hf, dtype = _normalised(config.hf), config.dtype
         check_quantization_config(hf)
         types = hf["layer_types"][:hf["num_hidden_layers"]]
-        self.cache_specs, caches = cache_layout(hf["head_dim"], [0 if t == SLIDING else hf["compress_rates"][t]
-                                                                 for t in types],
-                                                [t == CSA for t in types], hf.get("index_head_dim", 128))
+        rates, overlaps = [0 if t == SLIDING else hf["compress_rates"][t] for t in types], [t == CSA for t in types]
+        self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128))
+        self.reach = window_reach(hf["sliding_window"], rates, overlaps)
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device)
         self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return list(self.cache_specs)
+
+    def window_reach(self) -> int:
+        return self.reach
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         return self.model(batch, kv)

@@ -20,6 +20,9 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
         tables.append(list(range(next_page, next_page + n)))
         next_page += n
     assert next_page <= c.kv.num_pages
+    held = [p for t in tables for p in t] if c.window is not None else []
+    if held:  # windowed components need window pages where the scheduler would have held them
+        c.window.hold(held)
     cuts = [0 if split is None else int(len(p) * split) for p in prompts]
     out = [[] for _ in prompts]
     for lo_of, hi_of in ((lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: len(prompts[i]))):
@@ -40,6 +43,8 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
         for i, q in enumerate(qlens):
             out[i].append(logits[start:start + q])
             start += q
+    if held:
+        c.window.let_go(held)
     return [torch.cat(chunks) for chunks in out]
 
 

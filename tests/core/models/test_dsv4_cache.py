@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, component_bytes_per_token
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, component_bytes_per_token, window_slots
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 6, 16, 32])
@@ -18,7 +18,7 @@ def test_entries_get_distinct_slots_in_the_page_of_their_last_token(seed, page_s
     num_entries = rng.randint(1, 3 * max(1, 64 // rate) + 8)
     num_pages = -(-num_entries * rate // page_size)
     pages = torch.tensor(rng.sample(range(1, 4 * num_pages + 2), num_pages), dtype=torch.int32)
-    seq = SeqView(start=0, context=0, new=num_entries * rate, pages=pages, page_size=page_size)
+    seq = SeqView(start=0, context=0, new=num_entries * rate, pages=pages, windows=torch.zeros(0), page_size=page_size)
     slots = seq.entry_slots(0, num_entries, rate)
     per_page = -(-page_size // rate)
     assert len(set(slots.tolist())) == num_entries
@@ -28,11 +28,14 @@ def test_entries_get_distinct_slots_in_the_page_of_their_last_token(seed, page_s
     assert torch.equal(seq.entry_slots(first, num_entries, rate), slots[first:])
 
 
-def test_token_slots_follow_the_page_table(seed):
+def test_token_slots_follow_the_page_table_into_the_window_pages(seed):
     rng = random.Random(seed)
     pages = torch.tensor(rng.sample(range(1, 50), 10), dtype=torch.int32)
-    seq = SeqView(start=0, context=0, new=40, pages=pages, page_size=4)
-    assert seq.token_slots(0, 40).tolist() == [int(pages[t // 4]) * 4 + t % 4 for t in range(40)]
+    windows = torch.tensor(rng.sample(range(1, 80), 50), dtype=torch.int32)
+    seq = SeqView(start=0, context=0, new=40, pages=pages, windows=windows, page_size=4)
+    assert seq.token_slots(0, 40).tolist() == [int(windows[pages[t // 4]]) * 4 + t % 4 for t in range(40)]
+    slots = pages[torch.arange(40) // 4].long() * 4 + torch.arange(40) % 4
+    assert torch.equal(window_slots(slots, windows, 4), seq.token_slots(0, 40))
 
 
 def test_bytes_per_token_per_component_add_up_to_the_pages(seed):
@@ -41,7 +44,11 @@ def test_bytes_per_token_per_component_add_up_to_the_pages(seed):
     specs, layers = cache_layout(64, rates, [r == 4 for r in rates], 32)
     per_token = component_bytes_per_token(specs, layers, torch.bfloat16)
     assert per_token["window"] == 7 * 64 * 2
-    assert sum(per_token.values()) * 16 == KVCache.bytes_per_page(specs, 16, torch.bfloat16)
+    windowed = ("window", "projections", "index_projections")
+    assert sum(v for k, v in per_token.items() if k in windowed) * 16 == KVCache.bytes_per_page(
+        specs, 16, torch.bfloat16, windowed=True)
+    assert sum(v for k, v in per_token.items() if k not in windowed) * 16 == KVCache.bytes_per_page(
+        specs, 16, torch.bfloat16)
     csa, hca = rates.count(4), rates.count(16)
     assert per_token.get("entries", 0) == (csa * 64 / 4 + hca * 64 / 16) * 2
     assert per_token.get("index_keys", 0) == csa * 32 / 4 * 2
