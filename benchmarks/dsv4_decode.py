@@ -1,4 +1,5 @@
-"""DeepSeek-V4 decode step time at the V4-Flash layer shape: the engine beside HF transformers' deepseek_v4.
+"""DeepSeek-V4 decode step time at the V4-Flash layer shape: the engine on its native (torch) backends,
+the baseline its fused kernels will be measured against, beside HF transformers' deepseek_v4.
 
 The layers are V4-Flash's: hidden 4096, 64 heads of 512 sharing one KV head, q_lora 1024, the
 grouped output projection (8 groups of rank 1024), sliding window 128, CSA at rate 4 with its
@@ -18,7 +19,9 @@ one token, over n (e2e_decode.py's helpers: ``LLM.generate`` with ignore_eos, HF
 The roofline is what a step must read, at the measured copy bandwidth: each layer's dense weights,
 the routed experts its batch is expected to pick, the LM head (the KV at 1K context is under 1% of
 that). Every part records its error in the JSON instead of ending the run, and parts that would
-start past the time budget are skipped. ``DSV4_LAYERS=N`` fixes the layer count.
+start past the time budget are skipped. ``DSV4_LAYERS=N`` fixes the layer count, and
+``DSV4_FIRST_LAYER=K`` starts at V4-Flash's layer K (2: a CSA layer, then HCA, ...) so that a
+short stack still has compressed layers.
 
     python benchmarks/dsv4_decode.py --json benchmarks/results/dsv4-decode-h200.json
     bash benchmarks/device_run.sh dsv4_decode   # on the device: installs .whl/'s transformers first
@@ -62,12 +65,14 @@ GPU_RESERVE = 40 * 2**30  # beside the weights: HF's eager attention over 32 x 1
 SAVE_RESERVE = 8 * 2**30
 DISK_MARGIN = 2 * 2**30
 SHM_MARGIN = 24 * 2**30  # /dev/shm is host memory, which the run needs some of too
+NATIVE = dict(attention_backend="native", moe_backend="native", linear_backend="native")  # the baseline
 BUDGET_S = 300  # no part starts later, so the run ends within about 6 minutes
+FIRST_LAYER = int(os.environ.get("DSV4_FIRST_LAYER", 0))
 
 
 def layer_types(n: int) -> list[str]:
-    """V4-Flash's order: two sliding layers, then CSA and HCA alternating."""
-    return ([SLIDING] * 2 + [CSA, HCA] * n)[:n]
+    """V4-Flash's order (two sliding layers, then CSA and HCA alternating), from FIRST_LAYER on."""
+    return ([SLIDING] * 2 + [CSA, HCA] * (n + FIRST_LAYER))[FIRST_LAYER:FIRST_LAYER + n]
 
 
 def _hf_config(shape: dict, layers: int):
@@ -207,6 +212,7 @@ def _engine_side(attempt, result: dict, shape: dict, root: Path, prompt_len: int
     rows = result["rows"]
     llm = attempt("engine load", lambda: LLM(
         str(root), dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=KV_CACHE_BYTES,
+        **NATIVE,
         max_model_len=prompt_len + max(r["decode_tokens"] for r in rows) + 8,
         max_num_seqs=max(r["batch"] for r in rows)))
     if llm is not None:
