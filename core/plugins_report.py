@@ -66,6 +66,20 @@ def _family(plugins: Plugins, ctx: SelectionContext, family: str, requested: str
     return [head, *_candidates(selection.candidates, chosen.name)]
 
 
+def _blocks(plugins: Plugins, ctx: SelectionContext, requested: dict[str, str]) -> list[str]:
+    """What serves each block of the --model's architecture: a family's selection or the model's own code."""
+    try:
+        model_cls = plugins.select("model", ctx, requested["model"]).create(ctx)
+        chosen = {}
+        for family in {family for _, family in model_cls.blocks if family in hookspecs.FAMILIES}:
+            chosen[family] = plugins.select(family, ctx, requested.get(family)).chosen.name
+    except Exception as exc:  # the families above already say why nothing was selected
+        return [f"Blocks: cannot tell ({type(exc).__name__}: {str(exc).splitlines()[0]})"]
+    rows = [(block, f"{family} backend {chosen[family]}" if family in chosen else family)
+            for block, family in model_cls.blocks]
+    return [f"Blocks of {requested['model']} (what runs each):", *_table(rows)]
+
+
 def report(plugins: Plugins, ctx: SelectionContext, requested: dict[str, str] | None = None) -> str:
     """The discovery, the platform and, for every family, the selection with every candidate."""
     requested = dict(requested or {})
@@ -74,4 +88,6 @@ def report(plugins: Plugins, ctx: SelectionContext, requested: dict[str, str] | 
     lines = [*_discovery(plugins), "", *_platform(ctx), "", "Families (* is what would be selected):"]
     for family in hookspecs.FAMILIES:
         lines += _family(plugins, ctx, family, requested.get(family))
+    if "model" in requested:
+        lines += ["", *_blocks(plugins, ctx, requested)]
     return "\n".join(lines)

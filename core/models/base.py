@@ -36,6 +36,9 @@ class CausalLM(nn.Module, ABC):
     # True if forward reads the batch's shape only from device tensors and its attention backend's
     # metadata, so a decode step can be captured in a graph (core/graph_runner.py)
     graph_safe: bool = True
+    # what runs each block: a backend family's name (its selection serves it) or where its own code is
+    blocks: tuple[tuple[str, str], ...] = (("attention, RoPE + KV page store", "attention"),
+                                           ("projections, RMSNorm, SiLU-and-mul, LM head", "linear"))
 
     def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()

@@ -39,6 +39,8 @@ class SparseMoE(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    blocks = Qwen3ForCausalLM.blocks + (("routed experts (softmax top-k)", "moe"),)
+
     def sliding_window(self, layer_id: int) -> int | None:
         hf = self.config.hf
         return hf.get("sliding_window") if hf.get("use_sliding_window") else None

@@ -40,6 +40,19 @@ def test_plugins_reports_families_and_refusals(tiny_qwen3):
     for family in ("attention", "moe", "linear", "model"):
         assert f"\n{family}" in res.stdout
     assert "selects Qwen3ForCausalLM" in res.stdout
+    assert "Blocks of Qwen3ForCausalLM" in res.stdout
+    assert any(line.split()[:1] == ["attention,"] and line.endswith("attention backend native")
+               for line in res.stdout.splitlines())
+
+
+def test_plugins_says_what_serves_each_deepseek_v4_block(shared_dir):
+    res = run_engine("plugins", "--model", str(shared_dir / "models" / "tiny-dsv4-py"), "--moe-backend", "native")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout[res.stdout.index("Blocks of DeepseekV4ForCausalLM"):].splitlines()
+    served = {line.split("  ")[1].strip(): line.strip().split("  ")[-1] for line in lines[1:] if line.strip()}
+    assert any("lightning indexer" in block and "deepseek_v4/attention.py" in how for block, how in served.items())
+    assert any("experts" in block and how == "moe backend native" for block, how in served.items())
+    assert any("projections" in block and how == "linear backend native" for block, how in served.items())
 
 
 def test_explicit_backend_that_cannot_run_fails_with_reasons(tiny_qwen3):

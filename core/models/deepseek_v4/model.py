@@ -99,6 +99,14 @@ class Decoder(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     graph_safe = False  # its steps read their shape from the batch's host lists
+    blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "torch in core/native/mhc.py"),
+              ("attention: sliding window, CSA + lightning indexer, HCA, sinks",
+               "torch in core/models/deepseek_v4/attention.py (not the attention backend)"),
+              ("compressors (CSA/HCA pooling)", "torch in core/native/compressor.py"),
+              ("indexer top-k (stable)", "torch in core/native/indexer.py"),
+              ("q/kv/compressor/indexer/output projections, LM head", "linear"),
+              ("RMSNorms, partial RoPE", "torch in core/native"),
+              ("routed + shared experts (sqrtsoftplus and hash routing, swiglu clamp)", "moe"))
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
         hf, dtype = _normalised(config.hf), config.dtype
