@@ -15,7 +15,7 @@ steps=${*:-tests attention gemm moe}
 for step in $steps; do
   echo "== $step"
   case $step in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/backends tests/core/native 2>&1 \
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu ${TESTS:-tests/backends tests/core/native} 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -25 ;;
     attention) timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/attention-h200.json" 2>&1 | tail -40 ;;
     gemm) timeout 300 python3 benchmarks/gemm_bench.py --json "$OUT/gemm-h200.json" 2>&1 | tail -40 ;;
