@@ -3,14 +3,136 @@
 Tokens of all sequences in a step are packed into one flat axis (varlen). Sequence ``i`` brings
 ``query_lens[i]`` new tokens at positions ``context_lens[i] .. seq_lens[i]-1``; the KV of
 positions below ``context_lens[i]`` is already in its pages (a cached prefix or earlier chunks).
+
+Every integer array of a batch is assembled in one host buffer (``BatchLayout`` says where each
+lies) and reaches the device in one copy; the batch's tensors are views of that one device buffer.
+Each small array copied on its own would cost a launch and a host wait per step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+ALIGN = 16  # bytes: where each array starts, the pointer alignment Triton specializes kernels on
+
+
+_FIELDS64 = ("input_ids", "positions", "slot_mapping", "logits_indices")
+_FIELDS32 = ("query_start_loc", "seq_lens", "context_lens", "page_table")  # the table last: see BatchLayout
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each array of a batch lies in one packed byte buffer: the int64 arrays, then the int32
+    ones, each on ``ALIGN`` bytes. The page table comes last, so every other array's place depends
+    on the batch's sizes alone and not on the table's width."""
+
+    num_seqs: int
+    width: int  # page-table columns
+    chunks64: tuple[int, ...]  # the int64 part in elements: each field, then its padding to ALIGN
+    chunks32: tuple[int, ...]  # the same for the int32 part, which starts at byte ``bytes64``
+    bytes64: int
+    nbytes: int
+
+    def views(self, buf: torch.Tensor | np.ndarray) -> dict[str, Any]:
+        """Typed views of every field in ``buf``, a uint8 tensor (device side) or numpy array (host side)."""
+        head, tail = buf[:self.bytes64], buf[self.bytes64:self.nbytes]
+        if isinstance(buf, np.ndarray):
+            parts64, parts32 = _split(head.view(np.int64), self.chunks64), _split(tail.view(np.int32), self.chunks32)
+        else:  # one call per part: a torch slice each would cost microseconds of host time per field
+            parts64 = head.view(torch.int64).split_with_sizes(self.chunks64)[::2]
+            parts32 = tail.view(torch.int32).split_with_sizes(self.chunks32)[::2]
+        out = dict(zip(_FIELDS64, parts64))
+        out.update(zip(_FIELDS32, parts32))
+        out["page_table"] = out["page_table"].reshape(self.num_seqs, self.width)
+        return out
+
+
+def _split(a: np.ndarray, chunks: tuple[int, ...]) -> list[np.ndarray]:
+    out, at = [], 0
+    for n, pad in zip(chunks[::2], chunks[1::2]):
+        out.append(a[at:at + n])
+        at += n + pad
+    return out
+
+
+def _chunks(counts: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    step = ALIGN // itemsize
+    return tuple(c for n in counts for c in (n, -n % step))
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_layout(num_tokens: int, num_seqs: int, num_logits: int, width: int) -> BatchLayout:
+    """The layout of a batch of these sizes (a decode step's repeats, so it is made once)."""
+    c64 = _chunks((num_tokens, num_tokens, num_tokens, num_logits), 8)
+    c32 = _chunks((num_seqs + 1, num_seqs, num_seqs, num_seqs * width), 4)
+    return BatchLayout(num_seqs, width, c64, c32, 8 * sum(c64), 8 * sum(c64) + 4 * sum(c32))
+
+
+def pack_batch(v: dict[str, np.ndarray], input_ids: list[int], query_lens: list[int], context_lens: list[int],
+               page_tables: list[list[int]], page_size: int, logits_indices) -> None:
+    """Fill the host views ``v`` of a layout with a batch (page-table padding is 0 and never read)."""
+    num_seqs, num_tokens = len(query_lens), len(input_ids)
+    ctx, starts, pos, slots = v["context_lens"], v["query_start_loc"], v["positions"], v["slot_mapping"]
+    v["input_ids"][:] = input_ids
+    v["logits_indices"][:] = logits_indices
+    ctx[:] = context_lens
+    table = v["page_table"]
+    flat, zeros = [], [0] * table.shape[1]
+    for pages in page_tables:
+        flat += pages
+        flat += zeros[len(pages):]
+    table.reshape(-1)[:] = flat
+    if num_tokens == num_seqs and all(q == 1 for q in query_lens):  # decode: one token each, at its context length
+        starts[:] = np.arange(num_seqs + 1)
+        np.add(ctx, 1, out=v["seq_lens"])
+        pos[:] = ctx
+        slots[:] = [p[c // page_size] * page_size + c % page_size for p, c in zip(page_tables, context_lens)]
+        return
+    starts[0] = 0
+    np.cumsum(query_lens, out=starts[1:])
+    np.add(ctx, query_lens, out=v["seq_lens"])
+    owner = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token
+    np.add((ctx - starts[:-1])[owner], np.arange(num_tokens), out=pos)
+    slots[:] = table[owner, pos // page_size]
+    slots *= page_size
+    slots += pos % page_size
+
+
+class HostStaging:
+    """The host side of a batch's one copy to the device: a buffer kept and reused step after step.
+
+    On CUDA it is pinned, so the copy runs asynchronously; before writing it again the host waits
+    for the event recorded after the last copy out of it (a step that overwrote it while that copy
+    was in flight would send a torn batch). Elsewhere the copy is done when ``send`` returns.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._buf: torch.Tensor | None = None
+        self._copied = torch.cuda.Event() if self.pinned else None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of ``nbytes`` that no copy in flight still reads."""
+        if self.pinned:
+            self._copied.synchronize()
+        if self._buf is None or self._buf.numel() < nbytes:
+            size = max(nbytes, 2 * self._buf.numel() if self._buf is not None else 1 << 16)
+            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        return self._buf[:nbytes]
+
+    def send(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy ``host`` (from ``take``) into ``out`` on the device, or into a new device tensor."""
+        out = torch.empty_like(host, device=self.device) if out is None else out
+        out.copy_(host, non_blocking=self.pinned)
+        if self.pinned:
+            self._copied.record()
+        return out
 
 
 @dataclass
@@ -62,32 +184,15 @@ class ForwardBatch:
         page_size: int,
         logits_indices: list[int],
         device: torch.device | str = "cpu",
+        staging: HostStaging | None = None,
     ) -> "ForwardBatch":
-        """Build a batch from host lists (the runner's path; tests use it too)."""
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        width = max((len(p) for p in page_tables), default=0) or 1
-        table = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int32)
-        qlens = torch.tensor(query_lens, dtype=torch.int64)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(qlens, 0, out=starts[1:])
-        owner = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)  # sequence of each token
-        pos = torch.tensor(context_lens, dtype=torch.int64)[owner] + torch.arange(len(input_ids)) - starts[owner]
-        slots = table[owner, pos // page_size].to(torch.int64) * page_size + pos % page_size
-
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        return cls(
-            input_ids=put(torch.tensor(input_ids, dtype=torch.int64)),
-            positions=put(pos),
-            query_start_loc=put(starts.to(torch.int32)),
-            seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)),
-            context_lens=put(torch.tensor(context_lens, dtype=torch.int32)),
-            page_table=put(table),
-            slot_mapping=put(slots),
-            logits_indices=put(torch.tensor(logits_indices, dtype=torch.int64)),
-            page_size=page_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=seq_lens,
-            context_lens_cpu=list(context_lens),
-        )
+        """Build a batch from host lists (the runner's path, with its reused ``staging``; tests too)."""
+        staging = staging or HostStaging(device)
+        width = max(map(len, page_tables), default=0) or 1
+        layout = batch_layout(len(input_ids), len(query_lens), len(logits_indices), width)
+        host = staging.take(layout.nbytes)
+        pack_batch(layout.views(host.numpy()), input_ids, query_lens, context_lens, page_tables, page_size,
+                   logits_indices)
+        v = layout.views(staging.send(host))
+        return cls(**v, page_size=page_size, query_lens_cpu=list(query_lens),
+                   seq_lens_cpu=[c + q for c, q in zip(context_lens, query_lens)], context_lens_cpu=list(context_lens))

@@ -7,10 +7,17 @@ decode token 0 at position 0 over one key, written to and read from the null pag
 which no sequence ever owns; their logits are dropped. The attention backend must be
 ``graph_safe``: it reads the batch's lengths from the device tensors only, never from the host
 lists, which in a captured batch are placeholders (each sequence's bound, ``max_model_len``).
+
+The static integer arrays of bucket ``b`` lie in one device buffer as the layout of a forward
+batch of ``b`` sequences puts them (core/forward.py), so a step packs its rows and the padding
+rows on the host and sends them with one copy. The page table is the exception: its rows have the
+full width there, so the step's narrower table goes at the end of that copy and one device copy
+moves it into place (a full-width table from the host would grow with ``max_model_len``).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Callable
 
@@ -18,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from .families.graphs import GraphBackend
-from .forward import ForwardBatch
+from .forward import ForwardBatch, HostStaging, batch_layout, pack_batch
 from .kv.storage import KVCache
 from .models.base import CausalLM
 
@@ -44,15 +51,10 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = decode_buckets(max_batch)
         b, width = max_batch, -(-max_model_len // page_size)
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(b, **i64)
-        self.positions = torch.zeros(b, **i64)
-        self.query_start_loc = torch.arange(b + 1, **i32)
-        self.seq_lens = torch.ones(b, **i32)
-        self.context_lens = torch.zeros(b, **i32)
-        self.page_table = torch.zeros(b, width, **i32)
-        self.slot_mapping = torch.zeros(b, **i64)
-        self.logits_indices = torch.arange(b, **i64)
+        self.packed = torch.zeros(batch_layout(b, b, b, width).nbytes, dtype=torch.uint8, device=device)
+        self.page_table = torch.zeros(b, width, dtype=torch.int32, device=device)
+        self.staging = HostStaging(device)
+        self._views: tuple = (None, None)  # (layout, host buffer) and the views a step of it writes and copies
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
 
     @property
@@ -60,11 +62,11 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _batch(self, b: int) -> ForwardBatch:
-        batch = ForwardBatch(
-            input_ids=self.input_ids[:b], positions=self.positions[:b], query_start_loc=self.query_start_loc[:b + 1],
-            seq_lens=self.seq_lens[:b], context_lens=self.context_lens[:b], page_table=self.page_table[:b],
-            slot_mapping=self.slot_mapping[:b], logits_indices=self.logits_indices[:b], page_size=self.page_size,
-            query_lens_cpu=[1] * b, seq_lens_cpu=[self.max_model_len] * b, context_lens_cpu=[self.max_model_len - 1] * b)
+        self._stage(b, [], [], [])  # all padding, so the warm-up runs of the capture read sane lengths
+        v = batch_layout(b, b, b, 0).views(self.packed)
+        v["page_table"] = self.page_table[:b]
+        batch = ForwardBatch(**v, page_size=self.page_size, query_lens_cpu=[1] * b,
+                             seq_lens_cpu=[self.max_model_len] * b, context_lens_cpu=[self.max_model_len - 1] * b)
         batch.attn_metadata = self.model.backends.attention.prepare(batch)
         return batch
 
@@ -87,24 +89,30 @@ class DecodeGraphs:
         logger.info("captured %d decode graphs (batch %d to %d) in %.0f MiB", len(self.buckets), self.buckets[0],
                     self.buckets[-1], (self.backend.memory_in_use() - start) / 2**20)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return bool(self._replays) and batch.is_decode and batch.num_seqs <= self.buckets[-1] \
-            and batch.page_table.shape[1] <= self.page_table.shape[1]
+    def can_run(self, query_lens: list[int], page_tables: list[list[int]], num_logits: int) -> bool:
+        """A decode step that a graph holds: one token and one logits row per sequence."""
+        n = len(query_lens)
+        return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n \
+            and all(q == 1 for q in query_lens) and max(map(len, page_tables)) <= self.page_table.shape[1]
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode batch of n sequences, through the smallest bucket >= n."""
-        n = batch.num_seqs
-        b = next(size for size in self.buckets if size >= n)
-        width = batch.page_table.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        self.context_lens[:n].copy_(batch.context_lens)
-        self.page_table[:n, :width].copy_(batch.page_table)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        if b > n:  # padding rows: one key at slot 0 of the null page
-            for t in (self.input_ids, self.positions, self.context_lens, self.slot_mapping):
-                t[n:b].zero_()
-            self.seq_lens[n:b].fill_(1)
-            self.page_table[n:b, 0].zero_()
+    def run(self, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n."""
+        n = len(input_ids)
+        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self._stage(b, input_ids, context_lens, page_tables)
         return self._replays[b]()[:n]
+
+    def _stage(self, b: int, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]]) -> None:
+        """Fill bucket ``b``'s static buffers with these rows, padding rows after them (one key on page 0)."""
+        pad = b - len(input_ids)
+        tables = page_tables + [[0]] * pad
+        layout = batch_layout(b, b, b, max(map(len, tables)))
+        host = self.staging.take(layout.nbytes)
+        key = (layout, host.data_ptr())
+        if self._views[0] != key:  # steps repeat a layout until the table widens: views made once for it
+            self._views = key, (layout.views(host.numpy()), self.packed[:layout.nbytes],
+                                layout.views(self.packed)["page_table"], self.page_table[:b, :layout.width])
+        fields, packed, table, static_table = self._views[1]
+        pack_batch(fields, input_ids + [0] * pad, [1] * b, context_lens + [0] * pad, tables, self.page_size, range(b))
+        self.staging.send(host, packed)
+        static_table.copy_(table)

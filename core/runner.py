@@ -1,4 +1,5 @@
-"""The model runner: turns a scheduled step into one forward batch and returns its logits."""
+"""The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
+graph that holds it, and returns its logits."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import ForwardBatch
+from .forward import ForwardBatch, HostStaging
 from .graph_runner import DecodeGraphs
 from .kv.storage import KVCache
 from .models.base import CausalLM
@@ -31,8 +32,27 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
+        self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
 
-    def build_batch(self, step: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepLogits:
+        if step.page_copies:
+            src, dst = zip(*step.page_copies)
+            self.kv.copy_pages(list(src), list(dst))
+        input_ids, query_lens, context_lens, tables, logits_indices, rows = self._gather(step)
+        if self.graphs is not None and self.graphs.can_run(query_lens, tables, len(logits_indices)):
+            return StepLogits(self.graphs.run(input_ids, context_lens, tables), rows)
+        batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size, logits_indices,
+                                   device=self.device, staging=self.staging)
+        batch.attn_metadata = self.model.backends.attention.prepare(batch)
+        hidden = self.model(batch, self.kv)
+        if batch.logits_indices.numel() == 0:
+            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)
+        return StepLogits(self.model.compute_logits(hidden[batch.logits_indices]), rows)
+
+    @staticmethod
+    def _gather(step: SchedulerOutput):
+        """The step's batch as host lists, and each sequence's (first logits row, number of rows)."""
         input_ids: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
@@ -53,20 +73,4 @@ class ModelRunner:
                 logits_indices.append(start + s.num_new - 1)
             else:
                 rows.append((len(logits_indices), 0))
-        batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size,
-                                   logits_indices, device=self.device)
-        return batch, rows
-
-    @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepLogits:
-        if step.page_copies:
-            src, dst = zip(*step.page_copies)
-            self.kv.copy_pages(list(src), list(dst))
-        batch, rows = self.build_batch(step)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return StepLogits(self.graphs.run(batch), rows)  # decode: one logits row per sequence, in order
-        batch.attn_metadata = self.model.backends.attention.prepare(batch)
-        hidden = self.model(batch, self.kv)
-        if batch.logits_indices.numel() == 0:
-            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)
-        return StepLogits(self.model.compute_logits(hidden[batch.logits_indices]), rows)
+        return input_ids, query_lens, context_lens, tables, logits_indices, rows

@@ -1,0 +1,136 @@
+"""The decode graphs' static buffers, step after step, against eager batches; and which steps the
+runner sends through a graph.
+
+A stand-in model echoes what the batch says of each token, so every field a captured graph reads
+is compared (the Triton test in tests/backends/triton checks real logits on a few steps).
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from engine.core.families.graphs import GraphBackend
+from engine.core.forward import ForwardBatch
+from engine.core.graph_runner import DecodeGraphs
+from engine.core.runner import ModelRunner
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.sequence import Sequence
+
+CPU = torch.device("cpu")
+
+
+class ReplayByRerun(GraphBackend):
+    """Replays by calling the function again: the semantics of a graph, without a device."""
+
+    name = "rerun"
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+
+class Echo:
+    """Each token's output row: its id, position and slot, its sequence's lengths and query span, and
+    the page ids its sequence's length needs (-1 past them: no kernel reads those)."""
+
+    def __init__(self, page_size: int, width: int) -> None:
+        self.backends = SimpleNamespace(attention=SimpleNamespace(prepare=lambda batch: None))
+        self.page_size, self.width = page_size, width
+        self.last: torch.Tensor | None = None
+        self.batches: list[ForwardBatch] = []
+
+    def __call__(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        self.batches.append(batch)
+        starts = batch.query_start_loc.long()
+        owner = torch.repeat_interleave(torch.arange(len(starts) - 1), starts.diff())
+        seq = torch.stack([batch.seq_lens.long(), batch.context_lens.long(), starts[:-1], starts[1:]], 1)
+        table = F.pad(batch.page_table.long(), (0, self.width - batch.page_table.shape[1]), value=-1)
+        needed = -(-batch.seq_lens.long() // self.page_size)
+        table = table.masked_fill(torch.arange(self.width) >= needed[:, None], -1)
+        token = torch.stack([batch.input_ids, batch.positions, batch.slot_mapping], 1)
+        self.last = torch.cat([token, seq[owner], table[owner]], 1).float()
+        return self.last
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def make_graphs(rng: random.Random) -> tuple[DecodeGraphs, Echo]:
+    page, max_len = rng.choice([1, 4, 16]), rng.choice([64, 200])
+    echo = Echo(page, -(-max_len // page))
+    graphs = DecodeGraphs(echo, None, ReplayByRerun(None), page, max_len, rng.choice([6, 12]), CPU)
+    graphs.capture(progress=False)
+    return graphs, echo
+
+
+def test_each_step_fills_its_bucket_and_the_padding_rows(seed):
+    rng = random.Random(seed)
+    graphs, echo = make_graphs(rng)
+    page, width = graphs.page_size, graphs.page_table.shape[1]
+    for _ in range(40):  # buckets up and down, tables wide and narrow: rows stale from other steps
+        n = rng.randint(1, graphs.max_batch)
+        ctx = [rng.randrange(graphs.max_model_len) for _ in range(n)]
+        tables = [rng.sample(range(1, 10000), min(width, -(-(c + 1) // page) + rng.randint(0, 2))) for c in ctx]
+        ids = [rng.randrange(50000) for _ in range(n)]
+        assert graphs.can_run([1] * n, tables, n)
+        got = graphs.run(ids, ctx, tables)
+        full = echo.last.clone()
+        want = echo(ForwardBatch.build(ids, [1] * n, ctx, tables, page, list(range(n))), None)
+        assert torch.equal(got, want)
+        b = min(size for size in graphs.buckets if size >= n)
+        assert full.shape[0] == b
+        for i in range(n, b):  # token 0 at position 0, one key, on the null page
+            assert full[i, :8].tolist() == [0, 0, 0, 1, 0, i, i + 1, 0]
+            assert (full[i, 8:] == -1).all()
+
+
+def test_graphs_refuse_what_they_do_not_hold(seed):
+    graphs, _ = make_graphs(random.Random(seed))
+    width, most = graphs.page_table.shape[1], graphs.max_batch
+    assert graphs.can_run([1] * most, [[1]] * most, most)
+    assert not graphs.can_run([1] * (most + 1), [[1]] * (most + 1), most + 1)
+    assert not graphs.can_run([1, 2], [[1], [2]], 2)
+    assert not graphs.can_run([1], [list(range(1, width + 2))], 1)
+    assert not graphs.can_run([1, 1], [[1], [2]], 1)  # a sequence that draws no token has no logits row
+
+
+def _seq(rng: random.Random, i: int, prompt_len: int, outputs: int, pages: int) -> Sequence:
+    seq = Sequence(i, f"r{i}", 0, [rng.randrange(50000) for _ in range(prompt_len)], SamplingParams())
+    seq.output_token_ids = [rng.randrange(50000) for _ in range(outputs)]
+    seq.pages = rng.sample(range(1, 10000), pages)
+    return seq
+
+
+def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
+    """A one-token prefill chunk draws nothing: beside decodes, its step must not take a graph, whose
+    logits rows are one per sequence, or the decodes after it would read the wrong rows."""
+    rng = random.Random(seed)
+    graphs, echo = make_graphs(rng)
+    page = graphs.page_size
+    runner = ModelRunner(echo, None, page, CPU, graphs)
+    for chunk in (False, True):
+        step = SchedulerOutput()
+        for i in range(rng.randint(2, graphs.max_batch)):
+            seq = _seq(rng, i, rng.randint(2, 30), rng.randint(1, 20), 0)
+            seq.pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
+            step.scheduled.append(ScheduledSeq(seq, 1, seq.num_tokens - 1))
+        if chunk:
+            seq = _seq(rng, 99, rng.randint(3, 30), 0, 0)
+            seq.pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
+            step.scheduled.insert(rng.randrange(len(step.scheduled)), ScheduledSeq(seq, 1, rng.randrange(seq.num_tokens - 2)))
+        echo.batches.clear()
+        out = runner.execute(step)
+        through_graph = echo.batches[0].seq_lens_cpu[0] == graphs.max_model_len  # a captured batch's placeholder
+        assert through_graph != chunk
+        s = step.scheduled
+        want = echo(ForwardBatch.build([x.seq.tokens[x.context_len] for x in s], [1] * len(s),
+                                       [x.context_len for x in s], [x.seq.pages for x in s], page, list(range(len(s)))),
+                    None)
+        for i, x in enumerate(s):
+            if x.samples:
+                assert torch.equal(out.logits[out.last_row(i)], want[i])
