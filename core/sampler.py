@@ -5,6 +5,9 @@ rows take the argmax of that, the others go through temperature, top-k, top-p an
 draw. Reported logprobs are those of the raw model logits (vLLM's default), so they say what the
 model thought, not what the sampling settings made of it.
 
+A batch of plain greedy rows (nothing that changes the logits, no logprobs: the common decode)
+takes a fast path: one argmax on the device and one copy of the tokens to the host.
+
 A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token, which picks token ``i`` with
 probability ``probs[i]``. A seeded row takes its ``q`` from its own generator only, so its tokens
 do not depend on what else is in the batch; unseeded rows share the sampler's generator.
@@ -32,7 +35,7 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each chosen token
+    logprobs: list[float] | None  # raw logprob of each chosen token; None from the greedy fast path
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (id, logprob) where params.logprobs is set
 
 
@@ -72,6 +75,13 @@ def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> t
             torch.tensor(cols, dtype=torch.long, device=device))
 
 
+def plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, no logprobs, and none of what ``Sampler.process`` applies: the raw logits' argmax."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and len(row.output_token_ids) >= p.min_tokens
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int], device: torch.device | str,
                  seed: int | None = None) -> None:
@@ -87,6 +97,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}], got {list(logits.shape)}")
+        if all(map(plain_greedy, rows)):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
+        return self.sample(logits, rows)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The general path, whatever the rows ask for."""
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1)
         x = self.process(logits, rows)

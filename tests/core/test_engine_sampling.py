@@ -151,3 +151,13 @@ def test_stop_token_id_ends_at_that_token(llm, eval_text, seed):
     end = ref.index(third) + 1
     assert out.token_ids == ref[:end]
     assert out.finish_reason == "stop" and out.stop_reason == third
+
+
+def test_greedy_fast_path_equals_greedy_with_logprobs(llm, eval_text, seed):
+    """Plain greedy rows skip the general sampler; asking for logprobs sends the same rows through it."""
+    prompts = [random_prompt(llm, eval_text, random.randint(3, 40)) for _ in range(5)]
+    fast = llm.generate(prompts, greedy(16, ignore_eos=True))
+    full = llm.generate(prompts, greedy(16, ignore_eos=True, logprobs=0))
+    for a, b in zip(fast, full):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs is None and len(b.outputs[0].logprobs) == 16

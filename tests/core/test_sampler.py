@@ -64,6 +64,33 @@ def test_greedy_is_argmax(seed):
         assert out.token_ids[i] in set(logits[i].topk(5).indices.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_the_general_path(seed, dtype):
+    V, N = 257, 33
+    sampler = Sampler(V, {1}, "cpu", seed=seed)
+    rows = [make_row(temperature=0, output=[random.randrange(V)]) for _ in range(N)]
+    for logits in (torch.randn(N, V) * 3, torch.randint(0, 4, (N, V)).float()):  # the second is full of ties
+        logits = logits.to(dtype)
+        fast = sampler(logits, rows)
+        assert fast.logprobs is None and fast.top_logprobs == [None] * N  # the fast path was taken
+        assert fast.token_ids == sampler.sample(logits, rows).token_ids == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("extra", [dict(logprobs=0), dict(logit_bias={5: 50.0}), dict(min_tokens=3),
+                                   dict(repetition_penalty=1.5), dict(frequency_penalty=0.5),
+                                   dict(presence_penalty=-0.5), dict(temperature=1.0)])
+def test_one_row_that_needs_more_takes_the_batch_off_the_fast_path(seed, extra):
+    V, N = 64, 6
+    logits = torch.randn(N, V)
+    rows = [make_row(temperature=0, output=[7, 7]) for _ in range(N)]
+    k = random.randrange(N)
+    rows[k] = make_row(output=[7, 7], **{"temperature": 0, **extra})
+    out = Sampler(V, {1}, "cpu", seed=seed)(logits, rows)
+    assert out.logprobs is not None
+    if "logit_bias" in extra:
+        assert out.token_ids[k] == 5
+
+
 @pytest.mark.parametrize("top_k, top_p, min_p", [
     (5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.8, 0.1), (0, 0.05, 0.0), (1, 1.0, 0.0), (0, 1.0, 0.0),
 ])
