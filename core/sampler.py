@@ -6,7 +6,9 @@ draw. Reported logprobs are those of the raw model logits (vLLM's default), so t
 model thought, not what the sampling settings made of it.
 
 A batch of plain greedy rows (nothing that changes the logits, no logprobs: the common decode)
-takes a fast path: one argmax on the device and one copy of the tokens to the host.
+takes a fast path: one argmax on the device and one copy of the tokens to the host. Otherwise
+nothing a batch does not need runs either: no copy of the logits where nothing changes them in
+place, no logprobs where no row asks for them.
 
 A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token, which picks token ``i`` with
 probability ``probs[i]``. A seeded row takes its ``q`` from its own generator only, so its tokens
@@ -35,7 +37,7 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # raw logprob of each chosen token; None from the greedy fast path
+    logprobs: list[float] | None  # raw logprob of each chosen token; None where no row asks for logprobs
     top_logprobs: list[list[tuple[int, float]] | None]  # top-n (id, logprob) where params.logprobs is set
 
 
@@ -104,27 +106,32 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The general path, whatever the rows ask for."""
         logits = logits.float()
-        raw = torch.log_softmax(logits, dim=-1)
         x = self.process(logits, rows)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        tokens = x.argmax(dim=-1)
-        if sampled:
-            idx = torch.tensor(sampled, device=x.device)
-            tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
+        if len(sampled) == len(rows):
+            tokens = self._draw(x, rows)
+        else:
+            tokens = x.argmax(dim=-1)
+            if sampled:
+                idx = torch.tensor(sampled, device=x.device)
+                tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
+        if all(r.params.logprobs is None for r in rows):
+            return SamplerOutput(tokens.tolist(), None, [None] * len(rows))
+        raw = torch.log_softmax(logits, dim=-1)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw, rows))
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The logits after bias, min_tokens masking and penalties: greedy rows take their argmax."""
-        x = logits.clone()
-        dev = x.device
+        dev = logits.device
         bias = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+        early = [(i, self.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
+                 if len(r.output_token_ids) < r.params.min_tokens]
+        x = logits.clone() if bias or early else logits  # the two in-place steps; the others make new tensors
         if bias:
             ri, ci = _ragged_index([(i, list(b)) for i, b in bias], dev)
             x.index_put_((ri, ci), torch.tensor([v for _, b in bias for v in b.values()], device=dev),
                          accumulate=True)
-        early = [(i, self.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
-                 if len(r.output_token_ids) < r.params.min_tokens]
         if early:
             x.index_put_(_ragged_index(early, dev), torch.tensor(float("-inf"), device=dev))
         rep = [(i, r.prompt_token_ids + r.output_token_ids) for i, r in enumerate(rows)
@@ -151,7 +158,9 @@ class Sampler:
         probs = x.softmax(dim=-1)
         q = torch.empty_like(probs)
         shared = [j for j, r in enumerate(rows) if r.generator is None]
-        if shared:
+        if len(shared) == len(rows):  # the same draws as the scatter below, without it
+            q.exponential_(generator=self.generator)
+        elif shared:
             noise = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(generator=self.generator)
             q[torch.tensor(shared, device=probs.device)] = noise
         for j, r in enumerate(rows):

@@ -64,16 +64,25 @@ def test_greedy_is_argmax(seed):
         assert out.token_ids[i] in set(logits[i].topk(5).indices.tolist())
 
 
+def spied(sampler: Sampler) -> list[int]:
+    """Count the calls of the general path."""
+    calls, general = [], sampler.sample
+    sampler.sample = lambda *args: calls.append(1) or general(*args)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_equals_the_general_path(seed, dtype):
     V, N = 257, 33
     sampler = Sampler(V, {1}, "cpu", seed=seed)
+    general = spied(sampler)
     rows = [make_row(temperature=0, output=[random.randrange(V)]) for _ in range(N)]
     for logits in (torch.randn(N, V) * 3, torch.randint(0, 4, (N, V)).float()):  # the second is full of ties
         logits = logits.to(dtype)
         fast = sampler(logits, rows)
-        assert fast.logprobs is None and fast.top_logprobs == [None] * N  # the fast path was taken
-        assert fast.token_ids == sampler.sample(logits, rows).token_ids == logits.float().argmax(-1).tolist()
+        assert not general  # the fast path was taken
+        assert fast.logprobs is None and fast.top_logprobs == [None] * N
+        assert fast.token_ids == Sampler.sample(sampler, logits, rows).token_ids == logits.float().argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("extra", [dict(logprobs=0), dict(logit_bias={5: 50.0}), dict(min_tokens=3),
@@ -85,8 +94,11 @@ def test_one_row_that_needs_more_takes_the_batch_off_the_fast_path(seed, extra):
     rows = [make_row(temperature=0, output=[7, 7]) for _ in range(N)]
     k = random.randrange(N)
     rows[k] = make_row(output=[7, 7], **{"temperature": 0, **extra})
-    out = Sampler(V, {1}, "cpu", seed=seed)(logits, rows)
-    assert out.logprobs is not None
+    sampler = Sampler(V, {1}, "cpu", seed=seed)
+    general = spied(sampler)
+    out = sampler(logits, rows)
+    assert general == [1]
+    assert (out.logprobs is None) == ("logprobs" not in extra)
     if "logit_bias" in extra:
         assert out.token_ids[k] == 5
 
@@ -159,8 +171,10 @@ def test_penalties_and_bias_match_reference(seed):
     logits = torch.randn(len(rows), V) * 3
     sampler = Sampler(V, eos, "cpu", seed=seed)
     expected = reference_process(logits, rows, eos)
+    before = logits.clone()
     torch.testing.assert_close(sampler.process(logits, rows), expected)
     assert sampler(logits, rows).token_ids == expected.argmax(-1).tolist()
+    assert torch.equal(logits, before)  # the caller's logits (a graph's static output) are left as they were
 
 
 def _seeded_run(layouts, steps_logits, V, run_seed) -> list[int]:
