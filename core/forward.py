@@ -131,7 +131,7 @@ class HostStaging:
         out = torch.empty_like(host, device=self.device) if out is None else out
         out.copy_(host, non_blocking=self.pinned)
         if self.pinned:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
         return out
 
 
