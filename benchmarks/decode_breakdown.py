@@ -1,0 +1,175 @@
+"""Where the time of one decode step goes: the graph replay on the GPU, and the host work around it.
+
+For each preset (random bf16 weights), one sequence decodes greedily after a 1K-token prompt with
+decode graphs on, and three things are measured:
+- the step: wall time of ``engine.step()``, one step after another (each ends by reading the
+  sampled token back, so a step's wall time is all of it);
+- the replay: CUDA events around ``DecodeGraphs.run`` of one prepared decode batch (the sequence's
+  last step again: same token, same position, same KV written), run back to back, so the GPU never
+  waits on the host and the time per run is the device's;
+- the host parts of a step, by wall time of each part: scheduling; ``ModelRunner.execute``
+  (gathering the batch, staging it, the copies and the replay's launch: host work only, nothing in
+  it waits for the device); the sampler, which waits for the replay, runs the argmax and copies the
+  token back; and the rest (stop checks, detokenizing, outputs).
+Step minus replay is the time the GPU does not spend in the graph: host work not overlapped with
+it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every weight and the
+KV read once, at the measured copy bandwidth.
+
+    python benchmarks/decode_breakdown.py --json benchmarks/results/decode-breakdown-h200.json
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.checkpoint_gen import write_checkpoint
+
+try:
+    from common import bench_main, measure_limits
+    from e2e_decode import _prompts, _roofline
+except ImportError:
+    from benchmarks.common import bench_main, measure_limits
+    from benchmarks.e2e_decode import _prompts, _roofline
+
+PRESETS = {"qwen3-0.6b": 300, "llama-3.1-8b": 100}  # preset: decode steps timed
+PROMPT_LEN = 1024
+WARMUP_STEPS = 20
+REPLAYS = 200
+PARTS = ("schedule", "execute", "sample")
+
+
+class PartTimers:
+    """Wall time of every call of the engine's scheduler, runner and sampler while it is installed."""
+
+    def __init__(self, engine) -> None:
+        self.times: dict[str, list[float]] = {part: [] for part in PARTS}
+        self._targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
+                         "sample": (engine, "sampler")}
+        self._saved: list[tuple] = []
+
+    def __enter__(self) -> "PartTimers":
+        for part, (owner, name) in self._targets.items():
+            self._saved.append((owner, name, vars(owner).get(name)))  # None: a method of the class
+            setattr(owner, name, self._timed(getattr(owner, name), self.times[part]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, before in self._saved:
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self._saved.clear()
+
+    @staticmethod
+    def _timed(fn, out: list[float]):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                out.append(time.perf_counter() - t)
+        return timed
+
+
+def summarize(step_s: list[float], parts_s: dict[str, list[float]], replay_ms: float, roofline_ms: float) -> dict:
+    """Medians in ms; ``host_ms`` is the step beyond the replay's GPU time."""
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 4)  # noqa: E731
+    step = statistics.median(step_s) * 1e3
+    parts = {part: ms(ts) for part, ts in parts_s.items()}
+    parts["rest"] = round(step - sum(parts.values()), 4)
+    return {"step_ms": round(step, 4), "step_ms_mean": round(statistics.fmean(step_s) * 1e3, 4),
+            "tok_s": round(1e3 / step, 1), "replay_gpu_ms": round(replay_ms, 4), "host_ms": round(step - replay_ms, 4),
+            "host_fraction": round(1 - replay_ms / step, 3), "parts_ms": parts, "roofline_ms": round(roofline_ms, 4),
+            "roofline_tok_s": round(1e3 / roofline_ms, 1)}
+
+
+def _replay_ms(graphs, token: int, position: int, pages: list[int]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.inference_mode():
+        for _ in range(10):
+            graphs.run([token], [position], [pages])
+        start.record()
+        for _ in range(REPLAYS):
+            graphs.run([token], [position], [pages])
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / REPLAYS
+
+
+def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict[str, list[float]], float]:
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    if graphs is None:
+        raise RuntimeError("no decode graphs were captured (see the start-up log): there is no replay to time")
+    engine.add_request("breakdown", prompt, SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + steps + 2,
+                                                           ignore_eos=True), stream=False)
+    while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()  # the prompt and its first token
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    step_s = []
+    with PartTimers(engine) as timers:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t)
+    (seq,) = engine.scheduler.running
+    last = seq.num_computed - 1  # its last step again: the pages hold that position already
+    replay = _replay_ms(graphs, seq.tokens[last], last, seq.pages)
+    engine.abort_request("breakdown")
+    return step_s, timers.times, replay
+
+
+def run(device: torch.device) -> dict:
+    limits = measure_limits(device)
+    cases = []
+    root = Path(tempfile.mkdtemp(prefix="engine-breakdown-"))
+    for preset, steps in PRESETS.items():
+        path = write_checkpoint(root / preset, preset)
+        config = json.loads((path / "config.json").read_text())
+        weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        max_len = PROMPT_LEN + WARMUP_STEPS + steps + 16
+        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1,
+                  num_pages=-(-max_len // 16) + 8, progress=False)
+        prompt = _prompts(1, PROMPT_LEN, config["vocab_size"], 0)[0]
+        step_s, parts_s, replay = _measure(llm, prompt, steps)
+        roofline_ms = 1e3 / _roofline(config, 1, PROMPT_LEN + WARMUP_STEPS + steps // 2, limits["copy_gb_s"],
+                                      weight_bytes)
+        case = {"preset": preset, "batch": 1, "steps": steps, "weight_bytes": weight_bytes,
+                "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
+                **summarize(step_s, parts_s, replay, roofline_ms)}
+        cases.append(case)
+        for line in _case_lines(case):
+            print(line, flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        shutil.rmtree(root / preset)  # the 8B checkpoint is 16 GB of the machine's disk
+    return {"benchmark": "decode_breakdown", "prompt_len": PROMPT_LEN, "replays": REPLAYS, "limits": limits,
+            "cases": cases}
+
+
+def _case_lines(case: dict) -> list[str]:
+    p = case["parts_ms"]
+    return [f"{case['preset']} batch 1 after {PROMPT_LEN} tokens: step {case['step_ms']:.3f} ms ({case['tok_s']:.0f} tok/s,"
+            f" roofline {case['roofline_tok_s']:.0f}) = graph replay on the GPU {case['replay_gpu_ms']:.3f} ms"
+            f" + the rest {case['host_ms']:.3f} ms ({case['host_fraction']:.0%})",
+            f"  host parts: schedule {p['schedule']:.3f}, execute (stage + launch) {p['execute']:.3f},"
+            f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms"]
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("decode_breakdown.py times CUDA graph replays and needs a CUDA device; none is visible here")
+    bench_main(run, lambda result: [])

@@ -1,0 +1,73 @@
+"""benchmarks/decode_breakdown.py where no GPU is needed: its arithmetic, its timers, its refusal."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_breakdown.py"
+
+
+@pytest.fixture(scope="module")
+def breakdown():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("decode_breakdown", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_summary_splits_the_step(breakdown, seed):
+    steps = [random.uniform(1e-3, 2e-3) for _ in range(101)]
+    parts = {"schedule": [random.uniform(1e-5, 2e-5) for _ in steps], "execute": [random.uniform(5e-5, 9e-5) for _ in steps],
+             "sample": [random.uniform(5e-4, 9e-4) for _ in steps]}
+    replay = random.uniform(0.3, 0.9)
+    s = breakdown.summarize(steps, parts, replay, 0.25)
+    step = sorted(steps)[50] * 1e3
+    assert s["step_ms"] == pytest.approx(step, abs=1e-4) and s["tok_s"] == pytest.approx(1e3 / step, abs=0.1)
+    assert s["host_ms"] == pytest.approx(step - replay, abs=1e-3)
+    assert s["host_fraction"] == pytest.approx(1 - replay / step, abs=1e-3)
+    for name, ts in parts.items():
+        assert s["parts_ms"][name] == pytest.approx(sorted(ts)[50] * 1e3, abs=1e-4)
+    assert sum(s["parts_ms"].values()) == pytest.approx(step, abs=1e-3)  # "rest" is what the parts leave
+    assert s["roofline_tok_s"] == 4000.0
+    assert all(line for line in breakdown._case_lines({"preset": "p", **s}))
+
+
+def test_part_timers_time_each_call_and_put_everything_back(breakdown):
+    class Scheduler:
+        def schedule(self):
+            return "scheduled"
+
+    engine = SimpleNamespace(scheduler=Scheduler(), runner=SimpleNamespace(execute=lambda step: step * 2),
+                             sampler=lambda logits, rows: (logits, rows))
+    execute = engine.runner.execute
+    sampler = engine.sampler
+    with breakdown.PartTimers(engine) as timers:
+        for i in range(3):
+            assert engine.scheduler.schedule() == "scheduled"
+            assert engine.runner.execute(i) == 2 * i
+        assert engine.sampler(1, 2) == (1, 2)
+    assert [len(timers.times[p]) for p in ("schedule", "execute", "sample")] == [3, 3, 1]
+    assert all(t >= 0 for ts in timers.times.values() for t in ts)
+    assert "schedule" not in vars(engine.scheduler) and engine.runner.execute is execute and engine.sampler is sampler
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_refuses_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--json", "/nonexistent/x.json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 1 and "needs a CUDA device" in r.stderr
+    assert "Traceback" not in r.stderr
