@@ -2,7 +2,10 @@
 
 What remains is everything the engine does around the forward: scheduling, page allocation,
 building the batch, sampling, detokenizing and stop checks. Measured in steady decode at batch
-1, 64 and 256 (prompts of 128 tokens), as CPU time per step.
+1, 64 and 256 (prompts of 128 tokens), as CPU time per step (the median of a few runs), three
+ways: sampled (temperature 0.8, top-p 0.95) eager steps; greedy eager steps; and greedy steps
+through the decode graphs, as on a GPU, with each replay re-running the stand-in (the host work
+of staging a step's buffers is all there; the launch and the device copy are not).
 
     python benchmarks/scheduler_overhead.py [--json benchmarks/results/scheduler_overhead-cpu.json]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -22,7 +26,13 @@ import torch
 from engine.core.checkpoint_gen import write_checkpoint
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
+from engine.core.families.graphs import GraphBackend
+from engine.core.graph_runner import DecodeGraphs
 from engine.core.sampling_params import SamplingParams
+
+MODES = {"sampled": (SamplingParams(temperature=0.8, top_p=0.95), False),
+         "greedy": (SamplingParams(temperature=0), False),
+         "greedy_graphs": (SamplingParams(temperature=0), True)}
 
 
 class StandInModel:
@@ -40,39 +50,60 @@ class StandInModel:
         return self.logits.expand(hidden.shape[0], -1)
 
 
-def measure(model_dir: str, batch: int, steps: int) -> dict:
+class ReplayByRerun(GraphBackend):
+    name = "rerun"
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+
+def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int) -> dict:
+    """Medians over ``windows`` runs of ``steps`` steps each (a shared machine's noise hits some runs)."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=batch, page_size=16,
                                     num_pages=batch * 40 + 2), progress=False)
-    engine.runner.model = StandInModel(engine.runner.model)
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 64, ignore_eos=True)
+    model = engine.runner.model = StandInModel(engine.runner.model)
+    sampling, graphs = MODES[mode]
+    if graphs:
+        engine.runner.graphs = DecodeGraphs(model, engine.runner.kv, ReplayByRerun(None), 16, engine.max_model_len,
+                                            batch, engine.device)
+        engine.runner.graphs.capture(progress=False)
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_tokens=steps * windows + 64, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(3, 131)), params, stream=False)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()
     for _ in range(5):
         engine.step()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    cpus, walls = [], []
+    for _ in range(windows):
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        cpus.append((time.process_time() - cpu0) / steps)
+        walls.append((time.perf_counter() - wall0) / steps)
     assert engine.scheduler.num_running == batch
-    return {"batch": batch, "steps": steps, "cpu_ms_per_step": round(cpu / steps * 1e3, 3),
-            "wall_ms_per_step": round(wall / steps * 1e3, 3),
-            "cpu_us_per_seq_step": round(cpu / steps / batch * 1e6, 2)}
+    cpu = statistics.median(cpus)
+    return {"mode": mode, "batch": batch, "steps": steps, "windows": windows, "cpu_ms_per_step": round(cpu * 1e3, 3),
+            "cpu_ms_per_step_min": round(min(cpus) * 1e3, 3), "wall_ms_per_step": round(statistics.median(walls) * 1e3, 3),
+            "cpu_us_per_seq_step": round(cpu / batch * 1e6, 2)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_checkpoint(Path(tmp) / "m", "tiny-llama", dtype=torch.float32, progress=False))
-        rows = [measure(model, b, args.steps) for b in (1, 64, 256)]
+        rows = [measure(model, mode, b, args.steps, args.windows) for mode in MODES for b in (1, 64, 256)]
     for r in rows:
-        print(f"batch {r['batch']:>3}: {r['cpu_ms_per_step']:8.3f} ms CPU per step "
-              f"({r['cpu_us_per_seq_step']:.1f} us per sequence), wall {r['wall_ms_per_step']:.3f} ms")
+        print(f"{r['mode']:>13} batch {r['batch']:>3}: {r['cpu_ms_per_step']:8.3f} ms CPU per step "
+              f"(min {r['cpu_ms_per_step_min']:.3f}; {r['cpu_us_per_seq_step']:.1f} us per sequence), "
+              f"wall {r['wall_ms_per_step']:.3f} ms")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "scheduler_overhead", "device": f"CPU ({platform.processor() or platform.machine()}, "
               "1 torch thread)", "commit": commit, "command": "python benchmarks/scheduler_overhead.py",

@@ -105,10 +105,10 @@ def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
                 slot = tables[i][(lens[i] - 1) // PAGE] * PAGE + (lens[i] - 1) % PAGE
                 for layer in range(len(kv.specs)):
                     kv.layer(layer).k.view(-1, *kv.layer(layer).k.shape[2:])[slot] = 123.0
-            ids, ctx, rows = [prompts[i][-1] for i in subset], [lens[i] - 1 for i in subset], [tables[i] for i in subset]
-            assert graphs.can_run([1] * len(subset), rows, len(subset))
-            got = graphs.run(ids, ctx, rows).clone()
-            batch = ForwardBatch.build(ids, [1] * len(subset), ctx, rows, PAGE, list(range(len(subset))))
+            ids, ctx, pages = [prompts[i][-1] for i in subset], [lens[i] - 1 for i in subset], [tables[i] for i in subset]
+            assert graphs.can_run([1] * len(subset), pages, len(subset))
+            got = graphs.run(ids, ctx, pages).clone()
+            batch = ForwardBatch.build(ids, [1] * len(subset), ctx, pages, PAGE, list(range(len(subset))))
             batch.attn_metadata = model.backends.attention.prepare(batch)
             want = model.compute_logits(model(batch, kv)[batch.logits_indices])
             assert got.shape == want.shape
