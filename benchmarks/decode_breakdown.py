@@ -13,7 +13,9 @@ decode graphs on, and three things are measured:
   token back; and the rest (stop checks, detokenizing, outputs).
 Step minus replay is the time the GPU does not spend in the graph: host work not overlapped with
 it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every weight and the
-KV read once, at the measured copy bandwidth.
+KV read once, at the measured copy bandwidth. Inside the replay, torch.profiler counts the kernels
+one replay runs and their device time by name; the replay's time beyond their sum is the gaps
+between kernels. ``BREAKDOWN_PRESETS=qwen3-0.6b`` limits the presets.
 
     python benchmarks/decode_breakdown.py --json benchmarks/results/decode-breakdown-h200.json
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -42,6 +45,7 @@ except ImportError:
     from benchmarks.e2e_decode import _prompts, _roofline
 
 PRESETS = {"qwen3-0.6b": 300, "llama-3.1-8b": 100}  # preset: decode steps timed
+PROFILED_REPLAYS = 20
 PROMPT_LEN = 1024
 WARMUP_STEPS = 20
 REPLAYS = 200
@@ -107,7 +111,25 @@ def _replay_ms(graphs, token: int, position: int, pages: list[int]) -> float:
     return start.elapsed_time(end) / REPLAYS
 
 
-def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict[str, list[float]], float]:
+def kernel_profile(graphs, token: int, position: int, pages: list[int]) -> dict:
+    """The kernels of one replay by name: how many, their device time, the largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_REPLAYS):
+            graphs.run([token], [position], [pages])
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.count / PROFILED_REPLAYS, e.self_device_time_total / PROFILED_REPLAYS / 1e3)
+               for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda k: -k[2])
+    return {"per_replay": round(sum(k[1] for k in kernels), 1),
+            "device_ms_per_replay": round(sum(k[2] for k in kernels), 4),
+            "top": [{"kernel": name[:90], "per_replay": round(n, 1), "ms_per_replay": round(ms, 4)}
+                    for name, n, ms in kernels[:12]]}
+
+
+def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict[str, list[float]], float, dict]:
     engine = llm.engine
     graphs = engine.runner.graphs
     if graphs is None:
@@ -127,15 +149,19 @@ def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict
     (seq,) = engine.scheduler.running
     last = seq.num_computed - 1  # its last step again: the pages hold that position already
     replay = _replay_ms(graphs, seq.tokens[last], last, seq.pages)
+    kernels = kernel_profile(graphs, seq.tokens[last], last, seq.pages)
     engine.abort_request("breakdown")
-    return step_s, timers.times, replay
+    return step_s, timers.times, replay, kernels
 
 
 def run(device: torch.device) -> dict:
     limits = measure_limits(device)
     cases = []
     root = Path(tempfile.mkdtemp(prefix="engine-breakdown-"))
+    chosen = os.environ.get("BREAKDOWN_PRESETS")
     for preset, steps in PRESETS.items():
+        if chosen and preset not in chosen.split(","):
+            continue
         path = write_checkpoint(root / preset, preset)
         config = json.loads((path / "config.json").read_text())
         weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -143,12 +169,12 @@ def run(device: torch.device) -> dict:
         llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1,
                   num_pages=-(-max_len // 16) + 8, progress=False)
         prompt = _prompts(1, PROMPT_LEN, config["vocab_size"], 0)[0]
-        step_s, parts_s, replay = _measure(llm, prompt, steps)
+        step_s, parts_s, replay, kernels = _measure(llm, prompt, steps)
         roofline_ms = 1e3 / _roofline(config, 1, PROMPT_LEN + WARMUP_STEPS + steps // 2, limits["copy_gb_s"],
                                       weight_bytes)
         case = {"preset": preset, "batch": 1, "steps": steps, "weight_bytes": weight_bytes,
                 "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
-                **summarize(step_s, parts_s, replay, roofline_ms)}
+                **summarize(step_s, parts_s, replay, roofline_ms), "kernels": kernels}
         cases.append(case)
         for line in _case_lines(case):
             print(line, flush=True)
@@ -166,7 +192,10 @@ def _case_lines(case: dict) -> list[str]:
             f" roofline {case['roofline_tok_s']:.0f}) = graph replay on the GPU {case['replay_gpu_ms']:.3f} ms"
             f" + the rest {case['host_ms']:.3f} ms ({case['host_fraction']:.0%})",
             f"  host parts: schedule {p['schedule']:.3f}, execute (stage + launch) {p['execute']:.3f},"
-            f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms"]
+            f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms",
+            f"  replay: {case['kernels']['per_replay']:.0f} kernels, {case['kernels']['device_ms_per_replay']:.3f} ms"
+            " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_replay']:.0f} {k['ms_per_replay']:.3f} ms"
+                                                   for k in case["kernels"]["top"][:6])]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def test_summary_splits_the_step(breakdown, seed):
         assert s["parts_ms"][name] == pytest.approx(sorted(ts)[50] * 1e3, abs=1e-4)
     assert sum(s["parts_ms"].values()) == pytest.approx(step, abs=1e-3)  # "rest" is what the parts leave
     assert s["roofline_tok_s"] == 4000.0
-    assert all(line for line in breakdown._case_lines({"preset": "p", **s}))
+    kernels = {"per_replay": 3.0, "device_ms_per_replay": 0.2, "top": [{"kernel": "k", "per_replay": 3.0,
+                                                                     "ms_per_replay": 0.2}]}
+    assert all(line for line in breakdown._case_lines({"preset": "p", **s, "kernels": kernels}))
 
 
 def test_part_timers_time_each_call_and_put_everything_back(breakdown):
