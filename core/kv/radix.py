@@ -116,8 +116,11 @@ class RadixCache:
         if self.window is None:
             return len(pages)
         k = len(pages)
-        while k and self.window.missing(pages[self._tail_start(k):k]):
-            k -= 1
+        while k:
+            gone = [i for i in range(self._tail_start(k), k) if not self.window.has(pages[i])]
+            if not gone:
+                break
+            k = gone[-1]  # any longer hit still reaches back to that page
         return k
 
     def _tail_start(self, num_pages: int) -> int:
