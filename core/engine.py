@@ -255,6 +255,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, detok: IncrementalDetokenizer | None, reason: str, stop_reason) -> None:
         if detok is not None and detok.finished_by_stop is None:
             detok.flush()
+            if detok.finished_by_stop is not None:  # text held back until the end held a stop string
+                reason, stop_reason = "stop", detok.finished_by_stop
         self.scheduler.finish(seq, reason, stop_reason)
 
     def _count_finish(self, req: Request) -> None:

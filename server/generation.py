@@ -52,6 +52,8 @@ class Completion:
             if d.finish_reason is not None:
                 pieces.append(self.detok.flush())
                 self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+                if self.detok.finished_by_stop is not None:  # text held back until the end held a stop string
+                    self.finish_reason, self.stop_reason = "stop", self.detok.finished_by_stop
         new = "".join(pieces)
         self.text += new
         return new, used

@@ -94,12 +94,14 @@ def test_n_greedy_completions_equal_n1(llm, eval_text, seed):
 
 
 def _boundary_stop(llm: LLM, tokens: list[int], text: str) -> tuple[str, int] | None:
-    """A 4-character stop string straddling a token boundary of ``text``, first seen there."""
+    """A 4-character stop string straddling a token boundary of ``text``, first seen there and
+    complete before the last token (so cutting there drops tokens)."""
     candidates = []
+    before_last = len(llm.tokenizer.decode(tokens[:-1]))
     for k in range(1, len(tokens)):
         head = llm.tokenizer.decode(tokens[:k])
         c = len(head)
-        if not (2 <= c <= len(text) - 2 and text.startswith(head)):
+        if not (2 <= c <= min(len(text), before_last) - 2 and text.startswith(head)):
             continue
         stop = text[c - 2: c + 2]
         if text.find(stop) == c - 2:
@@ -161,3 +163,12 @@ def test_greedy_fast_path_equals_greedy_with_logprobs(llm, eval_text, seed):
     for a, b in zip(fast, full):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs is None and len(b.outputs[0].logprobs) == 16
+
+
+def test_a_stop_string_only_the_last_flush_reveals_still_stops(llm):
+    """The first byte of 'é' alone decodes to U+FFFD and is held back as an unfinished character;
+    when max_tokens ends the sequence, the flushed text holds the stop string: it is a stop."""
+    first_byte = llm.tokenizer.encode("é")[0]
+    out = llm.generate(["x"], greedy(1, logit_bias={first_byte: 100.0}, stop=["\ufffd"]))[0].outputs[0]
+    assert out.token_ids == [first_byte]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "\ufffd")
