@@ -7,7 +7,7 @@ entries are evicted first, then the latest-arrived running sequence is preempted
 freed and it goes back to the head of the queue to be recomputed (its outputs so far are kept).
 Where the model has windowed components (core/kv/window.py), a sequence also holds the window
 pages of the pages within reach of its end, and a shortage of those is met the same way: first
-the prefix cache's unlocked windows are let go, then a sequence is preempted.
+the prefix cache's windows are let go, then a sequence is preempted.
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ class Scheduler:
         a, b = self.window.span(seq.num_computed, upto_tokens, self.page_size)
         a0, b0 = seq.window_span
         gain = [seq.pages[i] for i in range(a, b) if not a0 <= i < b0]
-        short = self.window.missing(gain) - self.window.num_free
-        if short > 0 and not self.radix.release_windows(self.window.missing(gain)):
+        need = self.window.missing(gain)
+        if need > self.window.num_free and not self.radix.release_windows(need):
             return False
         self.window.hold(gain)
         self.window.let_go([seq.pages[i] for i in range(a0, b0) if not a <= i < b])

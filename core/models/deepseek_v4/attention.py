@@ -172,9 +172,9 @@ class Attention(nn.Module):
         entries = index_keys = None
         if self.compressor is not None:
             slots = seq.entry_slots(0, seq.end // self.rate, self.rate)
-            self.compressor.close_windows(seq, flat(kv, self.cache.projections), flat(kv, self.cache.entries)[0],
-                                          self.rope)
-            entries = flat(kv, self.cache.entries)[0][slots]
+            entries_kv = flat(kv, self.cache.entries)[0]
+            self.compressor.close_windows(seq, flat(kv, self.cache.projections), entries_kv, self.rope)
+            entries = entries_kv[slots]
             if self.indexer is not None:
                 keys_kv = flat(kv, self.cache.index_keys)[0]
                 self.indexer.compressor.close_windows(seq, flat(kv, self.cache.index_projections), keys_kv, self.rope)
