@@ -65,7 +65,8 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
                            stride_am, stride_as, stride_bn, stride_bs, stride_cm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           EVEN_K: tl.constexpr):
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,9 +80,12 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
     b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
-        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if EVEN_K:  # no K tail: unmasked loads, which the compiler can vectorize and pipeline freely
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
         group = k0 // SCALE_BLOCK
         a_scale = tl.load(a_scale_ptrs + group)
         b_scale = tl.load(b_scale_ptrs + group)
@@ -115,9 +119,10 @@ def output_for(m: int, n: int, dtype: torch.dtype, device: torch.device, out: to
 
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """a [M, K] E4M3, a_scale [M, ceil(K/128)], b [N, K] E4M3, b_scale [ceil(N/128), ceil(K/128)]
-    (+ bias [N]) -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
+    (+ bias [N]) -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N).
+    ``config`` overrides the tuning table (the tuning sweep passes each candidate)."""
     (m, k), n = a.shape, b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K must match")
@@ -129,13 +134,13 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     out = output_for(m, n, out_dtype, a.device, out)
     if m == 0 or n == 0:
         return out
-    cfg = config_for(FP8_GEMM, a.device).for_m(m)
+    cfg = config or config_for(FP8_GEMM, a.device).for_m(m)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -159,10 +159,10 @@ GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4n
                   "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32"}
 
 
-def compile_gemm(target: str, which: str, has_bias: bool = False) -> dict[str, str]:
+def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool = True) -> dict[str, str]:
     cfg = getattr(pick(FP8_GEMM, target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      SCALE_BLOCK=128, HAS_BIAS=has_bias)
+                      SCALE_BLOCK=128, HAS_BIAS=has_bias, EVEN_K=even_k)
     return compile_asm(_fp8_block_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
 
@@ -177,8 +177,9 @@ def test_fp8_gemm_uses_wgmma_e4m3_on_sm90(which):
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("which", ["small", "large"])
-def test_fp8_gemm_compiles(target, which):
-    asm = compile_gemm(target, which, has_bias=True)
+@pytest.mark.parametrize("even_k", [True, False])
+def test_fp8_gemm_compiles(target, which, even_k):
+    asm = compile_gemm(target, which, has_bias=True, even_k=even_k)
     assert ("ptx" if TARGETS[target].backend == "cuda" else "amdgcn") in asm
 
 
