@@ -1,9 +1,12 @@
 """Linear layers on Triton GEMMs: the same contract as the native backend, quantized weights
 multiplied in their stored format instead of dequantized first.
 
-The activations are quantized to the weight's format on the way in (per token and 128 channels
-for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands; this is the one
-numerical difference from the native backend, which multiplies unquantized x.
+Dense products of a few rows (decode at small batch) run the GEMV kernel, built to stream the
+weight at the copy bandwidth where the library GEMM does not (benchmarks/gemv_bench.py), and a
+gate/up projection there fuses its SiLU-and-mul; larger products go to the library GEMM. The
+activations of quantized schemes are quantized to the weight's format on the way in (per token
+and 128 channels for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands;
+this is the one numerical difference from the native backend, which multiplies unquantized x.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.core.families.linear import LinearBackend, LinearWeight
 
-from . import activation, norm
+from . import activation, gemv, norm
 from .fp8_gemm import fp8_block_linear
 from .mxfp8 import mxfp8_linear
 
@@ -26,12 +29,24 @@ class TritonLinear(LinearBackend):
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         if w.scheme == "dense":
+            if self._gemv_serves(x, w):
+                return gemv.gemv(x, w.data, w.bias)
             return F.linear(x, w.data.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
         if w.scheme not in QUANTIZED:
             raise ValueError(f"the triton linear backend has no scheme {w.scheme!r}; it has {self.schemes}")
         if w.scale is None:
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
+
+    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
+            return gemv.gemv(x, w.data, silu_mul=True)
+        return self.silu_and_mul(self.apply(x, w))
+
+    @staticmethod
+    def _gemv_serves(x: torch.Tensor, w: LinearWeight) -> bool:
+        """On a GPU, for few rows of x in the weight's own dtype (the interpreter keeps F.linear)."""
+        return x.is_cuda and x.dtype == w.data.dtype and gemv.fits(x, w.data)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)

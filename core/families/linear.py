@@ -57,3 +57,8 @@ class LinearBackend(ABC):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
         return native_activation.silu_and_mul(x)
+
+    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        """silu_and_mul(apply(x, w)) for a gate/up projection w [2I, K]: one GEMM and its activation,
+        which a backend may fuse so the [.., 2I] product never reaches memory."""
+        return self.silu_and_mul(self.apply(x, w))

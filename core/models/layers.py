@@ -29,8 +29,12 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.shards = shards or {}
 
+    @property
+    def linear_weight(self) -> LinearWeight:
+        return LinearWeight(self.weight, bias=self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.apply(x, LinearWeight(self.weight, bias=self.bias))
+        return self.backend.apply(x, self.linear_weight)
 
 
 def stacked_shards(**sizes: int) -> dict[str, tuple[int, int]]:

@@ -68,7 +68,7 @@ class MLP(nn.Module):
         self.ops = backends.linear
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.gate_up_silu(x, self.gate_up_proj.linear_weight))
 
 
 class DecoderLayer(nn.Module):

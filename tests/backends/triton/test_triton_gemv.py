@@ -1,0 +1,126 @@
+"""The decode GEMV against F.linear (and the fused gate/up SiLU-and-mul against the GEMM followed by
+core/native's activation): interpreter, GPU, and compiled for every target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aot import TARGETS, amdgcn_target, compile_asm
+
+from engine.backends.triton.gemv import GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel
+from engine.backends.triton.linear import TritonLinear
+from engine.backends.triton.target import pick
+from engine.core.families.linear import LinearWeight
+from engine.core.native import activation as native
+from engine.core.native.linear import NativeLinear
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def check_gemv(m, n, k, dtype, device="cpu", bias=False, lead=(), config=None):
+    x = torch.randn(*lead, m, k, dtype=dtype, device=device)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    out = _poisoned((*lead, m, n), dtype, device)
+    got = gemv(x, w, b, out=out, config=config)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == want.shape and got.dtype == dtype and not got.isnan().any()
+    assert _rel(got, want) < TOL[dtype]
+
+
+def check_gate_up(m, inner, k, dtype, device="cpu", config=None):
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = (torch.randn(2 * inner, k, device=device) / k**0.5).to(dtype)
+    got = gemv(x, w, silu_mul=True, out=_poisoned((m, inner), dtype, device), config=config)
+    want = native.silu_and_mul(F.linear(x.float(), w.float()).to(dtype))  # the unfused roundings
+    assert got.shape == (m, inner) and not got.isnan().any()
+    assert _rel(got, want) < TOL[dtype]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 64, 256), (MAX_ROWS, 33, 128), (5, 17, 64)])
+def test_gemv_interpreted(seed, dtype, m, n, k):
+    check_gemv(m, n, k, dtype, bias=m % 2 == 1)
+
+
+@pytest.mark.interpret
+def test_gemv_leading_axes_and_even_k_interpreted(seed):
+    check_gemv(2, 48, 256, torch.float32, lead=(2,), config=GemvConfig(16, 128, 4, 1))  # K in whole steps
+    check_gemv(2, 48, 200, torch.float32, lead=(2,), config=GemvConfig(16, 128, 4, 1))  # a K tail
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,inner,k", [(1, 24, 130), (4, 64, 256)])
+def test_gate_up_silu_interpreted(seed, dtype, m, inner, k):
+    check_gate_up(m, inner, k, dtype)
+
+
+@pytest.mark.interpret
+def test_gemv_refuses_what_it_does_not_serve():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.randn(MAX_ROWS + 1, 16), w)
+    with pytest.raises(ValueError, match="gate/up"):
+        gemv(torch.randn(1, 16), torch.randn(7, 16), silu_mul=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (151936, 1024), (6144, 4096), (4096, 14336)])
+def test_gemv_gpu(seed, m, n, k):
+    check_gemv(m, n, k, torch.bfloat16, device="cuda", bias=n == 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("inner,k", [(3072, 1024), (14336, 4096)])
+def test_gate_up_silu_gpu(seed, m, inner, k):
+    check_gate_up(m, inner, k, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, MAX_ROWS, MAX_ROWS + 1, 64])
+def test_triton_linear_matches_native_at_decode_rows(seed, m):
+    """The backend's routing: GEMV at few rows, the library GEMM past them, both as native computes."""
+    x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
+    w = LinearWeight((torch.randn(2 * 1536, 2048, device="cuda") / 2048**0.5).to(torch.bfloat16),
+                     bias=torch.randn(2 * 1536, dtype=torch.bfloat16, device="cuda"))
+    triton_linear, native_linear = TritonLinear(None), NativeLinear(None)
+    assert _rel(triton_linear.apply(x, w), native_linear.apply(x, w)) < TOL[torch.bfloat16]
+    plain = LinearWeight(w.data)
+    assert _rel(triton_linear.gate_up_silu(x, plain), native_linear.gate_up_silu(x, plain)) < TOL[torch.bfloat16]
+
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+             "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("rows,silu_mul", [(1, False), (8, True)])
+def test_gemv_compiles(target, rows, silu_mul):
+    """bf16 weight rows stream in 16-byte loads on NVIDIA; the fused activation uses the hardware exp2."""
+    cfg = pick(GEMV, target)
+    asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                                   HAS_BIAS=not silu_mul, SILU_MUL=silu_mul, EVEN_K=True),
+                      target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"])
+    if target.startswith("sm_"):
+        ptx = asm["ptx"]
+        assert "ld.global.v4.b32" in ptx or "ld.global.nc.v4.b32" in ptx
+        assert "mma" not in ptx  # CUDA cores: a GEMV has no tile for the tensor cores to fill
+        assert ("ex2.approx" in ptx) == silu_mul
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
