@@ -28,7 +28,12 @@ def engine_detect_platform() -> Any:
 
 @hookspec
 def engine_register_attention_backends() -> Any:
-    """Collecting. Return a list of attention ``Descriptor``s (paged prefill/decode attention)."""
+    """Collecting. Return a list of attention ``Descriptor``s (paged prefill/decode attention).
+
+    ``create`` returns a ``core.families.attention.AttentionBackend``: ``forward``, and optionally
+    ``rope_forward``, which gets the rotary embedding and, for Qwen3, a ``QKNorm`` (per-head q/k
+    RMSNorm before the rotation) to fuse with the K/V store or apply as the default does.
+    """
 
 
 @hookspec

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.families.attention import AttentionBackend, AttentionLayer, LayerKV
+from engine.core.families.attention import AttentionBackend, AttentionLayer, LayerKV, QKNorm
 from engine.core.forward import ForwardBatch
 from engine.core.native.rope import RotaryEmbedding
 
@@ -59,9 +59,11 @@ class TritonAttention(AttentionBackend):
         return self._attend(q, kv, layer, batch, out)
 
     def rope_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RotaryEmbedding,
-                     positions: torch.Tensor, kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        """One kernel rotates q and k and stores k and v into the pages, then attention reads them."""
-        q = rope_store_kv(q, k, v, positions, batch.slot_mapping, rope, kv)
+                     positions: torch.Tensor, kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch,
+                     qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """One kernel normalises (``qk_norm``) and rotates q and k and stores k and v into the pages,
+        then attention reads them."""
+        q = rope_store_kv(q, k, v, positions, batch.slot_mapping, rope, kv, qk_norm=qk_norm)
         return self._attend(q, kv, layer, batch, None)
 
     def _attend(self, q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch,

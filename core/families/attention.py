@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..forward import ForwardBatch
+from ..native.norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,19 @@ class LayerKV:
     v: torch.Tensor
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorm of q and k before the rotation (Qwen3): weights [head_dim], one eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hk, D] normalised as core/native/norm.py does, the reference of a fused norm."""
+        return rms_norm(q, self.q_weight, self.eps), rms_norm(k, self.k_weight, self.eps)
+
+
 class AttentionBackend(ABC):
     """Stores the step's new K/V into pages and attends every new query over its sequence."""
 
@@ -55,9 +69,13 @@ class AttentionBackend(ABC):
         return None
 
     def rope_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, positions: torch.Tensor,
-                     kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        """Rotate q and k by ``rope`` (a core.native.rope.RotaryEmbedding) at ``positions``, then
-        ``forward``; a backend may fuse the rotation with its store of K/V into the pages."""
+                     kv: LayerKV, layer: AttentionLayer, batch: ForwardBatch,
+                     qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """Normalise q and k by ``qk_norm`` if given, rotate them by ``rope`` (a
+        core.native.rope.RotaryEmbedding) at ``positions``, then ``forward``; a backend may fuse the
+        norm and the rotation with its store of K/V into the pages, rounding as the native ops do."""
+        if qk_norm is not None:
+            q, k = qk_norm.apply(q, k)
         q, k = rope.apply(q, k, positions)
         return self.forward(q, k, v, kv, layer, batch)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..families.attention import AttentionLayer
+from ..families.attention import AttentionLayer, QKNorm
 from ..families.linear import LinearBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
@@ -38,9 +38,9 @@ class Attention(nn.Module):
                                shards=stacked_shards(q=q, k=kv, v=kv))
         self.o_proj = Linear(q, hidden, backends.linear, bias=bias, dtype=dtype, device=device)
         eps = hf.get("rms_norm_eps", 1e-6)
-        ops = backends.linear
-        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops) if qk_norm else None
+        # the per-head q/k norms hold their checkpoint weights; the attention backend applies them
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
         self.rope = rope
         self.backend = backends.attention
         self.spec = AttentionLayer(layer_id=layer_id, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -52,10 +52,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qk_norm = None if self.q_norm is None else QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.backend.rope_forward(q, k, v, self.rope, batch.positions, kv.layer(self.spec.layer_id), self.spec,
-                                        batch)
+                                        batch, qk_norm=qk_norm)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

@@ -1,4 +1,4 @@
-"""Fused RoPE + KV-page store against native rope and the native attention's page store."""
+"""Fused (q/k RMSNorm +) RoPE + KV-page store against native norm, rope and the native attention's page store."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aot import TARGETS, amdgcn_target, compile_asm
 
 from engine.backends.triton import rope_kv
 from engine.backends.triton.rope_kv import rope_store_kv, rope_store_kv_kernel
-from engine.core.families.attention import AttentionLayer, LayerKV
+from engine.core.families.attention import AttentionLayer, LayerKV, QKNorm
 from engine.core.forward import ForwardBatch
 from engine.core.native.attention import NativeAttention
 from engine.core.native.rope import RotaryEmbedding
@@ -21,10 +21,11 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3,
 
 
 class Case:
-    """A batch of sequences (cached prefix, new tokens) on shuffled pages of a NaN-filled pool."""
+    """A batch of sequences (cached prefix, new tokens) on shuffled pages of a NaN-filled pool;
+    ``norm_dtype``: per-head q/k RMSNorm weights of that dtype (None: no norm)."""
 
     def __init__(self, lens, heads, kv_heads, head_dim, rotary_dim, page_size, dtype, device,
-                 cache_dtype=None, v_head_dim=None, neox=True, max_position=4096, scaling=None):
+                 cache_dtype=None, v_head_dim=None, neox=True, max_position=4096, scaling=None, norm_dtype=None):
         cache_dtype = cache_dtype or dtype
         v_head_dim = v_head_dim or head_dim
         need = [-(-(c + q) // page_size) for c, q in lens]
@@ -40,6 +41,8 @@ class Case:
         self.q = torch.randn(tokens, heads, head_dim, device=device).to(dtype)
         self.k = torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype)
         self.v = torch.randn(tokens, kv_heads, v_head_dim, device=device).to(dtype)
+        self.qk_norm = None if norm_dtype is None else QKNorm(
+            *((1 + 0.5 * torch.randn(head_dim, device=device)).to(norm_dtype) for _ in "qk"), eps=1e-6)
         self.rope = RotaryEmbedding(head_dim, rotary_dim, max_position, 10000.0, scaling, is_neox_style=neox,
                                     device=device)
         self.layer = AttentionLayer(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -53,7 +56,8 @@ class Case:
                        v=torch.full((*self.pool, v_head_dim), float("nan"), dtype=cache_dtype, device=device))
 
     def native(self) -> tuple[torch.Tensor, LayerKV]:
-        q, k = self.rope.apply(self.q, self.k, self.batch.positions)
+        q, k = (self.q, self.k) if self.qk_norm is None else self.qk_norm.apply(self.q, self.k)
+        q, k = self.rope.apply(q, k, self.batch.positions)
         kv = self.pages()
         NativeAttention(ctx=None).forward(q, k, self.v, kv, self.layer, self.batch)  # stores, then attends
         return q, kv
@@ -62,7 +66,7 @@ class Case:
         want_q, want_kv = self.native()
         kv = self.pages()
         q = rope_store_kv(self.q, self.k, self.v, self.batch.positions, self.batch.slot_mapping, self.rope, kv,
-                          q_out=torch.full_like(self.q, float("nan")))
+                          q_out=torch.full_like(self.q, float("nan")), qk_norm=self.qk_norm)
         torch.testing.assert_close(q, want_q, **TOL[q.dtype])
         cache_tol = TOL[max(q.dtype, kv.k.dtype, key=lambda d: torch.finfo(d).eps)]
         # untouched slots stay NaN; the written ones hold the rotated k and the plain v
@@ -70,6 +74,8 @@ class Case:
         torch.testing.assert_close(kv.v, want_kv.v, equal_nan=True, rtol=0, atol=0)
         if q.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
             assert (q == want_q).float().mean() > 0.98
+            written = ~want_kv.k.isnan()
+            assert (kv.k[written] == want_kv.k[written]).float().mean() > 0.98
 
 
 LENS = [(3, 5), (0, 4), (6, 1), (9, 2)]
@@ -97,19 +103,41 @@ def test_cache_dtype_and_v_head_dim_interpreted(seed):
 
 
 @pytest.mark.interpret
-def test_head_blocks_interpreted(seed, monkeypatch):
+@pytest.mark.parametrize("norm_dtype", [None, torch.float16])
+def test_head_blocks_interpreted(seed, monkeypatch, norm_dtype):
     """Heads split over several programs, query and KV blocks both partly masked."""
     monkeypatch.setitem(rope_kv.ROPE_KV, "default", rope_kv.RopeConfig(pairs_per_program=32, num_warps=1))
-    Case(LENS, 6, 3, 32, 32, 4, torch.float16, "cpu").check()
+    Case(LENS, 6, 3, 32, 32, 4, torch.float16, "cpu", norm_dtype=norm_dtype).check()
 
 
 @pytest.mark.interpret
-def test_negative_slot_writes_nothing_interpreted(seed):
-    case = Case([(0, 6)], 2, 2, 32, 32, 4, torch.float16, "cpu")
+@pytest.mark.parametrize("dtype,norm_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                              (torch.float16, torch.float32)])
+@pytest.mark.parametrize("rotary_dim", [64, 24])
+@pytest.mark.parametrize("neox", [True, False])
+def test_qk_norm_interpreted(seed, dtype, norm_dtype, rotary_dim, neox):
+    """Per-head RMSNorm before the rotation: a weight in the activation dtype multiplies the rounded
+    normalised row, an fp32 one the unrounded; with partial rotary the unrotated tail is normalised too."""
+    Case(LENS, 4, 2, 64, rotary_dim, 4, dtype, "cpu", neox=neox, norm_dtype=norm_dtype).check()
+
+
+@pytest.mark.interpret
+def test_qk_norm_weights_must_fit(seed):
+    case = Case([(0, 2)], 2, 1, 32, 32, 4, torch.float32, "cpu")
+    bad = QKNorm(torch.ones(32), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match="norm weights"):
+        rope_store_kv(case.q, case.k, case.v, case.batch.positions, case.batch.slot_mapping, case.rope,
+                      case.pages(), qk_norm=bad)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("norm_dtype", [None, torch.float16])
+def test_negative_slot_writes_nothing_interpreted(seed, norm_dtype):
+    case = Case([(0, 6)], 2, 2, 32, 32, 4, torch.float16, "cpu", norm_dtype=norm_dtype)
     kv = case.pages()
     slots = case.batch.slot_mapping.clone()
     slots[::2] = -1
-    q = rope_store_kv(case.q, case.k, case.v, case.batch.positions, slots, case.rope, kv)
+    q = rope_store_kv(case.q, case.k, case.v, case.batch.positions, slots, case.rope, kv, qk_norm=case.qk_norm)
     want_q, want_kv = case.native()
     torch.testing.assert_close(q, want_q, **TOL[torch.float16])
     keep = slots >= 0
@@ -129,17 +157,30 @@ def test_rope_store_kv_gpu(seed, batch, heads, kv_heads, head_dim, rotary_dim):
     Case(lens, heads, kv_heads, head_dim, rotary_dim, 16, torch.bfloat16, "cuda", max_position=16384).check()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", ["prefill-8192", "mixed", "decode-1", "decode-256"])
+def test_rope_store_kv_qk_norm_gpu(seed, batch):
+    """Qwen3-0.6B heads in bf16 with its bf16 q/k norm weights."""
+    lens = {"prefill-8192": [(0, 8192)], "mixed": [(1000, 3000), (0, 4096), (500, 1096)], "decode-1": [(4000, 1)],
+            "decode-256": [(random.randint(1, 8191), 1) for _ in range(256)]}[batch]
+    Case(lens, 16, 8, 128, 128, 16, torch.bfloat16, "cuda", max_position=16384, norm_dtype=torch.bfloat16).check()
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_rope_store_kv_compiles(target):
-    """Llama-3.1-8B heads in bf16: 16-byte loads of q/k and 16-byte stores into the pages, and (as
-    launched, without FP fusion) no fused multiply-add that would skip the oracle's rounding step."""
-    pointers = ["q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"]
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kv_compiles(target, qk_norm):
+    """Llama-3.1-8B heads in bf16, and Qwen3-0.6B heads with its bf16 q/k norms: 16-byte loads of
+    q/k and 16-byte stores into the pages, and (as launched, without FP fusion) no fused
+    multiply-add that would skip the oracle's rounding step."""
+    pointers = ["q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "q_norm_ptr", "k_norm_ptr"]
     strides = [name for name in rope_store_kv_kernel.arg_names if name.startswith("stride_")]
     signature = {**{p: "*bf16" for p in pointers}, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                 "positions_ptr": "*i64", "slots_ptr": "*i64", **{s: "i32" for s in strides}}
-    constexprs = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, V_HEAD_DIM=128, ROT_HALF=64, PAGE_SIZE=16,
-                      IS_NEOX=True, Q_BLOCKS=2, BLOCK_H=16, BLOCK_HALF=64, BLOCK_REST=0, BLOCK_DV=128)
+                 "positions_ptr": "*i64", "slots_ptr": "*i64", "eps": "fp32", **{s: "i32" for s in strides}}
+    heads = dict(NUM_HEADS=16, Q_BLOCKS=1) if qk_norm else dict(NUM_HEADS=32, Q_BLOCKS=2)
+    constexprs = dict(**heads, NUM_KV_HEADS=8, HEAD_DIM=128, V_HEAD_DIM=128, ROT_HALF=64, PAGE_SIZE=16,
+                      IS_NEOX=True, QK_NORM=qk_norm, ROUND_BEFORE_WEIGHT=qk_norm, BLOCK_H=16, BLOCK_HALF=64,
+                      BLOCK_REST=0, BLOCK_DV=128)
     asm = compile_asm(rope_store_kv_kernel, signature, constexprs, target, divisible_by_16=strides,
                       enable_fp_fusion=False)
     if target.startswith("sm_"):
