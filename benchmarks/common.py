@@ -33,6 +33,30 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_ms(calls: list, replays: int = 20) -> float:
+    """Device time per call of ``calls`` captured back to back in one CUDA graph, as a decode step's
+    kernels run: no host launch gaps, which dominate ``bench_ms`` for microsecond kernels. Calls
+    should read distinct buffers (more than the L2 holds in all) so that none reads from the L2."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles and warms outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays / len(calls)
+
+
 def device_info(device: torch.device) -> dict:
     p = torch.cuda.get_device_properties(device)
     return {"name": p.name, "sm": f"{p.major}{p.minor}", "sm_count": p.multi_processor_count,

@@ -4,9 +4,10 @@ fused on the output of a gate/up projection.
 At batch 1 to 8 a linear layer reads its weight once and does almost no arithmetic, so it runs at
 the speed of that read, which the library GEMMs do not reach on small weights (on an H200 a
 Qwen3-0.6B layer's four projections ran at about a quarter of the copy bandwidth). Here each
-program owns a band of BLOCK_N output columns, streams its rows of the weight along K in
-BLOCK_K chunks and reuses every chunk for all rows of x, accumulating in fp32 without tensor
-cores. The fused variant reads the gate row and the up row of each column and writes
+program owns a band of BLOCK_N output columns and streams its rows of the weight along K in
+BLOCK_K chunks, accumulating in fp32. One row of x is a multiply and a sum on the CUDA cores;
+more rows go through ``tl.dot`` with x padded to 16 rows, since on the CUDA cores the arithmetic
+of eight rows costs more than the read. The fused variant reads the gate row and the up row of each column and writes
 silu(gate) * up, so the [M, 2I] product never reaches memory; it rounds gate and up to the
 output dtype first, as the separate GEMM and activation kernels do.
 """
@@ -33,29 +34,44 @@ class GemvConfig:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class GemvTuning:
+    one_row: GemvConfig  # the CUDA-core product
+    rows: GemvConfig  # the tl.dot product: block_n at least 16
+
+    def for_rows(self, m: int) -> GemvConfig:
+        return self.one_row if m == 1 else self.rows
+
+
 GEMV = {
-    "cuda": GemvConfig(16, 512, 4, 3),
-    "hip": GemvConfig(16, 512, 4, 2),
-    "default": GemvConfig(8, 64, 4, 1),
+    "cuda": GemvTuning(GemvConfig(4, 1024, 4, 1), GemvConfig(16, 256, 4, 3)),
+    "hip": GemvTuning(GemvConfig(4, 1024, 4, 1), GemvConfig(16, 256, 4, 2)),
+    "default": GemvTuning(GemvConfig(8, 64, 4, 1), GemvConfig(16, 64, 4, 1)),
 }
+DOT_ROWS = 16  # the smallest M of tl.dot
 
 
 @triton.jit
 def _band_product(x_ptr, w_rows, M, K, stride_xm, rk0,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x [M, K] times the BLOCK_N weight rows at ``w_rows`` -> fp32 [BLOCK_M, BLOCK_N]."""
-    rm = tl.arange(0, BLOCK_M)
+    """x [M, K] times the BLOCK_N weight rows at ``w_rows`` -> fp32 [BLOCK_M, BLOCK_N]; BLOCK_M is 1
+    (CUDA cores) or DOT_ROWS (tl.dot)."""
+    rm = tl.minimum(tl.arange(0, BLOCK_M), M - 1)  # rows past M reread the last one; they are not stored
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + rk0
         if EVEN_K:
-            w = tl.load(w_rows + rk[None, :]).to(tl.float32)
+            w = tl.load(w_rows + rk[None, :])
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :])
         else:
-            w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = tl.minimum(m, M - 1)  # rows past M reread the last one; they are not stored
-            x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-            acc += tl.where(rm[:, None] == m, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+            w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif w.dtype == tl.float32:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     return acc
 
 
@@ -106,10 +122,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x2, weight = unit_inner_stride(x2, weight)
     out2 = output_for(m, n, x.dtype, x.device, None if out is None else out.view(m, n))
     if m and n:
-        cfg = config or config_for(GEMV, x.device)
+        cfg = config or config_for(GEMV, x.device).for_rows(m)
         gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, weight, bias, out2, m, n, k, x2.stride(0), weight.stride(0), out2.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_M=1 if m == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out2.view(*x.shape[:-1], n)
