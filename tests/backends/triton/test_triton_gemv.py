@@ -93,9 +93,9 @@ def test_gate_up_silu_gpu(seed, m, inner, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, MAX_ROWS, MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("m", [1, 2, MAX_ROWS + 1, 64])
 def test_triton_linear_matches_native_at_decode_rows(seed, m):
-    """The backend's routing: GEMV at few rows, the library GEMM past them, both as native computes."""
+    """The backend's routing: GEMV at one row, the library GEMM past it, both as native computes."""
     x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
     w = LinearWeight((torch.randn(2 * 1536, 2048, device="cuda") / 2048**0.5).to(torch.bfloat16),
                      bias=torch.randn(2 * 1536, dtype=torch.bfloat16, device="cuda"))
