@@ -2,11 +2,17 @@
 
 A decode step has few queries and long key ranges, so one program per sequence and KV head
 leaves most of the chip idle. The visible keys of each sequence are cut into ``num_splits``
-equal ranges; each (sequence, KV head, split) program attends the query heads of that KV head's
-group over its range and writes a partial output with its log-sum-exp, and a second kernel
-combines the splits (and the sink logit, which belongs to no split). The number of splits
-depends only on the batch size, never on sequence lengths, so a captured graph's grid holds
-across replays.
+ranges of whole key blocks; each (sequence, KV head block, split) program attends the query heads
+of that block over its range and writes a partial output with its log-sum-exp. One launch does
+it all: the program that arrives last at its (sequence, KV head block) counter combines the
+splits (and the sink logit, which belongs to no split) into the output, so at batch 1 a layer
+pays one launch, not two. A range that fits one split (short sequences, graph padding) is
+written as the output directly, and splits past the end of a short sequence do nothing.
+
+The number of splits depends only on the batch size, never on sequence lengths, so a captured
+graph's grid holds across replays; the counters live in one zeroed buffer per device that every
+launch leaves zeroed. Launches on one device must not overlap (they share the counters), which
+holds for the one stream a model runs on.
 """
 
 from __future__ import annotations
@@ -57,83 +63,49 @@ def num_splits_for(tuning: DecodeTuning, num_seqs: int, programs_per_seq: int) -
     return max(1, min(tuning.max_splits, triton.cdiv(tuning.min_programs, max(1, num_seqs * programs_per_seq))))
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters on ``device``, the same buffer every launch that fits.
+
+    Each launch leaves its counters at zero, so the buffer is made once and never cleared. It
+    grows to a power of two on demand, outside graph capture only; the graph runner warms every
+    batch size eagerly, largest first, so its warm-up makes the buffer. A grown-out buffer is kept:
+    graphs captured earlier still count in it."""
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode attention needs {n} arrival counters on {device} while a CUDA graph is "
+                               "being captured; run the captured batch size once eagerly first")
+        held.append(torch.zeros(triton.next_power_of_2(n), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 @triton.jit
-def decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
-    page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-    qk_scale, window,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SLIDING: tl.constexpr,
-):
-    i = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
-    split = tl.program_id(2)
-    seq = tl.load(seq_ids_ptr + i)
-    tok = tl.load(query_start_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-
-    g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = g < GROUP
-    head = kv_head * GROUP + g
-    offs_d = tl.arange(0, BLOCK_D)
+def _write_output(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, stride_ot, stride_oh,
+                  V_HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The output of heads ``head`` from one range that held every key: ``acc`` unnormalized."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=h_ok, other=0.0) * LOG2E
+        m = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m)
+        acc = acc * rescale[:, None]
+        l_i = l_i * rescale + tl.exp2(sink - m)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-
-    # the query sits at seq_len - 1: it sees every key below seq_len that the window keeps
-    lo = tl.maximum(seq_len - window, 0) if SLIDING else 0
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    pages_row = page_table_ptr + seq * stride_pt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = n % PAGE_SIZE
-        k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    # an empty split (short sequence, many splits) has weight 0: lse -inf and a zero, not NaN, output
-    seen = l_i > 0
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
-    part = (i * NUM_HEADS + head) * NUM_SPLITS + split
-    tl.store(part_lse_ptr + part, lse, mask=h_ok)
-    tl.store(part_out_ptr + part[:, None] * V_HEAD_DIM + offs_dv[None, :], acc,
+    tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
 
 
 @triton.jit
-def decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, query_start_ptr, seq_ids_ptr,
-    stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, V_HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
-):
-    i = tl.program_id(0)
-    head = tl.program_id(1)
-    tok = tl.load(query_start_ptr + tl.load(seq_ids_ptr + i))
-    first = (i * NUM_HEADS + head) * NUM_SPLITS
+def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first, used, tok, head, stride_ot, stride_oh,
+                    V_HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One head's output from the partials of its first ``used`` splits (and its sink)."""
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + first + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: the split holding the query's own key is never empty
+    lse = tl.load(part_lse_ptr + first + splits, mask=splits < used, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: every used split holds at least one key
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head) * LOG2E
         m = tl.maximum(m, sink)
@@ -146,13 +118,93 @@ def decode_reduce_kernel(
     o = tl.zeros([BLOCK_DV], tl.float32)
     for s0 in tl.static_range(0, BLOCK_S, CHUNK_S):
         chunk = s0 + tl.arange(0, CHUNK_S)
-        c_ok = chunk < NUM_SPLITS
+        c_ok = chunk < used
         w = tl.exp2(tl.load(part_lse_ptr + first + chunk, mask=c_ok, other=float("-inf")) - m)
         parts = tl.load(part_out_ptr + (first + chunk)[:, None] * V_HEAD_DIM + offs_dv[None, :],
                         mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
         o += tl.sum(parts * w[:, None], 0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv, (o / denom).to(out_ptr.dtype.element_ty),
              mask=dv_ok)
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+    stride_ot, stride_oh, qk_scale, window,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + i)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    # the query sits at seq_len - 1: it sees every key below seq_len that the window keeps. The
+    # splits cut that range in whole key blocks, so a short one fills only the first ``used``
+    # splits; the others have nothing to do, not even arriving.
+    lo = tl.maximum(seq_len - window, 0) if SLIDING else 0
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len - lo, per_split)
+    if split < used:
+        tok = tl.load(query_start_ptr + seq)
+        g0 = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H
+        g = g0 + tl.arange(0, BLOCK_H)
+        h_ok = g < GROUP
+        head = kv_head * GROUP + g
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        start = lo + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        pages_row = page_table_ptr + seq * stride_pt
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            page = tl.load(pages_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = n % PAGE_SIZE
+            k = tl.load(k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + kv_head * stride_kh
+                        + offs_d[:, None], mask=n_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+                        + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if NUM_SPLITS == 1 or used == 1:  # this program saw every key
+            _write_output(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, stride_ot, stride_oh,
+                          V_HEAD_DIM, BLOCK_DV, HAS_SINKS)
+        else:
+            part = (i * NUM_HEADS + head) * NUM_SPLITS + split
+            tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_ok)
+            tl.store(part_out_ptr + part[:, None] * V_HEAD_DIM + offs_dv[None, :], acc / l_i[:, None],
+                     mask=h_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
+            # a scalar atomic runs on one thread and its old value is broadcast to all: the barrier
+            # orders every thread's partials before that thread's release. The last program to
+            # arrive acquires them all, combines, and leaves the counter at 0 for the next launch
+            # (and every graph replay).
+            tl.debug_barrier()
+            counter = counters_ptr + i * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                first = i * NUM_HEADS * NUM_SPLITS
+                for h in range(kv_head * GROUP + g0, kv_head * GROUP + tl.minimum(g0 + BLOCK_H, GROUP)):
+                    _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first + h * NUM_SPLITS, used,
+                                    tok, h, stride_ot, stride_oh, V_HEAD_DIM, BLOCK_S, CHUNK_S, BLOCK_DV, HAS_SINKS)
+                tl.store(counter, 0)
+
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -169,25 +221,23 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
     splits = num_splits_for(tuning, num_seqs, layer.num_kv_heads * head_blocks)
-    part_out = torch.empty(num_seqs, layer.num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(num_seqs, layer.num_heads, splits, dtype=torch.float32, device=q.device)
-    decode_split_kernel[(num_seqs, layer.num_kv_heads * head_blocks, splits)](
-        q, kv.k, kv.v, part_out, part_lse,
+    grid = (num_seqs, layer.num_kv_heads * head_blocks, splits)
+    part_out = part_lse = counters = None  # one split writes the output itself
+    if splits > 1:
+        part_out = torch.empty(num_seqs, layer.num_heads, splits, v_head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, layer.num_heads, splits, dtype=torch.float32, device=q.device)
+        counters = arrival_counters(grid[0] * grid[1], q.device)
+    decode_attention_kernel[grid](
+        q, kv.k, kv.v, out, layer.sinks, part_out, part_lse, counters,
         page_table, query_start_loc, seq_lens, seq_ids,
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
-        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2), page_table.stride(0),
+        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2), page_table.stride(0), out.stride(0), out.stride(1),
         layer.scale * LOG2E.value, layer.sliding_window or 0,
         NUM_HEADS=layer.num_heads, GROUP=group, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         PAGE_SIZE=kv.k.shape[1], NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v_head_dim),
-        SLIDING=layer.sliding_window is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    decode_reduce_kernel[(num_seqs, layer.num_heads)](
-        part_out, part_lse, out, layer.sinks, query_start_loc, seq_ids,
-        out.stride(0), out.stride(1),
-        NUM_HEADS=layer.num_heads, V_HEAD_DIM=v_head_dim, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), CHUNK_S=min(8, triton.next_power_of_2(splits)),
-        BLOCK_DV=triton.next_power_of_2(v_head_dim), HAS_SINKS=layer.sinks is not None,
+        SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

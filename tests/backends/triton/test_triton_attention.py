@@ -16,12 +16,12 @@ import torch
 
 from engine.backends.triton import attention_decode
 from engine.backends.triton.attention import TritonAttention
-from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, decode_reduce_kernel,
-                                                     decode_split_kernel)
-from engine.backends.triton.attention_prefill import PREFILL, PrefillConfig, prefill_attention_kernel
+from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, arrival_counters, decode_attention,
+                                                     decode_attention_kernel)
+from engine.backends.triton.attention_prefill import PREFILL, PrefillConfig, pick_dim, prefill_attention_kernel
 from engine.core.families.attention import AttentionLayer, LayerKV
 from engine.core.forward import ForwardBatch
-from engine.core.native.attention import NativeAttention
+from engine.core.native.attention import NativeAttention, attend
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
@@ -133,16 +133,83 @@ def test_head_dim_512(seed, dtype):
     Case([(random.randint(1, 20), 1), (random.randint(0, 8), random.randint(2, 5))], layer, 16, dtype).check()
 
 
+def _force_splits(monkeypatch, splits):
+    per_dim = DECODE["default"].per_dim
+    monkeypatch.setitem(DECODE, "default", DecodeTuning(per_dim, min_programs=1 << 20, max_splits=splits))
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("splits", [1, 3, 8, 19])
 def test_decode_splits_combine(seed, monkeypatch, splits):
-    """Many splits over short sequences leave some empty: their weight must be 0, not NaN."""
-    per_dim = DECODE["default"].per_dim
-    monkeypatch.setitem(DECODE, "default", DecodeTuning(per_dim, min_programs=1 << 20, max_splits=splits))
+    """Many splits over short sequences leave some empty: they must not count, nor turn the output NaN."""
+    _force_splits(monkeypatch, splits)
     assert attention_decode.num_splits_for(DECODE["default"], 3, 2) == splits
     layer = make_layer(heads=8, kv_heads=2, head_dim=64, window=random.choice([None, 5]), sinks=True)
     lens = [(0, 1), (random.randint(1, 6), 1), (random.randint(30, 60), 1)]
     Case(lens, layer, 4, torch.float32).check()
+
+
+# decode layers for the one-launch combine: GQA groups past one head block (32 > 16), MQA with a
+# window and sinks, head dim 512 (its partials combined 8 splits at a time)
+DECODE_LAYERS = {
+    "gqa2": dict(heads=4, kv_heads=2, head_dim=64),
+    "gqa32_blocks": dict(heads=64, kv_heads=2, head_dim=64, sinks=True),
+    "mqa_window_sinks": dict(heads=8, kv_heads=1, head_dim=128, window=70, sinks=True),
+    "d512_sinks": dict(heads=4, kv_heads=1, head_dim=512, sinks=True),
+}
+
+
+def _counters_at_rest():
+    return not arrival_counters(1, torch.device("cpu")).any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("splits", [1, 4, 19])
+@pytest.mark.parametrize("name", list(DECODE_LAYERS))
+def test_decode_one_launch_combines(seed, monkeypatch, name, splits):
+    """A sequence of one key, one inside a key block, one that fills every split, a longer one and
+    one in between: the direct write, partly and fully used splits, and the combine of the last
+    program to arrive."""
+    _force_splits(monkeypatch, splits)
+    layer = make_layer(**DECODE_LAYERS[name])
+    block_n = pick_dim(DECODE["default"].per_dim, layer.head_dim).block_n
+    lens = [(0, 1), (random.randint(1, block_n - 2), 1), (splits * block_n - 1, 1), (random.randint(600, 700), 1),
+            (random.randint(40, 300), 1)]
+    random.shuffle(lens)
+    Case(lens, layer, 16, torch.float32).check()
+    assert _counters_at_rest()
+
+
+@pytest.mark.interpret
+def test_decode_counters_reset_for_the_next_launch(seed, monkeypatch):
+    """Two launches in a row over the same buffers, fresh values in them: the second one reads
+    counters the first left at zero."""
+    _force_splits(monkeypatch, 8)
+    layer = make_layer(heads=8, kv_heads=2, head_dim=64, sinks=True)
+    case = Case([(random.randint(200, 260), 1) for _ in range(3)], layer, 16, torch.float16)
+    for _ in range(2):
+        for t in (case.q, case.k, case.v):
+            t.copy_(torch.randn(t.shape))
+        for pages in (case.k_pages, case.v_pages):
+            owned = ~pages.isnan()
+            pages[owned] = torch.randn(int(owned.sum())).to(pages.dtype)
+        case.check()
+        assert _counters_at_rest()
+
+
+def test_arrival_counters_grow_outside_capture_only(monkeypatch):
+    """The buffer grows to a power of two and keeps the old one (captured graphs hold its address);
+    growing while a graph is captured is refused before anything is allocated."""
+    device = torch.device("cpu")
+    monkeypatch.setitem(attention_decode._COUNTERS, device, [])
+    small = arrival_counters(3, device)
+    assert small.numel() == 4 and arrival_counters(4, device) is small
+    big = arrival_counters(100, device)
+    assert big.numel() == 128 and attention_decode._COUNTERS[device] == [small, big]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setitem(attention_decode._COUNTERS, torch.device("cuda", 0), [])
+    with pytest.raises(RuntimeError, match="captured"):
+        arrival_counters(8, torch.device("cuda", 0))
 
 
 @pytest.mark.interpret
@@ -185,6 +252,78 @@ def test_gpu_prefill_matches_native(seed, name):
     Case(lens, layer, random.choice([16, 64]), torch.bfloat16, device="cuda").check()
 
 
+# the decode kernel at the shapes it is tuned for: Qwen3-0.6B's layer, and MQA at head dim 512
+DECODE_GPU_LAYERS = {128: "qwen3_0.6b", 512: "d512_mqa"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", list(DECODE_GPU_LAYERS))
+@pytest.mark.parametrize("context", [1024, 8192])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_real_shapes(seed, batch, context, head_dim):
+    """Lengths up to ``context``, the longest at it: at batch 1 most splits of a 1K context are
+    empty, at 8K all are used; at batch 64 the grid has few splits."""
+    layer = make_layer(**GPU_LAYERS[DECODE_GPU_LAYERS[head_dim]], device="cuda")
+    lens = [(context - 1, 1)] + [(random.randint(0, context - 1), 1) for _ in range(batch - 1)]
+    Case(lens, layer, 16, torch.bfloat16, device="cuda").check()
+
+
+def _native_decode(q, kv, layer, table, lens):
+    """Each sequence's query over its first ``lens[i]`` keys, through the native ``attend``."""
+    page = kv.k.shape[1]
+    out = []
+    for i, n in enumerate(lens):
+        pos = torch.arange(n, device=q.device)
+        slots = table[i, pos // page].long() * page + pos % page
+        k, v = (t.view(-1, *t.shape[2:])[slots].float().transpose(0, 1) for t in (kv.k, kv.v))  # [Hkv, L, D]
+        allowed = pos > n - 1 - layer.sliding_window if layer.sliding_window else torch.ones_like(pos, dtype=bool)
+        o = attend(q[i].float().view(layer.num_kv_heads, -1, 1, q.shape[-1]), k, v, allowed, layer)
+        out.append(o.reshape(layer.num_heads, -1))
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", list(DECODE_GPU_LAYERS))
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_graph_replays_follow_new_inputs(seed, batch, head_dim):
+    """One eager launch (it makes the counters), a captured one, then three replays over new
+    queries, keys, values and lengths in the same buffers: each replay combines afresh."""
+    layer = make_layer(**GPU_LAYERS[DECODE_GPU_LAYERS[head_dim]], device="cuda")
+    page, max_len = 16, 8192
+    per_seq = max_len // page
+    shape = (batch * per_seq + 1, page, layer.num_kv_heads, head_dim)
+    kv = LayerKV(k=torch.empty(shape, dtype=torch.bfloat16, device="cuda"), v=torch.empty(shape, dtype=torch.bfloat16,
+                                                                                            device="cuda"))
+    table = (torch.randperm(batch * per_seq, device="cuda") + 1).view(batch, per_seq).int()
+    q = torch.empty(batch, layer.num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    ids = torch.arange(batch, dtype=torch.int32, device="cuda")
+    seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+
+    def refill():
+        lens = [max_len] + [random.randint(1, max_len) for _ in range(batch - 1)]
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for t in (q, kv.k, kv.v):
+            t.normal_()
+        out.fill_(float("nan"))
+        return lens
+
+    run = lambda: decode_attention(q, kv, layer, out, table, starts, seq_lens, ids)  # noqa: E731
+    refill()
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        lens = refill()
+        graph.replay()
+        want = _native_decode(q, kv, layer, table, lens)
+        assert not out.isnan().any()
+        tol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
 def _pointers(names, dtype):
     return {name: dtype for name in names}
 
@@ -216,11 +355,32 @@ def _compile(kernel, signature, constexprs, target, cfg):
     return asm.get("ptx") or asm["amdgcn"]
 
 
+# the arrival at a split's counter: one acquire-release add at GPU (agent) scope; on CDNA the L2
+# is written back before it and invalidated after it
+CDNA_ARRIVAL = r"buffer_wbl2 sc1\s+s_waitcnt vmcnt\(0\)\s+global_atomic_add .*\s+s_waitcnt vmcnt\(0\)\s+buffer_inv sc1"
+ARRIVAL = {"sm_90": r"atom\.global\.gpu\.acq_rel\.add", "sm_100": r"atom\.global\.gpu\.acq_rel\.add",
+           "gfx942": CDNA_ARRIVAL, "gfx950": CDNA_ARRIVAL}
+
+
+def _compile_decode(target, cfg, splits):
+    """The decode kernel at head dim 128, GQA 4, window and sinks; one split has no partials."""
+    partials = ({"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"} if splits > 1
+                else {})
+    none = {} if splits > 1 else dict(part_out_ptr=None, part_lse_ptr=None, counters_ptr=None)
+    block_s = 1 << (splits - 1).bit_length()
+    return _compile(
+        decode_attention_kernel,
+        {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16"), "sinks_ptr": "*fp32", **partials, **TABLES,
+         **_ints(STRIDES + ["stride_pt", "stride_ot", "stride_oh"]), "qk_scale": "fp32", "window": "i32"},
+        dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=splits, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=cfg.block_n,
+             BLOCK_S=block_s, CHUNK_S=min(8, block_s), SLIDING=True, HAS_SINKS=True, **none, **SHAPE), target, cfg)
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 def test_kernels_compile_for_target(target):
-    """bf16 at head dim 128, GQA 4, window and sinks: both attention kernels reach the matrix units."""
-    from engine.backends.triton.attention_prefill import pick_dim
+    """bf16 at head dim 128, GQA 4, window and sinks: both attention kernels reach the matrix units;
+    the decode kernel over 24 splits arrives with one acquire-release atomic, over one split with none."""
     from engine.backends.triton.target import pick
 
     prefill_cfg = pick_dim(pick(PREFILL, target), 128)
@@ -230,23 +390,13 @@ def test_kernels_compile_for_target(target):
          **_ints(STRIDES + ["stride_ot", "stride_oh", "stride_pt"]), "qk_scale": "fp32", "window": "i32"},
         dict(GROUP=4, BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, CAUSAL=True, HAS_SINKS=True,
              SLIDING=True, **SHAPE), target, prefill_cfg)
-    tuning = pick(DECODE, target)
-    decode_cfg = pick_dim(tuning.per_dim, 128)
-    split = _compile(
-        decode_split_kernel,
-        {**_pointers(["q_ptr", "k_ptr", "v_ptr"], "*bf16"), "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-         **TABLES, **_ints(STRIDES + ["stride_pt"]), "qk_scale": "fp32", "window": "i32"},
-        dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=8, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=decode_cfg.block_n,
-             SLIDING=True, **SHAPE), target, decode_cfg)
-    reduce = _compile(
-        decode_reduce_kernel,
-        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*fp32",
-         "query_start_ptr": "*i32", "seq_ids_ptr": "*i32", **_ints(["stride_ot", "stride_oh"])},
-        dict(NUM_HEADS=32, V_HEAD_DIM=128, NUM_SPLITS=24, BLOCK_S=32, CHUNK_S=8, BLOCK_DV=128, HAS_SINKS=True),
-        target, decode_cfg)
-    assert re.search(PREFILL_MMA[target], prefill) and re.search(DECODE_MMA[target], split)
+    decode_cfg = pick_dim(pick(DECODE, target).per_dim, 128)
+    split, single = _compile_decode(target, decode_cfg, 24), _compile_decode(target, decode_cfg, 1)
+    assert re.search(PREFILL_MMA[target], prefill)
+    assert re.search(DECODE_MMA[target], split) and re.search(DECODE_MMA[target], single)
     if target.startswith("sm_"):  # the page gathers are pipelined through shared memory
-        assert "cp.async.cg.shared.global" in prefill and "cp.async.cg.shared.global" in split
+        assert all("cp.async.cg.shared.global" in asm for asm in (prefill, split, single))
     else:  # 128-bit gathers
-        assert "_dwordx4" in prefill and "_dwordx4" in split
-    assert ("st.global" in reduce) if target.startswith("sm_") else ("global_store" in reduce or "buffer_store" in reduce)
+        assert all("_dwordx4" in asm for asm in (prefill, split, single))
+    assert len(re.findall(ARRIVAL[target], split)) == 1
+    assert not re.search(r"\batom\.|global_atomic", single)
