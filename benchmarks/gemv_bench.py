@@ -43,7 +43,7 @@ CONFIGS = {  # one row: the CUDA-core product; more: tl.dot, whose N is at least
 ROWS = (1, 8, 4)  # four rows time the finalists of eight
 FINALISTS = 6
 COPIES_BYTES = 400 * 2**20  # weight copies per case: several times the L2
-BUDGET_S = 240
+BUDGET_S = 150
 
 
 def _key(c: GemvConfig) -> str:
