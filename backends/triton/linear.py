@@ -1,8 +1,9 @@
 """Linear layers on Triton GEMMs: the same contract as the native backend, quantized weights
 multiplied in their stored format instead of dequantized first.
 
-Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 beat cuBLAS on
-every Llama-8B and Qwen3-0.6B projection (benchmarks/gemv_bench.py), and a gate/up projection there
+Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 timed faster than
+cuBLAS on every Llama-8B and Qwen3-0.6B projection (benchmarks/gemv_bench.py; do_bench timing, so
+the smallest include host launch gaps), and a gate/up projection there
 fuses its SiLU-and-mul; more rows go to the library GEMM until the GEMV's tensor-core variant for
 2-8 rows is measured on the device (its CUDA-core first version ran at 0.41x of cuBLAS at 8 rows). The
 activations of quantized schemes are quantized to the weight's format on the way in (per token
