@@ -59,6 +59,9 @@ DECODE = {  # sm_90 measured on an H200 (bf16, graph replay); the others are fir
 }
 
 
+COMBINE_TILE = 4096  # partial values per combine step: 32 fp32 registers a thread at 4 warps
+
+
 def num_splits_for(tuning: DecodeTuning, num_seqs: int, programs_per_seq: int) -> int:
     return max(1, min(tuning.max_splits, triton.cdiv(tuning.min_programs, max(1, num_seqs * programs_per_seq))))
 
@@ -99,32 +102,43 @@ def _write_output(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, stride_ot,
 
 
 @triton.jit
-def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first, used, tok, head, stride_ot, stride_oh,
-                    V_HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """One head's output from the partials of its first ``used`` splits (and its sink)."""
+def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first, used, tok, h_lo, h_hi,
+                    stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+                    BLOCK_S: tl.constexpr, SUB_G: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    HAS_SINKS: tl.constexpr):
+    """The outputs of heads [h_lo, h_hi) from the partials of their first ``used`` splits (and sinks).
+
+    One program does this alone while the rest of the chip waits on it, so it loads wide tiles of
+    SUB_G heads by CHUNK_S splits: a head or a split at a time is a chain of dependent memory
+    round trips that costs more than the whole split pass."""
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + first + splits, mask=splits < used, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: every used split holds at least one key
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head) * LOG2E
-        m = tl.maximum(m, sink)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m)
-    # the partial outputs go CHUNK_S splits at a time: all of them at head dim 512 would spill
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < V_HEAD_DIM
-    o = tl.zeros([BLOCK_DV], tl.float32)
-    for s0 in tl.static_range(0, BLOCK_S, CHUNK_S):
-        chunk = s0 + tl.arange(0, CHUNK_S)
-        c_ok = chunk < used
-        w = tl.exp2(tl.load(part_lse_ptr + first + chunk, mask=c_ok, other=float("-inf")) - m)
-        parts = tl.load(part_out_ptr + (first + chunk)[:, None] * V_HEAD_DIM + offs_dv[None, :],
-                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-        o += tl.sum(parts * w[:, None], 0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv, (o / denom).to(out_ptr.dtype.element_ty),
-             mask=dv_ok)
+    for h0 in range(h_lo, h_hi, SUB_G):
+        head = h0 + tl.arange(0, SUB_G)
+        h_ok = head < h_hi
+        row = first + head * NUM_SPLITS
+        lse = tl.load(part_lse_ptr + row[:, None] + splits[None, :],
+                      mask=h_ok[:, None] & (splits[None, :] < used), other=float("-inf"))
+        m = tl.where(h_ok, tl.max(lse, 1), 0.0)  # finite: every used split holds at least one key
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=h_ok, other=0.0) * LOG2E
+            m = tl.maximum(m, sink)
+        denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m)
+        denom = tl.where(h_ok, denom, 1.0)
+        o = tl.zeros([SUB_G, BLOCK_DV], tl.float32)
+        for s0 in range(0, used, CHUNK_S):
+            chunk = s0 + tl.arange(0, CHUNK_S)
+            ok = h_ok[:, None] & (chunk[None, :] < used)
+            part = row[:, None] + chunk[None, :]
+            w = tl.exp2(tl.load(part_lse_ptr + part, mask=ok, other=float("-inf")) - m[:, None])
+            parts = tl.load(part_out_ptr + part[:, :, None] * V_HEAD_DIM + offs_dv[None, None, :],
+                            mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+            o += tl.sum(parts * w[:, :, None], 1)
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 (o / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -136,7 +150,7 @@ def decode_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr, SUB_G: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -199,28 +213,37 @@ def decode_attention_kernel(
             tl.debug_barrier()
             counter = counters_ptr + i * tl.num_programs(1) + tl.program_id(1)
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-                first = i * NUM_HEADS * NUM_SPLITS
-                for h in range(kv_head * GROUP + g0, kv_head * GROUP + tl.minimum(g0 + BLOCK_H, GROUP)):
-                    _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first + h * NUM_SPLITS, used,
-                                    tok, h, stride_ot, stride_oh, V_HEAD_DIM, BLOCK_S, CHUNK_S, BLOCK_DV, HAS_SINKS)
+                _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, i * NUM_HEADS * NUM_SPLITS, used, tok,
+                                kv_head * GROUP + g0, kv_head * GROUP + tl.minimum(g0 + BLOCK_H, GROUP),
+                                stride_ot, stride_oh, NUM_SPLITS, V_HEAD_DIM, BLOCK_S, SUB_G, CHUNK_S, BLOCK_DV,
+                                HAS_SINKS)
                 tl.store(counter, 0)
+
+
+def combine_tile(group_rows: int, splits: int, block_dv: int) -> tuple[int, int]:
+    """Heads and splits per combine step: tiles of at most COMBINE_TILE partial values."""
+    sub_g = min(group_rows, max(1, COMBINE_TILE // block_dv))
+    return sub_g, min(triton.next_power_of_2(splits), max(1, COMBINE_TILE // (sub_g * block_dv)))
 
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     seq_ids: torch.Tensor) -> None:
+                     seq_ids: torch.Tensor, config: DecodeConfig | None = None, splits: int | None = None) -> None:
     """Attend the one new query of each sequence in ``seq_ids`` (its row ``query_start_loc[seq]``
-    of q and out) over its first ``seq_lens`` keys in ``kv``'s pages."""
+    of q and out) over its first ``seq_lens`` keys in ``kv``'s pages. ``config`` and ``splits``
+    override the tuning table (the tuning sweep passes each candidate)."""
     num_seqs = seq_ids.shape[0]
     if num_seqs == 0:
         return
     head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
     group = layer.num_heads // layer.num_kv_heads
     tuning = config_for(DECODE, q.device)
-    cfg = pick_dim(tuning.per_dim, max(head_dim, v_head_dim))
+    cfg = config or pick_dim(tuning.per_dim, max(head_dim, v_head_dim))
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(group)))
     head_blocks = triton.cdiv(group, block_h)
-    splits = num_splits_for(tuning, num_seqs, layer.num_kv_heads * head_blocks)
+    splits = splits or num_splits_for(tuning, num_seqs, layer.num_kv_heads * head_blocks)
+    block_dv = triton.next_power_of_2(v_head_dim)
+    sub_g, chunk_s = combine_tile(min(block_h, triton.next_power_of_2(group)), splits, block_dv)
     grid = (num_seqs, layer.num_kv_heads * head_blocks, splits)
     part_out = part_lse = counters = None  # one split writes the output itself
     if splits > 1:
@@ -236,8 +259,8 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
         NUM_HEADS=layer.num_heads, GROUP=group, HEAD_DIM=head_dim, V_HEAD_DIM=v_head_dim,
         PAGE_SIZE=kv.k.shape[1], NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=triton.next_power_of_2(v_head_dim),
-        BLOCK_S=triton.next_power_of_2(splits), CHUNK_S=min(8, triton.next_power_of_2(splits)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=block_dv,
+        BLOCK_S=triton.next_power_of_2(splits), SUB_G=sub_g, CHUNK_S=chunk_s,
         SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -37,16 +37,21 @@ class GemvConfig:
 @dataclass(frozen=True)
 class GemvTuning:
     one_row: GemvConfig  # the CUDA-core product
+    one_row_long_k: GemvConfig  # the same from LONG_K on: longer K steps, more warps in flight
     rows: GemvConfig  # the tl.dot product: block_n at least 16
 
-    def for_rows(self, m: int) -> GemvConfig:
-        return self.one_row if m == 1 else self.rows
+    def for_shape(self, m: int, k: int) -> GemvConfig:
+        if m > 1:
+            return self.rows
+        return self.one_row_long_k if k >= LONG_K else self.one_row
 
 
-GEMV = {
-    "cuda": GemvTuning(GemvConfig(4, 1024, 4, 1), GemvConfig(16, 256, 4, 3)),
-    "hip": GemvTuning(GemvConfig(4, 1024, 4, 1), GemvConfig(16, 256, 4, 2)),
-    "default": GemvTuning(GemvConfig(8, 64, 4, 1), GemvConfig(16, 64, 4, 1)),
+LONG_K = 2048
+G = GemvConfig
+GEMV = {  # cuda: the best geometric means of the H200 sweep (benchmarks/results/gemv-h200.json); hip: guesses
+    "cuda": GemvTuning(G(2, 1024, 4, 3), G(2, 2048, 8, 3), G(32, 512, 4, 3)),
+    "hip": GemvTuning(G(4, 1024, 4, 1), G(4, 1024, 4, 1), G(16, 256, 4, 2)),
+    "default": GemvTuning(G(8, 64, 4, 1), G(8, 64, 4, 1), G(16, 64, 4, 1)),
 }
 DOT_ROWS = 16  # the smallest M of tl.dot
 
@@ -122,7 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x2, weight = unit_inner_stride(x2, weight)
     out2 = output_for(m, n, x.dtype, x.device, None if out is None else out.view(m, n))
     if m and n:
-        cfg = config or config_for(GEMV, x.device).for_rows(m)
+        cfg = config or config_for(GEMV, x.device).for_shape(m, k)
         gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, weight, bias, out2, m, n, k, x2.stride(0), weight.stride(0), out2.stride(0),
             BLOCK_M=1 if m == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

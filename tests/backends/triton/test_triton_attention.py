@@ -13,11 +13,12 @@ import re
 
 import pytest
 import torch
+import triton
 
 from engine.backends.triton import attention_decode
 from engine.backends.triton.attention import TritonAttention
-from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, arrival_counters, decode_attention,
-                                                     decode_attention_kernel)
+from engine.backends.triton.attention_decode import (DECODE, DecodeTuning, arrival_counters, combine_tile,
+                                                     decode_attention, decode_attention_kernel)
 from engine.backends.triton.attention_prefill import PREFILL, PrefillConfig, pick_dim, prefill_attention_kernel
 from engine.core.families.attention import AttentionLayer, LayerKV
 from engine.core.forward import ForwardBatch
@@ -150,7 +151,7 @@ def test_decode_splits_combine(seed, monkeypatch, splits):
 
 
 # decode layers for the one-launch combine: GQA groups past one head block (32 > 16), MQA with a
-# window and sinks, head dim 512 (its partials combined 8 splits at a time)
+# window and sinks, head dim 512 (its partials combined 2 splits at a time)
 DECODE_LAYERS = {
     "gqa2": dict(heads=4, kv_heads=2, head_dim=64),
     "gqa32_blocks": dict(heads=64, kv_heads=2, head_dim=64, sinks=True),
@@ -177,6 +178,18 @@ def test_decode_one_launch_combines(seed, monkeypatch, name, splits):
             (random.randint(40, 300), 1)]
     random.shuffle(lens)
     Case(lens, layer, 16, torch.float32).check()
+    assert _counters_at_rest()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["gqa32_blocks", "d512_sinks"])
+def test_decode_combine_in_small_tiles(seed, monkeypatch, name):
+    """Combine tiles smaller than a head block: several head steps, one split per step."""
+    _force_splits(monkeypatch, 19)
+    monkeypatch.setattr(attention_decode, "COMBINE_TILE", 512)
+    layer = make_layer(**DECODE_LAYERS[name])
+    assert combine_tile(16, 19, triton.next_power_of_2(layer.head_dim))[1] == 1
+    Case([(random.randint(600, 700), 1), (random.randint(300, 500), 1)], layer, 16, torch.float32).check()
     assert _counters_at_rest()
 
 
@@ -368,12 +381,13 @@ def _compile_decode(target, cfg, splits):
                 else {})
     none = {} if splits > 1 else dict(part_out_ptr=None, part_lse_ptr=None, counters_ptr=None)
     block_s = 1 << (splits - 1).bit_length()
+    sub_g, chunk_s = combine_tile(4, splits, 128)
     return _compile(
         decode_attention_kernel,
         {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16"), "sinks_ptr": "*fp32", **partials, **TABLES,
          **_ints(STRIDES + ["stride_pt", "stride_ot", "stride_oh"]), "qk_scale": "fp32", "window": "i32"},
         dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=splits, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=cfg.block_n,
-             BLOCK_S=block_s, CHUNK_S=min(8, block_s), SLIDING=True, HAS_SINKS=True, **none, **SHAPE), target, cfg)
+             BLOCK_S=block_s, SUB_G=sub_g, CHUNK_S=chunk_s, SLIDING=True, HAS_SINKS=True, **none, **SHAPE), target, cfg)
 
 
 @pytest.mark.aot

@@ -116,7 +116,7 @@ def test_gemv_compiles(target, rows, silu_mul):
     """bf16 weight rows stream in 16-byte loads on NVIDIA (straight to registers, or pipelined through
     shared memory); one row stays on the CUDA cores, more go to
     the tensor cores; the fused activation uses the hardware exp2."""
-    cfg = pick(GEMV, target).for_rows(rows)
+    cfg = pick(GEMV, target).for_shape(rows, 4096)
     asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                                    HAS_BIAS=not silu_mul, SILU_MUL=silu_mul, EVEN_K=True),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
