@@ -50,15 +50,17 @@ PROMPT_LEN = 1024
 WARMUP_STEPS = 20
 REPLAYS = 200
 PARTS = ("schedule", "execute", "sample")
+INNER_PARTS = ("stage", "graph_run")  # inside execute: the staging of the graph's inputs, and it with the launch
 
 
 class PartTimers:
     """Wall time of every call of the engine's scheduler, runner and sampler while it is installed."""
 
     def __init__(self, engine) -> None:
-        self.times: dict[str, list[float]] = {part: [] for part in PARTS}
+        self.times: dict[str, list[float]] = {part: [] for part in PARTS + INNER_PARTS}
+        graphs = engine.runner.graphs
         self._targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
-                         "sample": (engine, "sampler")}
+                         "sample": (engine, "sampler"), "stage": (graphs, "_stage"), "graph_run": (graphs, "run")}
         self._saved: list[tuple] = []
 
     def __enter__(self) -> "PartTimers":
@@ -91,7 +93,7 @@ def summarize(step_s: list[float], parts_s: dict[str, list[float]], replay_ms: f
     ms = lambda xs: round(statistics.median(xs) * 1e3, 4)  # noqa: E731
     step = statistics.median(step_s) * 1e3
     parts = {part: ms(ts) for part, ts in parts_s.items()}
-    parts["rest"] = round(step - sum(parts.values()), 4)
+    parts["rest"] = round(step - sum(parts[p] for p in PARTS), 4)
     return {"step_ms": round(step, 4), "step_ms_mean": round(statistics.fmean(step_s) * 1e3, 4),
             "tok_s": round(1e3 / step, 1), "replay_gpu_ms": round(replay_ms, 4), "host_ms": round(step - replay_ms, 4),
             "host_fraction": round(1 - replay_ms / step, 3), "parts_ms": parts, "roofline_ms": round(roofline_ms, 4),
@@ -191,7 +193,8 @@ def _case_lines(case: dict) -> list[str]:
     return [f"{case['preset']} batch 1 after {PROMPT_LEN} tokens: step {case['step_ms']:.3f} ms ({case['tok_s']:.0f} tok/s,"
             f" roofline {case['roofline_tok_s']:.0f}) = graph replay on the GPU {case['replay_gpu_ms']:.3f} ms"
             f" + the rest {case['host_ms']:.3f} ms ({case['host_fraction']:.0%})",
-            f"  host parts: schedule {p['schedule']:.3f}, execute (stage + launch) {p['execute']:.3f},"
+            f"  host parts: schedule {p['schedule']:.3f}, execute {p['execute']:.3f} (graph inputs staged"
+            f" {p['stage']:.3f}, launched {p['graph_run'] - p['stage']:.3f}),"
             f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms",
             f"  replay: {case['kernels']['per_replay']:.0f} kernels, {case['kernels']['device_ms_per_replay']:.3f} ms"
             " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_replay']:.0f} {k['ms_per_replay']:.3f} ms"

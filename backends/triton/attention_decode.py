@@ -40,16 +40,16 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class DecodeTuning:
     per_dim: dict[int, DecodeConfig]  # keyed by the padded head dim (the larger of head_dim and v_head_dim)
-    min_programs: int  # split until the grid has about this many programs (a few per SM/CU)
+    min_programs: int  # split while the grid stays within this many programs (a few per SM/CU)
     max_splits: int
 
 
 D = DecodeConfig
-DECODE = {  # sm_90 measured on an H200 (bf16, graph replay); the others are first guesses
+DECODE = {  # sm_90 measured on an H200 (bf16, graph replay, benchmarks/decode_attention_sweep.py); others guessed
     "sm_90": DecodeTuning({64: D(64, 64, 4, 2), 128: D(64, 64, 4, 2), 256: D(32, 32, 4, 2), 512: D(32, 64, 4, 2)},
-                          min_programs=132 * 4, max_splits=64),
+                          min_programs=132 * 4, max_splits=32),
     "sm_100": DecodeTuning({64: D(64, 64, 4, 2), 128: D(64, 64, 4, 2), 256: D(32, 32, 4, 2), 512: D(32, 64, 4, 2)},
-                           min_programs=148 * 4, max_splits=64),
+                           min_programs=148 * 4, max_splits=32),
     "gfx942": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 32, 4, 1)},
                            min_programs=304 * 2, max_splits=64),
     "gfx950": DecodeTuning({64: D(64, 64, 4, 1), 128: D(64, 64, 4, 1), 256: D(32, 32, 4, 1), 512: D(32, 32, 4, 1)},
@@ -63,7 +63,9 @@ COMBINE_TILE = 4096  # partial values per combine step: 32 fp32 registers a thre
 
 
 def num_splits_for(tuning: DecodeTuning, num_seqs: int, programs_per_seq: int) -> int:
-    return max(1, min(tuning.max_splits, triton.cdiv(tuning.min_programs, max(1, num_seqs * programs_per_seq))))
+    """Splits that bring the grid to at most about ``min_programs``: on the H200 one program more per
+    SM than that (batch 32 at 3 splits instead of 2) cost a fifth of the bandwidth."""
+    return max(1, min(tuning.max_splits, tuning.min_programs // max(1, num_seqs * programs_per_seq)))
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
