@@ -57,20 +57,63 @@ DOT_ROWS = 16  # the smallest M of tl.dot
 
 
 @triton.jit
-def _band_product(x_ptr, w_rows, M, K, stride_xm, rk0,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """x [M, K] times the BLOCK_N weight rows at ``w_rows`` -> fp32 [BLOCK_M, BLOCK_N]; BLOCK_M is 1
-    (CUDA cores) or DOT_ROWS (tl.dot)."""
+def _load_x(x_ptr, res_ptr, rm, rk, K, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Rows ``rm`` of x at columns ``rk``, plus the residual's where there is one: the sum rounded to
+    x's dtype, as the separate add rounds it."""
+    if EVEN_K:
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :])
+    else:
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rk[None, :] < K, other=0.0)
+    if HAS_RESIDUAL:
+        if EVEN_K:
+            r = tl.load(res_ptr + rm[:, None] * stride_rm + rk[None, :])
+        else:
+            r = tl.load(res_ptr + rm[:, None] * stride_rm + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, eps, rk0,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """1 / rms of each row of x (+ residual), fp32 [BLOCK_M]. Every program reads the whole rows (a
+    few KB, from L1 after the first); program 0 also writes their sum, the next residual."""
+    rows = tl.arange(0, BLOCK_M)
+    rm = tl.minimum(rows, M - 1)
+    keep = rows[:, None] < tl.where(tl.program_id(0) == 0, M, 0)  # the rows program 0 writes
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + rk0
+        s = _load_x(x_ptr, res_ptr, rm, rk, K, stride_xm, stride_rm, HAS_RESIDUAL, EVEN_K)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + rm[:, None] * stride_rom + rk[None, :], s, mask=keep & (rk[None, :] < K))
+        sf = s.to(tl.float32)
+        ss += tl.sum(sf * sf, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_rows, M, K, stride_xm, stride_rm, rk0,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr):
+    """x [M, K] (with NORM: rms_norm(x + residual), rounded as backends/triton/norm.py rounds it)
+    times the BLOCK_N weight rows at ``w_rows`` -> fp32 [BLOCK_M, BLOCK_N]; BLOCK_M is 1 (CUDA
+    cores) or DOT_ROWS (tl.dot)."""
     rm = tl.minimum(tl.arange(0, BLOCK_M), M - 1)  # rows past M reread the last one; they are not stored
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + rk0
         if EVEN_K:
             w = tl.load(w_rows + rk[None, :])
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :])
         else:
             w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        x = _load_x(x_ptr, res_ptr, rm, rk, K, stride_xm, stride_rm, HAS_RESIDUAL, EVEN_K)
+        if NORM:
+            h = x.to(tl.float32) * rstd[:, None]
+            if ROUND_BEFORE_WEIGHT:
+                h = h.to(x.dtype).to(tl.float32)
+            g = tl.load(norm_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            x = (g[None, :] * h).to(x.dtype)
         if BLOCK_M == 1:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
         elif w.dtype == tl.float32:
@@ -81,22 +124,30 @@ def _band_product(x_ptr, w_rows, M, K, stride_xm, rk0,
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, M, N, K,
+                stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr):
     """out [M, N] = x @ w.T (+ bias); with SILU_MUL, w holds N gate rows then N up rows and
-    out = silu(x @ gate.T) * (x @ up.T)."""
+    out = silu(x @ gate.T) * (x @ up.T). With NORM, x is first rms_norm(x + residual) with the
+    weight at ``norm_ptr`` (HAS_RESIDUAL: the sum goes to ``res_out_ptr``), the decoder layer's
+    input norm, so that it costs no launch of its own."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (rn % N).to(tl.int64)  # columns past N reread row N-1; they are not stored
     rk0 = tl.arange(0, BLOCK_K)
-    acc = _band_product(x_ptr, w_ptr + rows[:, None] * stride_wn, M, K, stride_xm, rk0,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, eps, rk0,
+                         BLOCK_M, BLOCK_K, HAS_RESIDUAL, EVEN_K)
+    acc = _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_ptr + rows[:, None] * stride_wn, M, K, stride_xm,
+                        stride_rm, rk0, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, ROUND_BEFORE_WEIGHT)
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        up = _band_product(x_ptr, w_ptr + (rows + N)[:, None] * stride_wn, M, K, stride_xm, rk0,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        up = _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_ptr + (rows + N)[:, None] * stride_wn, M, K, stride_xm,
+                           stride_rm, rk0, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, ROUND_BEFORE_WEIGHT)
         gate = acc.to(out_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
         acc = act * up.to(out_ty).to(tl.float32)
@@ -116,6 +167,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T (+ bias) -> [..., N] in x's dtype; with
     ``silu_mul`` weight is a gate/up projection [2I, K] and the result silu(gate) * up [..., I].
     ``config`` overrides the tuning table (the tuning sweep passes each candidate)."""
+    return _launch(x, weight, bias, silu_mul, config, out, None)[0]
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, *, silu_mul: bool = False,
+              config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemv(rms_norm(x + residual), weight)`` and ``x + residual`` (residual None: x alone, and x
+    is returned as the sum), in one launch."""
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match hidden size {x.shape[-1]}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return _launch(x, weight, None, silu_mul, config, None, (residual, norm_weight, eps))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+            config: GemvConfig | None, out: torch.Tensor | None,
+            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], weight.shape[0] // (2 if silu_mul else 1)
@@ -126,11 +195,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("a gate/up projection has an even number of rows and no bias")
     x2, weight = unit_inner_stride(x2, weight)
     out2 = output_for(m, n, x.dtype, x.device, None if out is None else out.view(m, n))
+    residual, norm_weight, eps = norm or (None, None, 0.0)
+    res2 = None if residual is None else unit_inner_stride(residual.reshape(-1, k))[0]
+    summed = x2 if res2 is None else torch.empty_like(x2)
     if m and n:
         cfg = config or config_for(GEMV, x.device).for_shape(m, k)
         gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x2, weight, bias, out2, m, n, k, x2.stride(0), weight.stride(0), out2.stride(0),
+            x2, weight, bias, out2, res2, summed, norm_weight, m, n, k,
+            x2.stride(0), weight.stride(0), out2.stride(0), 0 if res2 is None else res2.stride(0), summed.stride(0), eps,
             BLOCK_M=1 if m == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0,
+            NORM=norm is not None, HAS_RESIDUAL=res2 is not None,
+            ROUND_BEFORE_WEIGHT=norm is not None and norm_weight.dtype == x.dtype and x.dtype != torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out2.view(*x.shape[:-1], n)
+    return out2.view(*x.shape[:-1], n), summed.view(x.shape)

@@ -1,11 +1,11 @@
 """Linear layers on Triton GEMMs: the same contract as the native backend, quantized weights
 multiplied in their stored format instead of dequantized first.
 
-Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 timed faster than
-cuBLAS on every Llama-8B and Qwen3-0.6B projection (benchmarks/gemv_bench.py; do_bench timing, so
-the smallest include host launch gaps), and a gate/up projection there
-fuses its SiLU-and-mul; more rows go to the library GEMM until the GEMV's tensor-core variant for
-2-8 rows is measured on the device (its CUDA-core first version ran at 0.41x of cuBLAS at 8 rows). The
+Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 ran at 1.35x of
+cuBLAS by geometric mean over the Llama-8B and Qwen3-0.6B projections (benchmarks/gemv_bench.py,
+graph-timed); a gate/up projection there fuses its SiLU-and-mul, and one fed by a decoder layer's
+input norm computes that norm (and the residual add before it) in its prologue. More rows go to the
+library GEMM: at 4 and 8 rows the GEMV's tensor-core variant ran at 0.96x of cuBLAS. The
 activations of quantized schemes are quantized to the weight's format on the way in (per token
 and 128 channels for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands;
 this is the one numerical difference from the native backend, which multiplies unquantized x.
@@ -44,6 +44,12 @@ class TritonLinear(LinearBackend):
         if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
             return gemv.gemv(x, w.data, silu_mul=True)
         return self.silu_and_mul(self.apply(x, w))
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    w: LinearWeight, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
+            return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
+        return super().norm_linear(x, residual, norm_weight, eps, w, silu_mul)
 
     @staticmethod
     def _gemv_serves(x: torch.Tensor, w: LinearWeight) -> bool:

@@ -54,6 +54,17 @@ class LinearBackend(ABC):
         """(rms_norm(x + residual), x + residual)."""
         return native_norm.add_rms_norm(x, residual, weight, eps)
 
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    w: LinearWeight, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``apply``, or with ``silu_mul`` ``gate_up_silu``, of rms_norm(x + residual) with w;
+        x + residual): a decoder layer's input norm and the projection it feeds, which a backend
+        may fuse into one launch. Without a residual the norm is of x, and x is the sum."""
+        if residual is None:
+            h, summed = self.rms_norm(x, norm_weight, eps), x
+        else:
+            h, summed = self.add_rms_norm(x, residual, norm_weight, eps)
+        return (self.gate_up_silu(h, w) if silu_mul else self.apply(h, w)), summed
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
         return native_activation.silu_and_mul(x)

@@ -69,6 +69,12 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def add_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: Linear,
+                   silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear`` (a gate/up projection and its SiLU-and-mul with ``silu_mul``) of
+        ``add_forward``'s norm, and the residual: the projection's backend runs both, fused where it can."""
+        return linear.backend.norm_linear(x, residual, self.weight, self.eps, linear.linear_weight, silu_mul)
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab: int, hidden: int, *, dtype: torch.dtype, device: torch.device | str) -> None:

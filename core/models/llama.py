@@ -47,15 +47,18 @@ class Attention(nn.Module):
                                    head_dim=self.head_dim, scale=self.head_dim**-0.5, sliding_window=sliding_window)
         self.sizes = (q, kv, kv)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+                     kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of norm(x + residual), and that sum; the norm runs with the QKV projection."""
+        qkv, residual = norm.add_linear(x, residual, self.qkv_proj)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         qk_norm = None if self.q_norm is None else QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = self.backend.rope_forward(q, k, v, self.rope, batch.positions, kv.layer(self.spec.layer_id), self.spec,
                                         batch, qk_norm=qk_norm)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.reshape(x.shape[0], -1)), residual
 
 
 class MLP(nn.Module):
@@ -64,10 +67,12 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, backends.linear, dtype=dtype, device=device,
                                    shards=stacked_shards(gate=intermediate, up=intermediate))
         self.down_proj = Linear(intermediate, hidden, backends.linear, dtype=dtype, device=device)
-        self.ops = backends.linear
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.down_proj(self.ops.gate_up_silu(x, self.gate_up_proj.linear_weight))
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                     batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of norm(x + residual), and that sum; the norm runs with the gate/up projection."""
+        h, residual = norm.add_linear(x, residual, self.gate_up_proj, silu_mul=True)
+        return self.down_proj(h), residual
 
 
 class DecoderLayer(nn.Module):
@@ -81,10 +86,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, batch, kv)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h, batch), residual
+        h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, batch, kv)
+        return self.mlp.norm_forward(h, residual, self.post_attention_layernorm, batch)
 
 
 class Decoder(nn.Module):

@@ -10,7 +10,7 @@ from torch import nn
 from ..families.moe import ExpertWeights, RoutingConfig
 from ..forward import ForwardBatch
 from .base import Backends
-from .layers import Linear, empty_param
+from .layers import Linear, RMSNorm, empty_param
 from .llama import MLP, Qwen3ForCausalLM
 from .weights import Target
 
@@ -30,6 +30,12 @@ class SparseMoE(nn.Module):
                                      renormalize=bool(hf.get("norm_topk_prob", True)))
         self.intermediate = inter
         self.backend = backends.moe
+
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                     batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts of norm(x + residual), and that sum: the router and the experts both read the norm."""
+        h, residual = norm.add_forward(x, residual)
+        return self(h, batch), residual
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.backend.route(self.gate(x), self.routing, batch.input_ids)

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from aot import TARGETS, amdgcn_target, compile_asm
 
-from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel
+from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel, norm_gemv
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
 from engine.core.native import activation as native
+from engine.core.native import norm as native_norm
 from engine.core.native.linear import NativeLinear
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -49,6 +50,37 @@ def check_gate_up(m, inner, k, dtype, device="cpu", config=None):
     assert _rel(got, want) < TOL[dtype]
 
 
+def check_norm_gemv(m, n, k, dtype, device="cpu", residual=True, silu_mul=False, norm_dtype=None, config=None):
+    """Against core/native's norm then the product (the unfused roundings); the residual sum exact."""
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    r = torch.randn(m, k, dtype=dtype, device=device) if residual else None
+    g = (1 + 0.1 * torch.randn(k, device=device)).to(norm_dtype or dtype)
+    w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(dtype)
+    got, summed = norm_gemv(x, r, g, 1e-6, w, silu_mul=silu_mul, config=config)
+    h, want_sum = native_norm.add_rms_norm(x, r, g, 1e-6) if residual else (native_norm.rms_norm(x, g, 1e-6), x)
+    want = F.linear(h.float(), w.float())
+    if silu_mul:
+        want = native.silu_and_mul(want.to(dtype))
+    assert got.shape == (m, n) and got.dtype == dtype and not got.isnan().any()
+    assert _rel(got, want) < TOL[dtype]
+    assert torch.equal(summed, want_sum)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,residual,silu_mul", [(1, 40, 300, True, False), (1, 24, 256, False, True),
+                                                     (3, 33, 200, True, True), (MAX_ROWS, 16, 128, False, False)])
+def test_norm_gemv_interpreted(seed, dtype, m, n, k, residual, silu_mul):
+    """K in whole steps and with a tail, one row and several, with and without a residual."""
+    check_norm_gemv(m, n, k, dtype, residual=residual, silu_mul=silu_mul, config=GemvConfig(16, 64, 4, 1))
+
+
+@pytest.mark.interpret
+def test_norm_gemv_fp32_norm_weight_interpreted(seed):
+    """An fp32 norm weight multiplies before the one rounding (DeepSeek's norms)."""
+    check_norm_gemv(1, 40, 256, torch.float16, norm_dtype=torch.float32)
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 64, 256), (MAX_ROWS, 33, 128), (5, 17, 64)])
@@ -76,6 +108,10 @@ def test_gemv_refuses_what_it_does_not_serve():
         gemv(torch.randn(MAX_ROWS + 1, 16), w)
     with pytest.raises(ValueError, match="gate/up"):
         gemv(torch.randn(1, 16), torch.randn(7, 16), silu_mul=True)
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_gemv(torch.randn(1, 16), None, torch.randn(15), 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        norm_gemv(torch.randn(1, 16), torch.randn(2, 16), torch.randn(16), 1e-6, w)
 
 
 @pytest.mark.gpu
@@ -93,6 +129,15 @@ def test_gate_up_silu_gpu(seed, m, inner, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("n,k,silu_mul", [(6144, 4096, False), (14336, 4096, True), (4096, 1024, False),
+                                          (3072, 1024, True)])
+@pytest.mark.parametrize("residual", [True, False])
+def test_norm_gemv_gpu(seed, m, n, k, silu_mul, residual):
+    check_norm_gemv(m, n, k, torch.bfloat16, device="cuda", residual=residual, silu_mul=silu_mul)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS + 1, 64])
 def test_triton_linear_matches_native_at_decode_rows(seed, m):
     """The backend's routing: GEMV at one row, the library GEMM past it, both as native computes."""
@@ -103,22 +148,30 @@ def test_triton_linear_matches_native_at_decode_rows(seed, m):
     assert _rel(triton_linear.apply(x, w), native_linear.apply(x, w)) < TOL[torch.bfloat16]
     plain = LinearWeight(w.data)
     assert _rel(triton_linear.gate_up_silu(x, plain), native_linear.gate_up_silu(x, plain)) < TOL[torch.bfloat16]
+    residual, g = torch.randn_like(x), (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
+    for weight, silu_mul in ((w, False), (plain, True)):
+        got, got_sum = triton_linear.norm_linear(x, residual, g, 1e-6, weight, silu_mul=silu_mul)
+        want, want_sum = native_linear.norm_linear(x, residual, g, 1e-6, weight, silu_mul=silu_mul)
+        assert _rel(got, want) < TOL[torch.bfloat16] and torch.equal(got_sum, want_sum)
 
 
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-             "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
+             "res_out_ptr": "*bf16", "norm_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("rows,silu_mul", [(1, False), (8, True)])
-def test_gemv_compiles(target, rows, silu_mul):
+@pytest.mark.parametrize("rows,silu_mul,norm", [(1, False, False), (8, True, False), (1, True, True), (8, False, True)])
+def test_gemv_compiles(target, rows, silu_mul, norm):
     """bf16 weight rows stream in 16-byte loads on NVIDIA (straight to registers, or pipelined through
     shared memory); one row stays on the CUDA cores, more go to
-    the tensor cores; the fused activation uses the hardware exp2."""
+    the tensor cores; the fused activation uses the hardware exp2; the fused norm its rsqrt."""
     cfg = pick(GEMV, target).for_shape(rows, 4096)
-    asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                                   HAS_BIAS=not silu_mul, SILU_MUL=silu_mul, EVEN_K=True),
+    asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
+                                                   BLOCK_K=cfg.block_k, HAS_BIAS=not silu_mul, SILU_MUL=silu_mul,
+                                                   EVEN_K=True, NORM=norm, HAS_RESIDUAL=norm,
+                                                   ROUND_BEFORE_WEIGHT=norm),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"])
     if target.startswith("sm_"):
@@ -126,5 +179,6 @@ def test_gemv_compiles(target, rows, silu_mul):
         assert re.search(r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global", ptx)  # 16 bytes a load
         assert ("mma" in ptx) == (rows > 1)
         assert ("ex2.approx" in ptx) == silu_mul
+        assert ("rsqrt.approx" in ptx) == norm
     else:
         assert target in amdgcn_target(asm["amdgcn"])
