@@ -49,6 +49,7 @@ PROFILED_REPLAYS = 20
 PROMPT_LEN = 1024
 WARMUP_STEPS = 20
 REPLAYS = 200
+HOST_PROFILE_STEPS, HOST_PROFILE_TOP = 50, 15
 PARTS = ("schedule", "execute", "sample")
 INNER_PARTS = ("stage", "graph_run")  # inside execute: the staging of the graph's inputs, and it with the launch
 
@@ -131,12 +132,30 @@ def kernel_profile(graphs, token: int, position: int, pages: list[int]) -> dict:
                     for name, n, ms in kernels[:12]]}
 
 
-def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict[str, list[float]], float, dict]:
+def host_profile(engine, steps: int) -> list[dict]:
+    """The host functions of ``steps`` decode steps by their own time, the largest first (cProfile:
+    its overhead inflates every call alike, so the ranking holds better than the absolute times)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:HOST_PROFILE_TOP]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": round(calls / steps, 1),
+             "us_per_step": round(tottime / steps * 1e6, 1)} for (file, line, name), (_, calls, tottime, *_) in rows]
+
+
+def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict[str, list[float]], float, dict, list]:
     engine = llm.engine
     graphs = engine.runner.graphs
     if graphs is None:
         raise RuntimeError("no decode graphs were captured (see the start-up log): there is no replay to time")
-    engine.add_request("breakdown", prompt, SamplingParams(temperature=0, max_tokens=WARMUP_STEPS + steps + 2,
+    engine.add_request("breakdown", prompt, SamplingParams(temperature=0,
+                                                           max_tokens=WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 2,
                                                            ignore_eos=True), stream=False)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()  # the prompt and its first token
@@ -148,12 +167,13 @@ def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict
             t = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t)
+    profile = host_profile(engine, HOST_PROFILE_STEPS)
     (seq,) = engine.scheduler.running
     last = seq.num_computed - 1  # its last step again: the pages hold that position already
     replay = _replay_ms(graphs, seq.tokens[last], last, seq.pages)
     kernels = kernel_profile(graphs, seq.tokens[last], last, seq.pages)
     engine.abort_request("breakdown")
-    return step_s, timers.times, replay, kernels
+    return step_s, timers.times, replay, kernels, profile
 
 
 def run(device: torch.device) -> dict:
@@ -167,16 +187,16 @@ def run(device: torch.device) -> dict:
         path = write_checkpoint(root / preset, preset)
         config = json.loads((path / "config.json").read_text())
         weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        max_len = PROMPT_LEN + WARMUP_STEPS + steps + 16
+        max_len = PROMPT_LEN + WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 16
         llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1,
                   num_pages=-(-max_len // 16) + 8, progress=False)
         prompt = _prompts(1, PROMPT_LEN, config["vocab_size"], 0)[0]
-        step_s, parts_s, replay, kernels = _measure(llm, prompt, steps)
+        step_s, parts_s, replay, kernels, profile = _measure(llm, prompt, steps)
         roofline_ms = 1e3 / _roofline(config, 1, PROMPT_LEN + WARMUP_STEPS + steps // 2, limits["copy_gb_s"],
                                       weight_bytes)
         case = {"preset": preset, "batch": 1, "steps": steps, "weight_bytes": weight_bytes,
                 "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
-                **summarize(step_s, parts_s, replay, roofline_ms), "kernels": kernels}
+                **summarize(step_s, parts_s, replay, roofline_ms), "kernels": kernels, "host_profile": profile}
         cases.append(case)
         for line in _case_lines(case):
             print(line, flush=True)
@@ -198,7 +218,9 @@ def _case_lines(case: dict) -> list[str]:
             f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms",
             f"  replay: {case['kernels']['per_replay']:.0f} kernels, {case['kernels']['device_ms_per_replay']:.3f} ms"
             " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_replay']:.0f} {k['ms_per_replay']:.3f} ms"
-                                                   for k in case["kernels"]["top"][:6])]
+                                                   for k in case["kernels"]["top"][:6]),
+            "  host, by own time per step (cProfile): " + "; ".join(f"{h['function']} {h['us_per_step']:.0f} us"
+                                                                     for h in case.get("host_profile", [])[:8])]
 
 
 if __name__ == "__main__":

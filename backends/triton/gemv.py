@@ -24,6 +24,10 @@ from .fp8_gemm import output_for, unit_inner_stride
 from .target import config_for
 
 MAX_ROWS = 8  # past this, x's rows are better served by the tensor-core GEMMs
+# Past this K the fused norm's rereads of x in every program cost more than the norm's own launch:
+# on an H200 a Llama-8B step (K 4096) took 0.46 ms longer on the GPU with it, a Qwen3-0.6B step
+# (K 1024) 0.06 ms shorter (benchmarks/decode_breakdown.py).
+NORM_MAX_K = 2048
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,11 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr,
     rm = tl.arange(0, BLOCK_M)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def norm_fits(x: torch.Tensor) -> bool:
+    """Whether ``norm_gemv`` pays for its fused norm on rows as long as x's."""
+    return x.shape[-1] <= NORM_MAX_K
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

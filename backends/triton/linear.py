@@ -4,7 +4,8 @@ multiplied in their stored format instead of dequantized first.
 Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 ran at 1.35x of
 cuBLAS by geometric mean over the Llama-8B and Qwen3-0.6B projections (benchmarks/gemv_bench.py,
 graph-timed); a gate/up projection there fuses its SiLU-and-mul, and one fed by a decoder layer's
-input norm computes that norm (and the residual add before it) in its prologue. More rows go to the
+input norm computes that norm (and the residual add before it) in its prologue where the rows
+are short enough (``gemv.NORM_MAX_K``). More rows go to the
 library GEMM: at 4 and 8 rows the GEMV's tensor-core variant ran at 0.96x of cuBLAS. The
 activations of quantized schemes are quantized to the weight's format on the way in (per token
 and 128 channels for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands;
@@ -47,7 +48,7 @@ class TritonLinear(LinearBackend):
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     w: LinearWeight, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
+        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w) and gemv.norm_fits(x):
             return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
         return super().norm_linear(x, residual, norm_weight, eps, w, silu_mul)
 

@@ -78,6 +78,21 @@ def test_part_timers_time_each_call_and_put_everything_back(breakdown):
     assert not vars(graphs)
 
 
+def test_host_profile_ranks_functions_by_their_own_time(breakdown):
+    def slow():
+        return sum(i * i for i in range(20000))
+
+    def step():
+        slow()
+        return [str(i) for i in range(10)]
+
+    rows = breakdown.host_profile(SimpleNamespace(step=step), 4)
+    assert rows[0]["function"].endswith("(<genexpr>)") or "slow" in rows[0]["function"]
+    by_name = {r["function"].split("(")[-1]: r for r in rows}
+    assert by_name["step)"]["calls_per_step"] == 1.0 and by_name["slow)"]["calls_per_step"] == 1.0
+    assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_refuses_without_cuda():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
