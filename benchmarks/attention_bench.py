@@ -49,8 +49,7 @@ def decode_case(batch: int, ctx: int, device, gen, copy_gb_s: float) -> dict:
     out = torch.full_like(q, float("nan"))
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    ids = torch.arange(batch, dtype=torch.int32, device=device)
-    run = lambda: decode_attention(q, kv, layer, out, table, starts, lens, ids)  # noqa: E731
+    run = lambda: decode_attention(q, kv, layer, out, table, starts, lens, None)  # noqa: E731
     run()
     assert torch.isfinite(out).all(), "decode attention left outputs unwritten"
     ms = bench_ms(run)

@@ -52,11 +52,10 @@ def _case(shape: str, batch: int, ctx: int, device, gen, copy_gb_s: float, deadl
     q = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device=device, generator=gen)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    ids = torch.arange(batch, dtype=torch.int32, device=device)
     outs = [torch.empty_like(q) for _ in copies]
 
     def timed(cfg: DecodeConfig | None, splits: int | None) -> float:
-        calls = [lambda kv=kv, o=o: decode_attention(q, kv, layer, o, table, starts, lens, ids, cfg, splits)
+        calls = [lambda kv=kv, o=o: decode_attention(q, kv, layer, o, table, starts, lens, None, cfg, splits)
                  for kv, o in zip(copies, outs)]
         return graph_ms(calls)
 

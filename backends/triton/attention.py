@@ -24,7 +24,7 @@ from .rope_kv import rope_store_kv
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
-    decode_seqs: torch.Tensor  # [Bd] int32, the sequences with exactly one new token
+    decode_seqs: torch.Tensor | None  # [Bd] int32, the sequences with exactly one new token; None: all of them
     prefill_seqs: torch.Tensor  # [Bp] int32, the others
     max_prefill_query_len: int
 
@@ -44,7 +44,7 @@ class TritonAttention(AttentionBackend):
         decode = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1]
         prefill = [i for i, n in enumerate(batch.query_lens_cpu) if n != 1]
         return TritonAttentionMetadata(
-            decode_seqs=_indices(decode, batch.num_seqs, device),
+            decode_seqs=None if len(decode) == batch.num_seqs else _indices(decode, batch.num_seqs, device),
             prefill_seqs=_indices(prefill, batch.num_seqs, device),
             max_prefill_query_len=max((batch.query_lens_cpu[i] for i in prefill), default=0),
         )

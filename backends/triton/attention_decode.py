@@ -153,11 +153,13 @@ def decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, SUB_G: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+    ALL_DECODE: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
-    seq = tl.load(seq_ids_ptr + i)
+    # a pure decode batch (every graph replay) is row i = sequence i: two dependent loads fewer
+    seq = i if ALL_DECODE else tl.load(seq_ids_ptr + i)
     seq_len = tl.load(seq_lens_ptr + seq)
 
     # the query sits at seq_len - 1: it sees every key below seq_len that the window keeps. The
@@ -167,7 +169,7 @@ def decode_attention_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len - lo, per_split)
     if split < used:
-        tok = tl.load(query_start_ptr + seq)
+        tok = i if ALL_DECODE else tl.load(query_start_ptr + seq)
         g0 = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H
         g = g0 + tl.arange(0, BLOCK_H)
         h_ok = g < GROUP
@@ -230,11 +232,13 @@ def combine_tile(group_rows: int, splits: int, block_dv: int) -> tuple[int, int]
 
 def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     seq_ids: torch.Tensor, config: DecodeConfig | None = None, splits: int | None = None) -> None:
+                     seq_ids: torch.Tensor | None, config: DecodeConfig | None = None,
+                     splits: int | None = None) -> None:
     """Attend the one new query of each sequence in ``seq_ids`` (its row ``query_start_loc[seq]``
-    of q and out) over its first ``seq_lens`` keys in ``kv``'s pages. ``config`` and ``splits``
-    override the tuning table (the tuning sweep passes each candidate)."""
-    num_seqs = seq_ids.shape[0]
+    of q and out) over its first ``seq_lens`` keys in ``kv``'s pages; ``seq_ids`` None: every
+    sequence has one query, row i of q being sequence i. ``config`` and ``splits`` override the
+    tuning table (the tuning sweep passes each candidate)."""
+    num_seqs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if num_seqs == 0:
         return
     head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
@@ -263,6 +267,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=block_dv,
         BLOCK_S=triton.next_power_of_2(splits), SUB_G=sub_g, CHUNK_S=chunk_s,
-        SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None,
+        SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None, ALL_DECODE=seq_ids is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -298,9 +298,11 @@ def _native_decode(q, kv, layer, table, lens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", list(DECODE_GPU_LAYERS))
 @pytest.mark.parametrize("batch", [1, 64])
-def test_gpu_decode_graph_replays_follow_new_inputs(seed, batch, head_dim):
+@pytest.mark.parametrize("listed", [True, False])
+def test_gpu_decode_graph_replays_follow_new_inputs(seed, batch, head_dim, listed):
     """One eager launch (it makes the counters), a captured one, then three replays over new
-    queries, keys, values and lengths in the same buffers: each replay combines afresh."""
+    queries, keys, values and lengths in the same buffers: each replay combines afresh. The
+    sequences listed, or (as a graph's pure decode batch) all of them in order."""
     layer = make_layer(**GPU_LAYERS[DECODE_GPU_LAYERS[head_dim]], device="cuda")
     page, max_len = 16, 8192
     per_seq = max_len // page
@@ -311,7 +313,7 @@ def test_gpu_decode_graph_replays_follow_new_inputs(seed, batch, head_dim):
     q = torch.empty(batch, layer.num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    ids = torch.arange(batch, dtype=torch.int32, device="cuda")
+    ids = torch.arange(batch, dtype=torch.int32, device="cuda") if listed else None
     seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
 
     def refill():
@@ -375,7 +377,7 @@ ARRIVAL = {"sm_90": r"atom\.global\.gpu\.acq_rel\.add", "sm_100": r"atom\.global
            "gfx942": CDNA_ARRIVAL, "gfx950": CDNA_ARRIVAL}
 
 
-def _compile_decode(target, cfg, splits):
+def _compile_decode(target, cfg, splits, all_decode):
     """The decode kernel at head dim 128, GQA 4, window and sinks; one split has no partials."""
     partials = ({"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"} if splits > 1
                 else {})
@@ -387,7 +389,8 @@ def _compile_decode(target, cfg, splits):
         {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16"), "sinks_ptr": "*fp32", **partials, **TABLES,
          **_ints(STRIDES + ["stride_pt", "stride_ot", "stride_oh"]), "qk_scale": "fp32", "window": "i32"},
         dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=splits, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=cfg.block_n,
-             BLOCK_S=block_s, SUB_G=sub_g, CHUNK_S=chunk_s, SLIDING=True, HAS_SINKS=True, **none, **SHAPE), target, cfg)
+             BLOCK_S=block_s, SUB_G=sub_g, CHUNK_S=chunk_s, SLIDING=True, HAS_SINKS=True, ALL_DECODE=all_decode,
+             **none, **SHAPE), target, cfg)
 
 
 @pytest.mark.aot
@@ -405,7 +408,8 @@ def test_kernels_compile_for_target(target):
         dict(GROUP=4, BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, CAUSAL=True, HAS_SINKS=True,
              SLIDING=True, **SHAPE), target, prefill_cfg)
     decode_cfg = pick_dim(pick(DECODE, target).per_dim, 128)
-    split, single = _compile_decode(target, decode_cfg, 24), _compile_decode(target, decode_cfg, 1)
+    # a graph's pure decode batch over 24 splits; a mixed batch's decode rows in one split
+    split, single = _compile_decode(target, decode_cfg, 24, True), _compile_decode(target, decode_cfg, 1, False)
     assert re.search(PREFILL_MMA[target], prefill)
     assert re.search(DECODE_MMA[target], split) and re.search(DECODE_MMA[target], single)
     if target.startswith("sm_"):  # the page gathers are pipelined through shared memory
