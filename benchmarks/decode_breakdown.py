@@ -2,15 +2,18 @@
 
 For each preset (random bf16 weights), one sequence decodes greedily after a 1K-token prompt with
 decode graphs on, and three things are measured:
-- the step: wall time of ``engine.step()``, one step after another (each ends by reading the
-  sampled token back, so a step's wall time is all of it);
+- the step: wall time of ``engine.step()``, one step after another (each reads a step's sampled
+  token back, so over many steps a step's wall time is all of it; with ``overlap_decode`` the
+  next step is already launched when it does);
 - the replay: CUDA events around ``DecodeGraphs.run`` of one prepared decode batch (the sequence's
   last step again: same token, same position, same KV written), run back to back, so the GPU never
   waits on the host and the time per run is the device's;
 - the host parts of a step, by wall time of each part: scheduling; ``ModelRunner.execute``
   (gathering the batch, staging it, the copies and the replay's launch: host work only, nothing in
-  it waits for the device); the sampler, which waits for the replay, runs the argmax and copies the
-  token back; and the rest (stop checks, detokenizing, outputs).
+  it waits for the device); the sampler, which launches the argmax and the token's copy back (and
+  without ``overlap_decode`` waits for them); the wait for a token left on the device; and the rest
+  (stop checks, detokenizing, outputs). A lookahead step's launch is inside the execute of the
+  step before it.
 Step minus replay is the time the GPU does not spend in the graph: host work not overlapped with
 it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every weight and the
 KV read once, at the measured copy bandwidth. Inside the replay, torch.profiler counts the kernels
@@ -36,6 +39,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.checkpoint_gen import write_checkpoint
+from engine.core.sampler import PendingTokens
 
 try:
     from common import bench_main, measure_limits
@@ -50,7 +54,7 @@ PROMPT_LEN = 1024
 WARMUP_STEPS = 20
 REPLAYS = 200
 HOST_PROFILE_STEPS, HOST_PROFILE_TOP = 50, 15
-PARTS = ("schedule", "execute", "sample")
+PARTS = ("schedule", "execute", "sample", "wait")  # wait: for the tokens a step left on the device
 INNER_PARTS = ("stage", "graph_run")  # inside execute: the staging of the graph's inputs, and it with the launch
 
 
@@ -61,7 +65,8 @@ class PartTimers:
         self.times: dict[str, list[float]] = {part: [] for part in PARTS + INNER_PARTS}
         graphs = engine.runner.graphs
         self._targets = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"),
-                         "sample": (engine, "sampler"), "stage": (graphs, "_stage"), "graph_run": (graphs, "run")}
+                         "sample": (engine, "sampler"), "wait": (PendingTokens, "wait"), "stage": (graphs, "_stage"),
+                         "graph_run": (graphs, "run")}
         self._saved: list[tuple] = []
 
     def __enter__(self) -> "PartTimers":
@@ -214,8 +219,8 @@ def _case_lines(case: dict) -> list[str]:
             f" roofline {case['roofline_tok_s']:.0f}) = graph replay on the GPU {case['replay_gpu_ms']:.3f} ms"
             f" + the rest {case['host_ms']:.3f} ms ({case['host_fraction']:.0%})",
             f"  host parts: schedule {p['schedule']:.3f}, execute {p['execute']:.3f} (graph inputs staged"
-            f" {p['stage']:.3f}, launched {p['graph_run'] - p['stage']:.3f}),"
-            f" sample (waits for the replay) {p['sample']:.3f}, rest {p['rest']:.3f} ms",
+            f" {p['stage']:.3f}, launched {p['graph_run'] - p['stage']:.3f}), sample {p['sample']:.3f},"
+            f" wait for the tokens {p['wait']:.3f}, rest {p['rest']:.3f} ms",
             f"  replay: {case['kernels']['per_replay']:.0f} kernels, {case['kernels']['device_ms_per_replay']:.3f} ms"
             " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_replay']:.0f} {k['ms_per_replay']:.3f} ms"
                                                    for k in case["kernels"]["top"][:6]),

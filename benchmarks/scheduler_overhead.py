@@ -5,7 +5,8 @@ building the batch, sampling, detokenizing and stop checks. Measured in steady d
 1, 64 and 256 (prompts of 128 tokens), as CPU time per step (the median of 5 runs of 10), three
 ways: sampled (temperature 0.8, top-p 0.95) eager steps; greedy eager steps; and greedy steps
 through the decode graphs, as on a GPU, with each replay re-running the stand-in (the host work
-of staging a step's buffers is all there; the launch and the device copy are not).
+of staging a step's buffers is all there; the launch and the device copy are not), with decode
+steps launched ahead (``overlap_decode``, the default) and without.
 
     python benchmarks/scheduler_overhead.py [--json benchmarks/results/scheduler_overhead-cpu.json]
 """
@@ -30,9 +31,10 @@ from engine.core.families.graphs import GraphBackend
 from engine.core.graph_runner import DecodeGraphs
 from engine.core.sampling_params import SamplingParams
 
-MODES = {"sampled": (SamplingParams(temperature=0.8, top_p=0.95), False),
-         "greedy": (SamplingParams(temperature=0), False),
-         "greedy_graphs": (SamplingParams(temperature=0), True)}
+MODES = {"sampled": (SamplingParams(temperature=0.8, top_p=0.95), False, True),
+         "greedy": (SamplingParams(temperature=0), False, True),
+         "greedy_graphs": (SamplingParams(temperature=0), True, True),
+         "greedy_graphs_no_overlap": (SamplingParams(temperature=0), True, False)}
 
 
 class StandInModel:
@@ -60,10 +62,10 @@ class ReplayByRerun(GraphBackend):
 
 def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int) -> dict:
     """Medians over ``steps`` split into ``windows`` runs (a shared machine's noise hits some of them)."""
+    sampling, graphs, overlap = MODES[mode]
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=batch, page_size=16,
-                                    num_pages=batch * 40 + 2), progress=False)
+                                    num_pages=batch * 40 + 2, overlap_decode=overlap), progress=False)
     model = engine.runner.model = StandInModel(engine.runner.model)
-    sampling, graphs = MODES[mode]
     if graphs:
         engine.runner.graphs = DecodeGraphs(model, engine.runner.kv, ReplayByRerun(None), 16, engine.max_model_len,
                                             batch, engine.device)

@@ -20,7 +20,7 @@ from .outputs import RequestOutput
 from .plugins import Plugins
 from .request import Request
 from .runner import ModelRunner, StepLogits
-from .sampler import Sampler, SamplingRow, prompt_logprobs
+from .sampler import PendingTokens, Sampler, SamplerOutput, SamplingRow, plain_greedy, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqStatus, Sequence
@@ -64,6 +64,14 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, m
         raise ValueError(f"min_tokens {min_tokens} exceeds the room left in the context: {room}")
 
 
+@dataclass
+class _StepTokens:
+    """A step's sampled sequences (one row each, in order) and their tokens, maybe still on the device."""
+
+    seqs: list[Sequence]
+    tokens: SamplerOutput | PendingTokens | None
+
+
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**63)
@@ -92,6 +100,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()
+        self._ahead: _StepTokens | None = None  # a lookahead step in flight, its tokens not yet applied
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -166,10 +175,35 @@ class LLMEngine:
         return [req.output() for req in self.step_requests()]
 
     def step_requests(self) -> list[Request]:
-        """Run one step; return every request it changed (streaming ones) or finished."""
+        """Run one step; return every request it changed (streaming ones) or finished.
+
+        With ``overlap_decode``, a step whose rows are all plain greedy leaves its tokens on the
+        device, and the next decode step is launched on them before they are read: the device runs
+        step N+1 while the host applies step N's tokens (stop checks, detokenizing, outputs). The
+        lookahead step's tokens are applied by the next call, which launches the one after in turn,
+        for as long as nothing needs an ordinary step: a waiting request, a prefill, a fork, a page
+        shortage, a sequence whose next token ends it by length, a row that needs more than the
+        argmax. Then the call runs an ordinary step once the tokens in flight are applied, so every
+        call launches a forward. A sequence that stops while a lookahead step runs drops that
+        step's token (its KV was written past its end, on pages it still held)."""
+        changed: list[Request] = []
+        done, self._ahead = self._ahead, None
+        if done is not None:
+            self._ahead = self._look_ahead(done)
+            changed = self._apply(done)
+            if self._ahead is not None:
+                return changed
+        step = self._run_scheduled()  # after the tokens of the step in flight are in
+        if step is None:
+            return changed
+        if isinstance(step.tokens, PendingTokens):
+            self._ahead = self._look_ahead(step)
+        return list(dict.fromkeys(changed + self._apply(step)))
+
+    def _run_scheduled(self) -> _StepTokens | None:
         sched = self.scheduler.schedule()
         if not sched:
-            return []
+            return None
         now = time.monotonic()
         for s in sched.scheduled:
             if s.seq.first_scheduled_time is None:
@@ -185,10 +219,73 @@ class LLMEngine:
                 to_sample.append((s.seq, row))
                 if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
                     to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
+        return self._sample(to_sample, step_logits.logits)
+
+    def _look_ahead(self, done: _StepTokens) -> _StepTokens | None:
+        """Launch the decode step after ``done`` on its device tokens, where one may run."""
+        keep = [i for i, seq in enumerate(done.seqs) if not seq.is_finished]
+        seqs = [done.seqs[i] for i in keep]
+        if not seqs or not all(self._may_run_ahead(seq) for seq in seqs):
+            return None
+        sched = self.scheduler.extend_decodes(seqs)
+        if sched is None:
+            return None
+        ids = done.tokens.device_ids
+        if len(keep) != len(done.seqs):
+            ids = ids.index_select(0, torch.tensor(keep, device=ids.device))
+        step_logits = self.runner.execute(sched, ahead_ids=ids)
+        for s in sched.scheduled:
+            s.seq.num_computed = s.context_len + 1
+        return self._sample([(seq, i) for i, seq in enumerate(seqs)], step_logits.logits)
+
+    def _may_run_ahead(self, seq: Sequence) -> bool:
+        """Whether a step may compute past ``seq``'s pending token: that token cannot end it by length,
+        and the next one is the plain argmax whatever the pending token is."""
+        p, n_out = seq.params, len(seq.output_token_ids) + 1  # the pending token counted
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 > self.max_model_len:
+            return False
+        return plain_greedy(SamplingRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids))
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor) -> _StepTokens:
+        seqs, rows = [s for s, _ in to_sample], [r for _, r in to_sample]
+        if not seqs:
+            return _StepTokens(seqs, None)
+        if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
+                                    for s in seqs], defer=self.config.overlap_decode)
+        return _StepTokens(seqs, out)
+
+    def _apply(self, done: _StepTokens) -> list[Request]:
+        """Append a step's tokens and apply the stop rules; the requests it changed or finished."""
+        if not done.seqs:
+            return []
+        out = done.tokens
+        if isinstance(out, PendingTokens):
+            out = SamplerOutput(out.wait(), None, [None] * len(done.seqs))
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for k, seq in enumerate(done.seqs):
+            if seq.is_finished:  # stopped or aborted while this (lookahead) step ran
+                continue
+            req = self.requests[seq.request_id]
+            token = out.token_ids[k]
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.scheduler.cache_prompt(seq)
+            if seq.logprobs is not None:
+                entry = dict(out.top_logprobs[k] or [])
+                entry[token] = out.logprobs[k]
+                seq.logprobs.append(entry)
+            self.counters.generation_tokens += 1
+            self._check_stop(seq, req, token)
+            touched[seq.request_id] = None
         changed = []
-        for rid in self._sample_and_stop(to_sample, step_logits):
+        for rid in touched:
             req = self.requests[rid]
             if req.finished:
+                self._count_finish(req)
                 changed.append(self.requests.pop(rid))
             elif req.stream:
                 changed.append(req)
@@ -205,36 +302,6 @@ class LLMEngine:
             return
         rows = step_logits.logits[start + first - s.context_len: start + last - s.context_len]
         seq.prompt_logprobs.extend(prompt_logprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs))
-
-    def _sample_and_stop(self, to_sample: list[tuple[Sequence, int]], step_logits: StepLogits) -> list[str]:
-        if not to_sample:
-            return []
-        logits, rows = step_logits.logits, [r for _, r in to_sample]
-        if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
-                                    for s, _ in to_sample])
-        now = time.monotonic()
-        touched: dict[str, None] = {}
-        for k, (seq, _) in enumerate(to_sample):
-            req = self.requests[seq.request_id]
-            token = out.token_ids[k]
-            seq.output_token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                self.scheduler.cache_prompt(seq)
-            if seq.logprobs is not None:
-                entry = dict(out.top_logprobs[k] or [])
-                entry[token] = out.logprobs[k]
-                seq.logprobs.append(entry)
-            self.counters.generation_tokens += 1
-            self._check_stop(seq, req, token)
-            touched[seq.request_id] = None
-        for rid in touched:
-            req = self.requests[rid]
-            if req.finished:
-                self._count_finish(req)
-        return list(touched)
 
     def _check_stop(self, seq: Sequence, req: Request, token: int) -> None:
         p = seq.params

@@ -95,24 +95,32 @@ class DecodeGraphs:
         return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n \
             and all(q == 1 for q in query_lens) and max(map(len, page_tables)) <= self.page_table.shape[1]
 
-    def run(self, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]]) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n."""
+    def run(self, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]],
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n;
+        ``device_ids`` replace ``input_ids`` from the device (a lookahead step's tokens)."""
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self._stage(b, input_ids, context_lens, page_tables)
+        staged_ids = self._stage(b, input_ids, context_lens, page_tables)
+        if device_ids is not None:
+            staged_ids[:n].copy_(device_ids)
         return self._replays[b]()[:n]
 
-    def _stage(self, b: int, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]]) -> None:
-        """Fill bucket ``b``'s static buffers with these rows, padding rows after them (one key on page 0)."""
+    def _stage(self, b: int, input_ids: list[int], context_lens: list[int],
+               page_tables: list[list[int]]) -> torch.Tensor:
+        """Fill bucket ``b``'s static buffers with these rows, padding rows after them (one key on
+        page 0); returns the bucket's input ids on the device."""
         pad = b - len(input_ids)
         tables = page_tables + [[0]] * pad
         layout = batch_layout(b, b, b, max(map(len, tables)))
         host = self.staging.take(layout.nbytes)
         key = (layout, host.data_ptr())
         if self._views[0] != key:  # steps repeat a layout until the table widens: views made once for it
-            self._views = key, (layout.views(host.numpy()), self.packed[:layout.nbytes],
-                                layout.views(self.packed)["page_table"], self.page_table[:b, :layout.width])
-        fields, packed, table, static_table = self._views[1]
+            device = layout.views(self.packed)
+            self._views = key, (layout.views(host.numpy()), self.packed[:layout.nbytes], device["page_table"],
+                                self.page_table[:b, :layout.width], device["input_ids"])
+        fields, packed, table, static_table, staged_ids = self._views[1]
         pack_batch(fields, input_ids + [0] * pad, [1] * b, context_lens + [0] * pad, tables, self.page_size, range(b))
         self.staging.send(host, packed)
         static_table.copy_(table)
+        return staged_ids

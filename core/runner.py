@@ -35,15 +35,18 @@ class ModelRunner:
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepLogits:
+    def execute(self, step: SchedulerOutput, ahead_ids: torch.Tensor | None = None) -> StepLogits:
+        """``ahead_ids``: the input tokens of a lookahead step (every sequence ``ahead``), on the device."""
         if step.page_copies:
             src, dst = zip(*step.page_copies)
             self.kv.copy_pages(list(src), list(dst))
         input_ids, query_lens, context_lens, tables, logits_indices, rows = self._gather(step)
         if self.graphs is not None and self.graphs.can_run(query_lens, tables, len(logits_indices)):
-            return StepLogits(self.graphs.run(input_ids, context_lens, tables), rows)
+            return StepLogits(self.graphs.run(input_ids, context_lens, tables, ahead_ids), rows)
         batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size, logits_indices,
                                    device=self.device, staging=self.staging)
+        if ahead_ids is not None:
+            batch.input_ids.copy_(ahead_ids)
         batch.attn_metadata = self.model.backends.attention.prepare(batch)
         hidden = self.model(batch, self.kv)
         if batch.logits_indices.numel() == 0:
@@ -61,7 +64,8 @@ class ModelRunner:
         rows: list[tuple[int, int]] = []
         for s in step.scheduled:
             seq, start = s.seq, len(input_ids)
-            input_ids.extend(seq.token_slice(s.context_len, s.context_len + s.num_new))
+            # a lookahead step's token is not on the host yet: a 0 here, the device's value in the batch
+            input_ids.extend([0] if s.ahead else seq.token_slice(s.context_len, s.context_len + s.num_new))
             query_lens.append(s.num_new)
             context_lens.append(s.context_len)
             tables.append(seq.pages)

@@ -84,6 +84,29 @@ def plain_greedy(row: SamplingRow) -> bool:
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
 
+class PendingTokens:
+    """Greedy tokens still on the device, on their way to the host.
+
+    The engine launches the next decode step on ``device_ids`` before it reads them, so the
+    device runs that step while the host applies these (stop checks, detokenizing, outputs). On
+    CUDA/HIP the copy goes to pinned memory behind an event; elsewhere it is done at once."""
+
+    def __init__(self, device_ids: torch.Tensor) -> None:
+        self.device_ids = device_ids
+        pinned = device_ids.is_cuda
+        self._host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=pinned)
+        self._host.copy_(device_ids, non_blocking=pinned)
+        self._copied = None
+        if pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def wait(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int], device: torch.device | str,
                  seed: int | None = None) -> None:
@@ -96,11 +119,15 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 defer: bool = False) -> SamplerOutput | PendingTokens:
+        """The tokens of ``rows``; with ``defer``, a batch of plain greedy rows leaves them on the
+        device (``PendingTokens``) instead of waiting for them."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}], got {list(logits.shape)}")
         if all(map(plain_greedy, rows)):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
+            tokens = logits.argmax(dim=-1)
+            return PendingTokens(tokens) if defer else SamplerOutput(tokens.tolist(), None, [None] * len(rows))
         return self.sample(logits, rows)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

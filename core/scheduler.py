@@ -30,11 +30,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens computed this step, starting at seq.num_computed
     context_len: int  # seq.num_computed when scheduled
+    ahead: bool = False  # a lookahead decode: its input token is the one still on the device
 
     @property
     def samples(self) -> bool:
-        """The step reaches the sequence's last known token, so a new token is drawn."""
-        return self.context_len + self.num_new == self.seq.num_tokens
+        """The step reaches the sequence's last token, so a new token is drawn."""
+        return self.ahead or self.context_len + self.num_new == self.seq.num_tokens
 
     @property
     def needs_all_logits(self) -> bool:
@@ -273,6 +274,19 @@ class Scheduler:
         out.page_copies, self.pending_copies = self.pending_copies, []
         self.stats.num_steps += 1
         return out
+
+    def extend_decodes(self, seqs: list[Sequence]) -> SchedulerOutput | None:
+        """The next decode step of ``seqs`` scheduled before their last tokens reach the host: each
+        computes the token at ``num_computed``, which is on the device. None where that step would
+        leave out anything an ordinary step serves (a running sequence not in ``seqs``, a waiting
+        request, a fork, a page copy) or need more than free pages (a preemption)."""
+        if self.waiting or self.fork_pending or self.pending_copies or set(self.running) != set(seqs):
+            return None
+        for seq in seqs:
+            if not self._allocate(seq, seq.num_computed + 1):
+                return None  # pages taken so far are the ones the next ordinary step needs
+        self.stats.num_steps += 1
+        return SchedulerOutput([ScheduledSeq(s, 1, s.num_computed, ahead=True) for s in seqs])
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config

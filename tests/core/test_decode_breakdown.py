@@ -31,7 +31,8 @@ def breakdown():
 def test_summary_splits_the_step(breakdown, seed):
     steps = [random.uniform(1e-3, 2e-3) for _ in range(101)]
     parts = {"schedule": [random.uniform(1e-5, 2e-5) for _ in steps], "execute": [random.uniform(5e-5, 9e-5) for _ in steps],
-             "sample": [random.uniform(5e-4, 9e-4) for _ in steps], "stage": [random.uniform(1e-5, 2e-5) for _ in steps],
+             "sample": [random.uniform(5e-4, 9e-4) for _ in steps], "wait": [random.uniform(1e-5, 9e-5) for _ in steps],
+             "stage": [random.uniform(1e-5, 2e-5) for _ in steps],
              "graph_run": [random.uniform(3e-5, 4e-5) for _ in steps]}
     replay = random.uniform(0.3, 0.9)
     s = breakdown.summarize(steps, parts, replay, 0.25)
@@ -41,7 +42,7 @@ def test_summary_splits_the_step(breakdown, seed):
     assert s["host_fraction"] == pytest.approx(1 - replay / step, abs=1e-3)
     for name, ts in parts.items():
         assert s["parts_ms"][name] == pytest.approx(sorted(ts)[50] * 1e3, abs=1e-4)
-    outer = ("schedule", "execute", "sample", "rest")  # stage and graph_run are inside execute
+    outer = ("schedule", "execute", "sample", "wait", "rest")  # stage and graph_run are inside execute
     assert sum(s["parts_ms"][p] for p in outer) == pytest.approx(step, abs=1e-3)  # "rest" is what the parts leave
     assert s["roofline_tok_s"] == 4000.0
     kernels = {"per_replay": 3.0, "device_ms_per_replay": 0.2, "top": [{"kernel": "k", "per_replay": 3.0,
@@ -67,12 +68,14 @@ def test_part_timers_time_each_call_and_put_everything_back(breakdown):
                              sampler=lambda logits, rows: (logits, rows))
     execute = engine.runner.execute
     sampler = engine.sampler
+    wait = breakdown.PendingTokens.wait
     with breakdown.PartTimers(engine) as timers:
         for i in range(3):
             assert engine.scheduler.schedule() == "scheduled"
             assert engine.runner.execute(i) == 2 * (i + 1)
         assert engine.sampler(1, 2) == (1, 2)
     assert [len(timers.times[p]) for p in ("schedule", "execute", "sample", "stage", "graph_run")] == [3, 3, 1, 3, 3]
+    assert breakdown.PendingTokens.wait is wait
     assert all(t >= 0 for ts in timers.times.values() for t in ts)
     assert "schedule" not in vars(engine.scheduler) and engine.runner.execute is execute and engine.sampler is sampler
     assert not vars(graphs)

@@ -78,7 +78,10 @@ def test_each_step_fills_its_bucket_and_the_padding_rows(seed):
         tables = [rng.sample(range(1, 10000), min(width, -(-(c + 1) // page) + rng.randint(0, 2))) for c in ctx]
         ids = [rng.randrange(50000) for _ in range(n)]
         assert graphs.can_run([1] * n, tables, n)
-        got = graphs.run(ids, ctx, tables)
+        if rng.random() < 0.5:
+            got = graphs.run(ids, ctx, tables)
+        else:  # a lookahead step: the ids on the device only
+            got = graphs.run([0] * n, ctx, tables, device_ids=torch.tensor(ids))
         full = echo.last.clone()
         want = echo(ForwardBatch.build(ids, [1] * n, ctx, tables, page, list(range(n))), None)
         assert torch.equal(got, want)
