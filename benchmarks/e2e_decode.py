@@ -4,7 +4,9 @@ For each batch size the engine generates ``--decode`` tokens after a 1K-token pr
 greedy, prefix cache off); decode tokens/s is batch x decode over the time beyond a
 one-token run of the same prompts (prefill and first token), so prefill stays out of it. The
 roofline of a step is its bytes (every weight once, plus each sequence's KV) over the measured
-copy bandwidth. HF transformers generates the same prompts on the same device the same way.
+copy bandwidth. HF transformers generates the same prompts on the same device the same way. Batch 1 runs once
+more with ``overlap_decode`` off, to show what launching each step before the last one's tokens
+are read saves.
 
     python benchmarks/e2e_decode.py --json benchmarks/results/e2e-h200.json
 """
@@ -95,6 +97,15 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
             rows.append({"batch": b, "engine_tok_s": round(tps, 1), "roofline_tok_s": round(roof, 1),
                          "fraction_of_roofline": round(tps / roof, 3)})
             print(f"{preset} batch {b}: {tps:.1f} tok/s, roofline {roof:.1f} ({tps / roof:.2f})", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        # batch 1 again with every step's tokens read before the next launches: what overlap hides
+        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=prompt_len + decode + 8,
+                  max_num_seqs=1, overlap_decode=False)
+        rows[0]["engine_tok_s_no_overlap"] = round(_engine_decode(llm, _prompts(1, prompt_len, config["vocab_size"], 1),
+                                                                  decode), 1)
+        print(f"{preset} batch 1 without overlapped decode: {rows[0]['engine_tok_s_no_overlap']} tok/s", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
