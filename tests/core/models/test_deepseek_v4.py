@@ -6,8 +6,10 @@ here is HF with the engine's rule (stable descending sort, lowest entry index wi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from typing import Callable
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
+from engine.core.native import indexer
 from engine.core.native.indexer import select_entries, stable_topk
 from engine.core.native.mhc import sinkhorn
 from engine.core.startup import build
@@ -43,12 +46,47 @@ def stable_hf_indexer(monkeypatch):
     monkeypatch.setattr(M.DeepseekV4Indexer, "forward", patched)
 
 
-def check(path, prompts: list[list[int]], split: float | None = None, page_size: int = PAGE) -> None:
-    pages = sum(-(-len(p) // page_size) for p in prompts) + 1
-    c = build(EngineConfig(model=str(path), dtype="float32", page_size=page_size, num_pages=max(200, pages)),
-              progress=False)
+NEAR_TIE = 1e-5  # relative gap of the k-th and (k+1)-th indexer scores that fp32 rounding order can flip
+DRAWS = 4
+
+
+@contextlib.contextmanager
+def indexer_near_ties():
+    """The near ties the engine's indexer top-k meets inside the block: exact ties follow the stable
+    rule on both sides, but scores a rounding apart may rank either way in HF's differently ordered sums."""
+    orig, ties = indexer.stable_topk, []
+
+    def recording(scores: torch.Tensor, k: int) -> torch.Tensor:
+        if scores.shape[-1] > k:
+            v = scores.sort(dim=-1, descending=True).values
+            a, b = v[..., k - 1], v[..., k]
+            close = torch.isfinite(b) & (a != b) & ((a - b) < NEAR_TIE * a.abs())
+            ties.extend(((a - b) / a.abs())[close].tolist())
+        return orig(scores, k)
+
+    indexer.stable_topk = recording
+    try:
+        yield ties
+    finally:
+        indexer.stable_topk = orig
+
+
+def check(path, draw: Callable[[], list[list[int]]], split: float | None = None, page_size: int = PAGE) -> None:
+    """HF's logits for the prompts ``draw`` makes; a draw whose indexer top-k meets a near tie is
+    drawn again (either pick would be right there)."""
+    for _ in range(DRAWS):
+        prompts = draw()
+        pages = sum(-(-len(p) // page_size) for p in prompts) + 1
+        c = build(EngineConfig(model=str(path), dtype="float32", page_size=page_size, num_pages=max(200, pages)),
+                  progress=False)
+        with indexer_near_ties() as ties:
+            logits = engine_logits(c, prompts, page_size, split)
+        if not ties:
+            break
+    else:
+        pytest.fail(f"each of {DRAWS} draws met an indexer near tie")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for p, got in zip(prompts, engine_logits(c, prompts, page_size, split)):
+    for p, got in zip(prompts, logits):
         err = rel_err(got, hf_logits(hf, p))
         assert err < 1e-4, f"length {len(p)}, split {split}: relative error {err:.2e}"
 
@@ -107,8 +145,8 @@ def test_stable_topk_breaks_ties_by_lowest_index(seed):
 
 def test_trained_checkpoint_matches_hf(shared_dir, seed):
     rng = random.Random(seed)
-    prompts = prompts_for(rng, 4096, [1, rng.randint(2, 40), rng.randint(100, 300), 600])
-    check(shared_dir / "models" / "tiny-dsv4-py", prompts)
+    check(shared_dir / "models" / "tiny-dsv4-py", lambda: prompts_for(rng, 4096, [1, rng.randint(2, 40),
+                                                                             rng.randint(100, 300), 600]))
 
 
 CONFIGS = {
@@ -128,7 +166,7 @@ def test_random_config_matches_hf(name, seed, tmp_path):
     layers, mlps, hc, window, extra = CONFIGS[name]
     path = random_checkpoint(tmp_path / name, seed, layers, mlps, hc, window, **extra)
     rng = random.Random(seed)
-    check(path, prompts_for(rng, 128, [1, rng.randint(2, 40), rng.randint(41, 599), 600]))
+    check(path, lambda: prompts_for(rng, 128, [1, rng.randint(2, 40), rng.randint(41, 599), 600]))
 
 
 @pytest.mark.parametrize("page_size", [3, 6, 16, 64])
@@ -138,7 +176,7 @@ def test_a_later_chunk_reads_the_cache_exactly(seed, tmp_path, page_size):
     layers, mlps, hc, window, extra = CONFIGS["mixed"]
     path = random_checkpoint(tmp_path / "m", seed, layers, mlps, hc, window, **extra)
     rng = random.Random(seed)
-    check(path, prompts_for(rng, 128, [2, rng.randint(3, 60), 301]), split=rng.uniform(0.2, 0.8),
+    check(path, lambda: prompts_for(rng, 128, [2, rng.randint(3, 60), 301]), split=rng.uniform(0.2, 0.8),
           page_size=page_size)
 
 

@@ -13,13 +13,16 @@ from engine import LLM, SamplingParams
 from engine.core.tokenizer import Tokenizer
 
 MAX_NEW = 20
+# HF's min_new_tokens keeps EOS out of the argmax; min_tokens does the same here (ignore_eos alone
+# would let the tiny model's EOS through as a token, where HF takes its runner-up)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_qwen3, eval_text) -> list[list[int]]:
+def prompts(tiny_qwen3, eval_text, run_seed) -> list[list[int]]:
     """8 prompts of different lengths; half share a 40-token prefix so the prefix cache hits."""
     ids = Tokenizer.from_dir(tiny_qwen3).encode(eval_text)
-    rng = random.Random()
+    rng = random.Random(run_seed)
     shared = ids[:40]
     out = []
     for i in range(8):
@@ -47,7 +50,7 @@ def test_greedy_matches_hf(tiny_qwen3, prompts, reference, chunk, prefix_caching
               enable_prefix_caching=prefix_caching, progress=False)
     # run the batch twice: the second pass hits the prefix cache for every prompt
     for _ in range(2):
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.engine.radix.stats
     assert (stats.hits > 0) == prefix_caching
@@ -58,7 +61,7 @@ def test_greedy_matches_hf_under_preemption(tiny_qwen3, prompts, reference):
     pages = -(-longest // 4) + 8  # one long sequence fits; eight at once do not
     llm = LLM(str(tiny_qwen3), dtype="float32", page_size=4, num_pages=pages, chunked_prefill_size=16,
               progress=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
     pool = llm.engine.pool
