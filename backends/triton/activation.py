@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -29,10 +30,11 @@ SILU_AND_MUL = {
 
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inner, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
+    wait_for_prior(PDL)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -53,5 +55,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     cfg = config_for(SILU_AND_MUL, x.device)
     block = min(cfg.block, triton.next_power_of_2(inner))
     silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inner, block))](
-        x2, o2, x2.stride(0), o2.stride(0), inner, BLOCK=block, num_warps=cfg.num_warps)
+        x2, o2, x2.stride(0), o2.stride(0), inner, BLOCK=block, num_warps=cfg.num_warps,
+        **launch_options(x.device))
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 from engine.core.families.attention import AttentionLayer, LayerKV
 
 from .attention_prefill import LOG2E, pick_dim
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -153,11 +154,12 @@ def decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, SUB_G: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
-    ALL_DECODE: tl.constexpr,
+    ALL_DECODE: tl.constexpr, PDL: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
+    wait_for_prior(PDL)
     # a pure decode batch (every graph replay) is row i = sequence i: two dependent loads fewer
     seq = i if ALL_DECODE else tl.load(seq_ids_ptr + i)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -268,5 +270,5 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=block_dv,
         BLOCK_S=triton.next_power_of_2(splits), SUB_G=sub_g, CHUNK_S=chunk_s,
         SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None, ALL_DECODE=seq_ids is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )

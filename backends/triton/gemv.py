@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import output_for, unit_inner_stride
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 MAX_ROWS = 8  # past this, x's rows are better served by the tensor-core GEMMs
@@ -132,7 +133,8 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr,
                 stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr):
+                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+                PDL: tl.constexpr):
     """out [M, N] = x @ w.T (+ bias); with SILU_MUL, w holds N gate rows then N up rows and
     out = silu(x @ gate.T) * (x @ up.T). With NORM, x is first rms_norm(x + residual) with the
     weight at ``norm_ptr`` (HAS_RESIDUAL: the sum goes to ``res_out_ptr``), the decoder layer's
@@ -141,6 +143,7 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr,
     rows = (rn % N).to(tl.int64)  # columns past N reread row N-1; they are not stored
     rk0 = tl.arange(0, BLOCK_K)
     rstd = tl.zeros([BLOCK_M], tl.float32)
+    wait_for_prior(PDL)
     if NORM:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, eps, rk0,
                          BLOCK_M, BLOCK_K, HAS_RESIDUAL, EVEN_K)
@@ -216,5 +219,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % cfg.block_k == 0,
             NORM=norm is not None, HAS_RESIDUAL=res2 is not None,
             ROUND_BEFORE_WEIGHT=norm is not None and norm_weight.dtype == x.dtype and x.dtype != torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out2.view(*x.shape[:-1], n), summed.view(x.shape)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -35,11 +36,12 @@ def rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    wait_for_prior(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -74,7 +76,7 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
         hidden, eps,
         HAS_RESIDUAL=residual is not None,
         ROUND_BEFORE_WEIGHT=weight.dtype == x.dtype and x.dtype != torch.float32,
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps, **launch_options(x.device),
     )
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from engine.core.families.attention import LayerKV, QKNorm
 from engine.core.native.rope import RotaryEmbedding
 
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -107,11 +108,12 @@ def rope_store_kv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_NEOX: tl.constexpr, Q_BLOCKS: tl.constexpr,
     QK_NORM: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     half = tl.arange(0, BLOCK_HALF)
+    wait_for_prior(PDL)
     pos = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + pos * stride_cos + half, mask=half < ROT_HALF, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_cos + half, mask=half < ROT_HALF, other=0.0)
@@ -187,5 +189,6 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_REST=triton.next_power_of_2(rest) if rest else 0, BLOCK_DV=triton.next_power_of_2(v_head_dim),
         num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
+        **launch_options(q.device),
     )
     return q_out

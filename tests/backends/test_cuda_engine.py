@@ -61,4 +61,6 @@ def test_graph_replay_equals_eager(pair, tiny_qwen3, seed):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         a = torch.tensor([next(iter(d.values())) for d in x.outputs[0].logprobs])
         b = torch.tensor([next(iter(d.values())) for d in y.outputs[0].logprobs])
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-3 if dtype == "float32" else 5e-2)
+        # a graph runs the padded bucket's batch, whose decode attention takes other splits than the
+        # eager batch's: a different sum order of TF32 products (fp32 logprobs measured 1.6e-3 apart)
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-3 if dtype == "float32" else 5e-2)

@@ -102,3 +102,11 @@ def _interpreter_free_worker() -> ProcessPoolExecutor:
             if saved is not None:
                 os.environ["TRITON_INTERPRET"] = saved
     return _worker
+
+
+GRID_DEPENDENCY = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")  # what PDL compiles to
+
+
+def pdl(target: str) -> bool:
+    """A decode kernel's ``PDL`` constexpr as its launch sets it: on NVIDIA (sm_90 and later) only."""
+    return target.startswith("sm_")

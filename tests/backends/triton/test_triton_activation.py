@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton.activation import silu_and_mul, silu_and_mul_kernel
 from engine.core.native import activation as native
@@ -48,13 +48,14 @@ def test_silu_and_mul_compiles(target):
     """bf16 at I = 14336: 16-byte loads and stores and the hardware exp2."""
     asm = compile_asm(silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
                                             "stride_o": "i32", "inner": "i32"},
-                      {"BLOCK": 1024 if target.startswith("sm_") else 2048}, target,
+                      {"BLOCK": 1024 if target.startswith("sm_") else 2048, "PDL": pdl(target)}, target,
                       divisible_by_16=["stride_x", "stride_o", "inner"])
     if target.startswith("sm_"):
         ptx = asm["ptx"]
         assert f".target {target}a" in ptx
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
         assert "ex2.approx" in ptx
+        assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)

@@ -379,6 +379,7 @@ ARRIVAL = {"sm_90": r"atom\.global\.gpu\.acq_rel\.add", "sm_100": r"atom\.global
 
 def _compile_decode(target, cfg, splits, all_decode):
     """The decode kernel at head dim 128, GQA 4, window and sinks; one split has no partials."""
+    from aot import pdl
     partials = ({"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"} if splits > 1
                 else {})
     none = {} if splits > 1 else dict(part_out_ptr=None, part_lse_ptr=None, counters_ptr=None)
@@ -390,7 +391,7 @@ def _compile_decode(target, cfg, splits, all_decode):
          **_ints(STRIDES + ["stride_pt", "stride_ot", "stride_oh"]), "qk_scale": "fp32", "window": "i32"},
         dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=splits, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=cfg.block_n,
              BLOCK_S=block_s, SUB_G=sub_g, CHUNK_S=chunk_s, SLIDING=True, HAS_SINKS=True, ALL_DECODE=all_decode,
-             **none, **SHAPE), target, cfg)
+             PDL=pdl(target), **none, **SHAPE), target, cfg)
 
 
 @pytest.mark.aot
@@ -398,6 +399,8 @@ def _compile_decode(target, cfg, splits, all_decode):
 def test_kernels_compile_for_target(target):
     """bf16 at head dim 128, GQA 4, window and sinks: both attention kernels reach the matrix units;
     the decode kernel over 24 splits arrives with one acquire-release atomic, over one split with none."""
+    from aot import GRID_DEPENDENCY
+
     from engine.backends.triton.target import pick
 
     prefill_cfg = pick_dim(pick(PREFILL, target), 128)
@@ -418,3 +421,6 @@ def test_kernels_compile_for_target(target):
         assert all("_dwordx4" in asm for asm in (prefill, split, single))
     assert len(re.findall(ARRIVAL[target], split)) == 1
     assert not re.search(r"\batom\.|global_atomic", single)
+    if target.startswith("sm_"):  # the decode kernel starts under the kernel before it (PDL)
+        assert all(op in asm for op in GRID_DEPENDENCY for asm in (split, single))
+        assert not any(op in prefill for op in GRID_DEPENDENCY)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aot import TARGETS, amdgcn_target, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel, norm_gemv
 from engine.backends.triton.linear import TritonLinear
@@ -171,7 +171,7 @@ def test_gemv_compiles(target, rows, silu_mul, norm):
     asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
                                                    BLOCK_K=cfg.block_k, HAS_BIAS=not silu_mul, SILU_MUL=silu_mul,
                                                    EVEN_K=True, NORM=norm, HAS_RESIDUAL=norm,
-                                                   ROUND_BEFORE_WEIGHT=norm),
+                                                   ROUND_BEFORE_WEIGHT=norm, PDL=pdl(target)),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"])
     if target.startswith("sm_"):
@@ -180,5 +180,6 @@ def test_gemv_compiles(target, rows, silu_mul, norm):
         assert ("mma" in ptx) == (rows > 1)
         assert ("ex2.approx" in ptx) == silu_mul
         assert ("rsqrt.approx" in ptx) == norm
+        assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton.norm import add_rms_norm, rms_norm, rms_norm_kernel
 from engine.core.native import norm as native
@@ -104,13 +104,14 @@ ALIGNED = ["stride_x", "stride_r", "stride_o", "stride_ro", "hidden"]  # as the 
 def test_rms_norm_compiles(target, has_residual):
     """Hidden 4096 in bf16: 16-byte loads and stores, a hardware reciprocal square root."""
     asm = compile_asm(rms_norm_kernel, SIGNATURE,
-                      {"HAS_RESIDUAL": has_residual, "ROUND_BEFORE_WEIGHT": True, "BLOCK": 4096},
+                      {"HAS_RESIDUAL": has_residual, "ROUND_BEFORE_WEIGHT": True, "BLOCK": 4096, "PDL": pdl(target)},
                       target, num_warps=16 if target.startswith("sm_") else 8, divisible_by_16=ALIGNED)
     if target.startswith("sm_"):
         ptx = asm["ptx"]
         assert f".target {target}a" in ptx
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
         assert "rsqrt.approx" in ptx
+        assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)

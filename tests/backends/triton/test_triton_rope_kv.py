@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import rope_kv
 from engine.backends.triton.rope_kv import rope_store_kv, rope_store_kv_kernel
@@ -180,7 +180,7 @@ def test_rope_store_kv_compiles(target, qk_norm):
     heads = dict(NUM_HEADS=16, Q_BLOCKS=1) if qk_norm else dict(NUM_HEADS=32, Q_BLOCKS=2)
     constexprs = dict(**heads, NUM_KV_HEADS=8, HEAD_DIM=128, V_HEAD_DIM=128, ROT_HALF=64, PAGE_SIZE=16,
                       IS_NEOX=True, QK_NORM=qk_norm, ROUND_BEFORE_WEIGHT=qk_norm, BLOCK_H=16, BLOCK_HALF=64,
-                      BLOCK_REST=0, BLOCK_DV=128)
+                      BLOCK_REST=0, BLOCK_DV=128, PDL=pdl(target))
     asm = compile_asm(rope_store_kv_kernel, signature, constexprs, target, divisible_by_16=strides,
                       enable_fp_fusion=False)
     if target.startswith("sm_"):
@@ -188,6 +188,7 @@ def test_rope_store_kv_compiles(target, qk_norm):
         assert f".target {target}a" in ptx
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
         assert "fma.rn" not in ptx
+        assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)
