@@ -5,15 +5,17 @@ greedy, prefix cache off); decode tokens/s is batch x decode over the time beyon
 one-token run of the same prompts (prefill and first token), so prefill stays out of it. The
 roofline of a step is its bytes (every weight once, plus each sequence's KV) over the measured
 copy bandwidth. HF transformers generates the same prompts on the same device the same way. Batch 1 runs once
-more with ``overlap_decode`` off, to show what launching each step before the last one's tokens
-are read saves.
+more with each of two speed-ups off, to show what it gives: ``overlap_decode`` (each step is launched
+before the last one's tokens are read) and programmatic dependent launch (``ENGINE_PDL=0``).
 
     python benchmarks/e2e_decode.py --json benchmarks/results/e2e-h200.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import random
 import tempfile
 import time
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+from engine.backends.triton import pdl
 from engine.core.checkpoint_gen import write_checkpoint
 
 try:
@@ -31,6 +34,27 @@ except ImportError:
 
 CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
 HF_MAX_BATCH = 64  # HF's cache at 256 x 1K adds minutes for a figure nobody would serve with
+WITHOUT = {  # key: what is off, the LLM's options, the environment
+    "no_overlap": ("without overlapped decode", {"overlap_decode": False}, {}),
+    "no_pdl": ("without programmatic dependent launch", {}, {"ENGINE_PDL": "0"}),
+}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` set while the block runs (and the kernels' launch options read afresh)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    pdl.reset()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+        pdl.reset()
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -100,15 +124,16 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        # batch 1 again with every step's tokens read before the next launches: what overlap hides
-        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=prompt_len + decode + 8,
-                  max_num_seqs=1, overlap_decode=False)
-        rows[0]["engine_tok_s_no_overlap"] = round(_engine_decode(llm, _prompts(1, prompt_len, config["vocab_size"], 1),
-                                                                  decode), 1)
-        print(f"{preset} batch 1 without overlapped decode: {rows[0]['engine_tok_s_no_overlap']} tok/s", flush=True)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        for key, (what, options, env) in WITHOUT.items():  # batch 1 again with one speed-up off
+            with _environment(env):
+                llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False,
+                          max_model_len=prompt_len + decode + 8, max_num_seqs=1, **options)
+                tps = _engine_decode(llm, _prompts(1, prompt_len, config["vocab_size"], 1), decode)
+            rows[0][f"engine_tok_s_{key}"] = round(tps, 1)
+            print(f"{preset} batch 1 {what}: {tps:.1f} tok/s", flush=True)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
         if hf:
             from transformers import AutoModelForCausalLM
 
