@@ -77,7 +77,13 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
     a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + bn[None, :] * stride_bn + rk[:, None]
     a_scale_ptrs = a_scale_ptr + am * stride_as
-    b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
+    # a tile no wider than a scale block has one weight scale per K step: the product of a step is
+    # then scaled by one vector, a fused multiply-add an element, on the CUDA cores between MMAs
+    TILE_SCALE: tl.constexpr = SCALE_BLOCK % BLOCK_N == 0
+    if TILE_SCALE:
+        b_scale_ptrs = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bs
+    else:
+        b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:  # no K tail: unmasked loads, which the compiler can vectorize and pipeline freely
@@ -89,7 +95,10 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
         group = k0 // SCALE_BLOCK
         a_scale = tl.load(a_scale_ptrs + group)
         b_scale = tl.load(b_scale_ptrs + group)
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if TILE_SCALE:
+            acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
+        else:
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS)
@@ -140,7 +149,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
