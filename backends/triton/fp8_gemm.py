@@ -42,7 +42,7 @@ class GemmTuning:
 
 
 FP8_GEMM = {  # sm_90: the best geometric means of the H200 sweep (benchmarks/fp8_gemm_sweep.py); others guessed
-    "sm_90": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 4), GemmConfig(64, 128, 128, 8, 4, 4)),
+    "sm_90": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 3), GemmConfig(64, 128, 128, 8, 4, 4)),
     "sm_100": GemmTuning(GemmConfig(64, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3)),
     "gfx942": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
     "gfx950": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
