@@ -30,6 +30,10 @@ class KVLayerSpec:
     def slots_per_page(self, page_size: int) -> int:
         return -(-page_size // self.rate)
 
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        """K and V bytes of one slot."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * dtype.itemsize
+
 
 class KVCache:
     """Zero-initialised pages (a padded slot or the null page reads as zeros, never NaN garbage)."""
@@ -100,8 +104,7 @@ class KVCache:
     @staticmethod
     def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype, windowed: bool = False) -> int:
         """K and V bytes one page (or one window page) takes across its layers."""
-        return sum(s.slots_per_page(page_size) * s.num_kv_heads * (s.head_dim + s.v_head_dim)
-                   for s in layers if s.windowed == windowed) * dtype.itemsize
+        return sum(s.slots_per_page(page_size) * s.slot_bytes(dtype) for s in layers if s.windowed == windowed)
 
 
 def pages_for_budget(budget_bytes: int, layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:

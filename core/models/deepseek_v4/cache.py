@@ -76,9 +76,7 @@ def component_bytes_per_token(specs: list[KVLayerSpec], layers: list[LayerCache]
         for name in ("window", "projections", "entries", "index_projections", "index_keys"):
             i = getattr(layer, name)
             if i is not None:
-                s = specs[i]
-                totals[name] = totals.get(name, 0.0) + s.num_kv_heads * (s.head_dim + s.v_head_dim) \
-                    * dtype.itemsize / s.rate
+                totals[name] = totals.get(name, 0.0) + specs[i].slot_bytes(dtype) / specs[i].rate
     return totals
 
 
