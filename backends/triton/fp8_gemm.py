@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import GROUP, quantize_fp8_token_group
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -66,7 +67,8 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
                            stride_am, stride_as, stride_bn, stride_bs, stride_cm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           EVEN_K: tl.constexpr):
+                           EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,7 +152,7 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 FP8_MAX = tl.constexpr(448.0)
@@ -41,8 +42,9 @@ def e4m3_rne(y):
 
 @triton.jit
 def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride_data, stride_scale,
-                              BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr):
+                              BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_T tokens x one group of GROUP_K channels."""
+    wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     group = tl.program_id(1)
     cols = group * GROUP_K + tl.arange(0, GROUP_K)
@@ -88,5 +90,5 @@ def quantize_fp8_token_group(x: torch.Tensor, group: int = GROUP,
     if t:
         _token_group_quant_kernel[(triton.cdiv(t, cfg.block_t), groups)](
             flat, data, scale, t, k, flat.stride(0), data.stride(0), scale.stride(0),
-            BLOCK_T=cfg.block_t, GROUP_K=group, num_warps=cfg.num_warps)
+            BLOCK_T=cfg.block_t, GROUP_K=group, num_warps=cfg.num_warps, **launch_options(x.device))
     return data.view(x.shape), scale.view(*x.shape[:-1], groups)

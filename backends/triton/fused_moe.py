@@ -24,6 +24,7 @@ import triton.language as tl
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
 from .fp8_quant import GROUP, quantize_fp8_token_group
 from .moe_align import ExpertBlocks, align_by_expert
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 FP8 = torch.float8_e4m3fn
@@ -48,12 +49,13 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
                      stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
-                     FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                     FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED: b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two products.
     WEIGHTED: c gets the product times the assignment's routing weight.
     """
+    wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -136,7 +138,7 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         a.stride(0), scale_strides[0], b.stride(0), b.stride(1), scale_strides[1], scale_strides[2], out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fp8, SCALE_BLOCK=GROUP,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 
 

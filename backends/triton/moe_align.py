@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 
@@ -58,8 +59,9 @@ ALIGN = {
 
 
 @triton.jit
-def _count_kernel(ids_ptr, chunk_counts_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr):
+def _count_kernel(ids_ptr, chunk_counts_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr):
     """chunk_counts[c, e]: how many of chunk c's assignments chose expert e."""
+    wait_for_prior(PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     expert = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
@@ -71,9 +73,10 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl
 @triton.jit
 def _scan_kernel(chunk_counts_ptr, chunk_start_ptr, block_expert_ptr, num_padded_ptr,
                  num_chunks, num_experts, num_blocks, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
-                 SCAN_ROWS: tl.constexpr, SCAN_BLOCKS: tl.constexpr):
+                 SCAN_ROWS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """chunk_start[c, e]: the row of chunk c's first assignment to expert e; block_expert;
     num_padded. One program: the counts are [chunks, experts], a few thousand entries."""
+    wait_for_prior(PDL)
     experts = tl.arange(0, EXPERTS)
     totals = tl.zeros([EXPERTS], dtype=tl.int32)
     for c0 in range(0, num_chunks, SCAN_ROWS):
@@ -100,8 +103,10 @@ def _scan_kernel(chunk_counts_ptr, chunk_start_ptr, block_expert_ptr, num_padded
 
 
 @triton.jit
-def _place_kernel(ids_ptr, chunk_start_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr):
+def _place_kernel(ids_ptr, chunk_start_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
+                  PDL: tl.constexpr):
     """sorted_ids[row] = assignment, at its chunk's start for its expert plus its rank there."""
+    wait_for_prior(PDL)
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + lane
@@ -137,10 +142,11 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     chunks = triton.cdiv(n, cfg.chunk)
     chunk_counts = torch.empty(chunks, experts, dtype=torch.int32, device=device)
     chunk_start = torch.empty_like(chunk_counts)
-    _count_kernel[(chunks,)](flat, chunk_counts, n, CHUNK=cfg.chunk, EXPERTS=experts, num_warps=cfg.num_warps)
+    pdl = launch_options(device)
+    _count_kernel[(chunks,)](flat, chunk_counts, n, CHUNK=cfg.chunk, EXPERTS=experts, num_warps=cfg.num_warps, **pdl)
     _scan_kernel[(1,)](chunk_counts, chunk_start, block_expert, num_padded, chunks, num_experts, rows // block_m,
                        BLOCK_M=block_m, EXPERTS=experts, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks,
-                       num_warps=cfg.num_warps)
+                       num_warps=cfg.num_warps, **pdl)
     _place_kernel[(chunks,)](flat, chunk_start, sorted_ids, n, CHUNK=cfg.chunk, EXPERTS=experts,
-                             num_warps=cfg.num_warps)
+                             num_warps=cfg.num_warps, **pdl)
     return blocks

@@ -21,7 +21,7 @@ from engine.core.families.linear import LinearWeight
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 
-from aot import TARGETS, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, compile_asm, pdl
 
 FP8 = torch.float8_e4m3fn
 
@@ -162,7 +162,7 @@ GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4n
 def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool = True) -> dict[str, str]:
     cfg = getattr(pick(FP8_GEMM, target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      SCALE_BLOCK=128, HAS_BIAS=has_bias, EVEN_K=even_k)
+                      SCALE_BLOCK=128, HAS_BIAS=has_bias, EVEN_K=even_k, PDL=pdl(target))
     return compile_asm(_fp8_block_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
 
@@ -172,6 +172,7 @@ def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool =
 def test_fp8_gemm_uses_wgmma_e4m3_on_sm90(which):
     ptx = compile_gemm("sm_90", which)["ptx"]
     assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx)
+    assert all(op in ptx for op in GRID_DEPENDENCY)
 
 
 @pytest.mark.aot
@@ -189,8 +190,9 @@ def test_token_group_quant_compiles(target):
     cfg = pick(QUANT, target)
     signature = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "T": "i32", "K": "i32",
                  "stride_x": "i32", "stride_data": "i32", "stride_scale": "i32"}
-    asm = compile_asm(_token_group_quant_kernel, signature, dict(BLOCK_T=cfg.block_t, GROUP_K=128), target,
-                      num_warps=cfg.num_warps)
+    asm = compile_asm(_token_group_quant_kernel, signature, dict(BLOCK_T=cfg.block_t, GROUP_K=128, PDL=pdl(target)),
+                      target, num_warps=cfg.num_warps)
     text = asm.get("ptx") or asm["amdgcn"]
     if target.startswith("sm_"):
         assert "div.rn.f32" in text  # correctly rounded, as torch divides
+        assert all(op in text for op in GRID_DEPENDENCY)

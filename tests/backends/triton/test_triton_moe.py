@@ -289,13 +289,14 @@ FP8_MMA = {"sm_90": r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", "sm_100": r"tcgen05
 
 
 def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[str, str]:
-    from aot import compile_asm
+    from aot import compile_asm, pdl
 
     cfg = getattr(pick(MOE_GEMM, target), which)
     operand = "*fp8e4nv" if fp8 else "*bf16"
     signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=fp8, SCALE_BLOCK=128)
+                      GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=fp8, SCALE_BLOCK=128,
+                      PDL=pdl(target))
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
 
@@ -316,23 +317,29 @@ def test_bf16_moe_gemm_reaches_the_matrix_units(target, which, gated):
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 def test_fp8_moe_gemm_reaches_the_matrix_units(target):
-    check_compiled(compile_moe_gemm(target, "large", True, fp8=True), target, FP8_MMA[target])
+    asm = compile_moe_gemm(target, "large", True, fp8=True)
+    check_compiled(asm, target, FP8_MMA[target])
+    if target.startswith("sm_"):  # launched under the kernel before it (PDL)
+        from aot import GRID_DEPENDENCY
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 def test_alignment_kernels_compile(target):
-    from aot import compile_asm
+    from aot import GRID_DEPENDENCY, compile_asm, pdl
 
     cfg = pick(ALIGN, target)
-    shape = dict(CHUNK=cfg.chunk, EXPERTS=256)
+    shape = dict(CHUNK=cfg.chunk, EXPERTS=256, PDL=pdl(target))
     kernels = [
         (_count_kernel, {"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "n": "i32"}, shape),
         (_scan_kernel, {"chunk_counts_ptr": "*i32", "chunk_start_ptr": "*i32", "block_expert_ptr": "*i32",
                         "num_padded_ptr": "*i32", "num_chunks": "i32", "num_experts": "i32", "num_blocks": "i32"},
-         dict(BLOCK_M=64, EXPERTS=256, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks)),
+         dict(BLOCK_M=64, EXPERTS=256, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks, PDL=pdl(target))),
         (_place_kernel, {"ids_ptr": "*i64", "chunk_start_ptr": "*i32", "sorted_ids_ptr": "*i32", "n": "i32"}, shape),
     ]
     for kernel, signature, constexprs in kernels:
         asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps)
         assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
+        if target.startswith("sm_"):
+            assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
