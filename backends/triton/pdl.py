@@ -10,8 +10,9 @@ the relation as a programmatic edge, so replays overlap the same way.
 The rule that keeps it correct: a kernel launched this way calls ``wait_for_prior`` before it
 reads or writes any memory another kernel touches. Waiting for the kernel before is waiting for
 all before it, since that one waited too. The decode-path kernels take part (GEMV, norms,
-RoPE + KV store, decode attention, SiLU-and-mul) and the FP8 and MoE ones a decode step of a
-quantized or MoE model runs; every other launch is ordered as usual. ``ENGINE_PDL=0`` turns it off (to measure what it gives).
+RoPE + KV store, decode attention, SiLU-and-mul), and the FP8 and MoE ones a decode step of a
+quantized or MoE model runs; every other launch is ordered as usual. ``ENGINE_PDL=0`` turns it
+off (to measure what it gives).
 """
 
 from __future__ import annotations
