@@ -151,7 +151,6 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     context_lens_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # filled once per step by the attention backend's ``prepare``
-    extras: dict[str, Any] = field(default_factory=dict)  # per-family metadata of other families
 
     @property
     def num_seqs(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Logprobs = list[dict[int, float]]
 
@@ -32,4 +32,3 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)

@@ -22,10 +22,6 @@ class PlatformSpec:
     compute_units: int = 0
     capabilities: frozenset[str] = field(default_factory=frozenset)
 
-    @property
-    def is_gpu(self) -> bool:
-        return self.vendor != "cpu"
-
     def summary(self) -> str:
         mem = f", {self.total_memory / 2**30:.1f} GiB" if self.total_memory else ""
         cu = f", {self.compute_units} compute units" if self.compute_units else ""

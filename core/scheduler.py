@@ -176,7 +176,6 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq, cache=True)
         seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (seq %d) to recompute later", seq.request_id, seq.seq_id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +34,10 @@ class Sequence:
     prefix_node: Any = None  # radix node locked on this sequence's behalf
     window_span: tuple[int, int] = (0, 0)  # indices into ``pages`` whose windows it holds (window.py)
     inserted_prompt: bool = False  # the prompt's pages are in the radix cache already
-    num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

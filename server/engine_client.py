@@ -100,10 +100,6 @@ class EngineClient:
         return (self.info is not None and self.dead_reason is None
                 and time.monotonic() - self._last_beat < HEARTBEAT_TIMEOUT_S)
 
-    @property
-    def num_active(self) -> int:
-        return len(self._streams)
-
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process, reap it, and remove the sockets' directory."""
         for t in self._tasks:

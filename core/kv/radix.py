@@ -30,10 +30,6 @@ class RadixStats:
     match_calls: int = 0
     hit_calls: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class _Node:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window")
