@@ -1,9 +1,7 @@
-"""MoE on Triton: the native routing, the experts through the fused grouped GEMMs.
+"""MoE on Triton: routing in one kernel (moe_routing.py), the experts through the fused grouped GEMMs.
 
-Routing stays in torch (core/native/moe.py): it is a softmax or sigmoid and a top-k over [T, E],
-a few small launches next to the expert GEMMs, and sharing it keeps the two backends choosing the
-same experts. ``ExpertWeights`` carries no quantization scales, so the experts here run in the
-weights' dtype; the FP8 path of ``fused_moe`` takes block scales directly.
+Grouped top-k (DeepSeek-V3) keeps the native routing, torch ops without a host synchronisation.
+Neither path reads a device value on the host, so routing and experts can be captured in a graph.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import torch
 from engine.core.families.moe import ExpertWeights, MoEBackend, RoutingConfig
 from engine.core.native.moe import NativeMoE
 
+from . import moe_routing
 from .fused_moe import fused_moe
 
 
@@ -21,7 +20,9 @@ class TritonMoE(MoEBackend):
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return NativeMoE.route(self, router_logits, cfg, input_ids)
+        if cfg.num_groups > 1:
+            return NativeMoE.route(self, router_logits, cfg, input_ids)
+        return moe_routing.route(router_logits, cfg, input_ids)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights,
                 out: torch.Tensor | None = None) -> torch.Tensor:

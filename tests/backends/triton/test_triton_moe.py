@@ -220,13 +220,6 @@ def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_e
     check_fp8(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, 0.06)
 
 
-def test_route_is_the_native_routing(seed):
-    logits = torch.randn(9, 16)
-    cfg = RoutingConfig(num_experts=16, top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2,
-                        correction_bias=torch.randn(16))
-    for got, ref in zip(TritonMoE(None).route(logits, cfg), NativeMoE(None).route(logits, cfg)):
-        assert torch.equal(got, ref)
-
 
 @pytest.mark.interpret
 def test_refuses_unknown_activation_and_fp8_without_scales():

@@ -1,0 +1,126 @@
+"""MoE routing in one launch: router logits -> (weights, expert ids) per token, on the device.
+
+What ``NativeMoE.route`` computes for ungrouped routing, rounding apart: scores (softmax, sigmoid
+or DeepSeek-V4's sqrtsoftplus) in fp32; the experts chosen by the scores plus the correction bias
+(no-aux routing), best first, among equal choice scores the lowest expert id first (as
+``torch.topk`` on the CPU orders them), or read from the hash table by token id; the weights are
+the unbiased scores of the chosen experts, renormalised and times the routed scaling factor.
+
+Everything is sized by the logits' shape, so a step that routes can be captured in a graph. A
+program takes BLOCK_T tokens and every expert of them; the top-k is TOP_K rounds of (max, lowest
+id at the max, remove it). Grouped top-k (DeepSeek-V3) is not here: ``TritonMoE.route`` gives it to
+the native routing, torch ops with no host synchronisation either.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.moe import RoutingConfig
+
+from .pdl import launch_options, wait_for_prior
+from .target import config_for
+
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's: above it softplus(x) is x
+# logits held per program (BLOCK_T = this // experts rows) and warps
+ROUTE_TILE = {"cuda": (2048, 4), "hip": (2048, 4), "default": (512, 4)}
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e**x) as torch computes it: x past the threshold, else log1p(e**x), where log1p(u)
+    is log(1 + u) * u / ((1 + u) - 1), exact to a few ulp even where 1 + u rounds to 1."""
+    u = tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))
+    v = 1.0 + u
+    d = v - 1.0
+    log1p = tl.where(d == 0.0, u, tl.log(v) * (u / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, log1p)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, T, E, stride_l, scaling,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PDL: tl.constexpr):
+    """weights [T, TOP_K] fp32 and ids [T, TOP_K] int64 of BLOCK_T tokens."""
+    wait_for_prior(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < T
+    experts = tl.arange(0, EXPERTS)
+    real = experts < E
+    mask = live[:, None] & real[None, :]
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + experts[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    if SCORING == 0:
+        x = tl.where(real[None, :], x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+    elif SCORING == 1:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        scores = tl.sqrt_rn(_softplus(x))
+    scores = tl.where(real[None, :], scores, 0.0)
+    if not HASHED:
+        choice = scores
+        if HAS_BIAS:
+            choice += tl.load(bias_ptr + experts, mask=real, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(real[None, :], choice, float("-inf"))
+    else:
+        token = tl.load(token_ids_ptr + rows, mask=live, other=0).to(tl.int64)
+    slots = tl.arange(0, K_POW2)
+    chosen = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int64)
+    picked = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        if HASHED:
+            expert = tl.load(table_ptr + token * TOP_K + k, mask=live, other=0).to(tl.int32)
+        else:
+            best = tl.max(choice, axis=1)
+            expert = tl.min(tl.where(choice == best[:, None], experts[None, :], EXPERTS), axis=1)
+            choice = tl.where(experts[None, :] == expert[:, None], float("-inf"), choice)
+        weight = tl.sum(tl.where(experts[None, :] == expert[:, None], scores, 0.0), axis=1)
+        chosen = tl.where(slots[None, :] == k, expert.to(tl.int64)[:, None], chosen)
+        picked = tl.where(slots[None, :] == k, weight[:, None], picked)
+    if RENORMALIZE:
+        picked = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20)  # the epsilon guards 0/0, as native's
+    out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    keep = live[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + out, picked * scaling, mask=keep)
+    tl.store(ids_ptr + out, chosen, mask=keep)
+
+
+def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, top_k] fp32, expert ids [T, top_k] int64); ungrouped routing only."""
+    if cfg.num_groups > 1:
+        raise ValueError("grouped top-k is not in the routing kernel; route it natively")
+    if cfg.scoring not in SCORINGS:
+        raise ValueError(f"scoring {cfg.scoring!r} is not supported; supported: {sorted(SCORINGS)}")
+    t, e = router_logits.shape
+    if e != cfg.num_experts:
+        raise ValueError(f"router logits have {e} experts, the routing {cfg.num_experts}")
+    hashed = cfg.hash_table is not None
+    if hashed and input_ids is None:
+        raise ValueError("hash routing needs the token ids")
+    if hashed and (cfg.hash_table.dim() != 2 or cfg.hash_table.shape[1] != cfg.top_k):
+        raise ValueError(f"hash table {list(cfg.hash_table.shape)} is not [vocab, top_k={cfg.top_k}]")
+    device = router_logits.device
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(t, cfg.top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(t, cfg.top_k, dtype=torch.int64, device=device)
+    if t == 0:
+        return weights, ids
+    tile, num_warps = config_for(ROUTE_TILE, device)
+    experts = triton.next_power_of_2(e)
+    block_t = triton.next_power_of_2(max(1, tile // experts))
+    bias = None if hashed else cfg.correction_bias
+    table = cfg.hash_table.contiguous() if hashed else None
+    tokens = input_ids.reshape(-1).contiguous() if hashed else None
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, table, tokens, weights, ids, t, e, logits.stride(0), float(cfg.routed_scaling_factor),
+        SCORING=SCORINGS[cfg.scoring], HAS_BIAS=bias is not None, HASHED=hashed, RENORMALIZE=cfg.renormalize,
+        TOP_K=cfg.top_k, K_POW2=triton.next_power_of_2(cfg.top_k), EXPERTS=experts, BLOCK_T=block_t,
+        num_warps=num_warps, **launch_options(device))
+    return weights, ids
