@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError, error_body, invalid
-from .native_routes import generate
+from .native_routes import GenerateRequest, generate
 from .openai_serving import Serving, create_chat_completion, create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, pydantic_error_to_api
+from .request_body import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +113,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _json_object(request: Request, limit: int) -> dict:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise APIError(415, f"the body must be application/json, got {ctype or 'no content type'!r}",
-                       "invalid_request_error", None, "unsupported_media_type")
-    try:
-        body = json.loads(await _read_body(request, limit))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(None, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid(None, f"the body must be a JSON object, got {type(body).__name__}")
-    return body
+    return parse_json_object(await _read_body(request, limit), request.headers.get("content-type", ""))
 
 
 def _parse(model: type[pydantic.BaseModel], body: dict):
@@ -164,7 +155,7 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
     app.add_api_route("/v1/chat/completions",
                       route(lambda s, b, r: create_chat_completion(s, _parse(ChatCompletionRequest, b), r)),
                       methods=["POST"])
-    app.add_api_route("/generate", route(generate), methods=["POST"])
+    app.add_api_route("/generate", route(lambda s, b, r: generate(s, _parse(GenerateRequest, b), r)), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

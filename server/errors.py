@@ -23,3 +23,11 @@ def error_body(err: APIError) -> dict:
 def invalid(param: str | None, message: str) -> APIError:
     """A 400 that names the request field at fault, so a client knows what to fix."""
     return APIError(400, message, "invalid_request_error", param)
+
+
+def field_error(exc: ValueError, names: dict[str, str] | None = None, prefix: str = "") -> APIError:
+    """A 400 from an engine-side ``ValueError``, whose message starts with the engine's field name,
+    renamed to the field the client sent (``names``: engine field -> request field)."""
+    field, _, rest = str(exc).partition(" ")
+    field = (names or {}).get(field, field)
+    return invalid(prefix + field, f"{field} {rest}")

@@ -13,52 +13,84 @@ from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ConfigDict
 
 from ..core.sampling_params import SamplingParams
-from .errors import APIError, invalid
+from .errors import APIError, field_error, invalid
 from .generation import PromptRun
 from .openai_serving import Serving, _respond, _stream
-from .protocol import Limits, check_range, check_stops
+from .limits import Limits, check_range, check_stops
+from .protocol import Int64, StrictRequest
+
+PARAMS = "sampling_params."
 
 
-def _params(raw, limits: Limits, vocab_size: int) -> SamplingParams:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise invalid("sampling_params", "sampling_params must be an object")
-    raw = dict(raw)
+class NativeSamplingParams(StrictRequest):
+    """``SamplingParams``' fields, typed (strict, 64-bit integers, finite numbers); unknown ones refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    max_tokens: Int64 | None = None
+    max_new_tokens: Int64 | None = None  # SGLang's name for max_tokens
+    min_tokens: Int64 | None = None
+    ignore_eos: bool | None = None
+    logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class GenerateRequest(StrictRequest):
+    text: str | None = None
+    input_ids: list[Int64] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+
+
+def _params(req: GenerateRequest, limits: Limits, vocab_size: int) -> tuple[SamplingParams, dict[str, str]]:
+    """The engine's params and the names the client gave its fields (``max_new_tokens``)."""
+    raw = req.sampling_params.model_dump(exclude_unset=True) if req.sampling_params else {}
+    names = {}
     if "max_new_tokens" in raw:
         raw["max_tokens"] = raw.pop("max_new_tokens")
-    known = SamplingParams.__dataclass_fields__
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise invalid(f"sampling_params.{unknown[0]}", f"sampling_params has no field {unknown[0]!r}")
+        names["max_tokens"] = "max_new_tokens"
     try:
         params = SamplingParams(**raw)
         params.validate_against(vocab_size)
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        raise invalid(f"sampling_params.{field}", str(e)) from None
+        raise field_error(e, names, PARAMS) from None
     try:
         check_range("n", params.n, 1, limits.max_n)
         for name in ("logprobs", "prompt_logprobs"):
             check_range(name, getattr(params, name), 0, limits.max_logprobs)
         check_stops(params.stop, limits)
     except APIError as e:
-        e.param = f"sampling_params.{e.param}"
+        e.param = PARAMS + e.param
         raise
-    return params
+    return params, names
 
 
-async def _prompt(body: dict, s: Serving) -> tuple[list[int], str | None]:
-    text, ids = body.get("text"), body.get("input_ids")
+async def _prompt(req: GenerateRequest, s: Serving) -> tuple[list[int], str | None]:
+    text, ids = req.text, req.input_ids
     if (text is None) == (ids is None):
         raise invalid("text", "give exactly one of text and input_ids")
     if text is not None:
-        if not isinstance(text, str) or not text:
+        if not text:
             raise invalid("text", "text must be a non-empty string")
         return await s.encode(text), text
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not ids:
         raise invalid("input_ids", "input_ids must be a non-empty list of token ids")
     bad = [t for t in ids if not 0 <= t < s.vocab_size]
     if bad:
@@ -72,17 +104,17 @@ def _meta(run: PromptRun, c) -> dict:
             "cached_tokens": run.num_cached_tokens}
 
 
-async def generate(s: Serving, body: dict, request: Request) -> Response:
+async def generate(s: Serving, req: GenerateRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    params = _params(body.get("sampling_params"), s.limits, s.vocab_size)
-    ids, text = await _prompt(body, s)
-    run = s.new_run(ids, params, text)
+    params, names = _params(req, s.limits, s.vocab_size)
+    ids, text = await _prompt(req, s)
+    run = s.new_run(ids, params, text, names, PARAMS)
 
     def result():
         outs = [{"text": c.text, "output_ids": c.token_ids, "meta_info": _meta(run, c)} for c in run.completions]
         return outs[0] if len(outs) == 1 else outs
 
-    if not body.get("stream"):
+    if not req.stream:
         return await _respond([run], s, arrival, request, result)
 
     async def events() -> AsyncIterator[str]:

@@ -22,13 +22,15 @@ from ..core.sampling_params import SamplingParams
 from ..core.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
 from .engine_client import EngineClient, EngineDeadError, RequestRejected
-from .errors import APIError, error_body, invalid
+from .errors import APIError, error_body, field_error, invalid
 from .generation import Completion, PromptRun, Update
 from .metrics import ServerMetrics
+from .limits import Limits, check_logprob_entries, check_sequences
+from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined
 from .protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatDelta, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
-                       CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Limits,
-                       TopLogprob, Usage, prompt_token_lists, to_sampling_params)
+                       ChatCompletionResponse, ChatDelta, ChatResponseMessage, CompletionChoice, CompletionChunk,
+                       CompletionRequest, CompletionResponse, Usage, client_field_names, prompt_token_lists,
+                       to_sampling_params)
 
 
 INLINE_TOKENIZE_CHARS = 1 << 14
@@ -52,11 +54,14 @@ class Serving:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "invalid_request_error", "model", "model_not_found")
 
-    def new_run(self, ids: list[int], params: SamplingParams, text: str | None) -> PromptRun:
+    def new_run(self, ids: list[int], params: SamplingParams, text: str | None,
+                names: dict[str, str] | None = None, prefix: str = "") -> PromptRun:
+        """A run for one prompt, if it fits the context; a 400 names the field as ``names`` and
+        ``prefix`` say the client spelled it."""
         try:
             check_context(len(ids), params.max_tokens, self.max_model_len, params.min_tokens)
         except ValueError as e:
-            raise invalid(str(e).split(" ", 1)[0], str(e)) from None
+            raise field_error(e, names, prefix) from None
         return PromptRun(self.tokenizer, ids, params, text)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -64,6 +69,15 @@ class Serving:
         if len(text) < INLINE_TOKENIZE_CHARS:
             return self.tokenizer.encode(text, add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def encode_prompts(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids per prompt; many or long texts in one worker thread."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if sum(map(len, texts)) >= INLINE_TOKENIZE_CHARS:
+            encoded = iter(await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts]))
+        else:
+            encoded = iter([self.tokenizer.encode(t) for t in texts])
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
     def token_text(self, token_id: int) -> str:
         """A token's text; a piece of a multi-byte character has none, so it is named by id (as vLLM's
@@ -135,7 +149,7 @@ async def _run_to_end(runs: list[PromptRun], s: Serving, arrival: float, request
 
 def _engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestRejected):
-        return invalid(str(exc).split(" ", 1)[0], str(exc))
+        return field_error(exc)
     return APIError(500, f"the engine is not serving: {exc}", "internal_server_error", None, "engine_dead")
 
 
@@ -162,73 +176,72 @@ def _usage(runs: list[PromptRun]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _json_bytes(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 async def _respond(runs: list[PromptRun], s: Serving, arrival: float, request: Request,
                    build: Callable[[], dict]) -> Response:
+    """Run to the end, then build and serialise the answer in a worker thread: a large answer
+    (many choices, logprobs) must not stall every other stream and /health while it is built."""
     try:
         if not await _run_to_end(runs, s, arrival, request):
             return Response(status_code=499)  # nobody is listening
     except (EngineDeadError, RequestRejected) as exc:
         err = _engine_error(exc)
         return JSONResponse(error_body(err), status_code=err.status_code)
-    return JSONResponse(build())
+    return Response(await asyncio.to_thread(lambda: _json_bytes(build())), media_type="application/json")
 
 
 # ---- /v1/completions ----
 
-def _completion_logprobs(s: Serving, token_ids: list[int], logprobs: list[dict[int, float] | None],
-                         offset: int) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for tid, lp in zip(token_ids, logprobs):
-        text = s.token_text(tid)
-        out.tokens.append(text)
-        out.text_offset.append(offset)
-        offset += len(text)
-        out.token_logprobs.append(lp[tid] if lp is not None else None)
-        out.top_logprobs.append({s.token_text(t): v for t, v in lp.items()} if lp is not None else None)
-    return out
-
-
-def _merge_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+def _room(s: Serving, run: PromptRun) -> int:
+    """The most tokens a run may generate."""
+    return run.params.max_tokens or s.max_model_len - len(run.prompt_token_ids) + 1
 
 
 async def create_completion(s: Serving, req: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     s.check_model(req.model)
     params = to_sampling_params(req, s.limits, s.vocab_size)
+    prompts = prompt_token_lists(req, s.vocab_size)
+    check_sequences(len(prompts), params.n, s.limits)
     runs = []
-    for p in prompt_token_lists(req, s.vocab_size):
-        ids = await s.encode(p) if isinstance(p, str) else list(p)
+    for p, ids in zip(prompts, await s.encode_prompts(prompts)):
         if not ids:
             raise invalid("prompt", "prompt must not be empty")
-        runs.append(s.new_run(ids, params, p if isinstance(p, str) else None))
+        runs.append(s.new_run(ids, params, p if isinstance(p, str) else None, client_field_names(req)))
     n = params.n
     want_logprobs = req.logprobs is not None
+    check_logprob_entries("logprobs", [len(r.prompt_token_ids) * req.echo + _room(s, r) for r in runs], n,
+                          req.logprobs, s.limits)
 
     def echo_text(r: PromptRun) -> str:
         return r.prompt_text if r.prompt_text is not None else s.tokenizer.decode(r.prompt_token_ids)
 
-    def logprobs_of(r: PromptRun, c: Completion, start: int, count: int, offset: int) -> CompletionLogprobs | None:
+    def logprobs_of(c: Completion, start: int, count: int, offset: int, texts: TokenTexts) -> dict | None:
         if not want_logprobs:
             return None
-        return _completion_logprobs(s, c.token_ids[start:start + count], c.logprobs[start:start + count], offset)
+        return completion_logprobs(texts, c.token_ids[start:start + count], c.logprobs[start:start + count], offset)
 
-    def choice(i: int, r: PromptRun, c: Completion) -> CompletionChoice:
-        text, lps = c.text, logprobs_of(r, c, 0, len(c.token_ids), 0)
-        if req.echo:
-            prompt = echo_text(r)
-            text = prompt + text
-            if want_logprobs:
-                plps = r.prompt_logprobs or [None] * len(r.prompt_token_ids)
-                head = _completion_logprobs(s, r.prompt_token_ids, plps, 0)
-                lps = _merge_logprobs(head, logprobs_of(r, c, 0, len(c.token_ids), len(prompt)))
-        return CompletionChoice(index=i * n + c.index, text=text, logprobs=lps, finish_reason=c.finish_reason)
+    def answer() -> dict:
+        texts, choices = TokenTexts(s.token_text), []
+        for i, r in enumerate(runs):
+            prompt = echo_text(r) if req.echo else ""
+            head = None
+            if req.echo and want_logprobs:  # once per prompt, shared by its choices
+                head = completion_logprobs(texts, r.prompt_token_ids,
+                                           r.prompt_logprobs or [None] * len(r.prompt_token_ids), 0)
+            for c in r.completions:
+                lps = logprobs_of(c, 0, len(c.token_ids), len(prompt), texts)
+                choices.append({"index": i * n + c.index, "text": prompt + c.text,
+                                "logprobs": joined(head, lps) if head is not None else lps,
+                                "finish_reason": c.finish_reason})
+        return {**CompletionResponse(model=s.model_name, choices=[], usage=_usage(runs)).model_dump(),
+                "choices": choices}
 
     if not req.stream:
-        return await _respond(runs, s, arrival, request, lambda: CompletionResponse(
-            model=s.model_name, choices=[choice(i, r, c) for i, r in enumerate(runs) for c in r.completions],
-            usage=_usage(runs)).model_dump())
+        return await _respond(runs, s, arrival, request, answer)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = CompletionChunk(model=s.model_name, choices=[])
@@ -239,17 +252,19 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
 
     async def events() -> AsyncIterator[str]:
         if req.echo:
+            echoes = await asyncio.to_thread(lambda: [echo_text(r) for r in runs])
             for i, r in enumerate(runs):
                 for c in r.completions:
-                    yield chunk([CompletionChoice(index=i * n + c.index, text=echo_text(r))])
+                    yield chunk([CompletionChoice(index=i * n + c.index, text=echoes[i])])
         offsets: dict[tuple[int, int], int] = {}
+        texts = TokenTexts(s.token_text)
         async for i, u in _merged(runs, s, arrival):
             c = u.completion
             key = (i, c.index)
             off = offsets.get(key, 0)
             offsets[key] = off + len(u.text)
             yield chunk([CompletionChoice(index=i * n + c.index, text=u.text,
-                                          logprobs=logprobs_of(runs[i], c, u.first_token, u.num_tokens, off),
+                                          logprobs=logprobs_of(c, u.first_token, u.num_tokens, off, texts),
                                           finish_reason=c.finish_reason if u.finished else None)])
         if include_usage:
             yield chunk([], _usage(runs))
@@ -258,17 +273,6 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
 
 
 # ---- /v1/chat/completions ----
-
-def _chat_logprobs(s: Serving, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> ChatChoiceLogprobs:
-    content = []
-    for tid, lp in zip(token_ids, logprobs):
-        text = s.token_text(tid)
-        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        content.append(ChatTokenLogprob(
-            token=text, logprob=lp[tid], bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=(t := s.token_text(k)), logprob=v, bytes=list(t.encode())) for k, v in best]))
-    return ChatChoiceLogprobs(content=content)
-
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
@@ -279,13 +283,16 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     ids = await s.encode(text, add_special_tokens=False)
     if not ids:
         raise invalid("messages", "the conversation renders to an empty prompt")
-    run = s.new_run(ids, params, text)
+    run = s.new_run(ids, params, text, client_field_names(req))
     top = req.top_logprobs or 0
+    check_logprob_entries(client_field_names(req).get("logprobs", "logprobs"), [_room(s, run)], params.n,
+                          top if req.logprobs else None, s.limits)
+    texts = TokenTexts(s.token_text)
 
     def logprobs_of(c: Completion, start: int, count: int) -> ChatChoiceLogprobs | None:
         if not req.logprobs:
             return None
-        return _chat_logprobs(s, c.token_ids[start:start + count], c.logprobs[start:start + count], top)
+        return chat_logprobs(texts, c.token_ids[start:start + count], c.logprobs[start:start + count], top)
 
     if not req.stream:
         return await _respond([run], s, arrival, request, lambda: ChatCompletionResponse(

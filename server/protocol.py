@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response bodies, and their translation into ``SamplingParams``.
 
 Requests validate types strictly (``"3"`` is not a number) but ignore unknown fields, because
-OpenAI clients send extras. Every refusal is an ``APIError`` 400 naming the field at fault.
+OpenAI clients send extras. Every integer fits 64 bits (the engine's wire format is msgpack) and
+every number is finite. Every refusal is an ``APIError`` 400 naming the field at fault, the field
+as the client spelled it (``max_completion_tokens``, not the engine's ``max_tokens``).
 Response models use OpenAI's field names exactly, so the official client parses them.
 """
 
@@ -9,53 +11,46 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core.sampling_params import SamplingParams
-from .errors import APIError, invalid
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-request ceilings that keep one request from costing the server unbounded work."""
-
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_stop_sequences: int = 16
-    max_stop_length: int = 1024
+from .errors import APIError, field_error, invalid
+from .limits import Limits, check_range, check_stops
 
 
 # ---- requests ----
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
-class StreamOptions(_Request):
+class StrictRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(StrictRequest):
     """Fields both endpoints share; None means the engine's default."""
 
     model: str | None = None
-    n: int | None = None
+    n: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Int64] | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
     stream: bool = False
@@ -64,18 +59,18 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
 
 
-class TextPart(_Request):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
     name: str | None = None
@@ -89,10 +84,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     # Declared only to refuse them: templates run server-side code and are the operator's choice.
     chat_template: Any = None
     chat_template_kwargs: Any = None
@@ -112,23 +107,9 @@ _SHARED_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_t
                   "logit_bias", "skip_special_tokens")
 
 
-def check_range(param: str, value: int | None, low: int, high: int) -> None:
-    if value is not None and not low <= value <= high:
-        raise invalid(param, f"{param} must be in [{low}, {high}], got {value}")
-
-
-def check_stops(stop: str | list[str] | None, limits: Limits) -> None:
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if len(stops) > limits.max_stop_sequences:
-        raise invalid("stop", f"stop may hold at most {limits.max_stop_sequences} sequences, got {len(stops)}")
-    for s in stops:
-        if len(s) > limits.max_stop_length:
-            raise invalid("stop", f"stop sequences may be at most {limits.max_stop_length} characters, "
-                                  f"got {len(s)}")
-
-
-def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict:
-    """The fields whose names or meaning differ between the two endpoints, plus which field set each."""
+def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, tuple[Any, str]]:
+    """The engine fields whose names or meaning differ between the two endpoints: their values, and
+    the request field each came from."""
     if isinstance(req, CompletionRequest):
         return {"max_tokens": (req.max_tokens, "max_tokens"), "logprobs": (req.logprobs, "logprobs"),
                 "prompt_logprobs": (req.logprobs if req.echo else None, "logprobs")}
@@ -140,6 +121,11 @@ def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict
         max_tokens = (req.max_tokens, "max_tokens")
     top = "top_logprobs" if req.top_logprobs is not None else "logprobs"
     return {"max_tokens": max_tokens, "logprobs": ((req.top_logprobs or 0) if req.logprobs else None, top)}
+
+
+def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """Engine field -> the request field it came from, where they differ."""
+    return {name: param for name, (_, param) in _length_and_logprobs(req).items() if name != param}
 
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: Limits,
@@ -159,8 +145,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
     try:
         params = SamplingParams(**kwargs)
         params.validate_against(vocab_size)
-    except ValueError as e:  # SamplingParams' messages start with the field name
-        raise invalid(str(e).split(" ", 1)[0], str(e)) from None
+    except ValueError as e:
+        raise field_error(e, client_field_names(req)) from None
     return params
 
 

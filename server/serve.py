@@ -26,7 +26,7 @@ from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
 from .metrics import ServerMetrics
 from .openai_serving import Serving
-from .protocol import Limits
+from .limits import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=Limits.max_n)
     g.add_argument("--max-logprobs", type=int, default=Limits.max_logprobs)
     g.add_argument("--max-stop-sequences", type=int, default=Limits.max_stop_sequences)
+    g.add_argument("--max-seqs-per-request", type=int, default=Limits.max_seqs_per_request,
+                   help="prompts x n one request may start (400 past it)")
+    g.add_argument("--max-logprob-entries", type=int, default=Limits.max_logprob_entries,
+                   help="logprob values one answer may carry: tokens x choices x (logprobs + 1), echoed "
+                        "prompt tokens counted in every choice (400 past it)")
     g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
 
 
@@ -99,7 +104,8 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(args: argparse.Namespace) -> int:
     config = engine_config(args)
-    limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences)
+    limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
+                    max_seqs_per_request=args.max_seqs_per_request, max_logprob_entries=args.max_logprob_entries)
     state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None,
                         max_body_bytes=args.max_request_body)
     name = args.served_model_name or Path(config.model).name

@@ -6,7 +6,8 @@ import pytest
 
 from live_server import LiveServer
 
-LIMIT_ARGS = ("--max-n", "4", "--max-logprobs", "5", "--max-stop-sequences", "4")
+LIMIT_ARGS = ("--max-n", "4", "--max-logprobs", "5", "--max-stop-sequences", "4", "--max-seqs-per-request", "16",
+              "--max-logprob-entries", "20000")
 
 
 @pytest.fixture(scope="session")

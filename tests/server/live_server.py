@@ -35,6 +35,13 @@ def engine_children(pid: int) -> list[int]:
     return out
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmRSS for {pid}")
+
+
 class LiveServer:
     def __init__(self, model: str | None, *extra: str, api_key: str | None = API_KEY,
                  env: dict[str, str] | None = None, log: Path | None = None) -> None:
@@ -72,6 +79,10 @@ class LiveServer:
     def engine_pid(self) -> int:
         (pid,) = engine_children(self.proc.pid)
         return pid
+
+    def rss_mib(self) -> tuple[float, float]:
+        """Resident memory of the API process and of its engine process, in MiB (from /proc)."""
+        return rss_mib(self.proc.pid), rss_mib(self.engine_pid())
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by its full name with labels; model_name labels dropped."""

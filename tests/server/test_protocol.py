@@ -10,11 +10,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChatChunk
 
 from engine.server.errors import APIError, error_body, invalid
+from engine.server.limits import Limits
 from engine.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatResponseMessage,
                                     ChatTokenLogprob, CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                    CompletionRequest, CompletionResponse, Limits, TopLogprob, Usage,
-                                    prompt_token_lists, pydantic_error_to_api, to_sampling_params)
+                                    CompletionRequest, CompletionResponse, TopLogprob, Usage, prompt_token_lists,
+                                    pydantic_error_to_api, to_sampling_params)
 
 VOCAB = 1000
 LIMITS = Limits()

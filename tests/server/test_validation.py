@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json as _json
+
 import httpx
 import pytest
 
@@ -32,6 +34,24 @@ COMPLETION_CASES = [
     ({"temperature": "hot"}, 400, "temperature"),
     ({"top_p": 0}, 400, "top_p"),
     ({"model": "no-such-model"}, 404, "model"),
+    ({"seed": 2**64}, 400, "seed"),
+    ({"seed": -2**63 - 1}, 400, "seed"),
+    ({"top_k": 2**64}, 400, "top_k"),
+    ({"n": 10**30}, 400, "n"),
+    ({"max_tokens": 2**70}, 400, "max_tokens"),
+    ({"min_tokens": 2**64}, 400, "min_tokens"),
+    ({"logprobs": 2**64}, 400, "logprobs"),
+    ({"stop_token_ids": [2**64]}, 400, "stop_token_ids.0"),
+    ({"prompt": [2**64]}, 400, "prompt"),
+    ({"prompt": "a\ud800b"}, 400, "prompt"),
+    ({"prompt": ["ok", "\udfff"]}, 400, "prompt.1"),
+    ({"stop": ["\ud800"]}, 400, "stop.0"),
+    ({"temperature": float("inf")}, 400, "temperature"),
+    ({"repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ({"repetition_penalty": float("-inf")}, 400, "repetition_penalty"),
+    ({"top_p": float("nan")}, 400, "top_p"),
+    ({"presence_penalty": 1e999}, 400, "presence_penalty"),
+    ({"logit_bias": {"1": float("inf")}}, 400, "logit_bias.1"),
 ]
 
 CHAT_CASES = [
@@ -44,10 +64,25 @@ CHAT_CASES = [
     ({"n": 5}, 400, "n"),
     ({"chat_template": "{{ 7 * 7 }}"}, 400, "chat_template"),
     ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
+    ({"max_completion_tokens": 10**12}, 400, "max_completion_tokens"),
+    ({"max_tokens": 10**12}, 400, "max_tokens"),
+    ({"max_completion_tokens": 2**64}, 400, "max_completion_tokens"),
+    ({"logprobs": True, "top_logprobs": 2**64}, 400, "top_logprobs"),
+    ({"seed": 2**64}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udc00"}]}]}, 400,
+     "messages.0.content.0.text"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, 400, "messages.0.name"),
+    ({"temperature": float("inf")}, 400, "temperature"),
+    ({"frequency_penalty": float("-inf")}, 400, "frequency_penalty"),
 ]
 
 
-def _post(server, path: str, headers: dict | None = None, **kw) -> httpx.Response:
+def _post(server, path: str, headers: dict | None = None, json=None, **kw) -> httpx.Response:
+    """POST ``json`` as Python's json writes it: Infinity and NaN as literals, lone surrogates escaped."""
+    if json is not None:
+        kw["content"] = _json.dumps(json)
+        headers = {**(headers or server.headers), "content-type": "application/json"}
     return httpx.post(server.url + path, headers=headers or server.headers, timeout=60, **kw)
 
 
@@ -98,8 +133,42 @@ def test_bodies_that_are_not_json_objects(tiny_server, content, ctype, status):
     ({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ({"text": "x", "sampling_params": {"n": 9}}, "sampling_params.n"),
     ({"text": "x", "sampling_params": {"stop_token_ids": [10**7]}}, "sampling_params.stop_token_ids"),
-    ({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "max_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens"),
+    ({"text": "x", "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ({"text": "x", "sampling_params": {"stop_token_ids": 5}}, "sampling_params.stop_token_ids"),
+    ({"text": "x", "sampling_params": {"skip_special_tokens": "no"}}, "sampling_params.skip_special_tokens"),
+    ({"text": "x", "sampling_params": {"seed": 2**64}}, "sampling_params.seed"),
+    ({"text": "x", "sampling_params": {"top_k": 2**64}}, "sampling_params.top_k"),
+    ({"text": "x", "sampling_params": {"temperature": float("inf")}}, "sampling_params.temperature"),
+    ({"text": "x", "sampling_params": {"repetition_penalty": float("inf")}}, "sampling_params.repetition_penalty"),
+    ({"text": "x", "sampling_params": {"logit_bias": {"1": float("nan")}}}, "sampling_params.logit_bias.1"),
+    ({"text": "x", "sampling_params": {"min_tokens": "3"}}, "sampling_params.min_tokens"),
+    ({"text": "x", "sampling_params": []}, "sampling_params"),
+    ({"text": "\ud800"}, "text"),
+    ({"text": 5}, "text"),
+    ({"input_ids": [2**64]}, "input_ids.0"),
+    ({"input_ids": [1, True]}, "input_ids.1"),
 ])
 def test_bad_native_generate(tiny_server, body, param):
     _assert_error(_post(tiny_server, "/generate", json=body), 400, param)
     _still_serves(tiny_server)
+
+
+@pytest.mark.parametrize("depth", [60, 900, 1000, 100_000])
+def test_deeply_nested_bodies(tiny_server, depth):
+    nested = "[" * depth + "]" * depth
+    for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"), ("/generate", "text")):
+        r = _post(tiny_server, path, content=f'{{"{field}": {nested}}}',
+                  headers={**tiny_server.headers, "content-type": "application/json"})
+        assert r.status_code == 400, (path, depth, r.text)
+        assert r.json()["error"]["message"]
+    _still_serves(tiny_server)
+
+
+def test_native_params_cover_sampling_params():
+    """Every SamplingParams field can be set through /generate, and only those (plus the alias)."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.server.native_routes import NativeSamplingParams
+
+    assert set(NativeSamplingParams.model_fields) == set(SamplingParams.__dataclass_fields__) | {"max_new_tokens"}
