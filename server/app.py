@@ -161,7 +161,8 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
     async def health() -> Response:
         if state.serving_now:
             return Response(status_code=200)
-        why = "draining" if state.draining else (state.serving.client.dead_reason if state.serving else "starting")
+        client = state.serving.client if state.serving else None
+        why = "draining" if state.draining else (client.unhealthy_reason if client else "starting")
         return JSONResponse(error_body(APIError(503, f"not serving: {why}", "service_unavailable")), status_code=503)
 
     @app.get("/v1/models")

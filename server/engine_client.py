@@ -3,7 +3,8 @@
 One reader task drains the engine's socket into a queue per request, so the engine never waits
 on a slow client: a client that stops reading only grows its own queue. A monitor task notices a
 dead engine process (exit, or a ``Failed`` message) within a fraction of a second; every waiting
-request then fails with ``EngineDeadError`` and ``on_death`` runs.
+request then fails with ``EngineDeadError`` and ``on_death`` runs. An engine that says nothing for
+``SILENCE_S`` (stopped, or its loop stalled: see liveness.py) is not healthy until it speaks again.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import zmq.asyncio
 
 from ..core.config import EngineConfig
 from . import wire
+from .liveness import DEFAULT_STALL_S, SILENCE_S
 
 logger = logging.getLogger(__name__)
 
 MONITOR_S = 0.2
-HEARTBEAT_TIMEOUT_S = 30.0  # no heartbeat for this long: not healthy (a step may be long, not this long)
 
 
 class EngineDeadError(RuntimeError):
@@ -42,9 +43,10 @@ class RequestRejected(ValueError):
 
 class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
-                 on_death: Callable[[str], None] | None = None) -> None:
+                 on_death: Callable[[str], None] | None = None, stall_timeout: float = DEFAULT_STALL_S) -> None:
         self.config = config
         self.log_level = log_level
+        self.stall_timeout = stall_timeout
         self.on_death = on_death
         self.info: wire.Ready | None = None
         self.stats = wire.Stats()
@@ -68,8 +70,10 @@ class EngineClient:
         self._push.bind(to_engine)
         self._pull.bind(from_engine)
         cmd = [sys.executable, "-m", "engine.server.engine_process", "--input", to_engine, "--output", from_engine,
-               "--log-level", self.log_level]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+               "--ipc-dir", self._dir, "--stall-timeout", str(self.stall_timeout), "--log-level", self.log_level]
+        # its own session: signals to the server's process group (Ctrl-C, kill -TERM -PGID) are the
+        # API process's to handle, which drains and then stops the engine by message
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
         self._proc.stdin.write(json.dumps(asdict(self.config)).encode())
         self._proc.stdin.close()
         logger.info("engine process %d started; loading %s", self._proc.pid, self.config.model)
@@ -97,8 +101,18 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        return (self.info is not None and self.dead_reason is None
-                and time.monotonic() - self._last_beat < HEARTBEAT_TIMEOUT_S)
+        return self.unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        if self.info is None:
+            return "starting"
+        if self.dead_reason is not None:
+            return self.dead_reason
+        silent = time.monotonic() - self._last_beat
+        if silent >= SILENCE_S:
+            return f"the engine has said nothing for {silent:.1f} s (stopped, or its loop is stalled)"
+        return None
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process, reap it, and remove the sockets' directory."""
@@ -175,6 +189,7 @@ class EngineClient:
             except msgspec.DecodeError as exc:
                 logger.error("dropped a malformed message from the engine: %s", exc)
                 continue
+            self._last_beat = time.monotonic()  # any word from the engine says it is alive
             if isinstance(msg, wire.Outputs):
                 self.stats = msg.stats
                 for d in msg.deltas:
@@ -182,7 +197,6 @@ class EngineClient:
                         q.put_nowait(d)
             elif isinstance(msg, wire.Heartbeat):
                 self.stats = msg.stats
-                self._last_beat = time.monotonic()
             elif isinstance(msg, wire.Rejected):
                 if (q := self._streams.get(msg.request_id)) is not None:
                     q.put_nowait(RequestRejected(msg.message))

@@ -3,8 +3,13 @@
 Started by the API process as ``python -m engine.server.engine_process`` with the engine config
 as JSON on stdin and two socket addresses the API process has bound. It sends ``Ready`` once the
 model is loaded, then per step the token deltas of the requests the step changed, and a heartbeat
-with the gauges while idle. A dead loop says ``Failed`` and exits non-zero; a vanished parent
-ends it too, so no engine outlives its server.
+with the gauges while idle; a thread says ``Alive`` while the loop makes progress (liveness.py).
+A dead loop says ``Failed`` and exits non-zero; a vanished parent ends it too, and then it removes
+the sockets' directory itself, so neither the engine nor its sockets outlive the server.
+
+It runs in its own session (the API process starts it so): Ctrl-C in a terminal or a signal to the
+server's process group reaches the API process only, which drains and then stops this process by
+message. Signals are the parent's to handle.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -24,6 +30,7 @@ from ..core.engine import LLMEngine
 from ..core.request import Request
 from ..core.sampling_params import SamplingParams
 from . import wire
+from .liveness import DEFAULT_STALL_S, Liveness
 
 logger = logging.getLogger("engine.server.engine_process")
 
@@ -75,11 +82,14 @@ def _stats(engine: LLMEngine) -> wire.Stats:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: LLMEngine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
+                 liveness: Liveness) -> None:
         self.engine = engine
         self.pull = pull
         self.push = push
         self.parent_pid = parent_pid
+        self.liveness = liveness
+        self.orphaned = False
         self.tracker = DeltaTracker()
         self._stop = False
         self._pending: list[wire.RequestDelta] = []
@@ -125,6 +135,7 @@ class EngineLoop:
     def run(self) -> None:
         last_beat = 0.0
         while not self._stop:
+            self.liveness.iteration()
             busy = self.engine.has_unfinished_requests()
             self._receive(0 if busy else int(HEARTBEAT_S * 1000))
             if self._stop:
@@ -141,6 +152,7 @@ class EngineLoop:
                 self._send(wire.Heartbeat(_stats(self.engine)))
                 if os.getppid() != self.parent_pid:
                     logger.error("the API process is gone; stopping")
+                    self.orphaned = True
                     return
 
 
@@ -148,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="engine process (started by `engine serve`)")
     p.add_argument("--input", required=True, help="ZMQ address to pull requests from")
     p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--ipc-dir", default=None, help="the sockets' directory, removed here if the API process is gone")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_S,
+                   help="seconds one loop iteration may take before the engine stops saying it is alive")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s engine-process: %(message)s")
@@ -164,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  config.page_size)))
         logger.info("serving: max_model_len %d, %d KV pages of %d tokens", engine.max_model_len,
                     engine.pool.num_pages, config.page_size)
-        EngineLoop(engine, pull, push, parent).run()
+        with Liveness(ctx, args.output, args.stall_timeout) as liveness:
+            loop = EngineLoop(engine, pull, push, parent, liveness)
+            loop.run()
+        if loop.orphaned and args.ipc_dir:
+            shutil.rmtree(args.ipc_dir, ignore_errors=True)
     except BaseException as exc:
         logger.exception("engine loop died")
         push.send(wire.encoder.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))

@@ -1,6 +1,7 @@
 """``engine serve``: the API process. Starts the engine process, serves HTTP, drains on SIGTERM.
 
-SIGTERM (or the first Ctrl-C) stops admitting: generation routes and /health answer 503 while
+SIGTERM or SIGINT (to this process or to its whole process group: the engine process runs in its
+own session and never sees them) stops admitting: generation routes and /health answer 503 while
 in-flight requests run on for up to ``--shutdown-timeout`` seconds; what is left is then aborted
 (its clients get ``finish_reason: "abort"``), the engine process is stopped and reaped, and the
 server exits 0. A dead engine turns /health to 503 at once and fails waiting requests with 500;
@@ -24,9 +25,10 @@ from .app import ServerState, build_app
 from .chat_template import ChatTemplate
 from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
+from .limits import Limits
+from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
 from .openai_serving import Serving
-from .limits import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprob-entries", type=int, default=Limits.max_logprob_entries,
                    help="logprob values one answer may carry: tokens x choices x (logprobs + 1), echoed "
                         "prompt tokens counted in every choice (400 past it)")
+    g.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_S,
+                   help="seconds one engine step may run before /health turns 503 (a stopped or dead engine "
+                        f"turns it 503 after {SILENCE_S:g} s of silence whatever this is)")
     g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
 
 
@@ -112,7 +117,8 @@ def run_server(args: argparse.Namespace) -> int:
     server: DrainingServer | None = None
 
     def new_client() -> EngineClient:
-        return EngineClient(config, args.log_level, on_death=lambda why: server.engine_died(why, restart))
+        return EngineClient(config, args.log_level, on_death=lambda why: server.engine_died(why, restart),
+                            stall_timeout=args.engine_stall_timeout)
 
     async def restart() -> None:
         old = state.serving.client

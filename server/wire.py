@@ -91,13 +91,17 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: Stats
 
 
+class Alive(msgspec.Struct, tag="alive"):
+    """The engine loop makes progress (sent by a thread beside it; see liveness.py)."""
+
+
 class Failed(msgspec.Struct, tag="failed"):
     """The engine loop died; the message says why. The process exits after sending it."""
 
     message: str
 
 
-FromEngine = Ready | Outputs | Rejected | Heartbeat | Failed
+FromEngine = Ready | Outputs | Rejected | Heartbeat | Alive | Failed
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

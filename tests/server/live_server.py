@@ -44,7 +44,8 @@ def rss_mib(pid: int) -> float:
 
 class LiveServer:
     def __init__(self, model: str | None, *extra: str, api_key: str | None = API_KEY,
-                 env: dict[str, str] | None = None, log: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, log: Path | None = None, own_session: bool = False) -> None:
+        """``own_session``: the server leads its own process group, so a test can signal the group."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -53,7 +54,8 @@ class LiveServer:
         self.log_path = log
         self.log = open(log, "w") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "ENGINE_API_KEY": "", **(env or {})})
+                                     env={**os.environ, "ENGINE_API_KEY": "", **(env or {})},
+                                     start_new_session=own_session)
         self.model_name = Path(model).name if model else None
 
     @property

@@ -1,4 +1,5 @@
-"""Engine death, SIGTERM drain, abort on shutdown timeout, and 429 past the concurrency cap."""
+"""Engine death, a stopped engine, SIGTERM/SIGINT drain (to the process or its whole group), abort on
+shutdown timeout, 429 past the concurrency cap, and no engine or sockets left after a killed server."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import os
 import signal
 import time
 
-import httpx
+from pathlib import Path
 
+import httpx
+import pytest
+
+from engine.server.liveness import SILENCE_S
 from live_server import LiveServer
 
 
@@ -55,9 +60,22 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _start(tiny_qwen3, tmp_path, *args) -> LiveServer:
+def _start(tiny_qwen3, tmp_path, *args, own_session: bool = False) -> LiveServer:
     return LiveServer(str(tiny_qwen3), "--max-model-len", "1024", *args, api_key=None,
-                      log=tmp_path / "server.log").wait_ready()
+                      log=tmp_path / "server.log", own_session=own_session).wait_ready()
+
+
+def _ipc_dir(engine: int) -> Path:
+    argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
+    return Path(argv[argv.index(b"--ipc-dir") + 1].decode())
+
+
+def _wait_health(server, status: int, within: float) -> float:
+    t0 = time.monotonic()
+    while (r := httpx.get(server.url + "/health", timeout=10)).status_code != status:
+        assert time.monotonic() - t0 < within, f"/health still {r.status_code} after {within} s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def test_killed_engine_turns_health_503_fails_requests_and_exits(tiny_qwen3, tmp_path):
@@ -143,3 +161,46 @@ def test_restart_mode_brings_a_new_engine_up(tiny_qwen3, tmp_path):
     second = server.engine_pid()
     assert second != first and _gone(first)
     assert server.stop() == 0 and _gone(second)
+
+
+def test_stopped_engine_turns_health_503_and_a_killed_server_leaves_nothing(tiny_qwen3, tmp_path):
+    server = _start(tiny_qwen3, tmp_path)
+    engine = server.engine_pid()
+    ipc = _ipc_dir(engine)
+    assert ipc.is_dir()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        took = _wait_health(server, 503, SILENCE_S + 3)
+        assert "said nothing" in httpx.get(server.url + "/health").json()["error"]["message"]
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert took >= SILENCE_S - 1  # not before the silence threshold: no false alarm from one slow beat
+    _wait_health(server, 200, 5)
+    r = httpx.post(server.url + "/v1/completions", json=_body(3, stream=False), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+    server.proc.kill()  # SIGKILL: the API process cannot clean up; the engine must
+    server.proc.wait(10)
+    t0 = time.monotonic()
+    while not (_gone(engine) and not ipc.exists()):
+        assert time.monotonic() - t0 < 10, f"engine alive: {not _gone(engine)}, sockets left: {ipc.exists()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_to_the_process_group_drains(tiny_qwen3, tmp_path, sig):
+    """What a process manager (kill -TERM -PGID) or Ctrl-C in a terminal sends: the engine process,
+    in its own session, is not hit; the API process drains it as for a signal to itself."""
+    server = _start(tiny_qwen3, tmp_path, "--shutdown-timeout", "60", own_session=True)
+    engine = server.engine_pid()
+    assert os.getpgid(engine) != server.proc.pid
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = await _started_streams(client, server, 4, 48)
+            os.killpg(server.proc.pid, sig)
+            return await asyncio.gather(*jobs)
+
+    assert asyncio.run(main()) == ["length"] * 4
+    assert server.proc.wait(30) == 0
+    assert _gone(engine)
