@@ -1,18 +1,11 @@
-"""The FastAPI application: routes, and the gate every request passes first.
+"""The FastAPI application: routes behind the gate (gate.py) every request passes first.
 
-The gate (plain ASGI, so streaming is untouched) checks the API key on every route but /health
-in constant time, answers 503 while the server drains or the engine is down, and answers 429 at
-once past ``--max-concurrent-requests`` instead of letting requests queue into timeouts. Bodies
-are read and validated by hand so every refusal is an OpenAI-style 4xx naming the field.
+Bodies are parsed and validated by hand so every refusal is an OpenAI-style 4xx naming the field.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import pydantic
@@ -22,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError, error_body, invalid
+from .gate import Gate, ServerState
 from .native_routes import GenerateRequest, generate
 from .openai_serving import Serving, create_chat_completion, create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, pydantic_error_to_api
@@ -29,91 +23,9 @@ from .request_body import parse_json_object
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
-PUBLIC_PATHS = frozenset({"/health"})
 
-
-@dataclass
-class ServerState:
-    api_key: str | None = None
-    max_concurrent_requests: int | None = None
-    max_body_bytes: int = 32 * 2**20
-    serving: Serving | None = None
-    draining: bool = False
-    in_flight: int = 0
-    started: float = field(default_factory=time.time)
-
-    @property
-    def serving_now(self) -> bool:
-        return self.serving is not None and self.serving.client.healthy and not self.draining
-
-
-def _authorized(headers: dict[bytes, bytes], key: bytes) -> bool:
-    auth = headers.get(b"authorization", b"")
-    given = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-    return hmac.compare_digest(given, key)
-
-
-async def _send_error(send, err: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(error_body(err)).encode()
-    await send({"type": "http.response.start", "status": err.status_code,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class Gate:
-    """Auth, drain, engine health and the concurrency cap, before any route runs."""
-
-    def __init__(self, app, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        st, path = self.state, scope["path"]
-        if st.api_key and path not in PUBLIC_PATHS and not _authorized(dict(scope["headers"]), st.api_key.encode()):
-            return await _send_error(send, APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                                    "authentication_error", None, "invalid_api_key"),
-                                     [(b"www-authenticate", b"Bearer")])
-        if path not in GENERATION_PATHS:
-            return await self.app(scope, receive, send)
-        if not st.serving_now:
-            why = "the server is shutting down" if st.draining else "the engine is not serving"
-            return await _send_error(send, APIError(503, why, "service_unavailable", None, "unavailable"))
-        if st.max_concurrent_requests and st.in_flight >= st.max_concurrent_requests:
-            st.serving.metrics.rejected_overload += 1
-            return await _send_error(send, APIError(
-                429, f"the server is at its limit of {st.max_concurrent_requests} concurrent requests; retry later",
-                "rate_limit_error", None, "too_many_requests"), [(b"retry-after", b"1")])
-        st.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            st.in_flight -= 1
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the body is larger than {limit} bytes", "invalid_request_error", None, "body_too_large")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it passes ``limit`` (declared or streamed), never read whole first."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _json_object(request: Request, limit: int) -> dict:
-    return parse_json_object(await _read_body(request, limit), request.headers.get("content-type", ""))
+async def _json_object(request: Request) -> dict:
+    return parse_json_object(await request.body(), request.headers.get("content-type", ""))
 
 
 def _parse(model: type[pydantic.BaseModel], body: dict):
@@ -147,7 +59,7 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
 
     def route(handler: Callable[[Serving, dict, Request], Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
-            return await handler(state.serving, await _json_object(request, state.max_body_bytes), request)
+            return await handler(state.serving, await _json_object(request), request)
         return endpoint
 
     app.add_api_route("/v1/completions", route(lambda s, b, r: create_completion(s, _parse(CompletionRequest, b), r)),

@@ -21,10 +21,12 @@ from pathlib import Path
 import uvicorn
 
 from ..core.tokenizer import Tokenizer
-from .app import ServerState, build_app
+from .app import build_app
 from .chat_template import ChatTemplate
 from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
+from .gate import ServerState
+from .http_guard import ConnectionGuard
 from .limits import Limits
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
@@ -47,6 +49,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 429 past this many requests in flight (0: no limit)")
     g.add_argument("--max-request-body", type=parse_size, default=32 * 2**20,
                    help="refuse larger request bodies with 413 (default 32MiB)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (from opening, or from its last "
+                        "response); then it is closed")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request has to send its whole body once its headers are in (408 past it)")
+    g.add_argument("--max-connections-per-client", type=int, default=256,
+                   help="open connections one client address may hold; more are answered 429 and closed "
+                        "(0: no limit; raise it behind a proxy, where every client has the proxy's address)")
     g.add_argument("--on-engine-death", choices=["exit", "restart"], default="exit",
                    help="when the engine process dies: exit 1 (for a supervisor to restart), or start a new one")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -112,7 +122,8 @@ def run_server(args: argparse.Namespace) -> int:
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
                     max_seqs_per_request=args.max_seqs_per_request, max_logprob_entries=args.max_logprob_entries)
     state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None,
-                        max_body_bytes=args.max_request_body)
+                        max_body_bytes=args.max_request_body, body_timeout=args.body_timeout)
+    guard = ConnectionGuard(args.header_timeout, args.max_connections_per_client or None)
     name = args.served_model_name or Path(config.model).name
     server: DrainingServer | None = None
 
@@ -155,7 +166,8 @@ def run_server(args: argparse.Namespace) -> int:
             logger.info("engine process stopped")
 
     uv = uvicorn.Config(build_app(state, lifespan), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                        timeout_graceful_shutdown=5, access_log=False, lifespan="on")
+                        timeout_graceful_shutdown=5, access_log=False, lifespan="on", http=guard.protocol(),
+                        ws="none")
     server = DrainingServer(uv, state, args.shutdown_timeout)
     server.run()
     if state.serving is None and server.exit_code == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.server.app import _authorized
+from engine.server.gate import _authorized
 
 ROUTES = [
     ("GET", "/v1/models", None),
