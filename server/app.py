@@ -5,6 +5,7 @@ Bodies are parsed and validated by hand so every refusal is an OpenAI-style 4xx 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Awaitable, Callable
 
@@ -24,11 +25,12 @@ from .request_body import parse_json_object
 logger = logging.getLogger(__name__)
 
 
-async def _json_object(request: Request) -> dict:
-    return parse_json_object(await request.body(), request.headers.get("content-type", ""))
+INLINE_PARSE_BYTES = 1 << 16  # larger bodies are parsed and validated in a worker thread
 
 
-def _parse(model: type[pydantic.BaseModel], body: dict):
+def _parse(model: type[pydantic.BaseModel], raw: bytes, content_type: str):
+    """The body as ``model``, or an APIError naming the field."""
+    body = parse_json_object(raw, content_type)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
@@ -57,17 +59,19 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
         return JSONResponse(error_body(APIError(500, f"internal error: {type(exc).__name__}", "server_error")),
                             status_code=500)
 
-    def route(handler: Callable[[Serving, dict, Request], Awaitable[Response]]):
+    def route(model: type[pydantic.BaseModel], handler: Callable[[Serving, object, Request], Awaitable[Response]]):
         async def endpoint(request: Request) -> Response:
-            return await handler(state.serving, await _json_object(request), request)
+            raw, ctype = await request.body(), request.headers.get("content-type", "")
+            if len(raw) < INLINE_PARSE_BYTES:
+                parsed = _parse(model, raw, ctype)
+            else:  # a 32 MiB body takes a while to parse: not on the loop every stream shares
+                parsed = await asyncio.to_thread(_parse, model, raw, ctype)
+            return await handler(state.serving, parsed, request)
         return endpoint
 
-    app.add_api_route("/v1/completions", route(lambda s, b, r: create_completion(s, _parse(CompletionRequest, b), r)),
-                      methods=["POST"])
-    app.add_api_route("/v1/chat/completions",
-                      route(lambda s, b, r: create_chat_completion(s, _parse(ChatCompletionRequest, b), r)),
-                      methods=["POST"])
-    app.add_api_route("/generate", route(lambda s, b, r: generate(s, _parse(GenerateRequest, b), r)), methods=["POST"])
+    app.add_api_route("/v1/completions", route(CompletionRequest, create_completion), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route(ChatCompletionRequest, create_chat_completion), methods=["POST"])
+    app.add_api_route("/generate", route(GenerateRequest, generate), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,6 +9,7 @@ server. A model without a template gets a plain ``role: content`` rendering.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime
 from typing import Any, Iterable
@@ -38,9 +39,20 @@ class _Deadline:
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """A sandbox whose every call checks the render's deadline (set per render)."""
+    """A sandbox whose every call checks the render's deadline (set per render, per thread: renders
+    run in worker threads, several at once)."""
 
-    deadline: _Deadline | None = None
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._renders = threading.local()
+
+    @property
+    def deadline(self) -> _Deadline | None:
+        return getattr(self._renders, "deadline", None)
+
+    @deadline.setter
+    def deadline(self, value: _Deadline | None) -> None:
+        self._renders.deadline = value
 
     def call(self, __context, __obj, *args, **kwargs):
         if self.deadline is not None:

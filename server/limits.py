@@ -1,8 +1,8 @@
 """Per-request ceilings: what one request may ask of the server, refused with a 400 naming the field.
 
 Each bound caps work that a small body could otherwise multiply: ``n`` and the prompt list
-(engine sequences), logprobs (a dict per token), stop strings (scanned after every token), and
-the logprob entries an answer carries. Echoed prompt logprobs are the sharpest multiplier: a
+(engine sequences), logprobs (a dict per token), stop strings (scanned after every token), stop
+token ids and logit_bias entries (applied at every step), and the logprob entries an answer carries. Echoed prompt logprobs are the sharpest multiplier: a
 4,000-token prompt echoed into 16 choices with 20 alternatives each is 1.3 M entries from a
 few KiB of request, so they count per choice they are echoed into.
 """
@@ -20,6 +20,8 @@ class Limits:
     max_logprobs: int = 20
     max_stop_sequences: int = 16
     max_stop_length: int = 1024
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # entries; every step applies them to every row that has them
     max_seqs_per_request: int = 64  # prompts x n: engine sequences one request may start
     max_logprob_entries: int = 2**20  # logprob values one answer may carry: tokens x choices x (logprobs + 1)
 
@@ -37,6 +39,13 @@ def check_stops(stop: str | list[str] | None, limits: Limits) -> None:
         if len(s) > limits.max_stop_length:
             raise invalid("stop", f"stop sequences may be at most {limits.max_stop_length} characters, "
                                   f"got {len(s)}")
+
+
+def check_token_maps(stop_token_ids: list[int] | None, logit_bias: dict | None, limits: Limits) -> None:
+    for param, value, cap in (("stop_token_ids", stop_token_ids, limits.max_stop_token_ids),
+                              ("logit_bias", logit_bias, limits.max_logit_bias)):
+        if value is not None and len(value) > cap:
+            raise invalid(param, f"{param} may hold at most {cap} entries, got {len(value)}")
 
 
 def check_sequences(num_prompts: int, n: int, limits: Limits) -> None:

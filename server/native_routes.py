@@ -18,9 +18,9 @@ from pydantic import ConfigDict
 from ..core.sampling_params import SamplingParams
 from .errors import APIError, field_error, invalid
 from .generation import PromptRun
+from .limits import Limits, check_range, check_stops, check_token_maps
 from .openai_serving import Serving, _respond, _stream
-from .limits import Limits, check_range, check_stops
-from .protocol import Int64, StrictRequest
+from .protocol import Float32, Int64, RepetitionPenalty, StrictRequest
 
 PARAMS = "sampling_params."
 
@@ -31,13 +31,13 @@ class NativeSamplingParams(StrictRequest):
     model_config = ConfigDict(extra="forbid")
 
     n: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float32 | None = None
+    top_p: Float32 | None = None
     top_k: Int64 | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Float32 | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
@@ -49,7 +49,7 @@ class NativeSamplingParams(StrictRequest):
     prompt_logprobs: Int64 | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Float32] | None = None
 
 
 class GenerateRequest(StrictRequest):
@@ -63,22 +63,26 @@ def _params(req: GenerateRequest, limits: Limits, vocab_size: int) -> tuple[Samp
     """The engine's params and the names the client gave its fields (``max_new_tokens``)."""
     raw = req.sampling_params.model_dump(exclude_unset=True) if req.sampling_params else {}
     names = {}
+    for name in ("logprobs", "prompt_logprobs"):  # computed by the engine, but not in this route's answer
+        if raw.get(name) is not None:
+            raise invalid(PARAMS + name, f"/generate does not return {name}; ask /v1/completions for them")
     if "max_new_tokens" in raw:
+        if "max_tokens" in raw:
+            raise invalid(PARAMS + "max_new_tokens", "give max_new_tokens or max_tokens, not both")
         raw["max_tokens"] = raw.pop("max_new_tokens")
         names["max_tokens"] = "max_new_tokens"
+    try:
+        check_range("n", raw.get("n"), 1, limits.max_n)
+        check_stops(raw.get("stop"), limits)
+        check_token_maps(raw.get("stop_token_ids"), raw.get("logit_bias"), limits)
+    except APIError as e:
+        e.param = PARAMS + e.param
+        raise
     try:
         params = SamplingParams(**raw)
         params.validate_against(vocab_size)
     except ValueError as e:
         raise field_error(e, names, PARAMS) from None
-    try:
-        check_range("n", params.n, 1, limits.max_n)
-        for name in ("logprobs", "prompt_logprobs"):
-            check_range(name, getattr(params, name), 0, limits.max_logprobs)
-        check_stops(params.stop, limits)
-    except APIError as e:
-        e.param = PARAMS + e.param
-        raise
     return params, names
 
 

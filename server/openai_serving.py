@@ -279,7 +279,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     s.check_model(req.model)
     params = to_sampling_params(req, s.limits, s.vocab_size)
     messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    text = s.chat_template.render(messages, add_generation_prompt=True)
+    text = await asyncio.to_thread(s.chat_template.render, messages, True)  # up to its deadline: not on the loop
     ids = await s.encode(text, add_special_tokens=False)
     if not ids:
         raise invalid("messages", "the conversation renders to an empty prompt")

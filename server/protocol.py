@@ -18,12 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core.sampling_params import SamplingParams
 from .errors import APIError, field_error, invalid
-from .limits import Limits, check_range, check_stops
+from .limits import Limits, check_range, check_stops, check_token_maps
 
 
 # ---- requests ----
 
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+# The engine samples in float32: a number past its range (1e300) becomes inf there, and NaN logits.
+F32_MAX = 3.4028234663852886e38
+Float32 = Annotated[float, Field(ge=-F32_MAX, le=F32_MAX)]
+# logits are divided by it: much smaller overflows float32 and makes NaN logits too
+RepetitionPenalty = Annotated[float, Field(ge=1e-6, le=F32_MAX)]
 
 
 class StrictRequest(BaseModel):
@@ -39,19 +44,19 @@ class _SamplingRequest(StrictRequest):
 
     model: str | None = None
     n: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float32 | None = None
+    top_p: Float32 | None = None
     top_k: Int64 | None = None
-    min_p: float | None = None
+    min_p: Float32 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     seed: Int64 | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
     min_tokens: Int64 | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Float32] | None = None
     skip_special_tokens: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,6 +68,23 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
     echo: bool = False
+    # Declared only to refuse what this server does not do, rather than ignore it.
+    suffix: str | None = None
+    best_of: Int64 | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _refuse_suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _refuse_best_of(cls, v, info):
+        if v is not None and v != (info.data.get("n") or 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return v
 
 
 class TextPart(StrictRequest):
@@ -91,12 +113,39 @@ class ChatCompletionRequest(_SamplingRequest):
     # Declared only to refuse them: templates run server-side code and are the operator's choice.
     chat_template: Any = None
     chat_template_kwargs: Any = None
+    # Declared only to refuse what this server does not do, rather than ignore it.
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
 
     @field_validator("chat_template", "chat_template_kwargs")
     @classmethod
     def _refuse_client_templates(cls, v, info):
         if v is not None:
             raise ValueError(f"{info.field_name} may not be set by the request")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported: this server does not constrain output')
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _refuse_tools(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} (tool calling) are not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v not in (None, "none", "auto"):
+            raise ValueError(f"{info.field_name} must be none or auto: tool calling is not supported")
         return v
 
 
@@ -133,6 +182,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
     """Enforce the server's limits, then let ``SamplingParams`` judge the rest; 400s name the field."""
     check_range("n", req.n, 1, limits.max_n)
     check_stops(req.stop, limits)
+    check_token_maps(req.stop_token_ids, req.logit_bias, limits)
     special = _length_and_logprobs(req)
     for name, (value, param) in special.items():
         if name == "max_tokens":

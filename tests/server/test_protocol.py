@@ -55,12 +55,20 @@ def test_error_body_has_openai_shape():
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", LIMITS.max_n + 1), ("stop", ["x"] * (LIMITS.max_stop_sequences + 1)),
     ("stop", "s" * (LIMITS.max_stop_length + 1)), ("stop", [""]), ("max_tokens", 0), ("temperature", -0.5),
-    ("top_p", 0.0), ("min_p", 1.5), ("presence_penalty", 2.5), ("repetition_penalty", 0.0),
+    ("top_p", 0.0), ("min_p", 1.5), ("presence_penalty", 2.5),
     ("stop_token_ids", [VOCAB]), ("stop_token_ids", [-1]), ("logit_bias", {str(VOCAB): 1.0}),
     ("logit_bias", {"-3": 1.0}), ("logit_bias", {"abc": 1.0}), ("logit_bias", {"5": 500.0}),
 ])
 def test_bad_sampling_fields_name_the_field(make, field, value):
     assert refused(to_sampling_params, make(**{field: value}), LIMITS, VOCAB).param == field
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 0.0), ("repetition_penalty", 1e-300),
+                                          ("temperature", 1e300), ("seed", 2**63), ("top_k", -2**63 - 1)])
+def test_numbers_the_engine_cannot_hold_are_refused_by_the_model(model, field, value):
+    base = {"prompt": "hi"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    assert validation_param(model, {**base, field: value}) == field
 
 
 @pytest.mark.parametrize("make", [completion, chat])

@@ -101,7 +101,7 @@ def test_echo_logprobs_are_bounded_and_built_off_the_loop(tiny_server, seed):
     for p in range(2):  # the prompt's logprobs are the same in each of its choices
         heads = [{k: v[:length] for k, v in c["logprobs"].items()} for c in choices[p * n:(p + 1) * n]]
         assert all(h == heads[0] for h in heads)
-    assert set(probe.statuses) == {200} and probe.slowest < 1.0, probe.slowest
+    assert set(probe.statuses) == {200} and probe.slowest < 2.0, probe.slowest
 
     _still_serves(tiny_server)
     _wait_idle(tiny_server)

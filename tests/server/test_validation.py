@@ -52,6 +52,14 @@ COMPLETION_CASES = [
     ({"top_p": float("nan")}, 400, "top_p"),
     ({"presence_penalty": 1e999}, 400, "presence_penalty"),
     ({"logit_bias": {"1": float("inf")}}, 400, "logit_bias.1"),
+    ({"temperature": 1e300}, 400, "temperature"),  # finite in float64, inf in the engine's float32
+    ({"repetition_penalty": 1e-300}, 400, "repetition_penalty"),
+    ({"min_p": -1e39}, 400, "min_p"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, 400, "logit_bias"),
+    ({"stop_token_ids": list(range(1025))}, 400, "stop_token_ids"),
+    ({"suffix": "return x"}, 400, "suffix"),
+    ({"best_of": 3}, 400, "best_of"),
+    ({"prompt": [[5] * 40000]}, 400, "prompt"),  # a body large enough to be parsed off the event loop
 ]
 
 CHAT_CASES = [
@@ -75,6 +83,12 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, 400, "messages.0.name"),
     ({"temperature": float("inf")}, 400, "temperature"),
     ({"frequency_penalty": float("-inf")}, 400, "frequency_penalty"),
+    ({"temperature": 1e300}, 400, "temperature"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, 400, "functions"),
 ]
 
 
@@ -149,6 +163,12 @@ def test_bodies_that_are_not_json_objects(tiny_server, content, ctype, status):
     ({"text": 5}, "text"),
     ({"input_ids": [2**64]}, "input_ids.0"),
     ({"input_ids": [1, True]}, "input_ids.1"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 4, "max_tokens": 8}}, "sampling_params.max_new_tokens"),
+    ({"text": "x", "sampling_params": {"logprobs": 1}}, "sampling_params.logprobs"),
+    ({"text": "x", "sampling_params": {"prompt_logprobs": 1}}, "sampling_params.prompt_logprobs"),
+    ({"text": "x", "sampling_params": {"temperature": 1e300}}, "sampling_params.temperature"),
+    ({"text": "x", "sampling_params": {"repetition_penalty": 1e-300}}, "sampling_params.repetition_penalty"),
+    ({"text": "x", "sampling_params": {"stop_token_ids": list(range(1025))}}, "sampling_params.stop_token_ids"),
 ])
 def test_bad_native_generate(tiny_server, body, param):
     _assert_error(_post(tiny_server, "/generate", json=body), 400, param)
@@ -172,3 +192,14 @@ def test_native_params_cover_sampling_params():
     from engine.server.native_routes import NativeSamplingParams
 
     assert set(NativeSamplingParams.model_fields) == set(SamplingParams.__dataclass_fields__) | {"max_new_tokens"}
+
+
+@pytest.mark.parametrize("path,change", [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}),
+    ("/v1/completions", {"best_of": 1, "suffix": ""}),
+    ("/v1/completions", {"temperature": 1e30, "repetition_penalty": 1e-5, "logit_bias": {"1": -100}}),
+])
+def test_no_op_forms_of_unsupported_fields_are_accepted(tiny_server, path, change):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "def f(x):"})
+    r = _post(tiny_server, path, json={"model": tiny_server.model_name, **base, "max_tokens": 2, **change})
+    assert r.status_code == 200, r.text
