@@ -58,6 +58,11 @@ class _Disconnected(Exception):
     """The client left while sending its body."""
 
 
+def _unavailable(st: ServerState) -> APIError:
+    why = "the server is shutting down" if st.draining else "the engine is not serving"
+    return APIError(503, why, "service_unavailable", None, "unavailable")
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the body is larger than {limit} bytes", "invalid_request_error", None, "body_too_large")
 
@@ -106,8 +111,7 @@ class Gate:
         if path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         if not st.serving_now:
-            why = "the server is shutting down" if st.draining else "the engine is not serving"
-            return await _send_error(send, APIError(503, why, "service_unavailable", None, "unavailable"))
+            return await _send_error(send, _unavailable(st))
         try:
             body = await asyncio.wait_for(_read_body(receive, headers.get(b"content-length"), st.max_body_bytes),
                                           st.body_timeout)
@@ -119,6 +123,8 @@ class Gate:
             return await _send_error(send, APIError(
                 408, f"the body did not arrive within {st.body_timeout:g} s", "invalid_request_error", None,
                 "request_timeout"), [(b"connection", b"close")])
+        if not st.serving_now:  # the server began to drain, or lost its engine, while the body came in
+            return await _send_error(send, _unavailable(st))
         if st.max_concurrent_requests and st.in_flight >= st.max_concurrent_requests:
             st.serving.metrics.rejected_overload += 1
             return await _send_error(send, APIError(

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 
 from pathlib import Path
@@ -204,3 +205,23 @@ def test_a_signal_to_the_process_group_drains(tiny_qwen3, tmp_path, sig):
     assert asyncio.run(main()) == ["length"] * 4
     assert server.proc.wait(30) == 0
     assert _gone(engine)
+
+
+def test_a_body_that_completes_during_the_drain_is_refused(tiny_qwen3, tmp_path):
+    """A request counts once its body is in; one still uploading when the drain begins is not
+    admitted after it (503), rather than slipping in past the drain."""
+    server = _start(tiny_qwen3, tmp_path, "--shutdown-timeout", "30")
+    body = json.dumps({"prompt": "def f(x):", "max_tokens": 2}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.sendall(body[5:])
+        assert s.recv(4096).startswith(b"HTTP/1.1 503")
+    finally:
+        s.close()
+    assert server.proc.wait(30) == 0
