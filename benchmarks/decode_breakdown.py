@@ -176,8 +176,9 @@ def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict
     profile = host_profile(engine, HOST_PROFILE_STEPS)
     (seq,) = engine.scheduler.running
     last = seq.num_computed - 1  # its last step again: the pages hold that position already
-    replay = _replay_ms(graphs, seq.tokens[last], last, seq.pages)
-    kernels = kernel_profile(graphs, seq.tokens[last], last, seq.pages)
+    pages = engine.kv_manager.pages(seq)
+    replay = _replay_ms(graphs, seq.tokens[last], last, pages)
+    kernels = kernel_profile(graphs, seq.tokens[last], last, pages)
     engine.abort_request("breakdown")
     return step_s, timers.times, replay, kernels, profile
 

@@ -15,7 +15,6 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .kv.radix import RadixCache
 from .outputs import RequestOutput
 from .plugins import Plugins
 from .request import Request
@@ -92,9 +91,8 @@ class LLMEngine:
         self.device = c.device
         self.tokenizer = Tokenizer.from_dir(c.model_config.path)
         self.vocab_size = c.model_config.vocab_size
-        self.pool = c.pool
-        self.radix = RadixCache(c.pool, config.page_size, enabled=config.enable_prefix_caching, window=c.window)
-        self.scheduler = Scheduler(config, c.pool, self.radix, c.window)
+        self.kv_manager = c.kv_manager
+        self.scheduler = Scheduler(config, c.kv_manager)
         self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device, c.graphs)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, c.device)
         self.requests: dict[str, Request] = {}
@@ -160,10 +158,9 @@ class LLMEngine:
         return self.requests.pop(request_id)
 
     def stats(self) -> EngineStats:
-        held = max(0, self.pool.num_used - self.radix.evictable_pages)
-        s = self.scheduler
-        return EngineStats(s.num_running, s.num_waiting, held / self.pool.num_usable,
-                           self.radix.stats.queries, self.radix.stats.hits, s.stats.num_preemptions)
+        s, kv = self.scheduler, self.kv_manager.stats()
+        return EngineStats(s.num_running, s.num_waiting, kv.usage, kv.prefix_queries, kv.prefix_hits,
+                           s.stats.num_preemptions)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -211,7 +208,7 @@ class LLMEngine:
         step_logits = self.runner.execute(sched)
         to_sample: list[tuple[Sequence, int]] = []
         for i, s in enumerate(sched.scheduled):
-            s.seq.num_computed = s.context_len + s.num_new
+            self.scheduler.computed(s)
             if s.needs_all_logits:
                 self._record_prompt_logprobs(s, step_logits, i)
             if s.samples:
@@ -235,7 +232,7 @@ class LLMEngine:
             ids = ids.index_select(0, torch.tensor(keep, device=ids.device))
         step_logits = self.runner.execute(sched, ahead_ids=ids)
         for s in sched.scheduled:
-            s.seq.num_computed = s.context_len + 1
+            self.scheduler.computed(s)
         return self._sample([(seq, i) for i, seq in enumerate(seqs)], step_logits.logits)
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
@@ -273,7 +270,6 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-                self.scheduler.cache_prompt(seq)
             if seq.logprobs is not None:
                 entry = dict(out.top_logprobs[k] or [])
                 entry[token] = out.logprobs[k]

@@ -68,7 +68,7 @@ class ModelRunner:
             input_ids.extend([0] if s.ahead else seq.token_slice(s.context_len, s.context_len + s.num_new))
             query_lens.append(s.num_new)
             context_lens.append(s.context_len)
-            tables.append(seq.pages)
+            tables.append(s.pages)
             if s.needs_all_logits:
                 rows.append((len(logits_indices), s.num_new))
                 logits_indices.extend(range(start, start + s.num_new))

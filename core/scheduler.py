@@ -7,7 +7,8 @@ entries are evicted first, then the latest-arrived running sequence is preempted
 freed and it goes back to the head of the queue to be recomputed (its outputs so far are kept).
 Where the model has windowed components (core/kv/window.py), a sequence also holds the window
 pages of the pages within reach of its end, and a shortage of those is met the same way: first
-the prefix cache's windows are let go, then a sequence is preempted.
+the prefix cache's windows are let go, then a sequence is preempted. Pages, windows and the prefix
+cache are the KV manager's (core/kv/manager.py): the scheduler asks it and never reaches in.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv.pages import PagePool
-from .kv.radix import RadixCache
-from .kv.window import WindowPool
+from .kv.manager import KVManager
 from .sequence import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -30,6 +29,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens computed this step, starting at seq.num_computed
     context_len: int  # seq.num_computed when scheduled
+    pages: list[int]  # the sequence's page table
     ahead: bool = False  # a lookahead decode: its input token is the one still on the device
 
     @property
@@ -64,16 +64,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, radix: RadixCache, window: WindowPool | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
         self.config = config
-        self.pool = pool
-        self.radix = radix
-        self.window = window
-        self.page_size = config.page_size
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fork_pending: dict[str, list[Sequence]] = {}  # request id -> siblings of n > 1
-        self.pending_copies: list[tuple[int, int]] = []
         self.stats = SchedulerStats()
 
     # -- queue management -------------------------------------------------------------------
@@ -122,55 +118,20 @@ class Scheduler:
         if seq.index == 0 and reason == "abort":
             self.fork_pending.pop(seq.request_id, None)
 
-    # -- pages --------------------------------------------------------------------------------
-
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    # -- KV ---------------------------------------------------------------------------------
 
     def _allocate(self, seq: Sequence, upto_tokens: int) -> bool:
-        need = self._pages_for(upto_tokens) - len(seq.pages)
-        if need > 0:
-            if self.pool.num_free < need:
-                self.radix.evict(need - self.pool.num_free)
-            if self.pool.num_free < need:
-                return False
-            seq.pages.extend(self.pool.alloc(need))
-        return self._hold_windows(seq, upto_tokens)
-
-    def _hold_windows(self, seq: Sequence, upto_tokens: int) -> bool:
-        """Move the sequence's held windows to what a step up to ``upto_tokens`` reads (its pages exist)."""
-        if self.window is None:
-            return True
-        a, b = self.window.span(seq.num_computed, upto_tokens, self.page_size)
-        a0, b0 = seq.window_span
-        gain = [seq.pages[i] for i in range(a, b) if not a0 <= i < b0]
-        need = self.window.missing(gain)
-        if need > self.window.num_free and not self.radix.release_windows(need):
-            return False
-        self.window.hold(gain)
-        self.window.let_go([seq.pages[i] for i in range(a0, b0) if not a <= i < b])
-        seq.window_span = (a, b)
-        return True
-
-    def _let_go_windows(self, seq: Sequence) -> None:
-        if self.window is not None:
-            a, b = seq.window_span
-            self.window.let_go(seq.pages[a:b])
-        seq.window_span = (0, 0)
+        return self.kv.allocate(seq, upto_tokens - seq.num_computed)
 
     def _release(self, seq: Sequence, cache: bool) -> None:
         """Give back a sequence's pages; its computed full pages go to the prefix cache first."""
-        if seq.pages:
-            if cache and self.radix.enabled:
-                self.radix.insert(seq.tokens[: seq.num_computed], seq.pages)
-            self._let_go_windows(seq)
-            self.pool.decref(seq.pages)
-        if seq.prefix_node is not None:
-            self.radix.unlock(seq.prefix_node)
-        seq.pages = []
-        seq.prefix_node = None
+        self.kv.free(seq, cache=cache)
         seq.num_computed = 0
-        seq.inserted_prompt = False
+
+    def computed(self, s: ScheduledSeq) -> None:
+        """A scheduled step's tokens are computed (their KV written): the sequence moves past them."""
+        s.seq.num_computed = s.context_len + s.num_new
+        self.kv.commit(s.seq, s.seq.num_computed)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -179,18 +140,6 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (seq %d) to recompute later", seq.request_id, seq.seq_id)
-
-    def cache_prompt(self, seq: Sequence) -> None:
-        """Once a prompt is computed, publish its pages so concurrent requests can share them."""
-        if seq.inserted_prompt or not self.radix.enabled:
-            return
-        prompt = seq.prompt_token_ids
-        self.radix.insert(prompt, seq.pages)
-        node = self.radix.lock_prefix(prompt)
-        if seq.prefix_node is not None:
-            self.radix.unlock(seq.prefix_node)
-        seq.prefix_node = node
-        seq.inserted_prompt = True
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """Start the n > 1 siblings from the parent's computed prompt, sharing its full pages.
@@ -201,37 +150,16 @@ class Scheduler:
         """
         siblings = self.fork_pending.pop(parent.request_id, [])
         prompt_len = len(parent.prompt_token_ids)
-        full = prompt_len // self.page_size
-        partial = prompt_len % self.page_size != 0
         for s in siblings:
-            shared = parent.pages[:full]
-            self.pool.incref(shared)
-            s.pages = list(shared)
-            if partial:
-                if self.pool.num_free < 1:
-                    self.radix.evict(1)
-                if self.pool.num_free < 1:
-                    self._wait_to_recompute(s)
-                    continue
-                dst = self.pool.alloc(1)[0]
-                self.pending_copies.append((parent.pages[full], dst))
-                s.pages.append(dst)
-            s.num_computed = prompt_len
-            if not self._hold_windows(s, prompt_len):  # the partial page copy reaches its window page too
-                self._wait_to_recompute(s)
+            if not self.kv.fork(parent, s, prompt_len):
+                s.status = SeqStatus.WAITING
+                self.waiting.append(s)
                 continue
+            s.num_computed = prompt_len
             s.status = SeqStatus.RUNNING
             s.first_scheduled_time = parent.first_scheduled_time
             self.running.append(s)
         return siblings
-
-    def _wait_to_recompute(self, seq: Sequence) -> None:
-        self._let_go_windows(seq)
-        self.pool.decref(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -265,12 +193,12 @@ class Scheduler:
                 continue  # preempted itself; ``i`` now points at the next sequence
             if prefilling:
                 prefill_budget -= num_new
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq)))
             i += 1
 
         if not out.preempted:
             self._admit(out, prefill_budget)
-        out.page_copies, self.pending_copies = self.pending_copies, []
+        out.page_copies = self.kv.take_page_copies()
         self.stats.num_steps += 1
         return out
 
@@ -279,13 +207,13 @@ class Scheduler:
         computes the token at ``num_computed``, which is on the device. None where that step would
         leave out anything an ordinary step serves (a running sequence not in ``seqs``, a waiting
         request, a fork, a page copy) or need more than free pages (a preemption)."""
-        if self.waiting or self.fork_pending or self.pending_copies or set(self.running) != set(seqs):
+        if self.waiting or self.fork_pending or self.kv.has_page_copies or set(self.running) != set(seqs):
             return None
         for seq in seqs:
             if not self._allocate(seq, seq.num_computed + 1):
                 return None  # pages taken so far are the ones the next ordinary step needs
         self.stats.num_steps += 1
-        return SchedulerOutput([ScheduledSeq(s, 1, s.num_computed, ahead=True) for s in seqs])
+        return SchedulerOutput([ScheduledSeq(s, 1, s.num_computed, self.kv.pages(s), ahead=True) for s in seqs])
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
@@ -306,10 +234,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             # a lookup counts once, when admitted, however many steps the sequence waited
-            self.radix.record(seq.num_tokens - 1, seq.num_cached)
+            self.kv.record_lookup(seq.num_tokens - 1, seq.num_cached)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq)))
             budget -= num_new
 
     def _match_prefix(self, seq: Sequence) -> None:
@@ -317,15 +245,4 @@ class Scheduler:
         seq.num_cached = 0
         if seq.wants_prompt_logprobs:
             return  # prompt logprobs need the logits of every prompt position
-        match = self.radix.match(seq.tokens[: seq.num_tokens - 1], record=False)
-        if match.num_tokens == 0:
-            return
-        self.radix.lock(match.node)
-        self.pool.incref(match.pages)
-        seq.prefix_node = match.node
-        seq.pages = list(match.pages)
-        seq.num_computed = match.num_tokens
-        seq.num_cached = match.num_tokens
-        if self.window is not None:  # the match keeps every window within reach of its end: hold them now
-            seq.window_span = self.window.span(match.num_tokens, match.num_tokens, self.page_size)
-            self.window.hold(seq.pages[slice(*seq.window_span)])
+        seq.num_computed = seq.num_cached = self.kv.match_prefix(seq, seq.tokens[: seq.num_tokens - 1])

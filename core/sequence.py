@@ -1,10 +1,9 @@
-"""A sequence: one of a request's ``n`` completions, with the pages that hold its KV."""
+"""A sequence: one of a request's ``n`` completions (its KV is the KV manager's, core/kv/manager.py)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -28,12 +27,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    pages: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in ``pages``
+    num_computed: int = 0  # tokens whose KV is written
     num_cached: int = 0  # of those, how many came from the prefix cache at admission
-    prefix_node: Any = None  # radix node locked on this sequence's behalf
-    window_span: tuple[int, int] = (0, 0)  # indices into ``pages`` whose windows it holds (window.py)
-    inserted_prompt: bool = False  # the prompt's pages are in the radix cache already
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None

@@ -10,9 +10,8 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .graph_runner import DecodeGraphs
-from .kv.pages import PagePool
+from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
-from .kv.window import WindowPool
 from .models.base import Backends, CausalLM
 from .plugins import Plugins, load_plugins
 from .platform import PlatformSpec
@@ -33,10 +32,9 @@ class Components:
     selections: dict[str, Selection]
     model: CausalLM
     kv: KVCache
-    pool: PagePool
+    kv_manager: KVManager
     max_model_len: int
     graphs: DecodeGraphs | None = None
-    window: WindowPool | None = None  # window pages, for models with windowed KV layers
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -148,7 +146,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         max_model_len = capacity
     specs = model.kv_layer_specs()
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
-    window = WindowPool(window_pages, kv, model.window_reach()) if window_pages else None
+    kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
+                           model.window_reach())
     mib = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) * n / 2**20
            for w, n in ((False, num_pages), (True, window_pages))]
     logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB), %d window pages (%.1f MiB)",
@@ -158,5 +157,4 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if graph_selection is not None:
         selections["graphs"] = graph_selection
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
-    return Components(plugins, platform, device, model_config, selections, model, kv, PagePool(num_pages),
-                      max_model_len, graphs, window)
+    return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len, graphs)

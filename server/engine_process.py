@@ -175,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(**json.loads(sys.stdin.read()))
         engine = LLMEngine(config, detokenize=False)
-        push.send(wire.encoder.encode(wire.Ready(engine.max_model_len, engine.vocab_size, engine.pool.num_pages,
+        push.send(wire.encoder.encode(wire.Ready(engine.max_model_len, engine.vocab_size, engine.kv_manager.num_pages,
                                                  config.page_size)))
         logger.info("serving: max_model_len %d, %d KV pages of %d tokens", engine.max_model_len,
-                    engine.pool.num_pages, config.page_size)
+                    engine.kv_manager.num_pages, config.page_size)
         with Liveness(ctx, args.output, args.stall_timeout) as liveness:
             loop = EngineLoop(engine, pull, push, parent, liveness)
             loop.run()

@@ -1,8 +1,10 @@
-"""Paged KV cache: page ids and their references, the radix prefix cache, the KV tensors."""
+"""Paged KV cache: the KV manager that owns it, page ids and their references, the radix prefix
+cache, the window pages, the KV tensors."""
 
+from .manager import KVManager, KVStats, SeqKV
 from .pages import OutOfPages, PagePool
-from .radix import PrefixMatch, RadixCache, RadixStats
+from .radix import PrefixMatch, RadixCache, RadixStats, Tier
 from .storage import KVCache, KVLayerSpec, pages_for_budget
 
-__all__ = ["KVCache", "KVLayerSpec", "OutOfPages", "PagePool", "PrefixMatch", "RadixCache", "RadixStats",
-           "pages_for_budget"]
+__all__ = ["KVCache", "KVLayerSpec", "KVManager", "KVStats", "OutOfPages", "PagePool", "PrefixMatch", "RadixCache",
+           "RadixStats", "SeqKV", "Tier", "pages_for_budget"]

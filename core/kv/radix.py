@@ -14,6 +14,7 @@ window pages run short (the node then stays, for longer hits through it).
 
 from __future__ import annotations
 
+import enum
 import heapq
 from dataclasses import dataclass, field
 
@@ -31,8 +32,17 @@ class RadixStats:
     hit_calls: int = 0
 
 
+class Tier(enum.Enum):
+    """Where a cached node's KV lives. Only the GPU tier exists yet; host memory and shared storage
+    come with the hierarchical cache, which keeps a node (and its prefix) while any tier holds it."""
+
+    GPU = "gpu"
+    HOST = "host"
+    STORAGE = "storage"
+
+
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window", "tiers")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, uid: int) -> None:
         self.key = key  # tokens of the edge from the parent: len(pages) * page_size of them
@@ -43,6 +53,7 @@ class _Node:
         self.last_access = 0
         self.uid = uid  # creation order: breaks LRU ties deterministically
         self.window: list[int] | None = None  # pages whose windows this node's end holds
+        self.tiers = {Tier.GPU}  # on the GPU tier: ``pages`` are pool pages the tree holds a reference on
 
 
 @dataclass
@@ -220,7 +231,7 @@ class RadixCache:
         reads itself, a node's are only for later hits."""
         if self.window is None:
             return False
-        heap = [(n.last_access, n.uid, n) for n in self._nodes() if n.window is not None]
+        heap = [(n.last_access, n.uid, n) for n in self.nodes() if n.window is not None]
         heapq.heapify(heap)
         while self.window.num_free < num_window_pages and heap:
             node = heapq.heappop(heap)[2]
@@ -245,6 +256,7 @@ class RadixCache:
         ps = self.page_size
         upper = self._new_node(child.key[:n * ps], child.pages[:n], child.parent)
         upper.lock_ref = child.lock_ref
+        upper.tiers = set(child.tiers)
         child.parent.children[upper.key[:ps]] = upper
         child.key, child.pages, child.parent = child.key[n * ps:], child.pages[n:], upper
         upper.children[child.key[:ps]] = child
@@ -261,7 +273,7 @@ class RadixCache:
 
         A dropped page that a request still references does not count. Returns the pages freed.
         """
-        heap = [(n.last_access, n.uid, n) for n in self._nodes() if self._evictable_leaf(n)]
+        heap = [(n.last_access, n.uid, n) for n in self.nodes() if self._evictable_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -286,6 +298,7 @@ class RadixCache:
         """Detach a leaf and release its pages; returns how many of them became free."""
         del node.parent.children[node.key[:self.page_size]]
         node.parent = None
+        node.tiers.discard(Tier.GPU)
         if node.window is not None:
             self.window.let_go(node.window)
             node.window = None
@@ -295,7 +308,8 @@ class RadixCache:
         self._evictable_pages -= len(node.pages)
         return freed
 
-    def _nodes(self):
+    def nodes(self):
+        """Every node, the root first."""
         stack = [self._root]
         while stack:
             node = stack.pop()

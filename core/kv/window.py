@@ -43,6 +43,11 @@ class WindowPool:
             else:
                 self.pool.incref([self._of[p]])
 
+    def holders(self, page: int) -> int:
+        """How many hold ``page``'s window."""
+        w = self._of[page]
+        return self.pool.refcount(w) if w != NULL_PAGE else 0
+
     def let_go(self, pages: list[int]) -> None:
         for p in pages:
             w = self._of[p]

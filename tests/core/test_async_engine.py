@@ -37,8 +37,8 @@ def test_stream_is_cumulative_and_ends_like_generate(async_llm):
 
 def test_concurrent_streams_and_early_exit_free_pages(async_llm):
     llm, front = async_llm
-    pool = llm.engine.pool
-    free_before = pool.num_free
+    kv = llm.engine.kv_manager
+    free_before = kv.stats().num_free
 
     async def run():
         params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, ignore_eos=True)
@@ -61,8 +61,8 @@ def test_concurrent_streams_and_early_exit_free_pages(async_llm):
     finals = asyncio.run(run())
     assert all(len(o.outputs[0].token_ids) == 40 for o in finals)
     assert not llm.engine.has_unfinished_requests()
-    assert pool.num_free == free_before
-    pool.check_consistency()
+    assert kv.stats().num_free == free_before
+    kv.check_consistency()
 
 
 def test_validation_error_raises_and_engine_keeps_serving(async_llm):

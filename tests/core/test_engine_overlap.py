@@ -76,7 +76,7 @@ def test_staggered_requests_match_reading_every_step(engines, eval_text, seed):
     assert got == want and len(got) == len(arrivals)
     assert any(r is not None for r in ran_ahead)
     for e in engines.values():
-        e.pool.check_consistency()
+        e.kv_manager.check_consistency()
 
 
 def _step_until_ahead(engine, limit: int = 50) -> None:
@@ -92,7 +92,7 @@ def test_ending_requests_while_a_step_runs_ahead_returns_every_page(tiny_qwen3, 
     """Aborts (and the API process's stop strings, ``finish_sequence``) land while a step computes
     past the sequences' ends: its tokens are dropped and every page comes back."""
     engine = make_llm(tiny_qwen3, True, enable_prefix_caching=False).engine
-    start = engine.pool.num_free
+    start = engine.kv_manager.stats().num_free
     ids = [f"r{i}" for i in range(3)]
     for rid in ids:
         engine.add_request(rid, random_prompt(engine, eval_text, random.randint(3, 12)),
@@ -106,8 +106,8 @@ def test_ending_requests_while_a_step_runs_ahead_returns_every_page(tiny_qwen3, 
             engine.finish_sequence(rid, 0, "stop-string")
     assert not engine.step()  # the step in flight comes back for nobody
     assert engine._ahead is None and not engine.scheduler.has_work() and not engine.has_unfinished_requests()
-    assert engine.pool.num_free == start
-    engine.pool.check_consistency()
+    assert engine.kv_manager.stats().num_free == start
+    engine.kv_manager.check_consistency()
 
 
 def test_page_shortage_falls_back_to_ordinary_steps(tiny_qwen3, eval_text, seed):
@@ -121,8 +121,8 @@ def test_page_shortage_falls_back_to_ordinary_steps(tiny_qwen3, eval_text, seed)
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
     assert got == want
     assert tight.engine.scheduler.stats.num_preemptions > 0
-    assert tight.engine.pool.num_free == tight.engine.pool.num_usable
-    tight.engine.pool.check_consistency()
+    assert tight.engine.kv_manager.stats().num_used == 0
+    tight.engine.kv_manager.check_consistency()
 
 
 def test_context_limit_is_not_run_past(tiny_qwen3, eval_text, seed):

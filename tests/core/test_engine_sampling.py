@@ -56,16 +56,17 @@ def test_n_siblings_share_the_prompt_and_its_first_logits(llm, seed, eval_text):
     engine = llm.engine
     length = random.randint(3, 8) * PAGE_SIZE + random.randint(1, PAGE_SIZE - 1)  # ends inside a page
     prompt = random_prompt(llm, eval_text, length)
-    free_before = engine.pool.num_free
+    free_before = engine.kv_manager.stats().num_free
     params = SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True, logprobs=5)
     req = engine.add_request(f"fork-{seed}", prompt, params)
 
     engine.step()  # the whole prompt fits one chunk: prefill, first tokens, fork
     full, one_seq_pages = length // PAGE_SIZE, -(-length // PAGE_SIZE)
     assert all(len(s.output_token_ids) == 1 for s in req.seqs)
-    assert {tuple(s.pages[:full]) for s in req.seqs} == {tuple(req.seqs[0].pages[:full])}
-    assert len({p for s in req.seqs for p in s.pages}) == one_seq_pages + 3  # a private copy of the last page each
-    assert free_before - engine.pool.num_free == one_seq_pages + 3
+    pages = [engine.kv_manager.pages(s) for s in req.seqs]
+    assert {tuple(p[:full]) for p in pages} == {tuple(pages[0][:full])}
+    assert len({p for t in pages for p in t}) == one_seq_pages + 3  # a private copy of the last page each
+    assert free_before - engine.kv_manager.stats().num_free == one_seq_pages + 3
 
     outputs = []
     while engine.has_unfinished_requests():
@@ -79,8 +80,8 @@ def test_n_siblings_share_the_prompt_and_its_first_logits(llm, seed, eval_text):
     firsts = [c.logprobs[0] for c in out.outputs]
     top = [sorted(f.items(), key=lambda kv: -kv[1])[:5] for f in firsts]
     assert all(t == top[0] for t in top)
-    assert engine.pool.num_free == free_before
-    engine.pool.check_consistency()
+    assert engine.kv_manager.stats().num_free == free_before
+    engine.kv_manager.check_consistency()
 
 
 def test_n_greedy_completions_equal_n1(llm, eval_text, seed):

@@ -56,7 +56,7 @@ def test_abort_mid_generation_returns_every_page(tiny_qwen3, eval_text, seed, pr
     llm = make_llm(tiny_qwen3, chunked_prefill_size=8, max_num_seqs=2, enable_prefix_caching=prefix_caching,
                    overlap_decode=False)
     engine = llm.engine
-    start = engine.pool.num_free
+    start = engine.kv_manager.stats().num_free
 
     decoding = engine.add_request("decoding", random_prompt(llm, eval_text, random.randint(2, 8)), greedy(50))
     engine.step()
@@ -68,8 +68,8 @@ def test_abort_mid_generation_returns_every_page(tiny_qwen3, eval_text, seed, pr
     (d,), (p,), (w,) = decoding.seqs, prefilling.seqs, waiting.seqs
     assert d.status is SeqStatus.RUNNING and not d.in_prefill and len(d.output_token_ids) == 3
     assert p.status is SeqStatus.RUNNING and p.in_prefill and p.num_computed == 16
-    assert w.status is SeqStatus.WAITING and not w.pages
-    assert engine.pool.num_free < start
+    assert w.status is SeqStatus.WAITING and not engine.kv_manager.pages(w)
+    assert engine.kv_manager.stats().num_free < start
 
     ids = ["decoding", "prefilling", "waiting"]
     random.shuffle(ids)
@@ -78,10 +78,10 @@ def test_abort_mid_generation_returns_every_page(tiny_qwen3, eval_text, seed, pr
         assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_work()
     if prefix_caching:
-        engine.radix.reset()
-        assert engine.radix.cached_pages == 0
-    assert engine.pool.num_free == start
-    engine.pool.check_consistency()
+        engine.kv_manager.reset_prefix_cache()
+        assert engine.kv_manager.stats().num_cached == 0
+    assert engine.kv_manager.stats().num_free == start
+    engine.kv_manager.check_consistency()
 
 
 # -- prefix caching ---------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_abort_mid_generation_returns_every_page(tiny_qwen3, eval_text, seed, pr
 
 def test_prefix_cache_hits_count_whole_pages_and_keep_outputs(cached_llm, plain_llm, eval_text, seed):
     engine = cached_llm.engine
-    engine.radix.reset()
+    engine.kv_manager.reset_prefix_cache()
     prefix = random_prompt(cached_llm, eval_text, 3 * PAGE_SIZE)
     first = random_prompt(cached_llm, eval_text, random.randint(5, 10))
     second = random_prompt(cached_llm, eval_text, random.randint(5, 10))
@@ -101,10 +101,10 @@ def test_prefix_cache_hits_count_whole_pages_and_keep_outputs(cached_llm, plain_
 
     outs = []
     for prompt in prompts:
-        hits = engine.radix.stats.hits
+        hits = engine.kv_manager.stats().prefix_hits
         (out,) = cached_llm.generate([prompt], params)
         outs.append(out)
-        assert engine.radix.stats.hits - hits == out.num_cached_tokens
+        assert engine.kv_manager.stats().prefix_hits - hits == out.num_cached_tokens
     assert outs[0].num_cached_tokens == 0
     assert outs[1].num_cached_tokens == 3 * PAGE_SIZE
     assert outs[2].num_cached_tokens == 3 * PAGE_SIZE  # 14 tokens match; the partial 4th page does not count
@@ -127,8 +127,9 @@ def test_preemption_under_page_pressure_keeps_outputs(tiny_qwen3, plain_llm, eva
     assert engine.scheduler.stats.num_preemptions > 0
     assert all(o.finished and len(o.outputs[0].token_ids) == max_tokens for o in outs)
     assert token_ids(outs) == token_ids(plain_llm.generate(prompts, greedy(max_tokens)))
-    assert engine.pool.num_free + engine.radix.cached_pages == engine.pool.num_usable
-    engine.pool.check_consistency()
+    kv = engine.kv_manager.stats()
+    assert kv.num_free + kv.num_cached == kv.num_usable
+    engine.kv_manager.check_consistency()
 
 
 # -- chunked prefill --------------------------------------------------------------------------
@@ -178,11 +179,11 @@ def test_invalid_requests_raise_naming_the_field(short_llm, eval_text, seed, cas
         "max_tokens_past_context": (prompt, greedy(64 - 10 + 2), r"^max_tokens 56 exceeds"),
         "stop_token_out_of_vocab": (prompt, greedy(4, stop_token_ids=[3, vocab + 7]), r"^stop_token_ids"),
     }[case]
-    free = engine.pool.num_free
+    free = engine.kv_manager.stats().num_free
     with pytest.raises(ValueError, match=message):
         short_llm.generate([prompt, bad], [greedy(4), params])
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_work()
-    assert engine.pool.num_free == free
+    assert engine.kv_manager.stats().num_free == free
 
     (out,) = short_llm.generate([prompt], greedy(64 - 10))
     assert out.finished and len(out.outputs[0].token_ids) == 64 - 10

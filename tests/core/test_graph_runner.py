@@ -102,11 +102,12 @@ def test_graphs_refuse_what_they_do_not_hold(seed):
     assert not graphs.can_run([1, 1], [[1], [2]], 1)  # a sequence that draws no token has no logits row
 
 
-def _seq(rng: random.Random, i: int, prompt_len: int, outputs: int, pages: int) -> Sequence:
+def _scheduled(rng: random.Random, i: int, prompt_len: int, outputs: int, page: int, context_len=None) -> ScheduledSeq:
+    """One token of a sequence on random pages, after ``context_len`` tokens (default: its last token)."""
     seq = Sequence(i, f"r{i}", 0, [rng.randrange(50000) for _ in range(prompt_len)], SamplingParams())
     seq.output_token_ids = [rng.randrange(50000) for _ in range(outputs)]
-    seq.pages = rng.sample(range(1, 10000), pages)
-    return seq
+    pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
+    return ScheduledSeq(seq, 1, seq.num_tokens - 1 if context_len is None else context_len, pages)
 
 
 def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
@@ -119,20 +120,18 @@ def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
     for chunk in (False, True):
         step = SchedulerOutput()
         for i in range(rng.randint(2, graphs.max_batch)):
-            seq = _seq(rng, i, rng.randint(2, 30), rng.randint(1, 20), 0)
-            seq.pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
-            step.scheduled.append(ScheduledSeq(seq, 1, seq.num_tokens - 1))
+            step.scheduled.append(_scheduled(rng, i, rng.randint(2, 30), rng.randint(1, 20), page))
         if chunk:
-            seq = _seq(rng, 99, rng.randint(3, 30), 0, 0)
-            seq.pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
-            step.scheduled.insert(rng.randrange(len(step.scheduled)), ScheduledSeq(seq, 1, rng.randrange(seq.num_tokens - 2)))
+            prompt_len = rng.randint(3, 30)
+            step.scheduled.insert(rng.randrange(len(step.scheduled)),
+                                  _scheduled(rng, 99, prompt_len, 0, page, rng.randrange(prompt_len - 2)))
         echo.batches.clear()
         out = runner.execute(step)
         through_graph = echo.batches[0].seq_lens_cpu[0] == graphs.max_model_len  # a captured batch's placeholder
         assert through_graph != chunk
         s = step.scheduled
         want = echo(ForwardBatch.build([x.seq.tokens[x.context_len] for x in s], [1] * len(s),
-                                       [x.context_len for x in s], [x.seq.pages for x in s], page, list(range(len(s)))),
+                                       [x.context_len for x in s], [x.pages for x in s], page, list(range(len(s)))),
                     None)
         for i, x in enumerate(s):
             if x.samples:

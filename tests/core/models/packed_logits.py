@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.core.forward import ForwardBatch
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -13,16 +15,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | None = None) -> list[torch.Tensor]:
     """All-position logits of each prompt from one packed batch; ``split`` cuts each prompt in two
-    steps, the second over cached context."""
-    tables, next_page = [], 1
-    for p in prompts:
-        n = -(-len(p) // page_size)
-        tables.append(list(range(next_page, next_page + n)))
-        next_page += n
-    assert next_page <= c.kv.num_pages
-    held = [p for t in tables for p in t] if c.window is not None else []
-    if held:  # windowed components need window pages where the scheduler would have held them
-        c.window.hold(held)
+    steps, the second over cached context. The KV manager gives each prompt its pages, and the
+    windows of all of them (what a step over the whole prompt reads)."""
+    seqs = [Sequence(i, f"packed-{i}", 0, p, SamplingParams()) for i, p in enumerate(prompts)]
+    assert all(c.kv_manager.allocate(s, len(p)) for s, p in zip(seqs, prompts))
+    tables = [c.kv_manager.pages(s) for s in seqs]
     cuts = [0 if split is None else int(len(p) * split) for p in prompts]
     out = [[] for _ in prompts]
     for lo_of, hi_of in ((lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: len(prompts[i]))):
@@ -43,8 +40,8 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
         for i, q in enumerate(qlens):
             out[i].append(logits[start:start + q])
             start += q
-    if held:
-        c.window.let_go(held)
+    for s in seqs:
+        c.kv_manager.free(s, cache=False)
     return [torch.cat(chunks) for chunks in out]
 
 

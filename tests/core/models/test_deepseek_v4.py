@@ -268,8 +268,8 @@ def test_window_pages_stay_bounded_and_are_all_given_back(shared_dir, seed):
     rng = random.Random(seed)
     prompts = [[rng.randrange(4096) for _ in range(rng.randint(90, 200))] for _ in range(4)]
     llm = LLM(str(path), dtype="float32", progress=False, page_size=4, chunked_prefill_size=16, window_pages=30)
-    engine, window, ps = llm.engine, llm.engine.components.window, 4
-    bound = -(-(window.reach + ps) // ps) + -(-16 // ps) + 1
+    engine, kv, ps = llm.engine, llm.engine.kv_manager, 4
+    bound = -(-(kv.window_reach + ps) // ps) + -(-16 // ps) + 1
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -283,15 +283,16 @@ def test_window_pages_stay_bounded_and_are_all_given_back(shared_dir, seed):
         if steps == 5:
             engine.abort_request("aborted")
         for seq in engine.scheduler.running:
-            a, b = seq.window_span
-            assert b - a <= bound and b == len(seq.pages), (seq.window_span, len(seq.pages))
+            held = kv.state(seq)
+            a, b = held.window
+            assert b - a <= bound and b == len(held.pages), (held.window, len(held.pages))
     assert engine.stats().num_preemptions > 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for i, p in enumerate(prompts):
         assert outs[str(i)] == _hf_greedy(hf, p, 6)
-    engine.radix.reset()
-    window.check_consistency(engine.pool)
-    assert engine.pool.num_used == 0 and window.pool.num_used == 0
+    kv.reset_prefix_cache()
+    kv.check_consistency()
+    assert kv.stats().num_used == 0 and kv.stats().num_window_used == 0
 
 
 def test_a_prefix_hit_ends_where_every_window_is_kept(shared_dir, seed):

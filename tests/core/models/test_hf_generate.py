@@ -52,8 +52,7 @@ def test_greedy_matches_hf(tiny_qwen3, prompts, reference, chunk, prefix_caching
     for _ in range(2):
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
-    stats = llm.engine.radix.stats
-    assert (stats.hits > 0) == prefix_caching
+    assert (llm.engine.kv_manager.stats().prefix_hits > 0) == prefix_caching
 
 
 def test_greedy_matches_hf_under_preemption(tiny_qwen3, prompts, reference):
@@ -64,6 +63,6 @@ def test_greedy_matches_hf_under_preemption(tiny_qwen3, prompts, reference):
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
-    pool = llm.engine.pool
-    pool.check_consistency()
-    assert pool.num_free + llm.engine.radix.cached_pages == pool.num_usable
+    kv = llm.engine.kv_manager
+    kv.check_consistency()
+    assert kv.stats().num_free + kv.stats().num_cached == kv.stats().num_usable
