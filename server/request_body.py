@@ -1,8 +1,9 @@
 """A request body, from bytes to a JSON object every route can trust the shape of.
 
 Python's ``json`` accepts what later code cannot handle: a lone UTF-16 surrogate (``"\\ud800"``,
-which no tokenizer or encoder takes) and nesting deep enough to exhaust the recursion limit. Both
-are refused here with a 400 (naming the field where there is one) before any route sees the body.
+or raw in bytes that are not strict UTF-8, or in a UTF-16 body), which no tokenizer or encoder
+takes, and nesting deep enough to exhaust the recursion limit. Bodies must be UTF-8 (RFC 8259);
+the rest is refused here with a 400 (naming the field where there is one) before any route sees it.
 Non-finite numbers (``Infinity``, ``1e999``) parse, and the request models refuse them per field.
 """
 
@@ -13,7 +14,7 @@ import re
 
 from .errors import APIError, invalid
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a surrogate gets into a JSON body
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # in strict UTF-8, the only way to spell a surrogate
 
 
 def _path(parts: list) -> str | None:
@@ -50,13 +51,17 @@ def parse_json_object(raw: bytes, content_type: str) -> dict:
         raise APIError(415, f"the body must be application/json, got {ctype or 'no content type'!r}",
                        "invalid_request_error", None, "unsupported_media_type")
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8-sig")  # strict: json.loads(bytes) would let UTF-16, and surrogates, through
+    except UnicodeDecodeError as exc:
+        raise invalid(None, f"the body is not UTF-8 (JSON bodies must be): {exc}") from None
+    try:
+        body = json.loads(text)
     except RecursionError:
         raise invalid(None, "the body nests too deeply to parse") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise invalid(None, f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid(None, f"the body must be a JSON object, got {type(body).__name__}")
-    if _SURROGATE_ESCAPE.search(raw):
+    if _SURROGATE_ESCAPE.search(text):
         _check_strings(body)
     return body

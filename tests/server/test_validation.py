@@ -203,3 +203,16 @@ def test_no_op_forms_of_unsupported_fields_are_accepted(tiny_server, path, chang
     base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "def f(x):"})
     r = _post(tiny_server, path, json={"model": tiny_server.model_name, **base, "max_tokens": 2, **change})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}',  # a surrogate spelled in (not strictly UTF-8) bytes
+    '{"prompt": "\\ud800", "max_tokens": 2}'.encode("utf-16"),  # an escaped one, in a UTF-16 body
+    '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"),
+    b'{"prompt": "\xff", "max_tokens": 2}',
+], ids=["utf8-surrogate", "utf16-escape", "utf32", "bad-utf8"])
+def test_bodies_that_are_not_utf8(tiny_server, raw):
+    for path in ("/v1/completions", "/generate"):
+        r = _post(tiny_server, path, content=raw, headers={**tiny_server.headers, "content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+    _still_serves(tiny_server)
