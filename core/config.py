@@ -88,6 +88,8 @@ class EngineConfig:
     chunked_prefill_size: int | None = 2048  # None or 0: prompts are never split
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    v4_attention_backend: str | None = None
+    mhc_backend: str | None = None
     moe_backend: str | None = None
     linear_backend: str | None = None
     graph_backend: str | None = None
@@ -123,6 +125,7 @@ class EngineConfig:
         return self.chunked_prefill_size or None
 
     def requested_backends(self) -> dict[str, str]:
-        named = {"attention": self.attention_backend, "moe": self.moe_backend,
+        named = {"attention": self.attention_backend, "v4_attention": self.v4_attention_backend,
+                 "mhc": self.mhc_backend, "moe": self.moe_backend,
                  "linear": self.linear_backend, "graphs": self.graph_backend}
         return {k: v for k, v in named.items() if v}

@@ -67,7 +67,7 @@ class DecodeGraphs:
         v["page_table"] = self.page_table[:b]
         batch = ForwardBatch(**v, page_size=self.page_size, query_lens_cpu=[1] * b,
                              seq_lens_cpu=[self.max_model_len] * b, context_lens_cpu=[self.max_model_len - 1] * b)
-        batch.attn_metadata = self.model.backends.attention.prepare(batch)
+        batch.attn_metadata = self.model.prepare(batch)
         return batch
 
     def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:

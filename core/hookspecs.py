@@ -37,6 +37,18 @@ def engine_register_attention_backends() -> Any:
 
 
 @hookspec
+def engine_register_v4_attention_backends() -> Any:
+    """Collecting. Return a list of DeepSeek-V4 attention ``Descriptor``s: ``create`` returns a
+    ``core.families.v4_attention.V4AttentionBackend`` (window store, compressors, indexer, attention)."""
+
+
+@hookspec
+def engine_register_mhc_backends() -> Any:
+    """Collecting. Return a list of mHC ``Descriptor``s: ``create`` returns a
+    ``core.families.mhc.MHCBackend`` (DeepSeek-V4's hyper-connection pre/post mixes and head)."""
+
+
+@hookspec
 def engine_register_moe_backends() -> Any:
     """Collecting. Return a list of MoE ``Descriptor``s (routing and expert compute)."""
 
@@ -80,6 +92,8 @@ def engine_configure(config: Any) -> None:
 
 FAMILIES: dict[str, str] = {
     "attention": "engine_register_attention_backends",
+    "v4_attention": "engine_register_v4_attention_backends",
+    "mhc": "engine_register_mhc_backends",
     "moe": "engine_register_moe_backends",
     "linear": "engine_register_linear_backends",
     "graphs": "engine_register_graph_backends",

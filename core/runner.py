@@ -47,7 +47,7 @@ class ModelRunner:
                                    device=self.device, staging=self.staging)
         if ahead_ids is not None:
             batch.input_ids.copy_(ahead_ids)
-        batch.attn_metadata = self.model.backends.attention.prepare(batch)
+        batch.attn_metadata = self.model.prepare(batch)
         hidden = self.model(batch, self.kv)
         if batch.logits_indices.numel() == 0:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)

@@ -20,7 +20,7 @@ from .loader import iter_checkpoint
 
 logger = logging.getLogger(__name__)
 
-BACKEND_FAMILIES = ("attention", "linear", "moe")
+BACKEND_FAMILIES = ("attention", "v4_attention", "mhc", "linear", "moe")  # the fields of models.base.Backends
 
 
 @dataclass
@@ -45,9 +45,26 @@ def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: st
     return plugins.select("model", ctx, requested=architecture).create(ctx)
 
 
-def select_backends(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> dict[str, Selection]:
+def model_families(model_cls: type[CausalLM]) -> list[str]:
+    """The backend families the model's blocks run on, in ``BACKEND_FAMILIES`` order."""
+    named = {family for _, family in model_cls.blocks}
+    return [family for family in BACKEND_FAMILIES if family in named]
+
+
+def select_backends(plugins: Plugins, ctx: SelectionContext, config: EngineConfig,
+                    families: list[str]) -> dict[str, Selection]:
     requested = config.requested_backends()
-    return {family: plugins.select(family, ctx, requested.get(family)) for family in BACKEND_FAMILIES}
+    unused = sorted(set(requested) & set(BACKEND_FAMILIES) - set(families))
+    if unused:
+        logger.warning("%s requested, but the model runs no such block", ", ".join(f"--{f}-backend" for f in unused))
+    selections = {family: plugins.select(family, ctx, requested.get(family)) for family in families}
+    level = logging.DEBUG if ctx.platform.vendor == "cpu" else logging.INFO  # on a GPU, say why a kernel is not used
+    for family, sel in selections.items():
+        for c in sel.candidates:
+            if c.reasons and c.priority > sel.chosen.priority_for(ctx):
+                logger.log(level, "%s: %s cannot serve (%s); using %s", family, c.descriptor.name,
+                           "; ".join(c.reasons), sel.chosen.name)
+    return selections
 
 
 def select_graphs(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> Selection | None:
@@ -65,10 +82,12 @@ def select_graphs(plugins: Plugins, ctx: SelectionContext, config: EngineConfig)
 
 def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selection, model: CausalLM, kv: KVCache,
                    max_model_len: int, device: torch.device, progress: bool) -> DecodeGraphs | None:
-    attention = model.backends.attention
-    if not (attention.graph_safe and model.graph_safe):
-        why = f"attention backend {attention.name}" if not attention.graph_safe else type(model).__name__
-        logger.info("%s is not graph-safe: decode runs eagerly", why)
+    unsafe = [f"{family} backend {b.name}" for family, b in vars(model.backends).items()
+              if b is not None and not getattr(b, "graph_safe", True)]
+    if not model.graph_safe:
+        unsafe.append(type(model).__name__)
+    if unsafe:
+        logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
     budget = config.graph_memory
     if budget is None and device.type == "cuda":
@@ -124,10 +143,10 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     device = torch.device(config.device or platform.torch_device)
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
-    selections = select_backends(plugins, ctx, config)
+    model_cls = select_model_class(plugins, ctx, model_config.architecture)
+    selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
-    model_cls = select_model_class(plugins, ctx, model_config.architecture)
     logger.info("platform %s; %s", platform.summary(),
                 ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
 

@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes decode graphs may take (default: half of what the KV cache leaves)")
     g.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every greedy decode step's tokens before launching the next step")
-    for family in ("attention", "moe", "linear", "graph"):
+    for family in ("attention", "v4-attention", "mhc", "moe", "linear", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
 
@@ -73,7 +73,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         window_pages=args.window_pages,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size or None, enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend, moe_backend=args.moe_backend,
+        attention_backend=args.attention_backend, v4_attention_backend=args.v4_attention_backend,
+        mhc_backend=args.mhc_backend, moe_backend=args.moe_backend,
         linear_backend=args.linear_backend, graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -12,18 +12,23 @@ from torch import nn
 from ..config import ModelConfig
 from ..families.attention import AttentionBackend
 from ..families.linear import LinearBackend
+from ..families.mhc import MHCBackend
 from ..families.moe import MoEBackend
+from ..families.v4_attention import V4AttentionBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
 
 
 @dataclass(frozen=True)
 class Backends:
-    """The implementations selected at start-up; layers hold them as plain objects."""
+    """The implementations selected at start-up; layers hold them as plain objects. A family the
+    model's ``blocks`` do not name is not selected (None)."""
 
-    attention: AttentionBackend
-    linear: LinearBackend
+    attention: AttentionBackend | None = None
+    linear: LinearBackend | None = None
     moe: MoEBackend | None = None
+    v4_attention: V4AttentionBackend | None = None
+    mhc: MHCBackend | None = None
 
 
 class CausalLM(nn.Module, ABC):
@@ -52,6 +57,11 @@ class CausalLM(nn.Module, ABC):
     def window_reach(self) -> int:
         """Tokens before a step's first new token whose windowed KV layers it reads (0: none windowed)."""
         return 0
+
+    def prepare(self, batch: ForwardBatch) -> Any:
+        """Per-step attention metadata, made once before ``forward`` (and once for a captured graph,
+        whose replays must find it still true): the attention backend's."""
+        return self.backends.attention.prepare(batch)
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -22,11 +22,10 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def select_entries(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
-    """scores [S, N], visible [S] (entries 0..visible-1 are causal) -> bool [S, N]: the top_k best
-    visible entries of each query (all of them when fewer are visible)."""
+def top_entries(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
+    """scores [S, N], visible [S] (entries 0..visible-1 are causal) -> int32 [S, min(top_k, N)]: the
+    top_k best visible entries of each query by ``stable_topk``, -1 where fewer are visible."""
     n = scores.shape[-1]
     future = torch.arange(n, device=scores.device) >= visible.unsqueeze(-1)
     picks = stable_topk(scores.masked_fill(future, float("-inf")), min(top_k, n))
-    chosen = torch.zeros_like(future).scatter_(-1, picks, True)
-    return chosen & ~future
+    return torch.where(picks < visible.unsqueeze(-1), picks, -1).to(torch.int32)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..families.mhc import MHCBackend, MixWeights
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last axis: the statistic in fp32, the product in x's dtype."""
@@ -60,3 +62,17 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class NativeMHC(MHCBackend):
+    name = "native"
+
+    def pre(self, streams: torch.Tensor, w: MixWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_pre(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps, w.sinkhorn_iters)
+
+    def post(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+        return hc_post(block_out, streams, post, comb)
+
+    def head(self, streams: torch.Tensor, w: MixWeights) -> torch.Tensor:
+        return hc_head(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps)

@@ -41,6 +41,17 @@ def engine_register_attention_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_v4_attention_backends() -> list[Descriptor]:
+    return [Descriptor("v4_attention", "native", _instance("engine.core.native.v4_attention:NativeV4Attention"),
+                       priority=NATIVE_PRIORITY)]
+
+
+@hookimpl
+def engine_register_mhc_backends() -> list[Descriptor]:
+    return [Descriptor("mhc", "native", _instance("engine.core.native.mhc:NativeMHC"), priority=NATIVE_PRIORITY)]
+
+
+@hookimpl
 def engine_register_moe_backends() -> list[Descriptor]:
     return [Descriptor("moe", "native", _instance("engine.core.native.moe:NativeMoE"), priority=NATIVE_PRIORITY)]
 

@@ -94,7 +94,8 @@ def test_host_profile_ranks_functions_by_their_own_time(breakdown):
         return [str(i) for i in range(10)]
 
     rows = breakdown.host_profile(SimpleNamespace(step=step), 4)
-    assert rows[0]["function"].endswith("(<genexpr>)") or "slow" in rows[0]["function"]
+    top = rows[0]["function"]  # slow()'s work: its generator, or the sum driving it (which one wins varies with load)
+    assert top.endswith("(<genexpr>)") or "slow" in top or "builtins.sum" in top
     by_name = {r["function"].split("(")[-1]: r for r in rows}
     assert by_name["step)"]["calls_per_step"] == 1.0 and by_name["slow)"]["calls_per_step"] == 1.0
     assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)

@@ -39,7 +39,6 @@ class Echo:
     the page ids its sequence's length needs (-1 past them: no kernel reads those)."""
 
     def __init__(self, page_size: int, width: int) -> None:
-        self.backends = SimpleNamespace(attention=SimpleNamespace(prepare=lambda batch: None))
         self.page_size, self.width = page_size, width
         self.last: torch.Tensor | None = None
         self.batches: list[ForwardBatch] = []
@@ -55,6 +54,9 @@ class Echo:
         token = torch.stack([batch.input_ids, batch.positions, batch.slot_mapping], 1)
         self.last = torch.cat([token, seq[owner], table[owner]], 1).float()
         return self.last
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

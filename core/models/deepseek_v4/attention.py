@@ -1,35 +1,28 @@
 """DeepSeek-V4 attention: low-rank q, one shared K=V head with partial RoPE, sinks, a sliding window
 over raw tokens, and in compressed layers the pooled entries of a CSA or HCA compressor.
 
-Each step stores its new tokens' components in the cache (cache.py), pools the compression
-windows that close in it, and attends each sequence's new queries over the last ``window`` tokens
-and the entries: O(window + entries) per query, whatever the context. In torch, one sequence at a
-time, queries in chunks whose fp32 scores stay under the native attention's ``CHUNK_ELEMENTS``.
+The projections are here; everything that reads or writes the cache (the window store, the
+compressors' pooling, the lightning indexer's top-k, the attention itself, the rotations) is the
+V4 attention family's (core/families/v4_attention.py), called for the whole step at once.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from ...families.attention import AttentionLayer
+from ...families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
-from ...native.attention import CHUNK_ELEMENTS, attend
-from ...native.compressor import entry_positions, pool_windows, visible_entries
-from ...native.indexer import index_scores, select_entries
 from ...native.mhc import unweighted_rms_norm
 from ...native.rope import RotaryEmbedding
-from ...native.tail_rope import rotate_tail
 from ..base import Backends
 from ..layers import Linear, RMSNorm, empty_param
-from .cache import LayerCache, SeqView, flat, window_slots
+from .cache import LayerCache
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-
-
-def _rows_per_chunk(per_row: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, per_row))
 
 
 class GroupedLinear(nn.Module):
@@ -48,7 +41,7 @@ class GroupedLinear(nn.Module):
 
 
 class Compressor(nn.Module):
-    """Projects tokens to (kv, gate), pools each window into one entry, normalises and rotates it."""
+    """Projects tokens to (kv, gate); the family pools each window into one entry."""
 
     def __init__(self, hidden: int, head_dim: int, rate: int, overlap: bool, eps: float, backends: Backends, *,
                  dtype: torch.dtype, device) -> None:
@@ -60,28 +53,8 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
         self.rate, self.overlap = rate, overlap
 
-    def store(self, x: torch.Tensor, slots: torch.Tensor, projections: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Keep the kv and gate projections of the step's tokens x [T, hidden] at their token slots."""
-        for dst, w in zip(projections, (self.wkv, self.wgate)):
-            dst.index_copy_(0, slots, w(x).to(dst.dtype))
-
-    def close_windows(self, seq: SeqView, projections: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor,
-                      rope: RotaryEmbedding) -> None:
-        """Pool every window whose last token the step brings and keep its entry.
-
-        An overlapping window pools its predecessor's Ca half too, so that window's tokens are
-        pooled along with it (window 0 has none) and its own entry, already kept, is dropped.
-        """
-        first, end = seq.context // self.rate, seq.end // self.rate
-        if first == end:
-            return
-        lead = 1 if self.overlap and first > 0 else 0
-        slots = seq.token_slots((first - lead) * self.rate, end * self.rate)
-        kv, gate = (p[slots] for p in projections)
-        pooled = self.norm(pool_windows(kv, gate, self.ape, self.rate, self.overlap)[lead:])
-        pos = entry_positions(end, self.rate, pooled.device)[first:]
-        entries.index_copy_(0, seq.entry_slots(first, end, self.rate),
-                            rotate_tail(pooled, rope.cos[pos], rope.sin[pos]).to(entries.dtype))
+    def spec(self, projections: int, entries: int) -> Compression:
+        return Compression(self.rate, self.overlap, self.ape, self.norm.weight, self.norm.eps, projections, entries)
 
 
 class Indexer(nn.Module):
@@ -96,18 +69,6 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(hf["hidden_size"], self.num_heads, backends.linear, dtype=dtype, device=device)
         self.compressor = Compressor(hf["hidden_size"], self.head_dim, rate, True, hf.get("rms_norm_eps", 1e-6),
                                      backends, dtype=dtype, device=device)
-        self.rate = rate
-
-    def select(self, x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               rope: RotaryEmbedding) -> torch.Tensor:
-        """Queries of one sequence, its indexer keys [N, d] -> bool [S, N]: the entries each attends to."""
-        q = self.wq_b(q_low).view(-1, self.num_heads, self.head_dim)
-        q = rotate_tail(q, rope.cos[positions][:, None], rope.sin[positions][:, None])
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        visible = visible_entries(positions, self.rate)
-        step = _rows_per_chunk(self.num_heads * keys.shape[0])
-        return torch.cat([select_entries(index_scores(q[a:a + step], keys, weights[a:a + step]),
-                                         visible[a:a + step], self.top_k) for a in range(0, q.shape[0], step)])
 
 
 class Attention(nn.Module):
@@ -121,6 +82,7 @@ class Attention(nn.Module):
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         self.cache = cache
         self.eps = eps
+        self.backend = backends.v4_attention
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device)
         self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim, backends.linear, dtype=dtype,
@@ -134,68 +96,41 @@ class Attention(nn.Module):
         self.window = hf["sliding_window"]
         self.compressor = self.indexer = None
         if self.layer_type != SLIDING:
-            self.rate = hf["compress_rates"][self.layer_type]
-            self.compressor = Compressor(hidden, self.head_dim, self.rate, self.layer_type == CSA, eps, backends,
+            rate = hf["compress_rates"][self.layer_type]
+            self.compressor = Compressor(hidden, self.head_dim, rate, self.layer_type == CSA, eps, backends,
                                          dtype=dtype, device=device)
             if self.layer_type == CSA:
-                self.indexer = Indexer(hf, self.rate, backends, dtype=dtype, device=device)
+                self.indexer = Indexer(hf, rate, backends, dtype=dtype, device=device)
+        self._spec: V4AttentionLayer | None = None
 
-    def layer_spec(self) -> AttentionLayer:
-        return AttentionLayer(layer_id=0, num_heads=self.num_heads, num_kv_heads=1, head_dim=self.head_dim,
-                              scale=self.head_dim**-0.5, sinks=self.attn_sink)
+    def spec(self) -> V4AttentionLayer:
+        """The family's view of this layer (made once, after the weights are in place)."""
+        if self._spec is None:
+            c = self.cache
+            indexer = None
+            if self.indexer is not None:
+                indexer = IndexerLayer(self.indexer.num_heads, self.indexer.head_dim, self.indexer.top_k,
+                                       self.indexer.compressor.spec(c.index_projections, c.index_keys))
+            self._spec = V4AttentionLayer(
+                self.num_heads, self.head_dim, self.window, self.attn_sink, self.rope, c.window,
+                None if self.compressor is None else self.compressor.spec(c.projections, c.entries), indexer)
+        return self._spec
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, seqs: list[SeqView]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
         """x [T, hidden], the batch's new tokens packed -> [T, hidden]."""
-        cos, sin = self.rope.cos[batch.positions], self.rope.sin[batch.positions]
+        layer, backend = self.spec(), self.backend
         q_low = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
-        q = rotate_tail(q, cos[:, None], sin[:, None])
-        slots = window_slots(batch.slot_mapping, kv.window_table(), batch.page_size)
-        window_kv = flat(kv, self.cache.window)[0]
-        window_kv.index_copy_(0, slots, rotate_tail(self.norm(self.wkv(x)), cos, sin).to(window_kv.dtype))
+        backend.store(self.norm(self.wkv(x)), layer, kv, batch, meta)
         if self.compressor is not None:
-            self.compressor.store(x, slots, flat(kv, self.cache.projections))
+            backend.compress(self.compressor.wkv(x), self.compressor.wgate(x), layer.compression, layer, kv, batch,
+                             meta)
+        picks = None
         if self.indexer is not None:
-            self.indexer.compressor.store(x, slots, flat(kv, self.cache.index_projections))
-        spec = self.layer_spec()
-        out = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for seq in seqs:
-            rows = slice(seq.start, seq.start + seq.new)
-            self._attend(seq, q[rows], x[rows], q_low[rows], batch.positions[rows], kv, out[rows], spec)
-        out = rotate_tail(out.to(x.dtype), cos[:, None], -sin[:, None])
+            comp = self.indexer.compressor
+            backend.compress(comp.wkv(x), comp.wgate(x), layer.indexer.compression, layer, kv, batch, meta)
+            q_index = self.indexer.wq_b(q_low).view(-1, self.indexer.num_heads, self.indexer.head_dim)
+            weights = self.indexer.weights_proj(x).float() * self.indexer.num_heads**-0.5
+            picks = backend.select(q_index, weights, layer, kv, batch, meta)
+        out = backend.attend(q, layer, kv, batch, meta, picks)
         return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))
-
-    def _attend(self, seq: SeqView, q: torch.Tensor, x: torch.Tensor, q_low: torch.Tensor, positions: torch.Tensor,
-                kv: KVCache, out: torch.Tensor, spec: AttentionLayer) -> None:
-        """One sequence's new queries into ``out``, in chunks of at most ``window`` queries, each over
-        the tokens its window reaches and the entries closed before its last query."""
-        entries = index_keys = None
-        if self.compressor is not None:
-            slots = seq.entry_slots(0, seq.end // self.rate, self.rate)
-            entries_kv = flat(kv, self.cache.entries)[0]
-            self.compressor.close_windows(seq, flat(kv, self.cache.projections), entries_kv, self.rope)
-            entries = entries_kv[slots]
-            if self.indexer is not None:
-                keys_kv = flat(kv, self.cache.index_keys)[0]
-                self.indexer.compressor.close_windows(seq, flat(kv, self.cache.index_projections), keys_kv, self.rope)
-                index_keys = keys_kv[slots]
-        window_kv = flat(kv, self.cache.window)[0]
-        num_entries = 0 if entries is None else entries.shape[0]
-        step = max(1, min(self.window, _rows_per_chunk(self.num_heads * (2 * self.window + num_entries))))
-        for a in range(0, seq.new, step):
-            b = min(a + step, seq.new)
-            first, end = max(0, seq.context + a - self.window + 1), seq.context + b
-            keys = window_kv[seq.token_slots(first, end)]
-            k_pos = torch.arange(first, end, device=positions.device)[None, :]
-            q_pos = positions[a:b, None]
-            allowed = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-            if entries is not None:
-                n = end // self.rate
-                if self.indexer is not None:
-                    seen = self.indexer.select(x[a:b], q_low[a:b], positions[a:b], index_keys[:n], self.rope)
-                else:
-                    seen = torch.arange(n, device=x.device) < visible_entries(positions[a:b], self.rate)[:, None]
-                keys, allowed = torch.cat([keys, entries[:n]]), torch.cat([allowed, seen], dim=-1)
-            k_s = keys.float()[None]
-            q_c = q[a:b].float().view(b - a, 1, self.num_heads, -1).permute(1, 2, 0, 3)
-            out[a:b] = attend(q_c, k_s, k_s, allowed[None, None], spec)[0].permute(1, 0, 2)  # [1, H, b - a, D]

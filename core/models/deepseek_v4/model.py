@@ -9,21 +9,21 @@ laid out as cache.py describes.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ...config import ModelConfig
+from ...families.mhc import MixWeights
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache, KVLayerSpec
-from ...native.mhc import hc_head, hc_post, hc_pre
 from ...native.rope import RotaryEmbedding, rope_from_hf
 from ..base import Backends, CausalLM
 from ..layers import Embedding, Linear, RMSNorm, empty_param
 from ..weights import Target, load_into
 from .attention import CSA, SLIDING, Attention
-from .cache import LayerCache, SeqView, cache_layout, sequences, window_reach
+from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import check_quantization_config, dequantized
 from .moe import SparseMoE
 
@@ -51,29 +51,31 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{name}_base", empty_param(mixes, dtype=torch.float32, device=device))
             self.register_parameter(f"hc_{name}_scale", empty_param(3, dtype=torch.float32, device=device))
         self.eps, self.hc_eps, self.iters = eps, hf.get("hc_eps", 1e-6), hf.get("hc_sinkhorn_iters", 20)
+        self.mhc = backends.mhc
 
-    def _pre(self, name: str, streams: torch.Tensor):
-        return hc_pre(streams, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
-                      getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
+    def _mix(self, name: str) -> MixWeights:
+        return MixWeights(getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
+                          getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache, seqs: list[SeqView]) -> torch.Tensor:
-        x, post, comb = self._pre("attn", streams)
-        streams = hc_post(self.attn(self.attn_norm(x), batch, kv, seqs), streams, post, comb)
-        x, post, comb = self._pre("ffn", streams)
-        return hc_post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
+        x, post, comb = self.mhc.pre(streams, self._mix("attn"))
+        streams = self.mhc.post(self.attn(self.attn_norm(x), batch, kv, meta), streams, post, comb)
+        x, post, comb = self.mhc.pre(streams, self._mix("ffn"))
+        return self.mhc.post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
 
 
 class HyperHead(nn.Module):
-    def __init__(self, hf: dict, device) -> None:
+    def __init__(self, hf: dict, backends: Backends, device) -> None:
         super().__init__()
         n = hf.get("hc_mult", 4)
         self.hc_fn = empty_param(n, n * hf["hidden_size"], dtype=torch.float32, device=device)
         self.hc_base = empty_param(n, dtype=torch.float32, device=device)
         self.hc_scale = empty_param(1, dtype=torch.float32, device=device)
         self.eps, self.hc_eps = hf.get("rms_norm_eps", 1e-6), hf.get("hc_eps", 1e-6)
+        self.mhc = backends.mhc
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)
+        return self.mhc.head(streams, MixWeights(self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps))
 
 
 class Decoder(nn.Module):
@@ -84,28 +86,26 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(hf["vocab_size"], hf["hidden_size"], dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device)
                                     for i, cache in enumerate(caches))
-        self.hc_head = HyperHead(hf, device)
+        self.hc_head = HyperHead(hf, backends, device)
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device)
         self.hc_mult = hf.get("hc_mult", 4)
+        self.attention = backends.v4_attention
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        seqs = sequences(batch, kv.window_table())
+        meta = self.attention.prepare(batch, kv)
         for layer in self.layers:
-            streams = layer(streams, batch, kv, seqs)
+            streams = layer(streams, batch, kv, meta)
         return self.norm(self.hc_head(streams))
 
 
 class DeepseekV4ForCausalLM(CausalLM):
     graph_safe = False  # its steps read their shape from the batch's host lists
-    blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "torch in core/native/mhc.py"),
-              ("attention: sliding window, CSA + lightning indexer, HCA, sinks",
-               "torch in core/models/deepseek_v4/attention.py (not the attention backend)"),
-              ("compressors (CSA/HCA pooling)", "torch in core/native/compressor.py"),
-              ("indexer top-k (stable)", "torch in core/native/indexer.py"),
+    blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "mhc"),
+              ("attention: window store, compressors, indexer top-k, window + entries, sinks", "v4_attention"),
               ("q/kv/compressor/indexer/output projections, LM head", "linear"),
-              ("RMSNorms, partial RoPE", "torch in core/native"),
+              ("RMSNorms", "torch in core/native/norm.py"),
               ("routed + shared experts (sqrtsoftplus and hash routing, swiglu clamp)", "moe"))
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
@@ -124,6 +124,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def window_reach(self) -> int:
         return self.reach
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        return None  # the V4 attention family prepares inside the step
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         return self.model(batch, kv)

@@ -60,7 +60,7 @@ def test_triton_backends_match_native(tiny_qwen3, seed):
         kv = KVCache(model.kv_layer_specs(), 32, PAGE, torch.float32, "cpu")
         batch = ForwardBatch.build([t for p in prompts for t in p], lens, [0] * 3, tables, PAGE, list(range(sum(lens))))
         with torch.inference_mode():
-            batch.attn_metadata = model.backends.attention.prepare(batch)
+            batch.attn_metadata = model.prepare(batch)
             out.append(model.compute_logits(model(batch, kv)))
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
 
@@ -97,7 +97,7 @@ def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
     tables, nxt = _pages(lens, extra=1)
     with torch.inference_mode():  # prefill every prompt but its last token, eagerly
         pre = ForwardBatch.build([t for p in prompts for t in p[:-1]], [n - 1 for n in lens], [0] * 5, tables, PAGE, [])
-        pre.attn_metadata = model.backends.attention.prepare(pre)
+        pre.attn_metadata = model.prepare(pre)
         model(pre, kv)
         for subset in ([0, 1, 2, 3, 4], [1, 3], [0, 2, 4], [2]):  # buckets 6, 2, 4 (row 3 stale from 3), 1
             left_out = [i for i in range(5) if i not in subset]
@@ -109,7 +109,7 @@ def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
             assert graphs.can_run([1] * len(subset), pages, len(subset))
             got = graphs.run(ids, ctx, pages).clone()
             batch = ForwardBatch.build(ids, [1] * len(subset), ctx, pages, PAGE, list(range(len(subset))))
-            batch.attn_metadata = model.backends.attention.prepare(batch)
+            batch.attn_metadata = model.prepare(batch)
             want = model.compute_logits(model(batch, kv)[batch.logits_indices])
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
             continue
         batch = ForwardBatch.build(ids, qlens, ctx, tables, page_size, logits_rows)
         with torch.inference_mode():
-            batch.attn_metadata = c.model.backends.attention.prepare(batch)
+            batch.attn_metadata = c.model.prepare(batch)
             logits = c.model.compute_logits(c.model(batch, c.kv)[batch.logits_indices])
         start = 0
         for i, q in enumerate(qlens):

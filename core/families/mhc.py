@@ -1,0 +1,51 @@
+"""mHC family: DeepSeek-V4's manifold-constrained hyper-connections around each sublayer.
+
+n residual streams are collapsed into a sublayer's input (``pre``) and the sublayer's output is
+expanded back and mixed into them (``post``); ``head`` collapses them before the final norm. The
+native functions (core/native/mhc.py) define the arithmetic; a backend fuses each into a launch or
+two instead of dozens of torch ops.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixWeights:
+    """One sublayer boundary's parameters: ``fn`` [(2 + n) * n, n * D] projects the RMS-normalised
+    flattened streams to [pre (n) | post (n) | comb (n * n)]; ``base`` [(2 + n) * n] adds to them and
+    ``scale`` [3] scales each part. For the head, ``fn`` is [n, n * D], ``base`` [n], ``scale`` [1]."""
+
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    norm_eps: float
+    hc_eps: float
+    sinkhorn_iters: int = 0
+
+
+class MHCBackend(ABC):
+    name: str = "?"
+    graph_safe: bool = True
+
+    def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext
+        self.ctx = ctx
+
+    @abstractmethod
+    def pre(self, streams: torch.Tensor, w: MixWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> (sublayer input [T, D] in streams' dtype, post [T, n] fp32,
+        comb [T, n, n] fp32, doubly stochastic by Sinkhorn-Knopp)."""
+
+    @abstractmethod
+    def post(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+        """New streams [T, n, D]: stream i = post[i] * block_out + sum_j comb[j, i] * streams[j]."""
+
+    @abstractmethod
+    def head(self, streams: torch.Tensor, w: MixWeights) -> torch.Tensor:
+        """The final collapse [T, n, D] -> [T, D] with sigmoid weights."""

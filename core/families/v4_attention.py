@@ -1,0 +1,119 @@
+"""V4 attention family: DeepSeek-V4's attention over a whole step at once.
+
+A V4 layer attends over two kinds of keys: the last ``window`` tokens (the sliding window, one
+shared K=V head) and, in compressed layers, pooled entries, one per ``rate`` tokens (HCA: every
+visible entry; CSA: the ``top_k`` the lightning indexer picks). Where each component lives in the
+KV pages is core/models/deepseek_v4/cache.py's layout; a backend reads and writes them there.
+
+Per layer the model calls, in order: ``store`` (the window KV), ``compress`` for each compressor
+(its projections, and the entries of windows that close in this step), ``select`` (CSA only),
+then ``attend``. ``prepare`` runs once per step, inside the step (so inside a captured graph), and
+its result is passed to every call.
+
+Masking, as the oracle (core/native/v4_attention.py) does it: a query at position p sees window
+keys at positions p - window + 1 .. p and entries 0 .. (p + 1) // rate - 1 (an entry is visible
+from the token after its window closes). Ties in the indexer go to the lowest entry index.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..forward import ForwardBatch
+from ..kv.storage import KVCache
+
+
+@dataclass(frozen=True)
+class Compression:
+    """One compressor: softmax-gated pooling of each window of ``rate`` tokens into one entry.
+
+    With ``overlap`` (CSA) each token projects twice the width, and entry w pools window w-1's first
+    half of the channels with window w's second half. Entries are RMS-normalised by
+    ``norm_weight`` and rotated at their window's first position.
+    """
+
+    rate: int
+    overlap: bool
+    ape: torch.Tensor  # [rate, width] fp32: the gate's bias by slot within the window
+    norm_weight: torch.Tensor  # [head_dim] fp32
+    eps: float
+    projections: int  # cache layer: per token, k = the kv projection, v = the gate projection [width]
+    entries: int  # cache layer: per entry, k = the pooled entry [head_dim]
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.norm_weight.shape[0])
+
+
+@dataclass(frozen=True)
+class IndexerLayer:
+    """The lightning indexer of a CSA layer: its own compressor makes the keys it scores."""
+
+    num_heads: int
+    head_dim: int
+    top_k: int
+    compression: Compression
+
+
+@dataclass(frozen=True)
+class V4AttentionLayer:
+    """Per-layer parameters, fixed at model construction."""
+
+    num_heads: int
+    head_dim: int
+    window: int  # a query sees window keys at positions > p - window
+    sinks: torch.Tensor  # [num_heads] fp32: a logit per head in the softmax denominator, no value
+    rope: Any  # core.native.rope.RotaryEmbedding: cos/sin [max_pos, rope_dim // 2], interleaved pairs
+    window_kv: int  # cache layer: per token, k = the normalised, rotated KV the window reads
+    compression: Compression | None = None  # CSA or HCA entries
+    indexer: IndexerLayer | None = None  # CSA
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+class V4AttentionBackend(ABC):
+    name: str = "?"
+    # True if every method reads the batch's shape from device tensors only and syncs with nothing
+    graph_safe: bool = False
+
+    def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext
+        self.ctx = ctx
+
+    def prepare(self, batch: ForwardBatch, kv: KVCache) -> Any:
+        """Per-step metadata shared by every layer's calls (run inside the step)."""
+        return None
+
+    @abstractmethod
+    def store(self, kv_new: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+              meta: Any) -> None:
+        """Rotate the step's window KV [T, head_dim] (normalised) at its tokens' positions, rounded
+        to ``kv_new``'s dtype, and store it in ``layer.window_kv`` at their window slots."""
+
+    @abstractmethod
+    def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
+                 kv: KVCache, batch: ForwardBatch, meta: Any) -> None:
+        """Store the step's projections [T, width] at their tokens' window slots, then pool every
+        window whose last token the step brings into its entry (gate + ape softmax over the window's
+        slots per channel in fp32; RMSNorm; rotation by ``layer.rope`` at the window's first
+        position), stored in ``comp.entries``."""
+
+    @abstractmethod
+    def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
+               batch: ForwardBatch, meta: Any) -> torch.Tensor:
+        """The indexer's choice: q [T, Hi, di] (unrotated), weights [T, Hi] fp32 (already scaled by
+        Hi^-0.5) -> int32 [T, top_k]: the entries of the ``top_k`` highest scores among those
+        visible, score(s) = sum_h weights_h * relu(rope(q_h) . key_s) * di^-0.5, ties to the lowest
+        index; -1 fills the rest of a row. The order within a row is unspecified."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: Any,
+               picks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D] (normalised, unrotated) -> [T, H, D] in q's dtype: rotate q, attend over its
+        window keys and its entries (``picks`` from ``select`` in CSA, every visible one in HCA)
+        with K = V and the sinks, round to q's dtype and rotate the output back."""
