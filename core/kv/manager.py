@@ -122,12 +122,12 @@ class KVManager:
         if st is None:
             st = self._seqs[seq.seq_id] = SeqKV()
         end = st.num_tokens + num_new
-        need = self._pages_for(end) - len(st.pages)
+        need = -(-end // self.page_size) - len(st.pages)
         if need > 0:
             if not self._reserve(need):
                 return False
             st.pages.extend(self.pool.alloc(need))
-        return self._move_windows(st, st.num_tokens, end)
+        return self.window is None or self._move_windows(st, st.num_tokens, end)
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of the first ``num_tokens`` tokens is written. Once the prompt is, its full pages
@@ -136,7 +136,7 @@ class KVManager:
         if num_tokens > len(st.pages) * self.page_size:
             raise ValueError(f"commit of {num_tokens} tokens on {len(st.pages)} pages of {self.page_size}")
         st.num_tokens = num_tokens
-        if not st.published and num_tokens >= len(seq.prompt_token_ids) and self.radix.enabled:
+        if not st.published and self.radix.enabled and num_tokens >= len(seq.prompt_token_ids):
             prompt = seq.prompt_token_ids
             self.radix.insert(prompt, st.pages)
             node = self.radix.lock_prefix(prompt)
