@@ -35,6 +35,11 @@ def engine_register_linear_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_mhc_backends() -> list[Descriptor]:
+    return triton_descriptors("mhc", "nvidia")
+
+
+@hookimpl
 def engine_register_graph_backends() -> list[Descriptor]:
     return [Descriptor("graphs", "cuda_graphs", _create_graphs, priority=100, check=_graph_reasons)]
 

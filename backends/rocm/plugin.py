@@ -32,3 +32,8 @@ def engine_register_moe_backends() -> list[Descriptor]:
 @hookimpl
 def engine_register_linear_backends() -> list[Descriptor]:
     return triton_descriptors("linear", "amd")
+
+
+@hookimpl
+def engine_register_mhc_backends() -> list[Descriptor]:
+    return triton_descriptors("mhc", "amd")

@@ -14,6 +14,7 @@ from engine.core.registry import Descriptor, SelectionContext
 
 TRITON_PRIORITY = 100
 PLATFORM_NAMES = {"nvidia": "an NVIDIA GPU", "amd": "an AMD GPU"}
+MHC_MAX_STREAMS = 16  # backends/triton/mhc.py holds a token's n x n comb in one program's registers
 
 
 def _platform_reasons(ctx: SelectionContext, vendor: str) -> list[str]:
@@ -25,6 +26,18 @@ def _platform_reasons(ctx: SelectionContext, vendor: str) -> list[str]:
     return reasons
 
 
+def _mhc_reasons(ctx: SelectionContext) -> list[str]:
+    n = ctx.model_config.hf.get("hc_mult", 4) if ctx.model_config is not None else 0
+    return [f"hc_mult {n}: the kernels take at most {MHC_MAX_STREAMS} streams"] if n > MHC_MAX_STREAMS else []
+
+
+def _no_model_reasons(ctx: SelectionContext) -> list[str]:
+    return []
+
+
+MODEL_REASONS = {"mhc": _mhc_reasons}  # what a family's kernels lack for a model, beside the platform
+
+
 def _create(path: str):
     module, _, name = path.partition(":")
     return lambda ctx: getattr(import_module(module), name)(ctx)
@@ -33,6 +46,8 @@ def _create(path: str):
 def triton_descriptors(family: str, vendor: str) -> list[Descriptor]:
     impl = {"attention": "engine.backends.triton.attention:TritonAttention",
             "moe": "engine.backends.triton.moe:TritonMoE",
-            "linear": "engine.backends.triton.linear:TritonLinear"}[family]
+            "linear": "engine.backends.triton.linear:TritonLinear",
+            "mhc": "engine.backends.triton.mhc:TritonMHC"}[family]
+    model_reasons = MODEL_REASONS.get(family, _no_model_reasons)
     return [Descriptor(family, "triton", _create(impl), priority=TRITON_PRIORITY,
-                       check=lambda ctx: _platform_reasons(ctx, vendor))]
+                       check=lambda ctx: _platform_reasons(ctx, vendor) + model_reasons(ctx))]

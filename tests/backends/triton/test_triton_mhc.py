@@ -1,0 +1,217 @@
+"""mHC kernels (pre, post, head) against core/native/mhc.py: interpreter, GPU, and compiled for every target."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aot import TARGETS, amdgcn_target, compile_asm, pdl
+
+from engine.backends.triton import mhc
+from engine.backends.triton.descriptors import triton_descriptors
+from engine.core.families.mhc import MixWeights
+from engine.core.native import mhc as native
+from engine.core.platform import PlatformSpec
+from engine.core.registry import SelectionContext
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+MIX_TOL = dict(rtol=1e-4, atol=2e-5)  # the fp32 gates and comb: K-long fp32 sums in another order
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the launches allocate (outputs and split-K partials) starts as NaN."""
+    monkeypatch.setattr(mhc, "_empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                device=device))
+
+
+def _weights(n: int, d: int, mixes: int, scales: int, device, iters: int = 20) -> MixWeights:
+    """fn rows of unit norm, so the mixes of RMS-normalised streams are about N(0, 1)."""
+    k = n * d
+    return MixWeights(torch.randn(mixes, k, device=device) / k**0.5, torch.randn(mixes, device=device),
+                      torch.randn(scales, device=device), 1e-6, 1e-6, iters)
+
+
+def _streams(t: int, n: int, d: int, dtype, device) -> torch.Tensor:
+    return (torch.randn(t, n, d, device=device) * torch.rand(t, n, 1, device=device) * 4).to(dtype)
+
+
+def _check_pre(streams: torch.Tensor, w: MixWeights):
+    x, post, comb = mhc.mhc_pre(streams, w)
+    want_x, want_post, want_comb = native.hc_pre(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps,
+                                                 w.sinkhorn_iters)
+    assert x.dtype == streams.dtype and post.dtype == comb.dtype == torch.float32
+    torch.testing.assert_close(post, want_post, **MIX_TOL)
+    torch.testing.assert_close(comb, want_comb, **MIX_TOL)
+    torch.testing.assert_close(x, want_x, **TOL[streams.dtype])
+    return post, comb
+
+
+def _check_post(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+    block_out = torch.randn(streams.shape[0], streams.shape[2], device=streams.device).to(streams.dtype)
+    got = mhc.mhc_post(block_out, streams, post, comb)
+    want = native.hc_post(block_out, streams, post, comb)
+    torch.testing.assert_close(got, want, **TOL[streams.dtype])
+    if streams.dtype != torch.float32:  # the same rounding steps: only the n-term fp32 sums' order differs
+        assert (got == want).float().mean() > 0.98
+
+
+def _check_head(streams: torch.Tensor, w: MixWeights):
+    got = mhc.mhc_head(streams, w)
+    torch.testing.assert_close(got, native.hc_head(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps),
+                               **TOL[streams.dtype])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,t,n,d", [(torch.float32, 5, 4, 64), (torch.float16, 5, 4, 64),
+                                         (torch.float32, 3, 4, 256), (torch.float16, 3, 4, 256),  # tiny-dsv4-py
+                                         (torch.float16, 18, 3, 40)])
+def test_mhc_interpreted(seed, poisoned, dtype, t, n, d):
+    """Several K splits and token blocks (the interpreter's table), a stream count and a hidden size
+    that are not powers of two."""
+    streams = _streams(t, n, d, dtype, "cpu")
+    post, comb = _check_pre(streams, _weights(n, d, (2 + n) * n, 3, "cpu"))
+    _check_post(streams, post, comb)
+    _check_head(streams, _weights(n, d, n, 1, "cpu"))
+
+
+@pytest.mark.interpret
+def test_mhc_reads_strided_streams_interpreted(seed, poisoned):
+    """Streams that are a view with padding between tokens, and a one-iteration Sinkhorn."""
+    streams = _streams(4, 4, 96, torch.float16, "cpu")
+    wide = torch.zeros(4, 5, 96, dtype=torch.float16)
+    wide[:, :4] = streams
+    post, comb = _check_pre(wide[:, :4], _weights(4, 96, 24, 3, "cpu", iters=1))
+    _check_post(wide[:, :4], post, comb)
+
+
+def test_mhc_names_the_field_of_bad_input():
+    streams = torch.zeros(2, 4, 32)
+    with pytest.raises(ValueError, match="MixWeights.fn"):
+        mhc.mhc_pre(streams, _weights(4, 16, 24, 3, "cpu"))
+    with pytest.raises(ValueError, match="MixWeights.scale"):
+        mhc.mhc_head(streams, _weights(4, 32, 4, 3, "cpu"))
+    with pytest.raises(ValueError, match="comb"):
+        mhc.mhc_post(torch.zeros(2, 32), streams, torch.zeros(2, 4), torch.zeros(2, 4, 3))
+    with pytest.raises(ValueError, match="streams"):
+        mhc.mhc_pre(torch.zeros(2, 128), _weights(4, 32, 24, 3, "cpu"))
+
+
+@pytest.mark.parametrize("vendor,arch", [("nvidia", "sm_90"), ("amd", "gfx942")])
+def test_mhc_descriptor_gives_its_reasons(vendor, arch):
+    (descriptor,) = triton_descriptors("mhc", vendor)
+    gpu = PlatformSpec(vendor, arch, "a GPU", "cuda")
+
+    def reasons(platform, hc_mult):
+        model = SimpleNamespace(hf={"hc_mult": hc_mult})
+        return descriptor.check(SelectionContext(platform, model_config=model))
+
+    assert descriptor.name == "triton" and descriptor.family == "mhc"
+    assert reasons(gpu, 4) == []
+    assert any("hc_mult 32" in r for r in reasons(gpu, 32))
+    assert any("needs an" in r for r in reasons(PlatformSpec("cpu", "cpu", "a CPU", "cpu"), 4))
+
+
+FLASH = dict(n=4, d=4096)  # DeepSeek-V4-Flash: hidden 4096, hc_mult 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32, 4096])
+def test_mhc_gpu_flash_shape(seed, poisoned, t):
+    n, d = FLASH["n"], FLASH["d"]
+    streams = _streams(t, n, d, torch.bfloat16, "cuda")
+    w = _weights(n, d, (2 + n) * n, 3, "cuda")
+    post, comb = _check_pre(streams, w)
+    _check_post(streams, post, comb)
+    _check_head(streams, _weights(n, d, n, 1, "cuda"))
+    again = mhc.mhc_pre(streams, w)  # the split-K sums run in a fixed order: bit-identical reruns
+    assert torch.equal(again[1], post) and torch.equal(again[2], comb)
+
+
+@pytest.mark.gpu
+def test_mhc_gpu_graph_replays_on_new_contents(seed):
+    n, d, t = FLASH["n"], FLASH["d"], 32
+    streams = _streams(t, n, d, torch.bfloat16, "cuda")
+    block_out = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+    w, head = _weights(n, d, (2 + n) * n, 3, "cuda"), _weights(n, d, n, 1, "cuda")
+
+    def step():
+        x, post, comb = mhc.mhc_pre(streams, w)
+        return x, mhc.mhc_head(mhc.mhc_post(block_out, streams, post, comb), head)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    streams.copy_(_streams(t, n, d, torch.bfloat16, "cuda"))
+    block_out.copy_(torch.randn(t, d, device="cuda"))
+    graph.replay()
+    eager = step()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_tiny_dsv4_logits_with_the_triton_mhc(seed, shared_dir):
+    """The whole model on the GPU with only the mHC family switched: prompt logprobs within bf16 bounds."""
+    from engine import LLM, SamplingParams
+
+    model = str(shared_dir / "models" / "tiny-dsv4-py")
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=512, progress=False)
+    fast, oracle = LLM(model, mhc_backend="triton", **kw), LLM(model, mhc_backend="native", **kw)
+    assert fast.engine.components.selections["mhc"].chosen.name == "triton"
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, fast.engine.vocab_size, (int(k),), generator=gen).tolist() for k in (1, 37, 200)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    for x, y in zip(fast.generate(prompts, params), oracle.generate(prompts, params)):
+        lx = torch.tensor([next(iter(p.values())) for p in x.prompt_logprobs[1:]])
+        ly = torch.tensor([next(iter(p.values())) for p in y.prompt_logprobs[1:]])
+        torch.testing.assert_close(lx, ly, rtol=0, atol=0.15)
+
+
+def _signature(x: str) -> dict:
+    return {
+        "partials": {"x_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32",
+                     "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32"},
+        "pre": {"mix_ptr": "*fp32", "ss_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+                "streams_ptr": f"*{x}", "out_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32",
+                "D": "i32", "splits": "i32", "stride_st": "i32", "stride_si": "i32", "stride_ot": "i32",
+                "norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32"},
+        "post": {"block_out_ptr": f"*{x}", "streams_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                 "out_ptr": f"*{x}", "D": "i32", "stride_bt": "i32", "stride_st": "i32", "stride_si": "i32",
+                 "stride_pt": "i32", "stride_ct": "i32", "stride_ot": "i32", "stride_oi": "i32"},
+    }
+
+
+ALIGNED = ["K", "k_per_split", "stride_x", "stride_fn", "D", "stride_st", "stride_si", "stride_ot", "stride_bt",
+           "stride_oi"]  # as the JIT specializes the V4-Flash sizes
+
+
+def _compile(kernel, signature, constexprs, target):
+    return compile_asm(kernel, signature, {**constexprs, "PDL": pdl(target)}, target, num_warps=4,
+                       divisible_by_16=[a for a in ALIGNED if a in signature])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_mhc_compiles(target):
+    """bf16 streams at V4-Flash: the product on the matrix units, 16-byte accesses to the streams."""
+    sig = _signature("bf16")
+    asm = {"partials": _compile(mhc.mix_partials_kernel, sig["partials"],
+                                {"BLOCK_T": 64, "BLOCK_K": 128, "MP": 32}, target),
+           "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {"N": 4, "NP": 4, "MP": 32, "BLOCK_D": 1024}, target),
+           "head": _compile(mhc.head_mix_kernel, {k: v for k, v in sig["pre"].items()
+                                                  if k not in ("post_ptr", "comb_ptr", "iters")},
+                            {"N": 4, "NP": 4, "MP": 16, "BLOCK_D": 1024}, target),
+           "post": _compile(mhc.post_mix_kernel, sig["post"], {"N": 4, "NP": 4, "BLOCK_D": 1024}, target)}
+    if target.startswith("sm_"):
+        assert all(f".target {target}a" in a["ptx"] for a in asm.values())
+        assert "mma" in asm["partials"]["ptx"]
+        assert "ld.global.v4.b32" in asm["post"]["ptx"] and "st.global.v4.b32" in asm["post"]["ptx"]
+    else:
+        assert all(target in amdgcn_target(a["amdgcn"]) for a in asm.values())
+        assert "mfma" in asm["partials"]["amdgcn"]
+        assert "load_dwordx4" in asm["post"]["amdgcn"] and "store_dwordx4" in asm["post"]["amdgcn"]
