@@ -10,11 +10,27 @@ from __future__ import annotations
 
 import torch
 
+from .quant import dequantize_fp8_token_group, quantize_fp8_token_group
+
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
     """q [S, H, d] (rotated), keys [N, d], head_weights [S, H] (already scaled) -> fp32 scores [S, N]."""
     scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * q.shape[-1] ** -0.5
     return (scores * head_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [N, d] -> (E4M3 [N, d], fp32 scale [N]): FP8 index keys as DeepSeek keeps them, one
+    scale per key (its amax / 448)."""
+    data, scale = quantize_fp8_token_group(keys, group=keys.shape[-1])
+    return data, scale[:, 0]
+
+
+def fp8_index_scores(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor,
+                     head_weights: torch.Tensor) -> torch.Tensor:
+    """``index_scores`` over E4M3 keys [N, d] with their fp32 scales [N]: dequantized, then scored."""
+    dequantized = dequantize_fp8_token_group(keys, key_scales[:, None], group=keys.shape[-1])
+    return index_scores(q, dequantized, head_weights)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""DeepSeek-V4's lightning indexer for a whole step: scores over the paged index keys, then top-k.
+
+Two launches, both graph-safe (sizes come from T and the static ``max_entries`` only):
+
+1. ``index_scores_kernel``: a program takes one token and every head at once (heads are the MMA's
+   M dimension: all of them share one key), rotates the query's rope tail at its position in
+   registers (core/native/tail_rope.py's rounding), and walks blocks of that sequence's entries
+   (N), reading each key from its page through the entry-slot formula of
+   core/models/deepseek_v4/cache.py. Score = sum_h w_h * relu(q_h . k) * d^-0.5 in fp32, in the
+   order core/native/indexer.py's ``index_scores`` applies them. Each score leaves the kernel as
+   one int64: the score mapped to an order-preserving int32 in the high half, the entry index
+   inverted in the low half, -inf past the token's visible entries.
+2. ``torch.topk`` over those keys. No two keys are equal, so whatever topk does with ties, the
+   result is the stable top-k: among equal scores the lowest entry index wins.
+
+FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
+the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.v4_attention import V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import flat
+
+from .target import config_for
+
+INDEX_BITS = 31  # the low half of a key: (2**31 - 1) - entry index
+SCRATCH_BYTES = 1 << 29  # the most the keys of one launch may take; longer steps run in token chunks
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    block_n: int  # entries per MMA
+    num_warps: int
+    programs: int  # programs to aim for: a short step splits each token's entries over several
+
+
+INDEXER = {
+    "cuda": IndexerConfig(block_n=64, num_warps=4, programs=1056),
+    "hip": IndexerConfig(block_n=64, num_warps=4, programs=1216),
+    "default": IndexerConfig(block_n=16, num_warps=1, programs=8),  # the interpreter: several splits still
+}
+
+
+@triton.jit
+def _rotated_query(q_row, stride_qh, heads, cos_row, sin_row,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_H, BLOCK_D] in q's dtype: the heads of one token, interleaved pairs of the last
+    2 * ROT_HALF channels rotated in fp32 (x1 c - x2 s, x2 c + x1 s), unfused, as rotate_tail."""
+    d = tl.arange(0, BLOCK_D)
+    nope = HEAD_DIM - 2 * ROT_HALF
+    tail = (d >= nope) & (d < HEAD_DIM)
+    first = ((d - nope) % 2) == 0
+    partner = tl.where(first, d + 1, d - 1)
+    pair = tl.where(tail, (d - nope) // 2, 0)
+    head_mask = (heads < NUM_HEADS)[:, None]
+    rows = q_row + heads[:, None] * stride_qh
+    x = tl.load(rows + d[None, :], mask=head_mask & (d < HEAD_DIM)[None, :], other=0.0)
+    xp = tl.load(rows + partner[None, :], mask=head_mask & tail[None, :], other=0.0).to(tl.float32)
+    c = tl.load(cos_row + pair, mask=tail, other=1.0).to(x.dtype).to(tl.float32)[None, :]
+    s = tl.load(sin_row + pair, mask=tail, other=0.0).to(x.dtype).to(tl.float32)[None, :]
+    xf = x.to(tl.float32)
+    turned = tl.where(first[None, :], xf * c - xp * s, xf * c + xp * s)
+    return tl.where(tail[None, :], turned, xf).to(x.dtype)
+
+
+@triton.jit
+def index_scores_kernel(
+    q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr,
+    max_entries, sm_scale,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    pos = tl.load(positions_ptr + token)
+    seq = tl.load(token_seq_ptr + token).to(tl.int64)
+    visible = (pos + 1) // RATE
+    heads = tl.arange(0, BLOCK_H)
+    q = _rotated_query(q_ptr + token * stride_qt, stride_qh, heads, cos_ptr + pos * stride_cos,
+                       sin_ptr + pos * stride_cos, NUM_HEADS, HEAD_DIM, ROT_HALF, BLOCK_D)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    weights = tl.load(w_ptr + token * stride_wt + heads, mask=heads < NUM_HEADS, other=0.0)
+    d = tl.arange(0, BLOCK_D)
+    table = page_table_ptr + seq * stride_pt
+    slots_per_page: tl.constexpr = (PAGE_SIZE + RATE - 1) // RATE
+    for block in range(split, tl.cdiv(max_entries, BLOCK_N), SPLITS):
+        w = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        if block * BLOCK_N < visible:
+            seen = w < visible
+            page_index = (w * RATE + RATE - 1) // PAGE_SIZE
+            page = tl.load(table + page_index, mask=seen, other=0).to(tl.int64)
+            slot = page * slots_per_page + w - page_index * PAGE_SIZE // RATE
+            k = tl.load(keys_ptr + slot[:, None] * stride_key + d[None, :],
+                        mask=seen[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+            if DOT_FP32:  # true fp32 products, not TF32
+                dot = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+            else:
+                dot = tl.dot(q, tl.trans(k.to(q.dtype)))
+            if HAS_SCALES:
+                dot = dot * tl.load(scales_ptr + slot, mask=seen, other=0.0)[None, :]
+            per_head = tl.maximum(dot, 0.0) * sm_scale
+            total = tl.sum(per_head * weights[:, None], axis=0)
+            total = tl.where(total == 0.0, 0.0, total)  # -0.0 ties with 0.0
+            score = tl.where(seen, total, score)
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of these ints = order of the floats
+        key = (ordered.to(tl.int64) << 32) | (2147483647 - w).to(tl.int64)
+        tl.store(out_ptr + token * stride_out + w, key, mask=w < max_entries)
+
+
+def _order_key(score: float) -> int:
+    """The high half of a kernel key for ``score`` (as the kernel maps it)."""
+    bits = int(torch.tensor(score, dtype=torch.float32).view(torch.int32))
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+HIDDEN = _order_key(float("-inf"))  # the high half of an entry a token does not see
+
+
+def _scratch(tokens: int, max_entries: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(tokens, max_entries, dtype=torch.int64, device=device)
+
+
+def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
+               page_table: torch.Tensor, page_size: int, rate: int, top_k: int, max_entries: int) -> torch.Tensor:
+    """q [T, H, d] (unrotated), weights [T, H] fp32 -> int32 [T, top_k]: each token's best visible
+    entries by score, ties to the lowest index, -1 past the entries it sees; order within a row
+    unspecified.
+
+    ``keys`` [slots, d]: entry w of the sequence with page-table row r lies in the page of its
+    window's last token, i = (w*rate + rate - 1) // page_size, at slot
+    ``r[i] * ceil(page_size / rate) + w - i * page_size // rate`` (SeqView.entry_slots);
+    ``key_scales`` [slots] fp32 with E4M3 keys (None otherwise). ``cos``/``sin`` [max_pos, rope/2]
+    rotate the query's last ``rope`` channels. ``token_seq`` [T]: each token's page-table row.
+    ``max_entries``: the most entries a sequence can have (a static bound: it sizes the grid).
+    """
+    tokens, num_heads, head_dim = q.shape
+    if weights.shape != (tokens, num_heads):
+        raise ValueError(f"weights {tuple(weights.shape)} must be [tokens, heads] = [{tokens}, {num_heads}]")
+    if keys.dim() != 2 or keys.shape[1] != head_dim or keys.stride(1) != 1:
+        raise ValueError(f"keys {tuple(keys.shape)} must be [slots, {head_dim}] with unit stride along the head dim")
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    if fp8 != (key_scales is not None):
+        raise ValueError(f"key_scales go with E4M3 keys and only with them (keys are {keys.dtype})")
+    if fp8 and (key_scales.shape != keys.shape[:1] or key_scales.dtype != torch.float32):
+        raise ValueError(f"key_scales {tuple(key_scales.shape)} {key_scales.dtype} must be fp32 [{keys.shape[0]}]")
+    if 2 * cos.shape[-1] > head_dim:
+        raise ValueError(f"rope dim {2 * cos.shape[-1]} exceeds the indexer head dim {head_dim}")
+    picks = torch.full((tokens, top_k), -1, dtype=torch.int32, device=q.device)
+    if tokens == 0 or max_entries == 0:
+        return picks
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights.float().contiguous()
+    exact = fp8 or keys.dtype == q.dtype  # an E4M3 key converts exactly to fp32, fp16 and bf16
+    cfg = config_for(INDEXER, q.device)
+    blocks = triton.cdiv(max_entries, cfg.block_n)
+    k = min(top_k, max_entries)
+    step = max(1, SCRATCH_BYTES // (8 * max_entries))
+    for a in range(0, tokens, step):
+        b = min(a + step, tokens)
+        scratch = _scratch(b - a, max_entries, q.device)
+        splits = max(1, min(blocks, cfg.programs // (b - a)))
+        index_scores_kernel[(b - a, splits)](
+            q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
+            page_table, scratch, max_entries, head_dim ** -0.5,
+            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cos.stride(0), page_table.stride(0),
+            scratch.stride(0),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate, PAGE_SIZE=page_size,
+            SPLITS=splits, HAS_SCALES=fp8, DOT_FP32=not exact or q.dtype == torch.float32,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=cfg.num_warps,
+            enable_fp_fusion=False,  # a fused multiply-add skips the rotation's rounding steps
+        )
+        best = torch.topk(scratch, k, dim=1, sorted=False).values
+        entry = (2**INDEX_BITS - 1) - (best & 0xFFFFFFFF)
+        picks[a:b, :k] = torch.where((best >> 32) > HIDDEN, entry, -1)
+    return picks
+
+
+def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+           meta) -> torch.Tensor:
+    """``V4AttentionBackend.select`` for the whole step: the index keys as the cache keeps them
+    (``layer.indexer.compression.entries``), the rotation of ``layer.rope``."""
+    indexer = layer.indexer
+    if q.shape[1:] != (indexer.num_heads, indexer.head_dim):
+        raise ValueError(f"q {tuple(q.shape)} must be [tokens, {indexer.num_heads}, {indexer.head_dim}] "
+                         f"(the indexer's heads and head dim)")
+    keys = flat(kv, indexer.compression.entries)[0]
+    return index_topk(q, weights, keys, None, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
+                      batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries)

@@ -1,0 +1,295 @@
+"""The lightning indexer kernel (scores over paged index keys + stable top-k) against the native select."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aot import TARGETS, amdgcn_target, compile_asm
+
+from engine.backends.triton import v4_indexer
+from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, select
+from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache, KVLayerSpec
+from engine.core.models.deepseek_v4.cache import flat, sequences
+from engine.core.native.compressor import visible_entries
+from engine.core.native.indexer import fp8_index_scores, index_scores, quantize_keys, top_entries
+from engine.core.native.rope import RotaryEmbedding
+from engine.core.native.tail_rope import rotate_tail
+from engine.core.native.v4_attention import NativeV4Attention
+
+FP8 = torch.float8_e4m3fn
+# a batch: a decode row, a prefill from 0, a chunk that starts inside a compression window after a
+# cached prefix, and a decode row that sees fewer entries than top_k
+LENS = [(37, 1), (0, 23), (18, 9), (6, 1)]
+
+
+class Case:
+    """Sequences (cached prefix, new tokens) on shuffled pages; index keys of every entry up to each
+    sequence's end written into a NaN-filled cache, all other slots NaN.
+
+    ``kind``: "random" (normal data), "ties" (small integers, keys from a small pool with a zero
+    rope tail, so scores are exact whatever the order of the sums: many equal scores, many exact
+    zeros through ReLU), "fp8" (E4M3 keys with amax scales), "fp8-ties" (integer E4M3 keys with
+    power-of-two scales: exact too).
+    """
+
+    def __init__(self, lens, heads, head_dim, rope_dim, top_k, page_size, dtype, device, kind="random",
+                 rate=4, max_model_len=None):
+        self.rate, self.top_k, self.kind, self.device = rate, top_k, kind, device
+        max_model_len = max_model_len or max(c + n for c, n in lens) + 2 * rate + 5
+        need = [-(-(c + n) // page_size) for c, n in lens]
+        num_pages = sum(need) + 3
+        ids = random.sample(range(num_pages), num_pages)
+        tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lens))]
+        qlens = [n for _, n in lens]
+        self.batch = ForwardBatch.build(input_ids=[0] * sum(qlens), query_lens=qlens, context_lens=[c for c, _ in lens],
+                                        page_tables=tables, page_size=page_size, logits_indices=[], device=device)
+        tokens = sum(qlens)
+        fp8 = kind.startswith("fp8")
+        self.kv = KVCache([KVLayerSpec(1, head_dim, 0, rate)], num_pages, page_size, FP8 if fp8 else dtype, device)
+        keys = flat(self.kv, 0)[0]
+        keys.fill_(float("nan"))
+        self.scales = torch.full(keys.shape[:1], float("nan"), device=device) if fp8 else None
+        self.seqs = sequences(self.batch, self.kv.window_table())
+        self.dims = (tokens, heads, head_dim, rope_dim, dtype)
+        self.q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
+        self.weights = torch.empty(tokens, heads, device=device)
+        self.fill()
+        self.rope = RotaryEmbedding(head_dim, rope_dim, max_model_len, 10000.0, None, is_neox_style=False,
+                                    device=device)
+        comp = Compression(rate, True, torch.zeros(rate, 2 * head_dim), torch.ones(head_dim), 1e-6, 0, 0)
+        self.layer = V4AttentionLayer(heads, head_dim, 8, torch.zeros(heads), self.rope, 0,
+                                      indexer=IndexerLayer(heads, head_dim, top_k, comp))
+        token_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(qlens)).to(torch.int32)
+        self.meta = SimpleNamespace(token_seq=token_seq.to(device), max_entries=-(-max_model_len // rate))
+
+    def fill(self):
+        """Fresh queries, weights and keys, in place."""
+        tokens, heads, head_dim, rope_dim, dtype = self.dims
+        if self.kind.endswith("ties"):
+            self.q.copy_(torch.randint(-2, 3, self.q.shape, device=self.device))
+            self.weights.copy_(torch.randint(-1, 4, self.weights.shape, device=self.device) * 0.5)
+        else:
+            self.q.copy_(torch.randn(self.q.shape, device=self.device))
+            self.weights.copy_(torch.randn(self.weights.shape, device=self.device) * heads ** -0.5)
+        for seq in self.seqs:
+            self._write_keys(seq.entry_slots(0, seq.end // self.rate, self.rate), head_dim, rope_dim, dtype)
+
+    def _write_keys(self, slots, head_dim, rope_dim, dtype):
+        keys, n = flat(self.kv, 0)[0], slots.shape[0]
+        if self.kind == "fp8":
+            keys[slots], self.scales[slots] = quantize_keys(torch.randn(n, head_dim, device=self.device) * 3)
+            return
+        if self.kind.endswith("ties"):
+            pool = torch.randint(-2, 3, (3, head_dim), device=self.device).float()
+            pool[:, head_dim - rope_dim:] = 0  # rotated query tails meet zeros: exact products
+            pool[0] = 0  # every score of this key is 0
+            values = pool[torch.randint(0, 3, (n,), device=self.device)]
+            if self.kind == "fp8-ties":
+                keys[slots] = values.to(FP8)
+                self.scales[slots] = 2.0 ** torch.randint(-2, 3, (n,), device=self.device).float()
+            else:
+                keys[slots] = values.to(dtype)
+            return
+        keys[slots] = torch.randn(n, head_dim, device=self.device).to(dtype)
+
+    def scores(self) -> torch.Tensor:
+        """[T, max_entries] fp32 reference scores: core/native/indexer.py over each sequence's keys,
+        -inf for entries a token does not see."""
+        positions = self.batch.positions
+        cos, sin = self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
+        q = rotate_tail(self.q, cos, sin)
+        keys = flat(self.kv, 0)[0]
+        out = torch.full((q.shape[0], self.meta.max_entries), float("-inf"), device=self.device)
+        for seq in self.seqs:
+            n = seq.end // self.rate
+            slots = seq.entry_slots(0, n, self.rate)
+            rows = slice(seq.start, seq.start + seq.new)
+            if self.scales is None:
+                s = index_scores(q[rows], keys[slots], self.weights[rows])
+            else:
+                s = fp8_index_scores(q[rows], keys[slots], self.scales[slots], self.weights[rows])
+            hidden = torch.arange(n, device=self.device) >= visible_entries(positions[rows], self.rate)[:, None]
+            out[rows, :n] = s.masked_fill(hidden, float("-inf"))
+        return out
+
+    def want(self, scores: torch.Tensor) -> torch.Tensor:
+        """The native choice: NativeV4Attention.select itself, or (FP8 keys) top_entries over the
+        reference scores."""
+        if self.scales is None:
+            native = NativeV4Attention(ctx=None)
+            return native.select(self.q, self.weights, self.layer, self.kv, self.batch,
+                                 native.prepare(self.batch, self.kv))
+        picks = torch.full((scores.shape[0], self.top_k), -1, dtype=torch.int32, device=self.device)
+        chosen = top_entries(scores, visible_entries(self.batch.positions, self.rate), self.top_k)
+        picks[:, :chosen.shape[1]] = chosen
+        return picks
+
+    def run(self) -> torch.Tensor:
+        if self.scales is None:
+            return select(self.q, self.weights, self.layer, self.kv, self.batch, self.meta)
+        return index_topk(self.q, self.weights, flat(self.kv, 0)[0], self.scales, self.rope.cos, self.rope.sin,
+                          self.batch.positions, self.meta.token_seq, self.batch.page_table, self.batch.page_size,
+                          self.rate, self.top_k, self.meta.max_entries)
+
+    def check(self, got: torch.Tensor | None = None, rtol: float = 1e-5):
+        """Each row's picks as a set against the native one: equal where the data makes every score
+        exact; otherwise the same number of distinct visible picks whose reference scores match the
+        native picks' scores within ``rtol`` of the row's largest (only near-ties may swap)."""
+        got = self.run() if got is None else got
+        scores = self.scores()
+        want = self.want(scores)
+        assert got.shape == want.shape == (self.q.shape[0], self.top_k) and got.dtype == torch.int32
+        got_sorted, want_sorted = got.sort(dim=1).values, want.sort(dim=1).values
+        if self.kind.endswith("ties"):
+            assert torch.equal(got_sorted, want_sorted)
+            return
+        visible = visible_entries(self.batch.positions, self.rate)
+        assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1))
+        assert ((got < visible[:, None]) & (got >= -1)).all()
+        assert ((got_sorted[:, 1:] != got_sorted[:, :-1]) | (got_sorted[:, 1:] < 0)).all(), "an entry picked twice"
+        picked = lambda p: scores.gather(1, p.clamp(min=0).long()).masked_fill(p < 0, float("-inf"))
+        a, b = picked(got).sort(1).values, picked(want).sort(1).values
+        scale = scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True).clamp(min=1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=rtol)
+
+
+@pytest.fixture
+def poisoned_scratch(monkeypatch):
+    """The kernel's output, its int64 keys, starts as the largest key: a slot it forgets is picked
+    and decodes to no entry a token sees."""
+    monkeypatch.setattr(v4_indexer, "_scratch", lambda tokens, n, device: torch.full(
+        (tokens, n), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [4, 8, 6])
+def test_select_interpreted(seed, poisoned_scratch, dtype, page_size):
+    Case(LENS, 4, 32, 16, 4, page_size, dtype, "cpu").check(rtol=1e-5 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["ties", "fp8-ties"])
+def test_ties_go_to_the_lowest_entry_interpreted(seed, poisoned_scratch, dtype, kind):
+    """Exact scores with many equal ones (duplicate keys, zeros through ReLU, negative weights):
+    the picks equal the native stable top-k exactly. Head dim 16: d^-0.5 = 1/4 is exact."""
+    Case(LENS, 5, 16, 8, 3, 4, dtype, "cpu", kind=kind).check()
+
+
+@pytest.mark.interpret
+def test_fp8_keys_interpreted(seed, poisoned_scratch):
+    Case(LENS, 4, 32, 16, 4, 8, torch.float16, "cpu", kind="fp8").check(rtol=1e-3)
+
+
+@pytest.mark.interpret
+def test_splits_and_token_chunks_interpreted(seed, poisoned_scratch, monkeypatch):
+    """Entry blocks over several programs per token, and a step larger than the scratch taken in
+    chunks of tokens; top_k above the number of entries any sequence can have."""
+    monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(block_n=4, num_warps=1, programs=64))
+    case = Case(LENS, 3, 32, 16, 8, 4, torch.float32, "cpu")
+    monkeypatch.setattr(v4_indexer, "SCRATCH_BYTES", 7 * 8 * case.meta.max_entries)
+    case.check()
+    small = Case([(9, 3), (0, 6)], 2, 32, 16, 16, 4, torch.float32, "cpu", max_model_len=40)
+    assert small.meta.max_entries < 16
+    small.check()
+
+
+@pytest.mark.interpret
+def test_bad_inputs_name_the_field(seed):
+    case = Case([(0, 5)], 2, 32, 16, 2, 4, torch.float32, "cpu")
+    keys, args = flat(case.kv, 0)[0], (case.rope.cos, case.rope.sin, case.batch.positions, case.meta.token_seq,
+                                       case.batch.page_table, 4, 4, 2, case.meta.max_entries)
+    with pytest.raises(ValueError, match="weights"):
+        index_topk(case.q, case.weights[:, :1], keys, None, *args)
+    with pytest.raises(ValueError, match="key_scales"):
+        index_topk(case.q, case.weights, keys, torch.ones(keys.shape[0]), *args)
+    with pytest.raises(ValueError, match="key_scales"):
+        index_topk(case.q, case.weights, keys.to(FP8), None, *args)
+    with pytest.raises(ValueError, match="q "):
+        select(case.q[:, :1], case.weights, case.layer, case.kv, case.batch, case.meta)
+
+
+def _compile(target: str, key_dtype: str, fp32: bool = False):
+    q = "fp32" if fp32 else "bf16"
+    signature = {"q_ptr": f"*{q}", "w_ptr": "*fp32", "keys_ptr": f"*{key_dtype}", "scales_ptr": "*fp32",
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64", "token_seq_ptr": "*i32",
+                 "page_table_ptr": "*i32", "out_ptr": "*i64", "max_entries": "i32", "sm_scale": "fp32",
+                 **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
+    constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=4, PAGE_SIZE=64, SPLITS=4,
+                      HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128)
+    return compile_asm(index_scores_kernel, signature, constexprs, target, enable_fp_fusion=False)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8e4nv"])
+def test_index_scores_compiles(target, key_dtype):
+    """The V4-Flash indexer (64 heads x 128, rope 64, rate 4) with bf16 and E4M3 keys: the heads x
+    entries product runs on the matrix units (wgmma on sm_90, tcgen05 on sm_100, MFMA on AMD)."""
+    asm = _compile(target, key_dtype)
+    if target == "sm_90":
+        assert "wgmma" in asm["ptx"]
+    elif target == "sm_100":
+        assert "tcgen05.mma" in asm["ptx"] or "wgmma" in asm["ptx"] or "mma.sync" in asm["ptx"]
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
+        assert "mfma" in asm["amdgcn"]
+
+
+@pytest.mark.aot
+def test_fp32_scores_compile_without_tf32():
+    """fp32 queries take the IEEE path: no TF32 MMA that would round the products."""
+    assert "tf32" not in _compile("sm_90", "fp32", fp32=True)["ptx"]
+
+
+# --- on the GPU: the DeepSeek-V4-Flash indexer (64 heads x 128, rope 64, top-512, rate 4) ---
+
+FLASH = dict(heads=64, head_dim=128, rope_dim=64, top_k=512, page_size=64)
+
+
+def _flash(lens, kind, max_model_len):
+    return Case(lens, FLASH["heads"], FLASH["head_dim"], FLASH["rope_dim"], FLASH["top_k"], FLASH["page_size"],
+                torch.bfloat16, "cuda", kind=kind, max_model_len=max_model_len)
+
+
+def _flash_lens(batch: str, context: int):
+    return {"decode-1": [(context - 1, 1)],
+            "decode-64": [(random.randint(1, context - 1), 1) for _ in range(64)],
+            "prefill": [(0, min(context, 4096))],
+            "mixed": [(context - 300, 300), (random.randint(1, context - 1), 1), (0, 700), (1023, 1)]}[batch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "ties", "fp8", "fp8-ties"])
+@pytest.mark.parametrize("context", [1024, 16384])
+@pytest.mark.parametrize("batch", ["decode-1", "decode-64", "prefill", "mixed"])
+def test_select_flash_gpu(seed, poisoned_scratch, kind, context, batch):
+    _flash(_flash_lens(batch, context), kind, 16384 + 64).check(rtol=1e-5 if kind == "random" else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "fp8"])
+def test_select_graph_replay_gpu(seed, kind):
+    """Captured once, replayed on new queries, weights and keys: equal to eager on those contents."""
+    case = _flash(_flash_lens("mixed", 16384), kind, 16384 + 64)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        case.run()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = case.run()
+    for _ in range(2):
+        case.fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.sort(1).values, case.run().sort(1).values)
+        case.check(out.clone(), rtol=1e-5 if kind == "random" else 2e-3)
