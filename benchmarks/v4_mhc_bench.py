@@ -1,0 +1,93 @@
+"""The Triton mHC kernels (pre, post, head) at the DeepSeek-V4-Flash shape (n 4 streams of hidden 4096)
+beside the native torch composition they replace (core/native/mhc.py), at 1, 32 and 128 decode
+tokens and a 4K prefill, bf16 streams and fp32 mixing weights. Each is judged against the bytes it
+must move over the copy bandwidth measured in the same run: pre and head read the streams and
+their fn once and write the collapse; post reads block_out and the streams and writes the new
+streams. Times are device times inside a CUDA graph, each call on its own copy of the inputs
+(more than the L2 holds in all), as a decode step's layers read distinct weights.
+
+    python benchmarks/v4_mhc_bench.py --json benchmarks/results/v4-mhc-h200.json
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.backends.triton.mhc import mhc_head, mhc_post, mhc_pre
+from engine.core.families.mhc import MixWeights
+from engine.core.native.mhc import hc_head, hc_post, hc_pre
+
+try:
+    from common import bench_main, graph_ms, measure_limits
+except ImportError:
+    from benchmarks.common import bench_main, graph_ms, measure_limits
+
+N, D = 4, 4096
+TOKENS = (1, 32, 128, 4096)
+COPIES_BYTES = 192 * 2**20  # inputs per case: several times the L2
+ITERS = 20  # V4-Flash's Sinkhorn-Knopp iterations
+
+
+def _case(t: int, device, gen, copy_gb_s: float) -> dict:
+    k, es = N * D, 2
+    copies = max(1, min(32, COPIES_BYTES // (t * k * es + (2 + N) * N * k * 4)))
+
+    def weights(mixes, scales):
+        return MixWeights(torch.randn(mixes, k, device=device, generator=gen) / k**0.5,
+                          torch.randn(mixes, device=device, generator=gen),
+                          torch.randn(scales, device=device, generator=gen), 1e-6, 1e-6, ITERS)
+
+    inputs = []
+    for _ in range(copies):
+        streams = torch.randn(t, N, D, device=device, generator=gen).to(torch.bfloat16)
+        block_out = torch.randn(t, D, device=device, generator=gen).to(torch.bfloat16)
+        w, head = weights((2 + N) * N, 3), weights(N, 1)
+        _, post, comb = hc_pre(streams, w.fn, w.base, w.scale, 1e-6, 1e-6, ITERS)
+        inputs.append((streams, block_out, w, head, post, comb))
+    calls = {
+        "pre": (lambda s, b, w, h, p, c: mhc_pre(s, w),
+                lambda s, b, w, h, p, c: hc_pre(s, w.fn, w.base, w.scale, 1e-6, 1e-6, ITERS),
+                t * k * es + (2 + N) * N * k * 4 + t * D * es),
+        "post": (lambda s, b, w, h, p, c: mhc_post(b, s, p, c), lambda s, b, w, h, p, c: hc_post(b, s, p, c),
+                 t * D * es + 2 * t * k * es),
+        "head": (lambda s, b, w, h, p, c: mhc_head(s, h),
+                 lambda s, b, w, h, p, c: hc_head(s, h.fn, h.base, h.scale, 1e-6, 1e-6),
+                 t * k * es + N * k * 4 + t * D * es),
+    }
+    row = {"tokens": t}
+    for name, (triton_call, native_call, nbytes) in calls.items():
+        ideal = nbytes / (copy_gb_s * 1e6)
+        fast = graph_ms([lambda a=a: triton_call(*a) for a in inputs])
+        slow = graph_ms([lambda a=a: native_call(*a) for a in inputs])
+        row[name] = {"triton_ms": round(fast, 4), "native_ms": round(slow, 4), "mb": round(nbytes / 1e6, 2),
+                     "triton_of_bandwidth": round(ideal / fast, 3), "native_of_bandwidth": round(ideal / slow, 3),
+                     "speedup": round(slow / fast, 2)}
+    return row
+
+
+def mhc_bench(device: torch.device, limits: dict) -> dict:
+    """pre, post and head at every token count: Triton and native times and fractions of the copy bandwidth."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(torch.seed() % 2**31)
+    return {"shape": {"n": N, "hidden": D, "sinkhorn_iters": ITERS, "streams": "bfloat16"},
+            "cases": [_case(t, device, gen, limits["copy_gb_s"]) for t in TOKENS]}
+
+
+def run(device: torch.device) -> dict:
+    limits = measure_limits(device)
+    return {"benchmark": "v4_mhc", "limits": limits, **mhc_bench(device, limits)}
+
+
+def _lines(result: dict) -> list[str]:
+    out = [f"copy bandwidth {result['limits']['copy_gb_s']} GB/s"]
+    for case in result["cases"]:
+        for name in ("pre", "post", "head"):
+            r = case[name]
+            out.append(f"T {case['tokens']:5d} {name:4s}: triton {r['triton_ms']:.4f} ms "
+                       f"({r['triton_of_bandwidth']:.2f} of bandwidth), native {r['native_ms']:.4f} ms "
+                       f"({r['native_of_bandwidth']:.2f}), {r['speedup']}x")
+    return out
+
+
+if __name__ == "__main__":
+    bench_main(run, _lines)
