@@ -1,0 +1,215 @@
+"""DeepSeek-V4's compressors over a whole step in one launch: store the projections, pool the windows
+that close.
+
+Program t stores token t's kv and gate projections [width] at its window slot, rounded to the
+cache dtype. If its position p closes a window ((p + 1) % rate == 0) it then pools window
+w = (p + 1) // rate - 1 into entry w, all ``head_dim`` channels in the one program so that the
+RMSNorm sees the whole entry: in decode this is the token that completes a window whose first
+tokens came in earlier steps, in prefill one token in every ``rate``. A window's tokens that the
+step brings are read from the step's projections (rounded as the store rounds them), the earlier
+ones from the window pages, so no program reads what another writes. With ``overlap`` (CSA) entry
+w pools window w-1's first half of the channels beside window w's second half; window 0 has no
+predecessor and those slots weigh nothing.
+
+Rounding follows core/native/compressor.py and core/native/v4_attention.py: the gate plus the
+fp32 ``ape`` in fp32, the softmax over the pooled slots per channel in fp32 (its maximum and sum
+in a first pass over the slots, online where the window takes several tiles), each weight rounded
+to the cache dtype, each product rounded to it, their sum taken in fp32 and rounded once; the
+RMSNorm's statistics in fp32 with the fp32 weight, rounded once; the rotation of the entry's rope
+tail (interleaved pairs, cos/sin of the window's first position rounded to the cache dtype) in
+fp32, rounded once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.v4_attention import Compression, V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import flat
+
+from .pdl import launch_options, wait_for_prior
+from .target import config_for
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    tile_elements: int  # slots x channels of one tile of a window: the slots per tile follow from the head dim
+    num_warps: int
+
+
+COMPRESS = {
+    "cuda": CompressConfig(tile_elements=4096, num_warps=4),
+    "hip": CompressConfig(tile_elements=4096, num_warps=4),
+    "default": CompressConfig(tile_elements=1 << 20, num_warps=1),  # the interpreter: a window at once
+}
+
+
+@triton.jit
+def _load_slots(src_ptr, stride_src, cache_ptr, stride_cache, rows, slots, fresh, cached, cols, channels):
+    """A tile [slots, channels] of one projection in the cache dtype: the step's rows where ``fresh``,
+    the window pages where ``cached``, zero elsewhere."""
+    dt = cache_ptr.dtype.element_ty
+    m_fresh = fresh[:, None] & channels[None, :]
+    m_cached = cached[:, None] & channels[None, :]
+    new = tl.load(src_ptr + rows[:, None] * stride_src + cols, mask=m_fresh, other=0.0).to(dt)
+    old = tl.load(cache_ptr + slots[:, None] * stride_cache + cols, mask=m_cached, other=0.0)
+    return tl.where(m_fresh, new, old)
+
+
+@triton.jit
+def _gate_tile(gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+               j, first_q, row0, ctx, ch, ch_mask,
+               RATE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Pooled slots ``j`` of the window: the gate plus ``ape`` in fp32 [len(j), BLOCK_D] (-inf where
+    there is no slot), and where the slots are, for their kv. Slot j holds position first_q + j, a
+    row of the step (``fresh``) or a window-page slot (``cached``); with overlap the later window's
+    slots (j >= RATE) read the second half of the channels."""
+    q = first_q + j
+    valid = (j < NUM_SLOTS) & (q >= 0)
+    fresh = valid & (q >= ctx)
+    cached = valid & (q < ctx)
+    rows = row0 + q - ctx
+    page = tl.load(pages + q // PAGE_SIZE, mask=cached, other=0)
+    slots = tl.load(window_table_ptr + page, mask=cached, other=0).to(tl.int64) * PAGE_SIZE + q % PAGE_SIZE
+    cols = ((j // RATE) * HEAD_DIM)[:, None] + ch[None, :]
+    gate = _load_slots(gate_ptr, stride_gate, gate_cache_ptr, stride_gc, rows, slots, fresh, cached, cols, ch_mask)
+    present = valid[:, None] & ch_mask[None, :]
+    ape = tl.load(ape_ptr + (j % RATE)[:, None] * stride_ape + cols, mask=present, other=0.0)
+    return tl.where(present, gate.to(tl.float32) + ape, float("-inf")), rows, slots, fresh, cached, cols
+
+
+@triton.jit
+def compress_kernel(
+    kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr,
+    positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr, eps,
+    stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_ape, stride_cos, stride_pt,
+    WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
+    OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    dt = kv_cache_ptr.dtype.element_ty
+    wait_for_prior(PDL)
+    cw = tl.arange(0, BLOCK_W)
+    w_mask = cw < WIDTH
+    slot = tl.load(window_slots_ptr + t)
+    kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
+    gate_row = tl.load(gate_ptr + t * stride_gate + cw, mask=w_mask)
+    tl.store(kv_cache_ptr + slot * stride_kvc + cw, kv_row.to(dt), mask=w_mask)
+    tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
+
+    p = tl.load(positions_ptr + t)
+    if (p + 1) % RATE == 0:
+        w = (p + 1) // RATE - 1
+        s = tl.load(token_seq_ptr + t).to(tl.int64)
+        row0 = tl.load(query_start_ptr + s).to(tl.int64)
+        ctx = p - (t - row0)  # the sequence's first position in this step
+        pages = page_table_ptr + s * stride_pt
+        first_q = (w - OVERLAP) * RATE
+        ch = tl.arange(0, BLOCK_D)
+        ch_mask = ch < HEAD_DIM
+
+        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_D], tl.float32)
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):
+            g, rows, slots, fresh, cached, cols = _gate_tile(
+                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
+            m_new = tl.maximum(m, tl.max(g, axis=0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of absent slots adds nothing
+            total = total * tl.exp(m - base) + tl.sum(tl.exp(g - base[None, :]), axis=0)
+            m = m_new
+        base = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):
+            g, rows, slots, fresh, cached, cols = _gate_tile(
+                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
+            kv = _load_slots(kv_ptr, stride_kv, kv_cache_ptr, stride_kvc, rows, slots, fresh, cached, cols, ch_mask)
+            weight = (tl.exp(g - base[None, :]) / total[None, :]).to(dt).to(tl.float32)
+            acc += tl.sum((kv.to(tl.float32) * weight).to(dt).to(tl.float32), axis=0)
+
+        pooled = tl.where(ch_mask, acc.to(dt).to(tl.float32), 0.0)
+        inv_rms = tl.rsqrt(tl.sum(pooled * pooled, axis=0) / HEAD_DIM + eps)
+        scale = tl.load(norm_ptr + ch, mask=ch_mask, other=0.0)
+        normed = (scale * (pooled * inv_rms)).to(dt)
+
+        x1, x2 = tl.split(tl.reshape(normed, (BLOCK_D // 2, 2)))
+        pair = tl.arange(0, BLOCK_D // 2) - (HEAD_DIM // 2 - ROPE_HALF)  # index into cos/sin; < 0: not rotated
+        turn = (pair >= 0) & (pair < ROPE_HALF)
+        cos = tl.load(cos_ptr + (w * RATE) * stride_cos + pair, mask=turn, other=1.0).to(dt).to(tl.float32)
+        sin = tl.load(sin_ptr + (w * RATE) * stride_cos + pair, mask=turn, other=0.0).to(dt).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = tl.where(turn, f1 * cos - f2 * sin, f1).to(dt)
+        o2 = tl.where(turn, f2 * cos + f1 * sin, f2).to(dt)
+        entry = tl.reshape(tl.join(o1, o2), (BLOCK_D,))
+
+        page_index = p // PAGE_SIZE  # the page of the window's last token keeps its entry
+        page = tl.load(pages + page_index).to(tl.int64)
+        entry_slot = page * ENTRIES_PER_PAGE + w - (page_index * PAGE_SIZE) // RATE
+        tl.store(entry_ptr + entry_slot * stride_entry + ch, entry.to(entry_ptr.dtype.element_ty), mask=ch_mask)
+
+
+def _check(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
+           projections: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor) -> None:
+    head_dim, rate = comp.head_dim, comp.rate
+    width = 2 * head_dim if comp.overlap else head_dim
+    if kv_proj.shape != gate_proj.shape or kv_proj.dim() != 2 or kv_proj.shape[1] != width:
+        raise ValueError(f"kv_proj {tuple(kv_proj.shape)} and gate_proj {tuple(gate_proj.shape)}: need [tokens, "
+                         f"{width}] ({'twice ' if comp.overlap else ''}the compression's head dim {head_dim})")
+    if projections[0].shape[1] != width or projections[1].shape[1] != width:
+        raise ValueError(f"comp.projections: cache layer {comp.projections} keeps k {projections[0].shape[1]} and "
+                         f"v {projections[1].shape[1]} channels per token, need {width}")
+    if entries.shape[1] != head_dim:
+        raise ValueError(f"comp.entries: cache layer {comp.entries} keeps {entries.shape[1]} channels per entry, "
+                         f"need {head_dim}")
+    if rate < 1 or comp.ape.shape != (rate, width) or comp.ape.dtype != torch.float32:
+        raise ValueError(f"comp.ape: {tuple(comp.ape.shape)} {comp.ape.dtype}, need [{rate}, {width}] float32")
+    if comp.norm_weight.dtype != torch.float32 or head_dim % 2:
+        raise ValueError(f"comp.norm_weight: {tuple(comp.norm_weight.shape)} {comp.norm_weight.dtype}, need an even "
+                         f"head dim in float32")
+    if not 0 < layer.rope.cos.shape[-1] * 2 <= head_dim:
+        raise ValueError(f"layer.rope rotates {2 * layer.rope.cos.shape[-1]} channels, more than the entry's {head_dim}")
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
+             kv: KVCache, batch: ForwardBatch, meta) -> None:
+    """``V4AttentionBackend.compress`` for the whole step: ``meta`` gives each token's sequence
+    (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
+    page table (``window_table``); nothing is read back to the host."""
+    projections = flat(kv, comp.projections)
+    entries = flat(kv, comp.entries)[0]
+    _check(kv_proj, gate_proj, comp, layer, projections, entries)
+    tokens, width = kv_proj.shape
+    if tokens == 0:
+        return
+    kv_proj, gate_proj = _unit_last(kv_proj), _unit_last(gate_proj)
+    cos, sin = layer.rope.cos, layer.rope.sin
+    head_dim, rate = comp.head_dim, comp.rate
+    num_slots = 2 * rate if comp.overlap else rate
+    block_d = triton.next_power_of_2(head_dim)
+    cfg = config_for(COMPRESS, kv_proj.device)
+    block_s = min(triton.next_power_of_2(num_slots), max(1, cfg.tile_elements // block_d))
+    compress_kernel[(tokens,)](
+        kv_proj, gate_proj, projections[0], projections[1], entries, comp.ape, comp.norm_weight, cos, sin,
+        batch.positions, meta.token_seq, meta.window_slots, meta.window_table, batch.page_table,
+        batch.query_start_loc, comp.eps,
+        kv_proj.stride(0), gate_proj.stride(0), projections[0].stride(0), projections[1].stride(0), entries.stride(0),
+        comp.ape.stride(0), cos.stride(0), batch.page_table.stride(0),
+        WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
+        NUM_SLOTS=num_slots, PAGE_SIZE=batch.page_size, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
+        BLOCK_W=triton.next_power_of_2(width), BLOCK_S=block_s, BLOCK_D=block_d,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
+        **launch_options(kv_proj.device),
+    )

@@ -1,0 +1,259 @@
+"""DeepSeek-V4's compressors in one Triton launch against NativeV4Attention.compress."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
+
+from engine.backends.triton import v4_compressor
+from engine.backends.triton.v4_compressor import compress, compress_kernel
+from engine.core.families.v4_attention import Compression, V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat, window_slots
+from engine.core.native.rope import RotaryEmbedding
+from engine.core.native.v4_attention import NativeV4Attention
+
+# entries pass three roundings to the cache dtype (pooled, normalised, rotated); an fp32 sum in
+# another order or a softmax weight an ulp off can move one by an ulp, the next steps by two more
+TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def mixed_lens(rate: int) -> list[tuple[int, int]]:
+    """(cached, new) per sequence: a decode row that closes a window, one that does not, a prefill
+    from 0 past two windows, and a chunk that starts inside a window after a cached prefix."""
+    closing = random.randint(1, 3) * rate - 1
+    open_ = random.choice([c for c in range(rate, 3 * rate) if (c + 1) % rate])
+    inside = random.randint(1, 2) * rate + random.randint(1, rate - 1)
+    return [(closing, 1), (open_, 1), (0, random.randint(2 * rate, 3 * rate)), (inside, random.randint(rate, 3 * rate))]
+
+
+class Case:
+    """A batch on shuffled pages, each with a window page; the projections of every cached position
+    are random and every other projection slot and every entry slot is NaN. ``indexer``: the CSA
+    indexer's compressor (its own cache layers) instead of the layer's. ``capacity``: positions each
+    sequence's pages hold (a later ``fill`` may bring other lengths onto the same pages)."""
+
+    def __init__(self, lens, head_dim, rope_dim, rate, overlap, page_size, dtype, device, act_dtype=None,
+                 indexer=False, capacity=None):
+        self.rate, self.page_size, self.dtype, self.device = rate, page_size, dtype, device
+        self.act_dtype = act_dtype or dtype
+        main_dim, index_dim = (64, head_dim) if indexer else (head_dim, 16)
+        self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim)
+        projections, entries = ((parts.index_projections, parts.index_keys) if indexer
+                                else (parts.projections, parts.entries))
+        self.width = 2 * head_dim if overlap else head_dim
+        capacity = capacity or max(c + q for c, q in lens)
+        per_seq = -(-capacity // page_size)
+        self.num_pages = len(lens) * per_seq + 3
+        ids = random.sample(range(1, self.num_pages), len(lens) * per_seq)
+        self.tables = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(lens))]
+        self.windows = dict(zip(ids, random.sample(range(1, len(ids) + 3), len(ids))))
+        rope = RotaryEmbedding(head_dim, rope_dim, capacity + rate, 10000.0, None, is_neox_style=False, device=device)
+        self.comp = Compression(rate=rate, overlap=overlap, ape=torch.randn(rate, self.width, device=device),
+                                norm_weight=1 + 0.5 * torch.randn(head_dim, device=device), eps=1e-6,
+                                projections=projections, entries=entries)
+        self.layer = V4AttentionLayer(num_heads=1, head_dim=main_dim, window=4, sinks=torch.zeros(1, device=device),
+                                      rope=rope, window_kv=parts.window, compression=self.comp)
+        self.fill(lens)
+
+    def fill(self, lens) -> None:
+        """A step of these (cached, new) lengths: its batch, its projections and the cache before it."""
+        self.lens = lens
+        ctx, new = [c for c, _ in lens], [q for _, q in lens]
+        self.batch = ForwardBatch.build(input_ids=[0] * sum(new), query_lens=new, context_lens=ctx,
+                                        page_tables=self.tables, page_size=self.page_size, logits_indices=[],
+                                        device=self.device)
+        self.kv_proj = torch.randn(sum(new), self.width, device=self.device).to(self.act_dtype)
+        self.gate_proj = (2 * torch.randn(sum(new), self.width, device=self.device)).to(self.act_dtype)
+        kv = self.cache(None)
+        table = kv.window_table()
+        for t in (*flat(kv, self.comp.projections), flat(kv, self.comp.entries)[0]):
+            t.fill_(float("nan"))
+        for c, pages in zip(ctx, self.tables):
+            seq = SeqView(0, c, 0, torch.tensor(pages, dtype=torch.int32, device=self.device), table, self.page_size)
+            for t in flat(kv, self.comp.projections):
+                t[seq.token_slots(0, c)] = torch.randn(c, t.shape[1], device=self.device).to(t.dtype)
+        self.state = [t for i in range(kv.num_layers) for t in (kv.layer(i).k, kv.layer(i).v)]
+
+    def cache(self, state) -> KVCache:
+        kv = KVCache(self.specs, self.num_pages, self.page_size, self.dtype, self.device,
+                     num_window_pages=len(self.windows) + 3)
+        for page, window in self.windows.items():
+            kv.stage_window(page, window)
+        if state is not None:
+            self.restore(kv)
+        return kv
+
+    def restore(self, kv: KVCache) -> None:
+        for i in range(kv.num_layers):
+            kv.layer(i).k.copy_(self.state[2 * i])
+            kv.layer(i).v.copy_(self.state[2 * i + 1])
+
+    def meta(self, kv: KVCache) -> SimpleNamespace:
+        """The fields of the Triton V4 metadata that ``compress`` reads."""
+        table = kv.window_table()
+        seqs = torch.arange(len(self.lens), dtype=torch.int32, device=self.device)
+        new = torch.tensor([q for _, q in self.lens], device=self.device)
+        return SimpleNamespace(token_seq=seqs.repeat_interleave(new),
+                               window_slots=window_slots(self.batch.slot_mapping, table, self.page_size),
+                               window_table=table)
+
+    def native(self) -> KVCache:
+        kv = self.cache(self.state)
+        backend = NativeV4Attention(None)
+        backend.compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch,
+                         backend.prepare(self.batch, kv))
+        return kv
+
+    def triton(self) -> KVCache:
+        kv = self.cache(self.state)
+        compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch, self.meta(kv))
+        return kv
+
+    def closed(self) -> int:
+        return sum((c + q) // self.rate - c // self.rate for c, q in self.lens)
+
+    def check(self, got: KVCache | None = None) -> None:
+        want = self.native()
+        got = self.triton() if got is None else got
+        for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+        entries, want_entries = flat(got, self.comp.entries)[0], flat(want, self.comp.entries)[0]
+        written = ~want_entries.isnan().any(-1)
+        assert int(written.sum()) == self.closed() > 0
+        # every closed window's entry matches; every other slot is still NaN
+        torch.testing.assert_close(entries, want_entries, equal_nan=True, **TOL[self.dtype])
+        if self.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
+            assert (entries[written] == want_entries[written]).float().mean() > 0.98
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [4, 6])
+def test_csa_interpreted(seed, dtype, page_size):
+    """Rate 4 with overlapping windows: entry w pools window w-1's first half of the channels too
+    (from earlier steps' pages where the window began before the step)."""
+    Case(mixed_lens(4), 32, 16, 4, True, page_size, dtype, "cpu").check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rate,page_size", [(16, 4), (128, 16)])
+def test_hca_interpreted(seed, dtype, rate, page_size):
+    """Disjoint windows longer than a page: an entry per window in the page of its last token."""
+    Case(mixed_lens(rate), 32, 16, rate, False, page_size, dtype, "cpu").check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rate,overlap", [(4, True), (16, False)])
+def test_window_in_several_tiles_interpreted(seed, monkeypatch, rate, overlap):
+    """Tiles of two slots: the softmax's maximum and sum carried from tile to tile (window 0's
+    absent predecessor fills whole tiles); a head dim that is no power of two, fully rotated."""
+    monkeypatch.setitem(v4_compressor.COMPRESS, "default", v4_compressor.CompressConfig(tile_elements=64,
+                                                                                        num_warps=1))
+    Case(mixed_lens(rate), 24, 24, rate, overlap, 4, torch.float32, "cpu").check()
+
+
+@pytest.mark.interpret
+def test_indexer_compressor_interpreted(seed):
+    """The CSA indexer's own compressor, in its own cache layers (fp32 activations into fp16 pages)."""
+    Case(mixed_lens(4), 16, 8, 4, True, 4, torch.float16, "cpu", act_dtype=torch.float32, indexer=True).check()
+
+
+@pytest.mark.interpret
+def test_bad_projection_width_is_refused(seed):
+    case = Case([(0, 4)], 16, 8, 4, True, 4, torch.float32, "cpu")
+    kv = case.cache(case.state)
+    with pytest.raises(ValueError, match="kv_proj"):
+        compress(case.kv_proj[:, :16], case.gate_proj[:, :16], case.comp, case.layer, kv, case.batch, case.meta(kv))
+
+
+FLASH = {"csa": dict(head_dim=512, rate=4, overlap=True), "hca": dict(head_dim=512, rate=128, overlap=False),
+         "indexer": dict(head_dim=128, rate=4, overlap=True, indexer=True)}
+
+
+def flash_case(kind: str, lens, capacity=None) -> Case:
+    shape = dict(FLASH[kind])
+    return Case(lens, shape.pop("head_dim"), 64, shape.pop("rate"), shape.pop("overlap"), 64, torch.bfloat16, "cuda",
+                capacity=capacity, **shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(FLASH))
+@pytest.mark.parametrize("batch", ["prefill-4096", "mixed", "decode-128"])
+def test_flash_shapes_gpu(seed, kind, batch):
+    """bf16 at DeepSeek-V4-Flash's compressor shapes."""
+    rate = FLASH[kind]["rate"]
+    lens = {"prefill-4096": [(0, 4096)],
+            "mixed": mixed_lens(rate) + [(1000, 3000), (rate * 7 + 3, 1500)],
+            "decode-128": [(random.randint(1, 8191), 1) for _ in range(96)] +
+                          [(rate * random.randint(1, 60) - 1, 1) for _ in range(32)]}[batch]
+    flash_case(kind, lens).check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(FLASH))
+def test_flash_decode_graph_gpu(seed, kind):
+    """Captured once on a decode batch of 32, replayed on new projections at new positions (rows
+    that close a window and rows that do not) over the same pages: each replay equals the oracle."""
+    rate = FLASH[kind]["rate"]
+
+    def lens():
+        return [(rate * random.randint(2, 12) - random.choice([1, 2]), 1) for _ in range(32)]
+
+    case = flash_case(kind, lens(), capacity=12 * rate)
+    kv, kv_proj, gate_proj, batch = case.cache(case.state), case.kv_proj, case.gate_proj, case.batch
+    meta = case.meta(kv)
+    compress(kv_proj, gate_proj, case.comp, case.layer, kv, batch, meta)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compress(kv_proj, gate_proj, case.comp, case.layer, kv, batch, meta)
+    for _ in range(3):
+        case.fill(lens())
+        case.restore(kv)
+        for name in ("positions", "query_start_loc", "page_table", "slot_mapping"):
+            getattr(batch, name).copy_(getattr(case.batch, name))
+        meta.window_slots.copy_(case.meta(kv).window_slots)
+        kv_proj.copy_(case.kv_proj)
+        gate_proj.copy_(case.gate_proj)
+        graph.replay()
+        case.check(got=kv)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("kind", sorted(FLASH))
+def test_compress_compiles(target, kind):
+    """V4-Flash's three compressors in bf16: 16-byte loads of the window tiles, and (as launched,
+    without FP fusion) no fused multiply-add that would skip one of the oracle's roundings."""
+    shape = FLASH[kind]
+    head_dim, rate, overlap = shape["head_dim"], shape["rate"], shape["overlap"]
+    width = 2 * head_dim if overlap else head_dim
+    strides = [name for name in compress_kernel.arg_names if name.startswith("stride_")]
+    signature = {**{p: "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr", "entry_ptr")},
+                 **{p: "*fp32" for p in ("ape_ptr", "norm_ptr", "cos_ptr", "sin_ptr")},
+                 "positions_ptr": "*i64", "window_slots_ptr": "*i64",
+                 **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
+                 "eps": "fp32", **{s: "i32" for s in strides}}
+    num_slots = 2 * rate if overlap else rate
+    constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
+                      NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), BLOCK_W=width,
+                      BLOCK_S=min(num_slots, 4096 // head_dim), BLOCK_D=head_dim, PDL=pdl(target))
+    asm = compile_asm(compress_kernel, signature, constexprs, target, divisible_by_16=strides, enable_fp_fusion=False)
+    if target.startswith("sm_"):
+        ptx = asm["ptx"]
+        assert f".target {target}a" in ptx
+        assert "ld.global.v4.b32" in ptx
+        assert "fma.rn" not in ptx
+        assert all(op in ptx for op in GRID_DEPENDENCY)
+    else:
+        gcn = asm["amdgcn"]
+        assert target in amdgcn_target(gcn)
+        assert "global_load_dwordx4" in gcn
