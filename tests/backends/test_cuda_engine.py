@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from greedy_agreement import GreedyAgreement, compare_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +37,22 @@ def test_the_triton_backends_are_selected_on_cuda(pair):
 def test_greedy_and_logprobs_match_the_oracle(pair, seed):
     dtype, fast, oracle = pair
     prompts = _prompts(seed, fast.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0, logprobs=2)
+    # fp32: the Triton attention's tl.dot runs on TF32 tensor cores (10-bit mantissa), the oracle in
+    # IEEE fp32; measured on the H200, prompt logprobs then agree to 2e-2 and greedy tokens exactly
+    bound = 5e-2 if dtype == "float32" else 0.15
     a, b = fast.generate(prompts, params), oracle.generate(prompts, params)
-    worst = 0.0
+    worst, agreement = 0.0, GreedyAgreement()
     for x, y in zip(a, b):
         lx = torch.tensor([next(iter(d.values())) for d in x.prompt_logprobs[1:]])
         ly = torch.tensor([next(iter(d.values())) for d in y.prompt_logprobs[1:]])
         worst = max(worst, (lx - ly).abs().max().item() if len(lx) else 0.0)
-        if dtype == "float32":
-            assert x.outputs[0].token_ids == y.outputs[0].token_ids
-    # fp32: the Triton attention's tl.dot runs on TF32 tensor cores (10-bit mantissa), the oracle in
-    # IEEE fp32; measured on the H200, prompt logprobs then agree to 2e-2 and greedy tokens exactly
-    assert worst < (5e-2 if dtype == "float32" else 0.15), worst
+        got, want = x.outputs[0], y.outputs[0]
+        agreement += compare_greedy(want.token_ids, want.logprobs, got.token_ids, got.logprobs, bound=bound)
+    assert worst < bound, worst
+    # tiny-qwen3's greedy margins (fp32, CPU): 20-35% of 32-token runs precede the first margin under
+    # 0.1, 7-13% the first under 0.3; so few positions are sure at these bounds, each still checked
+    agreement.assert_most_sure(0.1 if dtype == "float32" else 0.03)
 
 
 def test_graph_replay_equals_eager(pair, tiny_qwen3, seed):
@@ -56,11 +61,14 @@ def test_graph_replay_equals_eager(pair, tiny_qwen3, seed):
     eager = LLM(str(tiny_qwen3), device="cuda", dtype=dtype, max_model_len=512, progress=False, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     prompts = _prompts(seed + 1, fast.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    # a graph runs the padded bucket's batch, whose decode attention takes other splits than the
+    # eager batch's: a different sum order of TF32 products (fp32 logprobs measured 1.6e-3 apart), so
+    # a near-tie may break either way and the continuations then differ (seen once at index 12)
+    bound = 5e-3 if dtype == "float32" else 5e-2
+    agreement = GreedyAgreement()
     for x, y in zip(fast.generate(prompts, params), eager.generate(prompts, params)):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        a = torch.tensor([next(iter(d.values())) for d in x.outputs[0].logprobs])
-        b = torch.tensor([next(iter(d.values())) for d in y.outputs[0].logprobs])
-        # a graph runs the padded bucket's batch, whose decode attention takes other splits than the
-        # eager batch's: a different sum order of TF32 products (fp32 logprobs measured 1.6e-3 apart)
-        torch.testing.assert_close(a, b, rtol=0, atol=5e-3 if dtype == "float32" else 5e-2)
+        got, want = x.outputs[0], y.outputs[0]
+        agreement += compare_greedy(want.token_ids, want.logprobs, got.token_ids, got.logprobs, bound=bound)
+    # tiny-qwen3's greedy margins (fp32, CPU): 72-100% of 32-token runs precede the first under 1e-2
+    agreement.assert_most_sure(0.5 if dtype == "float32" else 0.1)

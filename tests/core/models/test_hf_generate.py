@@ -11,11 +11,13 @@ transformers = pytest.importorskip("transformers")
 
 from engine import LLM, SamplingParams
 from engine.core.tokenizer import Tokenizer
+from greedy_agreement import GreedyAgreement, compare_greedy, top2
 
 MAX_NEW = 20
 # HF's min_new_tokens keeps EOS out of the argmax; min_tokens does the same here (ignore_eos alone
 # would let the tiny model's EOS through as a token, where HF takes its runner-up)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)
+BOUND = 1e-3  # on logits: the engine's agree with HF's to 1e-4 of the largest (test_hf_logits.py)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +35,23 @@ def prompts(tiny_qwen3, eval_text, run_seed) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_qwen3, prompts) -> list[list[int]]:
+def reference(tiny_qwen3, prompts) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """HF's greedy tokens of each prompt, with the top-2 scores of every step."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
     refs = []
     with torch.no_grad():
         for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
-            refs.append(out[0, len(p):].tolist())
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True)
+            refs.append((out.sequences[0, len(p):].tolist(), [top2(s[0]) for s in out.scores]))
     return refs
+
+
+def assert_matches(outs, reference) -> None:
+    agreement = GreedyAgreement()
+    for out, (tokens, scores) in zip(outs, reference, strict=True):
+        agreement += compare_greedy(tokens, scores, out.outputs[0].token_ids, bound=BOUND)
+    agreement.assert_most_sure()
 
 
 @pytest.mark.parametrize("chunk", [7, 64, None])
@@ -51,7 +62,7 @@ def test_greedy_matches_hf(tiny_qwen3, prompts, reference, chunk, prefix_caching
     # run the batch twice: the second pass hits the prefix cache for every prompt
     for _ in range(2):
         outs = llm.generate(prompts, GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert_matches(outs, reference)
     assert (llm.engine.kv_manager.stats().prefix_hits > 0) == prefix_caching
 
 
@@ -62,7 +73,7 @@ def test_greedy_matches_hf_under_preemption(tiny_qwen3, prompts, reference):
               progress=False)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert_matches(outs, reference)
     kv = llm.engine.kv_manager
     kv.check_consistency()
     assert kv.stats().num_free + kv.stats().num_cached == kv.stats().num_usable
