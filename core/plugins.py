@@ -2,7 +2,8 @@
 
 Built-in backends (``core.native``, ``backends.cuda``, ``backends.rocm``) are found through the
 ``engine.plugins`` entry-point group exactly as third-party packages are. ``ENGINE_PLUGINS=a,b``
-limits which entry points load; ``ENGINE_TRACE_PLUGINS=1`` logs every hook call.
+limits which entry points load; ``ENGINE_TRACE_PLUGINS=1`` logs every hook call. The built-in
+model catalogue is no backend's: the core registers it itself, so every selection has its models.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .models import catalogue
 from .platform import PlatformSpec
 from .registry import Descriptor, Selection, SelectionContext, SelectionError, select
 
@@ -108,6 +110,7 @@ def load_plugins(extra: list[Any] | None = None, entry_points: bool = True) -> P
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    pm.register(catalogue, name="builtin-models")  # the built-in architectures, whatever ENGINE_PLUGINS selects
     allow = _allowlist()
     discovered: list[PluginInfo] = []
     if entry_points:

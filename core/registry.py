@@ -8,6 +8,7 @@ implementation). A name the user chose is honoured or refused loudly, never repl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import import_module
 from typing import Any, Callable
 
 
@@ -18,6 +19,12 @@ class SelectionContext:
     platform: Any  # core.platform.PlatformSpec
     model_config: Any = None  # core.config.ModelConfig or None before a model is known
     engine_config: Any = None  # core.config.EngineConfig or None
+
+
+def import_path(path: str) -> Any:
+    """The object a ``"package.module:name"`` path names, imported only now (``create`` calls it)."""
+    module, _, name = path.partition(":")
+    return getattr(import_module(module), name)
 
 
 def _no_reasons(ctx: SelectionContext) -> list[str]:

@@ -6,32 +6,14 @@ are low, so a device backend that can serve wins; ``--attention-backend native``
 
 from __future__ import annotations
 
-from importlib import import_module
-
 from ..hookspecs import hookimpl
-from ..registry import Descriptor
+from ..registry import Descriptor, import_path
 
 NATIVE_PRIORITY = 0
 
-MODELS = {
-    "LlamaForCausalLM": "engine.core.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "engine.core.models.llama:Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM": "engine.core.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "DeepseekV4ForCausalLM": "engine.core.models.deepseek_v4.model:DeepseekV4ForCausalLM",
-}
-
-
-def _load(path: str):
-    module, _, attr = path.partition(":")
-    return getattr(import_module(module), attr)
-
 
 def _instance(path: str):
-    return lambda ctx: _load(path)(ctx)
-
-
-def _class(path: str):
-    return lambda ctx: _load(path)
+    return lambda ctx: import_path(path)(ctx)
 
 
 @hookimpl
@@ -60,9 +42,4 @@ def engine_register_moe_backends() -> list[Descriptor]:
 def engine_register_linear_backends() -> list[Descriptor]:
     return [Descriptor("linear", "native", _instance("engine.core.native.linear:NativeLinear"),
                        priority=NATIVE_PRIORITY)]
-
-
-@hookimpl
-def engine_register_models() -> list[Descriptor]:
-    return [Descriptor("model", arch, _class(path)) for arch, path in MODELS.items()]
 

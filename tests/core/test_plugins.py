@@ -356,6 +356,22 @@ def test_third_party_model_architecture(dummy):
     assert model_cls.__name__ == "DummyForCausalLM" and sel.chosen.plugin == "dummy"
 
 
+@pytest.mark.parametrize("allow", ["cuda", "rocm", "native", None])
+def test_every_plugin_selection_finds_the_built_in_architectures(monkeypatch, allow):
+    """The catalogue is the core's, not a backend's: no allowlist (or no entry point at all) drops it."""
+    from engine.core.models.catalogue import ARCHITECTURES
+    from engine.core.registry import import_path
+    from engine.core.startup import select_model_class
+
+    if allow is not None:
+        monkeypatch.setenv("ENGINE_PLUGINS", allow)
+    plugins = load_plugins(entry_points=allow is not None)
+    assert [p.name for p in plugins.discovered if p.loaded] == ([allow] if allow else [])
+    for arch, path in ARCHITECTURES.items():
+        assert select_model_class(plugins, cpu_ctx(), arch) is import_path(path)
+    assert {"DeepseekV4ForCausalLM", "Qwen3ForCausalLM"} <= set(ARCHITECTURES)
+
+
 # the report
 
 def test_report_names_every_family_and_the_platform(dummy):
@@ -389,5 +405,5 @@ def test_report_marks_the_selection_and_explains_unloaded_plugins(dummy, monkeyp
     (marked,) = [line for line in lines if line.strip().startswith("* dummy-fast")]
     assert "priority 1000000" in marked and marked.rstrip().endswith("ok")
     assert any(line.split()[:1] == ["cuda"] and "not loaded: not in ENGINE_PLUGINS" in line for line in lines)
-    assert "registered directly: claims_sm_90" in text
+    assert "registered directly: builtin-models, claims_sm_90" in text
     assert "Platform: nvidia sm_90" in text
