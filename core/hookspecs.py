@@ -65,17 +65,20 @@ def engine_register_graph_backends() -> Any:
 
 @hookspec
 def engine_register_spec_proposers() -> Any:
-    """Collecting. Return a list of speculative-decoding proposer ``Descriptor``s."""
+    """Collecting. Return a list of speculative-decoding proposer ``Descriptor``s; ``create(ctx)``
+    returns a ``core.families.spec.SpecProposer``."""
 
 
 @hookspec
 def engine_register_kv_transports() -> Any:
-    """Collecting. Return a list of KV transport ``Descriptor``s (moving pages between engines)."""
+    """Collecting. Return a list of KV transport ``Descriptor``s (moving pages between engines);
+    ``create(ctx)`` returns a ``core.families.kv_transport.KVTransport``."""
 
 
 @hookspec
 def engine_register_cache_tiers() -> Any:
-    """Collecting. Return a list of cache tier ``Descriptor``s (KV pages below the device)."""
+    """Collecting. Return a list of cache tier ``Descriptor``s (KV pages below the device);
+    ``create(ctx)`` returns a ``core.families.cache_tier.CacheTier``."""
 
 
 @hookspec

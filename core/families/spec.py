@@ -1,0 +1,68 @@
+"""Speculative-decoding family: a proposer drafts tokens that the target model then verifies.
+
+The interface issue 17 implements (n-gram, draft model, MTP, DSpark). The engine asks a proposer
+for up to ``k`` draft tokens per sequence, runs the target once over them, accepts a prefix (greedy:
+while equal to the target's argmax; sampled: by rejection sampling against ``Drafts.probs``) and
+tells the proposer how many it kept, so a drafter with state of its own (a draft model's KV, a
+DSpark block cache) can roll back the rest. The KV manager rolls back the target's pages.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a proposer sees of one sequence: its tokens so far and how many drafts it may return
+    (a load-aware verify length sets ``k`` per request)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt and output so far
+    k: int
+
+
+@dataclass
+class Drafts:
+    """Per sequence up to ``k`` draft tokens, a chain; ``probs`` the draft distribution of each token,
+    rows packed in sequence order, which rejection sampling needs (``None``: the proposer is
+    deterministic, its distribution one-hot on the token, as n-gram lookup is)."""
+
+    token_ids: list[list[int]]
+    probs: torch.Tensor | None = None  # [sum of lengths, vocab]
+
+    def check(self, requests: list[DraftRequest]) -> None:
+        """Raise ValueError naming the field when the drafts do not answer ``requests``."""
+        if len(self.token_ids) != len(requests):
+            raise ValueError(f"token_ids: {len(self.token_ids)} draft lists for {len(requests)} sequences")
+        for req, ids in zip(requests, self.token_ids):
+            if len(ids) > req.k:
+                raise ValueError(f"token_ids: {len(ids)} drafts for sequence {req.seq_id}, at most k={req.k}")
+        rows = sum(map(len, self.token_ids))
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != rows):
+            raise ValueError(f"probs: shape {list(self.probs.shape)}, want [{rows}, vocab]")
+
+
+class SpecProposer(ABC):
+    """One drafting method; ``create(ctx)`` of an ``engine_register_spec_proposers`` descriptor builds it."""
+
+    name: str = "?"
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states verification hands back (DSpark, MTP)
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest], features: torch.Tensor | None = None) -> Drafts:
+        """Draft for every sequence of the step; ``features``: the target's hidden states of
+        ``feature_layers`` at each sequence's last verified token, packed, when the proposer asks."""
+
+    def accepted(self, seq_ids: list[int], num_accepted: list[int]) -> None:
+        """How many drafts of each sequence the target kept; a stateful proposer drops the rest."""
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is finished or aborted: free what the proposer holds for it."""
