@@ -78,6 +78,7 @@ class DecodeGraphs:
     def _capture(self, memory_budget: int | None, progress: bool) -> None:
         start = self.backend.memory_in_use()
         for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress):
+            self.kv.window_table()  # staged window pages land before the capture, never inside it
             batch = self._batch(b)
             self._replays[b] = self.backend.capture(lambda batch=batch: self.model.compute_logits(self.model(batch, self.kv)))
             used = self.backend.memory_in_use() - start
@@ -104,6 +105,7 @@ class DecodeGraphs:
         staged_ids = self._stage(b, input_ids, context_lens, page_tables)
         if device_ids is not None:
             staged_ids[:n].copy_(device_ids)
+        self.kv.window_table()  # the replay reads the window table as it is: apply the staged changes first
         return self._replays[b]()[:n]
 
     def _stage(self, b: int, input_ids: list[int], context_lens: list[int],

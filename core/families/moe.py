@@ -42,6 +42,7 @@ class ExpertWeights:
 
 class MoEBackend(ABC):
     name: str = "?"
+    graph_safe: bool = True  # False if route or experts syncs with the host or sizes work from device values
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx

@@ -46,6 +46,7 @@ def _swiglu(gate_up: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
 class NativeMoE(MoEBackend):
     name = "native"
+    graph_safe = False  # experts() sizes each expert's slice on the host
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.core.families.graphs import GraphBackend
 from engine.core.forward import ForwardBatch
 from engine.core.graph_runner import DecodeGraphs
+from engine.core.kv.storage import KVCache, KVLayerSpec
 from engine.core.runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
@@ -65,7 +66,8 @@ class Echo:
 def make_graphs(rng: random.Random) -> tuple[DecodeGraphs, Echo]:
     page, max_len = rng.choice([1, 4, 16]), rng.choice([64, 200])
     echo = Echo(page, -(-max_len // page))
-    graphs = DecodeGraphs(echo, None, ReplayByRerun(None), page, max_len, rng.choice([6, 12]), CPU)
+    kv = KVCache([KVLayerSpec(1, 4, 4)], 2, page, torch.float32, CPU)
+    graphs = DecodeGraphs(echo, kv, ReplayByRerun(None), page, max_len, rng.choice([6, 12]), CPU)
     graphs.capture(progress=False)
     return graphs, echo
 
@@ -118,7 +120,7 @@ def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
     rng = random.Random(seed)
     graphs, echo = make_graphs(rng)
     page = graphs.page_size
-    runner = ModelRunner(echo, None, page, CPU, graphs)
+    runner = ModelRunner(echo, graphs.kv, page, CPU, graphs)
     for chunk in (False, True):
         step = SchedulerOutput()
         for i in range(rng.randint(2, graphs.max_batch)):

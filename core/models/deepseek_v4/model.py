@@ -101,7 +101,6 @@ class Decoder(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    graph_safe = False  # its steps read their shape from the batch's host lists
     blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "mhc"),
               ("attention: window store, compressors, indexer top-k, window + entries, sinks", "v4_attention"),
               ("q/kv/compressor/indexer/output projections, LM head", "linear"),
