@@ -40,13 +40,14 @@ from .target import config_for
 @dataclass(frozen=True)
 class CompressConfig:
     tile_elements: int  # slots x channels of one tile of a window: the slots per tile follow from the head dim
-    num_warps: int
+    elements_per_warp: int  # a tile's elements per warp: the warps follow from the tile
+    max_warps: int
 
 
-COMPRESS = {
-    "cuda": CompressConfig(tile_elements=4096, num_warps=4),
-    "hip": CompressConfig(tile_elements=4096, num_warps=4),
-    "default": CompressConfig(tile_elements=1 << 20, num_warps=1),  # the interpreter: a window at once
+COMPRESS = {  # HCA at V4-Flash: 4 tiles of 32 slots x 512 channels on 8 warps; CSA: one tile of 8 slots
+    "cuda": CompressConfig(tile_elements=16384, elements_per_warp=512, max_warps=8),
+    "hip": CompressConfig(tile_elements=16384, elements_per_warp=1024, max_warps=8),
+    "default": CompressConfig(tile_elements=1 << 20, elements_per_warp=1 << 30, max_warps=1),  # the interpreter
 }
 
 
@@ -117,7 +118,7 @@ def compress_kernel(
 
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in range(0, NUM_SLOTS, BLOCK_S):
+        for j0 in tl.static_range(0, NUM_SLOTS, BLOCK_S):  # unrolled: the tiles' loads overlap
             g, rows, slots, fresh, cached, cols = _gate_tile(
                 gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
                 j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
@@ -128,7 +129,7 @@ def compress_kernel(
         base = tl.where(m == float("-inf"), 0.0, m)
         total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in range(0, NUM_SLOTS, BLOCK_S):
+        for j0 in tl.static_range(0, NUM_SLOTS, BLOCK_S):
             g, rows, slots, fresh, cached, cols = _gate_tile(
                 gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
                 j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
@@ -155,6 +156,13 @@ def compress_kernel(
         page = tl.load(pages + page_index).to(tl.int64)
         entry_slot = page * ENTRIES_PER_PAGE + w - (page_index * PAGE_SIZE) // RATE
         tl.store(entry_ptr + entry_slot * stride_entry + ch, entry.to(entry_ptr.dtype.element_ty), mask=ch_mask)
+
+
+def tiles(head_dim: int, num_slots: int, cfg: CompressConfig) -> tuple[int, int, int]:
+    """BLOCK_D, BLOCK_S and the warps of a launch."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_s = min(triton.next_power_of_2(num_slots), max(1, cfg.tile_elements // block_d))
+    return block_d, block_s, max(1, min(cfg.max_warps, block_s * block_d // cfg.elements_per_warp))
 
 
 def _check(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
@@ -198,9 +206,7 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, 
     cos, sin = layer.rope.cos, layer.rope.sin
     head_dim, rate = comp.head_dim, comp.rate
     num_slots = 2 * rate if comp.overlap else rate
-    block_d = triton.next_power_of_2(head_dim)
-    cfg = config_for(COMPRESS, kv_proj.device)
-    block_s = min(triton.next_power_of_2(num_slots), max(1, cfg.tile_elements // block_d))
+    block_d, block_s, num_warps = tiles(head_dim, num_slots, config_for(COMPRESS, kv_proj.device))
     compress_kernel[(tokens,)](
         kv_proj, gate_proj, projections[0], projections[1], entries, comp.ape, comp.norm_weight, cos, sin,
         batch.positions, meta.token_seq, meta.window_slots, meta.window_table, batch.page_table,
@@ -210,6 +216,6 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, 
         WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
         NUM_SLOTS=num_slots, PAGE_SIZE=batch.page_size, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
         BLOCK_W=triton.next_power_of_2(width), BLOCK_S=block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
+        num_warps=num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
         **launch_options(kv_proj.device),
     )

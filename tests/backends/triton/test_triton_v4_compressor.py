@@ -11,7 +11,8 @@ import torch
 from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_compressor
-from engine.backends.triton.v4_compressor import compress, compress_kernel
+from engine.backends.triton.target import pick
+from engine.backends.triton.v4_compressor import compress, compress_kernel, tiles
 from engine.core.families.v4_attention import Compression, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
@@ -156,8 +157,8 @@ def test_hca_interpreted(seed, dtype, rate, page_size):
 def test_window_in_several_tiles_interpreted(seed, monkeypatch, rate, overlap):
     """Tiles of two slots: the softmax's maximum and sum carried from tile to tile (window 0's
     absent predecessor fills whole tiles); a head dim that is no power of two, fully rotated."""
-    monkeypatch.setitem(v4_compressor.COMPRESS, "default", v4_compressor.CompressConfig(tile_elements=64,
-                                                                                        num_warps=1))
+    monkeypatch.setitem(v4_compressor.COMPRESS, "default", v4_compressor.CompressConfig(
+        tile_elements=64, elements_per_warp=1 << 30, max_warps=1))
     Case(mixed_lens(rate), 24, 24, rate, overlap, 4, torch.float32, "cpu").check()
 
 
@@ -243,10 +244,12 @@ def test_compress_compiles(target, kind):
                  **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
                  "eps": "fp32", **{s: "i32" for s in strides}}
     num_slots = 2 * rate if overlap else rate
+    block_d, block_s, num_warps = tiles(head_dim, num_slots, pick(v4_compressor.COMPRESS, target))
     constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
                       NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), BLOCK_W=width,
-                      BLOCK_S=min(num_slots, 4096 // head_dim), BLOCK_D=head_dim, PDL=pdl(target))
-    asm = compile_asm(compress_kernel, signature, constexprs, target, divisible_by_16=strides, enable_fp_fusion=False)
+                      BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target))
+    asm = compile_asm(compress_kernel, signature, constexprs, target, num_warps=num_warps, divisible_by_16=strides,
+                      enable_fp_fusion=False)
     if target.startswith("sm_"):
         ptx = asm["ptx"]
         assert f".target {target}a" in ptx
