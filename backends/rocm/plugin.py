@@ -25,6 +25,11 @@ def engine_register_attention_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_v4_attention_backends() -> list[Descriptor]:
+    return triton_descriptors("v4_attention", "amd")
+
+
+@hookimpl
 def engine_register_moe_backends() -> list[Descriptor]:
     return triton_descriptors("moe", "amd")
 

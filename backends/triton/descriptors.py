@@ -31,11 +31,24 @@ def _mhc_reasons(ctx: SelectionContext) -> list[str]:
     return [f"hc_mult {n}: the kernels take at most {MHC_MAX_STREAMS} streams"] if n > MHC_MAX_STREAMS else []
 
 
+def _v4_attention_reasons(ctx: SelectionContext) -> list[str]:
+    if ctx.model_config is None or find_spec("triton") is None:  # no triton: the platform's reason says so
+        return []
+    from .v4_sparse_attention import SPARSE
+
+    head_dim = ctx.model_config.hf.get("head_dim")
+    configured = {d for table in (SPARSE["cuda"], SPARSE["hip"]) for d in table}
+    if head_dim in configured:
+        return []
+    return [f"the V4 sparse attention kernel has no config for head dim {head_dim} (configured: {sorted(configured)})"]
+
+
 def _no_model_reasons(ctx: SelectionContext) -> list[str]:
     return []
 
 
-MODEL_REASONS = {"mhc": _mhc_reasons}  # what a family's kernels lack for a model, beside the platform
+# what a family's kernels lack for a model, beside the platform
+MODEL_REASONS = {"mhc": _mhc_reasons, "v4_attention": _v4_attention_reasons}
 
 
 def _create(path: str):
@@ -45,6 +58,7 @@ def _create(path: str):
 
 def triton_descriptors(family: str, vendor: str) -> list[Descriptor]:
     impl = {"attention": "engine.backends.triton.attention:TritonAttention",
+            "v4_attention": "engine.backends.triton.v4_attention:TritonV4Attention",
             "moe": "engine.backends.triton.moe:TritonMoE",
             "linear": "engine.backends.triton.linear:TritonLinear",
             "mhc": "engine.backends.triton.mhc:TritonMHC"}[family]

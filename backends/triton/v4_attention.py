@@ -1,0 +1,114 @@
+"""DeepSeek-V4 attention on Triton kernels: the V4 attention family of CUDA and ROCm.
+
+The whole step at once, with no per-sequence Python loop and no host sync: ``prepare`` turns the
+batch into per-token device tensors (each token's sequence and window slot), and every piece
+reads the rest (positions, page table, window table) from the device. One module per piece:
+the window store is here, ``attend`` is v4_sparse_attention.py, ``compress`` v4_compressor.py and
+``select`` (the lightning indexer) v4_indexer.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.v4_attention import Compression, V4AttentionBackend, V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import flat, window_slots
+
+from .pdl import launch_options, wait_for_prior
+from .tail_rope import rotate_pairs, tail_cos_sin
+from .target import config_for
+from .v4_compressor import compress
+from .v4_indexer import select
+from .v4_sparse_attention import sparse_attention
+
+
+@dataclass(frozen=True)
+class TritonV4Metadata:
+    token_seq: torch.Tensor  # [T] int32: the batch row (sequence) of each new token
+    window_slots: torch.Tensor  # [T] int64: each new token's slot in the window pages
+    window_table: torch.Tensor  # [num_pages] int32: page -> window page (kv.window_table())
+    max_entries: int  # static bound on entries per sequence: ceil(page-table reach / min rate), for grids/scratch
+
+
+def _min_rate(ctx) -> int:
+    """The smallest compression rate of the model's layers (1 for a backend built without a model)."""
+    hf = ctx.model_config.hf if getattr(ctx, "model_config", None) is not None else {}
+    rates = [r for t, r in (hf.get("compress_rates") or {}).items() if t in hf.get("layer_types", [])]
+    return min(rates, default=1)
+
+
+class TritonV4Attention(V4AttentionBackend):
+    name = "triton"
+    graph_safe = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self._min_rate = _min_rate(ctx)
+
+    def prepare(self, batch: ForwardBatch, kv: KVCache) -> TritonV4Metadata:
+        windows = kv.window_table()
+        tokens = torch.arange(batch.num_tokens, dtype=torch.int32, device=batch.positions.device)
+        # the page table's width covers every sequence (max_model_len in a captured graph's static table)
+        max_entries = -(-batch.page_table.shape[1] * batch.page_size // self._min_rate)
+        return TritonV4Metadata(torch.searchsorted(batch.query_start_loc[1:], tokens, right=True, out_int32=True),
+                                window_slots(batch.slot_mapping, windows, batch.page_size), windows, max_entries)
+
+    def store(self, kv_new: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+              meta: TritonV4Metadata) -> None:
+        store_window(kv_new, flat(kv, layer.window_kv)[0], layer.rope, batch.positions, meta.window_slots)
+
+    def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
+                 kv: KVCache, batch: ForwardBatch, meta: TritonV4Metadata) -> None:
+        compress(kv_proj, gate_proj, comp, layer, kv, batch, meta)
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
+               batch: ForwardBatch, meta: TritonV4Metadata) -> torch.Tensor:
+        return select(q, weights, layer, kv, batch, meta)
+
+    def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+               meta: TritonV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor:
+        return sparse_attention(q, layer, kv, batch, meta, picks)
+
+
+@triton.jit
+def store_window_kernel(x_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, num_tokens,
+                        stride_x, stride_c, stride_cos,
+                        HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < num_tokens
+    d = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (d[None, :] < HEAD_DIM)
+    wait_for_prior(PDL)
+    pos = tl.load(positions_ptr + tok, mask=t_ok, other=0)
+    slot = tl.load(slots_ptr + tok, mask=t_ok, other=0)
+    x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + d[None, :], mask=mask, other=0.0)
+    cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos[:, None], stride_cos, x.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
+    y = rotate_pairs(x, cos, sin, BLOCK_T, BLOCK_D).to(x.dtype)
+    tl.store(cache_ptr + slot[:, None] * stride_c + d[None, :], y.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+STORE_ELEMENTS = {"cuda": 4096, "hip": 4096, "default": 1 << 16}  # row elements one program turns
+
+
+def store_window(x: torch.Tensor, cache: torch.Tensor, rope, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate the tail of each row of ``x`` [T, D] at ``positions`` [T] (rounded to x's dtype) and
+    write it to row ``slots[t]`` of ``cache`` [slots, D]."""
+    tokens, head_dim = x.shape
+    if cache.shape[-1] != head_dim:
+        raise ValueError(f"window KV rows of {cache.shape[-1]} channels cannot hold kv_new's {head_dim}")
+    if tokens == 0:
+        return
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(tokens), config_for(STORE_ELEMENTS, x.device) // block_d))
+    store_window_kernel[(triton.cdiv(tokens, block_t),)](
+        x, cache, rope.cos, rope.sin, positions, slots, tokens, x.stride(0), cache.stride(0), rope.cos.stride(0),
+        HEAD_DIM=head_dim, ROT_HALF=rope.cos.shape[-1], BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=4, enable_fp_fusion=False, **launch_options(x.device))

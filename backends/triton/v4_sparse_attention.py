@@ -1,0 +1,180 @@
+"""DeepSeek-V4's attention over a whole step: each query against its window and its entries.
+
+A V4 layer has one K=V head shared by every query head, so a program takes one token and a block
+of its heads (the MMA's M dimension) and reads each key once for all of them: first the window
+keys (positions max(0, p - window + 1) .. p, through the page table into the window pages), then
+the compressed entries (HCA: every visible one, 0 .. (p + 1) // rate - 1; CSA: the indexer's
+``picks``, -1 = none), in blocks of ``BLOCK_N`` with an online softmax in fp32. The sinks join
+the denominator at the end. q's rope tail is turned on load and the output's turned back, each
+rounded to q's dtype as core/native/v4_attention.py does. Every bound is read from the device
+(positions, page table, picks), so the launch depends on the token count alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.core.families.v4_attention import V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import flat
+
+from .attention_prefill import LOG2E
+from .pdl import launch_options, wait_for_prior
+from .tail_rope import rotate_pairs, tail_cos_sin
+from .target import config_for
+
+# the entries a query reads: none, every visible one (HCA), the picks (CSA)
+SLIDING, DENSE, PICKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    block_h: int  # query heads per program (16 or more: the smallest tl.dot)
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+C = SparseConfig
+SPARSE = {  # keyed by head dim ("any": every head dim, the interpreter's)
+    "cuda": {64: C(16, 64, 4, 2), 512: C(16, 32, 4, 2)},
+    "hip": {64: C(16, 64, 4, 1), 512: C(16, 32, 4, 1)},
+    "default": {"any": C(16, 16, 4, 1)},
+}
+
+
+@triton.jit
+def _attend_keys(q, keys_ptr, slot, ok, m_i, l_i, acc, stride_k, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One block of keys (K = V, rows ``slot`` where ``ok``) into the running softmax."""
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(keys_ptr + slot[:, None] * stride_k + d[None, :], mask=ok[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _entry_slots(pages_row, w, ok, PAGE_SIZE: tl.constexpr, RATE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr):
+    """Flat slots of entries ``w``: each in the page of its window's last token (SeqView.entry_slots)."""
+    idx = (w * RATE + RATE - 1) // PAGE_SIZE
+    page = tl.load(pages_row + idx, mask=ok, other=0).to(tl.int64)
+    return page * ENTRIES_PER_PAGE + w - idx * PAGE_SIZE // RATE
+
+
+@triton.jit
+def sparse_attention_kernel(
+    q_ptr, out_ptr, window_ptr, entries_ptr, picks_ptr, sinks_ptr, cos_ptr, sin_ptr,
+    positions_ptr, token_seq_ptr, page_table_ptr, window_table_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_w, stride_e, stride_pick, stride_pt, stride_cos,
+    qk_scale, window,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MODE: tl.constexpr, RATE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = head < NUM_HEADS
+    d = tl.arange(0, BLOCK_D)
+    hd_mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    wait_for_prior(PDL)
+    pos = tl.load(positions_ptr + tok)
+    pages_row = page_table_ptr + tl.load(token_seq_ptr + tok).to(tl.int64) * stride_pt
+
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
+    cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos, stride_cos, q.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
+    q = rotate_pairs(q, cos[None, :], sin[None, :], BLOCK_H, BLOCK_D).to(q.dtype)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(tl.maximum(pos - window + 1, 0), pos + 1, BLOCK_N):  # the window, through the window pages
+        n = n0 + tl.arange(0, BLOCK_N)
+        ok = n <= pos
+        page = tl.load(pages_row + n // PAGE_SIZE, mask=ok, other=0)
+        slot = tl.load(window_table_ptr + page, mask=ok, other=0).to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE
+        m_i, l_i, acc = _attend_keys(q, window_ptr, slot, ok, m_i, l_i, acc, stride_w, qk_scale, HEAD_DIM, BLOCK_D)
+    if MODE == DENSE:
+        visible = (pos + 1) // RATE
+        for w0 in range(0, visible, BLOCK_N):
+            w = w0 + tl.arange(0, BLOCK_N)
+            ok = w < visible
+            slot = _entry_slots(pages_row, w, ok, PAGE_SIZE, RATE, ENTRIES_PER_PAGE)
+            m_i, l_i, acc = _attend_keys(q, entries_ptr, slot, ok, m_i, l_i, acc, stride_e, qk_scale, HEAD_DIM,
+                                         BLOCK_D)
+    elif MODE == PICKED:
+        for j0 in range(0, TOP_K, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            w = tl.load(picks_ptr + tok * stride_pick + j, mask=j < TOP_K, other=-1)
+            ok = w >= 0
+            slot = _entry_slots(pages_row, w, ok, PAGE_SIZE, RATE, ENTRIES_PER_PAGE)
+            m_i, l_i, acc = _attend_keys(q, entries_ptr, slot, ok, m_i, l_i, acc, stride_e, qk_scale, HEAD_DIM,
+                                         BLOCK_D)
+
+    sink = tl.load(sinks_ptr + head, mask=h_ok, other=0.0) * LOG2E
+    m = tl.maximum(m_i, sink)
+    rescale = tl.exp2(m_i - m)
+    l_i = l_i * rescale + tl.exp2(sink - m)
+    o = (acc * rescale[:, None] / l_i[:, None]).to(q.dtype)
+    o = rotate_pairs(o, cos[None, :], -sin[None, :], BLOCK_H, BLOCK_D).to(q.dtype)
+    tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hd_mask)
+
+
+def kernel_config(head_dim: int, device: torch.device) -> SparseConfig:
+    table = config_for(SPARSE, device)
+    cfg = table.get(head_dim) or table.get("any")
+    if cfg is None:
+        raise ValueError(f"V4 sparse attention has no kernel config for head dim {head_dim}; "
+                         f"configured: {sorted(table)}")
+    return cfg
+
+
+def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta,
+                     picks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] (unrotated) -> [T, H, D] in q's dtype: the family's ``attend`` (see
+    core/families/v4_attention.py) for the whole step."""
+    tokens, num_heads, head_dim = q.shape
+    if (num_heads, head_dim) != (layer.num_heads, layer.head_dim):
+        raise ValueError(f"q {tuple(q.shape)} does not fit the layer's {layer.num_heads} heads of {layer.head_dim}")
+    comp = layer.compression
+    mode = SLIDING if comp is None else PICKED if layer.indexer is not None else DENSE
+    if mode == PICKED and (picks is None or picks.dim() != 2 or picks.shape[0] != tokens):
+        raise ValueError(f"a CSA layer needs picks [T={tokens}, top_k], got "
+                         f"{None if picks is None else tuple(picks.shape)}")
+    window_kv = flat(kv, layer.window_kv)[0]
+    if window_kv.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the window KV is {window_kv.dtype}; the kernel reads them as one dtype")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    entries = flat(kv, comp.entries)[0] if comp is not None else window_kv
+    picks = picks if mode == PICKED else batch.positions  # an unread placeholder
+    cfg = kernel_config(head_dim, q.device)
+    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads)))
+    rate = comp.rate if comp is not None else 1
+    sparse_attention_kernel[(tokens, triton.cdiv(num_heads, block_h))](
+        q, out, window_kv, entries, picks, layer.sinks, layer.rope.cos, layer.rope.sin,
+        batch.positions, meta.token_seq, batch.page_table, meta.window_table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_kv.stride(0), entries.stride(0),
+        picks.stride(0), batch.page_table.stride(0), layer.rope.cos.stride(0),
+        layer.scale * LOG2E.value, layer.window,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=layer.rope.cos.shape[-1], PAGE_SIZE=batch.page_size,
+        MODE=mode.value, RATE=rate, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
+        TOP_K=picks.shape[1] if mode == PICKED else 1,
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
+    )
+    return out

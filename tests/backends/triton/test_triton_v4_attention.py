@@ -1,0 +1,296 @@
+"""The Triton V4 attention backend against the native oracle: the window store and the attention
+over window keys, entries (HCA: all visible; CSA: the picks) and sinks, with the rope tail turned
+on q and turned back on the output."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aot import TARGETS, amdgcn_target, compile_asm, pdl
+
+from engine.backends.triton.descriptors import triton_descriptors
+from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel
+from engine.backends.triton.v4_sparse_attention import DENSE, PICKED, sparse_attention_kernel
+from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat
+from engine.core.native.rope import RotaryEmbedding
+from engine.core.native.v4_attention import NativeV4Attention
+from engine.core.platform import PlatformSpec
+from engine.core.registry import SelectionContext
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float16: dict(rtol=4e-3, atol=4e-3),
+       torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+INDEX_DIM = 8
+
+
+class Case:
+    """One V4 layer (``kind``: sliding, hca or csa) over a batch of (cached, new) sequences on shuffled
+    pages and window pages, every cache slot NaN but those the sequences own."""
+
+    def __init__(self, lens, kind, heads, head_dim, rope_dim, window, rate, top_k, page_size, dtype, device="cpu",
+                 max_position=1024):
+        self.lens, self.kind, self.dtype, self.device = lens, kind, dtype, device
+        specs, (cache,) = cache_layout(head_dim, [0 if kind == "sliding" else rate], [kind == "csa"], INDEX_DIM)
+        need = [-(-(c + n) // page_size) for c, n in lens]
+        num_pages = sum(need) + 2
+        ids = random.sample(range(1, num_pages), sum(need))  # page 0 is the null page
+        self.tables = tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lens))]
+        self.kv = KVCache(specs, num_pages, page_size, dtype, device, num_window_pages=sum(need) + 3)
+        for page, window_page in zip(ids, random.sample(range(1, sum(need) + 3), sum(need))):
+            self.kv.stage_window(page, window_page)
+        ctx, new = [c for c, _ in lens], [n for _, n in lens]
+        self.batch = ForwardBatch.build([0] * sum(new), new, ctx, tables, page_size, [], device=device)
+        self.rope = RotaryEmbedding(head_dim, rope_dim, max_position, 10000.0, None, is_neox_style=False,
+                                    device=device)
+        comp = index = None
+        if kind != "sliding":
+            width = 2 * head_dim if kind == "csa" else head_dim
+            comp = Compression(rate, kind == "csa", torch.zeros(rate, width, device=device),
+                               torch.ones(head_dim, device=device), 1e-6, cache.projections, cache.entries)
+        if kind == "csa":
+            index = IndexerLayer(16, INDEX_DIM, top_k, Compression(rate, True, torch.zeros(rate, 2 * INDEX_DIM),
+                                                                  torch.ones(INDEX_DIM), 1e-6,
+                                                                  cache.index_projections, cache.index_keys))
+        self.layer = V4AttentionLayer(heads, head_dim, window, torch.randn(heads, device=device), self.rope,
+                                      cache.window, comp, index)
+        self.top_k = top_k
+        self.native, self.triton = NativeV4Attention(None), TritonV4Attention(None)
+
+    def seqs(self) -> list[SeqView]:
+        return self.native.prepare(self.batch, self.kv).seqs
+
+    def fill(self) -> None:
+        """Random window KV at every position of every sequence (the new ones too), random entries up
+        to each sequence's end; NaN everywhere else."""
+        window_kv = flat(self.kv, self.layer.window_kv)[0].fill_(float("nan"))
+        comp = self.layer.compression
+        entries = None if comp is None else flat(self.kv, comp.entries)[0].fill_(float("nan"))
+        for seq in self.seqs():
+            slots = seq.token_slots(0, seq.end)
+            window_kv[slots] = torch.randn(len(slots), window_kv.shape[1], device=self.device).to(self.dtype)
+            if entries is not None:
+                slots = seq.entry_slots(0, seq.end // comp.rate, comp.rate)
+                entries[slots] = torch.randn(len(slots), entries.shape[1], device=self.device).to(self.dtype)
+
+    def picks(self) -> torch.Tensor | None:
+        """Per token a random set of its visible entries (as many as there are, up to top_k, sometimes
+        fewer), -1 elsewhere, in random order."""
+        if self.kind != "csa":
+            return None
+        rows = []
+        for p in self.batch.positions.tolist():
+            visible = (p + 1) // self.layer.compression.rate
+            chosen = random.sample(range(visible), random.choice([min(visible, self.top_k), visible // 2]))
+            row = chosen + [-1] * (self.top_k - len(chosen))
+            random.shuffle(row)
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def queries(self) -> torch.Tensor:
+        return torch.randn(self.batch.num_tokens, self.layer.num_heads, self.layer.head_dim,
+                           device=self.device).to(self.dtype)
+
+    def check_attend(self) -> None:
+        self.fill()
+        q, picks = self.queries(), self.picks()
+        want = self.native.attend(q, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv), picks)
+        got = self.triton.attend(q, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv), picks)
+        assert got.dtype == q.dtype and not got.isnan().any()
+        torch.testing.assert_close(got, want, **TOL[self.dtype])
+
+    def check_store(self) -> None:
+        kv_new = torch.randn(self.batch.num_tokens, self.layer.head_dim, device=self.device).to(self.dtype)
+        window_kv = flat(self.kv, self.layer.window_kv)[0]
+        window_kv.fill_(float("nan"))
+        self.native.store(kv_new, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv))
+        want = window_kv.clone()
+        window_kv.fill_(float("nan"))
+        self.triton.store(kv_new, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv))
+        assert torch.equal(window_kv.isnan(), want.isnan())  # exactly the new tokens' slots written
+        torch.testing.assert_close(window_kv, want, equal_nan=True, rtol=0, atol=0)
+
+
+def mixed_lens(rng: random.Random, rate: int) -> list[tuple[int, int]]:
+    """Decode rows, a prefill from 0, and chunks that start inside a compression window after a
+    cached prefix, one of them crossing several windows."""
+    inside = rng.randrange(1, 5) * rate + rng.randrange(1, rate)
+    return [(rng.randint(1, 90), 1), (0, rng.randint(2, 40)), (inside, rng.randint(2 * rate, 4 * rate)),
+            (rng.randint(1, 60), 1), (rng.randrange(2, 6) * rate + 1, rng.randint(1, rate - 1))]
+
+
+KINDS = {"sliding": dict(rate=0, top_k=0), "hca": dict(rate=8, top_k=0), "csa": dict(rate=4, top_k=8)}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_attend_interpreted(seed, kind, dtype):
+    rng = random.Random(seed)
+    k = KINDS[kind]
+    lens = mixed_lens(rng, max(k["rate"], 4))
+    Case(lens, kind, heads=4, head_dim=32, rope_dim=8, window=rng.choice([8, 16]), rate=k["rate"],
+         top_k=k["top_k"], page_size=rng.choice([4, 6, 16]), dtype=dtype).check_attend()
+
+
+@pytest.mark.interpret
+def test_attend_head_blocks_interpreted(seed, monkeypatch):
+    """More heads than one program takes (the last block partly masked), a wider rope tail, a window
+    longer than a key block, and more picks than a key block."""
+    from engine.backends.triton import v4_sparse_attention as sa
+    monkeypatch.setitem(sa.SPARSE, "default", {"any": sa.SparseConfig(16, 8, 4, 1)})
+    rng = random.Random(seed)
+    Case(mixed_lens(rng, 4), "csa", heads=20, head_dim=64, rope_dim=16, window=24, rate=4, top_k=20, page_size=8,
+         dtype=torch.float16).check_attend()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["sliding", "csa"])
+def test_store_interpreted(seed, kind, dtype):
+    rng = random.Random(seed)
+    Case(mixed_lens(rng, 4), kind, heads=2, head_dim=32, rope_dim=8, window=8, rate=4, top_k=4,
+         page_size=rng.choice([4, 16]), dtype=dtype).check_store()
+
+
+@pytest.mark.interpret
+def test_prepare_is_per_token(seed):
+    rng = random.Random(seed)
+    lens = mixed_lens(rng, 4)
+    lens.insert(2, (7, 0))  # a sequence that brings no token this step
+    case = Case(lens, "sliding", heads=2, head_dim=32, rope_dim=8, window=8, rate=4, top_k=4, page_size=4,
+                dtype=torch.float32)
+    meta = case.triton.prepare(case.batch, case.kv)
+    want_seq = [i for i, (_, n) in enumerate(lens) for _ in range(n)]
+    assert meta.token_seq.dtype == torch.int32 and meta.token_seq.tolist() == want_seq
+    assert torch.equal(meta.window_slots, case.native.prepare(case.batch, case.kv).window_slots)
+    assert meta.max_entries >= max(c + n for c, n in lens)
+
+
+def test_csa_without_picks_is_refused(seed):
+    case = Case([(3, 2)], "csa", heads=2, head_dim=32, rope_dim=8, window=8, rate=4, top_k=4, page_size=4,
+                dtype=torch.float32)
+    with pytest.raises(ValueError, match="picks"):
+        case.triton.attend(case.queries(), case.layer, case.kv, case.batch, case.triton.prepare(case.batch, case.kv))
+
+
+@pytest.mark.parametrize("vendor,arch", [("nvidia", "sm_90"), ("amd", "gfx950")])
+def test_descriptor_refuses_what_the_kernels_lack(vendor, arch):
+    (desc,) = triton_descriptors("v4_attention", vendor)
+    assert (desc.family, desc.name) == ("v4_attention", "triton")
+    here = PlatformSpec(vendor, arch, "a GPU", "cuda")
+    model = lambda head_dim: SimpleNamespace(hf={"head_dim": head_dim})  # noqa: E731
+    assert desc.check(SelectionContext(platform=here, model_config=model(512))) == []
+    assert desc.check(SelectionContext(platform=here, model_config=model(64))) == []
+    (reason,) = desc.check(SelectionContext(platform=here, model_config=model(96)))
+    assert "no config for head dim 96" in reason
+    other = PlatformSpec("amd" if vendor == "nvidia" else "nvidia", "gfx942", "another GPU", "cuda")
+    assert any("needs" in r for r in desc.check(SelectionContext(platform=other, model_config=model(512))))
+
+
+FLASH = dict(heads=64, head_dim=512, rope_dim=64, window=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("batch", ["decode-1", "decode-32", "mixed"])
+def test_attend_flash_shape_gpu(seed, kind, batch):
+    """V4-Flash's layer shape in bf16 (CSA 4 picking 512, HCA 128) at long context."""
+    rng = random.Random(seed)
+    rate, top_k = {"sliding": (4, 0), "hca": (128, 0), "csa": (4, 512)}[kind]
+    lens = {"decode-1": [(rng.randint(3000, 8000), 1)],
+            "decode-32": [(rng.randint(100, 8000), 1) for _ in range(32)],
+            "mixed": [(2000, 1), (0, 700), (1000 + 37, 600), (rng.randint(1, 500), 1)]}[batch]
+    Case(lens, kind, rate=rate, top_k=top_k, page_size=64, dtype=torch.bfloat16, device="cuda",
+         max_position=16384, **FLASH).check_attend()
+
+
+@pytest.mark.gpu
+def test_store_flash_shape_gpu(seed):
+    Case([(100, 1), (0, 300), (37, 90)], "csa", rate=4, top_k=512, page_size=64, dtype=torch.bfloat16,
+         device="cuda", max_position=16384, **FLASH).check_store()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_graph_replay_gpu(seed, kind):
+    """prepare, store and attend captured once in a CUDA graph and replayed on new positions, keys,
+    entries, queries and picks of the same batch size: equal to the eager calls and to native."""
+    rng = random.Random(seed)
+    rate, top_k = {"hca": (128, 0), "csa": (4, 512)}[kind]
+    case = Case([(6000, 1)] * 8, kind, rate=rate, top_k=top_k, page_size=64, dtype=torch.bfloat16, device="cuda",
+                max_position=16384, **FLASH)
+    captured, kv, layer = case.batch, case.kv, case.layer
+    static = dict(q=case.queries(), picks=case.picks(), kv_new=torch.randn(8, 512, device="cuda").to(torch.bfloat16))
+
+    def step(backend, batch):
+        meta = backend.prepare(batch, kv)
+        backend.store(static["kv_new"], layer, kv, batch, meta)
+        return backend.attend(static["q"], layer, kv, batch, meta, static["picks"])
+
+    case.fill()
+    step(case.triton, captured)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(case.triton, captured)
+    for _ in range(2):
+        case.batch = ForwardBatch.build([0] * 8, [1] * 8, [rng.randint(200, 5999) for _ in range(8)], case.tables,
+                                        64, [], device="cuda")
+        for name in ("positions", "query_start_loc", "seq_lens", "context_lens", "slot_mapping", "page_table"):
+            getattr(captured, name).copy_(getattr(case.batch, name))
+        case.fill()
+        static["q"].copy_(case.queries())
+        static["kv_new"].copy_(torch.randn(8, 512, device="cuda"))
+        if kind == "csa":
+            static["picks"].copy_(case.picks())
+        graph.replay()
+        got = out.clone()
+        torch.testing.assert_close(got, step(case.triton, captured), rtol=0, atol=0)
+        torch.testing.assert_close(got, step(case.native, case.batch), **TOL[torch.bfloat16])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("head_dim,mode", [(64, PICKED.value), (512, DENSE.value), (512, PICKED.value)])
+def test_sparse_attention_compiles(target, head_dim, mode):
+    """bf16 at tiny-dsv4-py's heads (4 of 64, rope 16) and V4-Flash's (64 of 512, rope 64): the scores
+    and the weighted sum run on the matrix units."""
+    from engine.backends.triton.v4_sparse_attention import SPARSE
+    cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"][head_dim]
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "window_ptr": "*bf16", "entries_ptr": "*bf16",
+                "picks_ptr": "*i32", "sinks_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32", "window_table_ptr": "*i32"}
+    strides = [n for n in sparse_attention_kernel.arg_names if n.startswith("stride_")]
+    signature = {**pointers, **{s: "i32" for s in strides}, "qk_scale": "fp32", "window": "i32"}
+    heads, rot_half, rate = (64, 32, 4 if mode == PICKED.value else 128) if head_dim == 512 else (4, 8, 16)
+    constexprs = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_HALF=rot_half, PAGE_SIZE=64, MODE=mode, RATE=rate,
+                      ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, BLOCK_H=cfg.block_h,
+                      BLOCK_N=cfg.block_n, BLOCK_D=head_dim, PDL=pdl(target))
+    asm = compile_asm(sparse_attention_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, divisible_by_16=strides)
+    if target.startswith("sm_"):
+        assert f".target {target}a" in asm["ptx"] and "mma" in asm["ptx"]
+    else:
+        assert target in amdgcn_target(asm["amdgcn"]) and "v_mfma" in asm["amdgcn"]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_store_window_compiles(target):
+    """V4-Flash's window KV rows (512 of bf16, rope 64), turned without a fused multiply-add that
+    would skip the oracle's rounding."""
+    signature = {"x_ptr": "*bf16", "cache_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                 "positions_ptr": "*i64", "slots_ptr": "*i64", "num_tokens": "i32", "stride_x": "i32",
+                 "stride_c": "i32", "stride_cos": "i32"}
+    constexprs = dict(HEAD_DIM=512, ROT_HALF=32, BLOCK_T=8, BLOCK_D=512, PDL=pdl(target))
+    asm = compile_asm(store_window_kernel, signature, constexprs, target, divisible_by_16=["stride_x", "stride_c"],
+                      enable_fp_fusion=False)
+    if target.startswith("sm_"):
+        assert f".target {target}a" in asm["ptx"] and "fma.rn" not in asm["ptx"]
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])

@@ -1,0 +1,80 @@
+"""A DeepSeek-V4 model on the Triton V4 attention family in the interpreter, through the engine:
+greedy-identical to the native family over a batch with chunked prefill inside compression
+windows, decodes beside prefills, and prefix hits.
+
+The Triton descriptors refuse a CPU, so a test plugin offers the same backend under the same name
+on the CPU, where its kernels run in the interpreter; ``v4_attention_backend="triton"`` then
+selects it as the CUDA and ROCm plugins' descriptors would on their devices.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import types
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dsv4_random import random_checkpoint
+
+from engine.backends.triton.v4_attention import TritonV4Attention
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
+from engine.core.hookspecs import hookimpl
+from engine.core.plugins import load_plugins
+from engine.core.registry import Descriptor
+from engine.core.sampling_params import SamplingParams
+
+
+def interpreted_triton() -> types.ModuleType:
+    module = types.ModuleType("interpreted_triton_v4")
+
+    @hookimpl
+    def engine_register_v4_attention_backends():
+        return [Descriptor("v4_attention", "triton", TritonV4Attention)]
+
+    module.engine_register_v4_attention_backends = engine_register_v4_attention_backends
+    return module
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.interpret
+def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_path, shared_dir):
+    path = random_checkpoint(tmp_path / "v4", seed, ["heavily_compressed_attention", "compressed_sparse_attention",
+                                                     "sliding_attention"], ["moe", "hash_moe", "moe"], hc_mult=2,
+                             window=8, csa_rate=4, hca_rate=8)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the engine reads one; the ids stay below 128
+        shutil.copy(shared_dir / "models" / "tiny-dsv4-py" / f, path / f)
+    rng = random.Random(seed)
+    base = [rng.randrange(128) for _ in range(rng.randint(18, 30))]
+    batch = [base + [rng.randrange(128) for _ in range(rng.randint(5, 20))],
+             [rng.randrange(128) for _ in range(rng.randint(2, 9))],
+             base[:rng.randint(9, 17)] + [rng.randrange(128) for _ in range(11)]]
+    tokens = []
+    for name in ("native", "triton"):
+        config = EngineConfig(model=str(path), dtype="float32", device="cpu", page_size=4, chunked_prefill_size=6,
+                              max_num_batched_tokens=16, num_pages=96, v4_attention_backend=name)
+        engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False,
+                           detokenize=False)
+        chosen = engine.components.selections["v4_attention"].chosen
+        assert chosen.name == name
+        assert type(engine.components.model.model.attention).__name__ == (
+            "TritonV4Attention" if name == "triton" else "NativeV4Attention")
+        outs = generate(engine, [base], 5) + generate(engine, batch, 6)
+        # base's pages serve a prefix hit: its page-aligned part, which may end inside a compression window
+        assert outs[1].num_cached_tokens == len(base) // 4 * 4
+        tokens.append([o.outputs[0].token_ids for o in outs])
+    assert tokens[1] == tokens[0]
