@@ -7,6 +7,14 @@ then the median of repeats; the methods with no host sync are also timed replaye
 graph, as a captured step runs them. TFLOP/s counts 6 * T * top_k * H * I (gate/up and down);
 GB/s counts the weights of the experts the routing touched, the bound at decode sizes.
 
+Two more comparisons at the DeepSeek-V4-Flash shape, through the fused Triton experts:
+- ``fp4``: the routed experts kept in DeepSeek-V4's FP4 (E2M1 + E8M0 per 32) against the same
+  experts in bf16 (GB/s counts the packed bytes and scales);
+- ``fold``: the shared expert folded into the routed launch (one more expert every token takes with
+  weight 1, what ``core/models/deepseek_v4/moe.py`` does with ``FOLD_SHARED``) against a second
+  launch for it. ``fold_over_separate`` below 1 at the token counts that matter says to turn
+  ``FOLD_SHARED`` on.
+
     python benchmarks/moe_bench.py [--json benchmarks/results/moe-<device>.json]
 """
 
@@ -48,9 +56,9 @@ def grouped_mm_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 
 def fused_experts(x, weights, ids, w: ExpertWeights) -> torch.Tensor:
-    from engine.backends.triton.fused_moe import fused_moe
+    from engine.backends.triton.moe import TritonMoE
 
-    return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit)
+    return TritonMoE(None).experts(x, weights, ids, w)
 
 
 METHODS = {
@@ -144,6 +152,68 @@ def measure(shape: dict, w: ExpertWeights, num_tokens: int, device: torch.device
     return rows
 
 
+def fp4_experts(w: ExpertWeights) -> ExpertWeights:
+    """``w`` in DeepSeek-V4's FP4 expert format, quantized one expert at a time to bound the fp32 copies."""
+    from engine.core.native.quant import quantize_fp4
+
+    def stack(t):
+        data, scale = zip(*(quantize_fp4(m) for m in t))
+        return torch.stack(data), torch.stack(scale)
+    (gu, gu_scale), (dn, dn_scale) = stack(w.gate_up), stack(w.down)
+    return ExpertWeights(gu, dn, w.activation, w.swiglu_limit, scheme="fp4", gate_up_scale=gu_scale, down_scale=dn_scale)
+
+
+def graph_ms(fn, device: torch.device, repeats: int) -> float:
+    return time_ms(graphed(fn, device), device, repeats=repeats)
+
+
+def measure_fp4(shape: dict, w: ExpertWeights, w4: ExpertWeights, num_tokens: int, device, repeats: int) -> dict:
+    x, weights, ids = random_case(shape, num_tokens, device)
+    used = ids.unique().numel()
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w4.gate_up, w4.down, w4.gate_up_scale, w4.down_scale))
+    bf16_ms = graph_ms(lambda: fused_experts(x, weights, ids, w), device, repeats)
+    fp4_ms = graph_ms(lambda: fused_experts(x, weights, ids, w4), device, repeats)
+    ref = NativeMoE(None).experts(x, weights, ids, w4).float()
+    out = fused_experts(x, weights, ids, w4).float()
+    return {"tokens": num_tokens, "bf16_graph_ms": round(bf16_ms, 4), "fp4_graph_ms": round(fp4_ms, 4),
+            "fp4_over_bf16": round(fp4_ms / bf16_ms, 3), "fp4_weight_gbps": round(used * per_expert / fp4_ms / 1e6, 1),
+            "fp4_rel_err_vs_native": float((out - ref).norm() / ref.norm())}
+
+
+def measure_fold(shape: dict, stack: ExpertWeights, num_tokens: int, device, repeats: int) -> dict:
+    """``stack`` holds the routed experts and, last, the shared one; the separate way reads views of it."""
+    e = shape["num_experts"]
+    x, weights, ids = random_case(shape, num_tokens, device)
+    routed = ExpertWeights(stack.gate_up[:e], stack.down[:e], swiglu_limit=stack.swiglu_limit)
+    shared = ExpertWeights(stack.gate_up[e:], stack.down[e:], swiglu_limit=stack.swiglu_limit)
+    ones = torch.ones(num_tokens, 1, device=device)
+    zeros = torch.zeros(num_tokens, 1, dtype=torch.long, device=device)
+    folded_weights, folded_ids = torch.cat([weights, ones], dim=1), torch.cat([ids, zeros + e], dim=1)
+
+    def separate():
+        return fused_experts(x, weights, ids, routed) + fused_experts(x, ones, zeros, shared)
+
+    def folded():
+        return fused_experts(x, folded_weights, folded_ids, stack)
+
+    sep_ms, fold_ms = graph_ms(separate, device, repeats), graph_ms(folded, device, repeats)
+    a, b = separate().float(), folded().float()
+    return {"tokens": num_tokens, "separate_graph_ms": round(sep_ms, 4), "folded_graph_ms": round(fold_ms, 4),
+            "fold_over_separate": round(fold_ms / sep_ms, 3), "rel_diff": float((a - b).norm() / a.norm())}
+
+
+def run_v4(device, tokens=TOKENS, repeats: int = 20) -> dict:
+    """The fp4 and fold comparisons at the DeepSeek-V4-Flash shape."""
+    device = torch.device(device)
+    shape = SHAPES["deepseek-v4-flash"]
+    stack = random_experts({**shape, "num_experts": shape["num_experts"] + 1}, device)
+    result = {"fold": [measure_fold(shape, stack, t, device, repeats) for t in tokens]}
+    w = ExpertWeights(stack.gate_up[:-1], stack.down[:-1], swiglu_limit=shape["swiglu_limit"])
+    w4 = fp4_experts(w)
+    result["fp4"] = [measure_fp4(shape, w, w4, t, device, repeats) for t in tokens]
+    return result
+
+
 def run(device, shapes: dict | None = None, tokens=TOKENS, repeats: int = 20) -> dict:
     """Every method at every shape and token count on ``device``: a dict ready for JSON."""
     import triton
@@ -182,6 +252,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     result = {**run(args.device, repeats=args.repeats), "commit": _commit()}
+    result["deepseek_v4_flash"] = run_v4(args.device, repeats=args.repeats)
+    for part, rows in result["deepseek_v4_flash"].items():
+        for row in rows:
+            print(f"deepseek-v4-flash {part:4s} " + " ".join(f"{k}={v}" for k, v in row.items()))
     for name, shape in result["shapes"].items():
         for row in shape["results"]:
             cells = f"{row['ms']:9.4f} ms {row['tflops']:8.2f} TFLOP/s" if "ms" in row else row["error"]

@@ -21,6 +21,9 @@ DTYPES = {
 }
 
 
+QUANTIZATIONS = (None, "none")  # None: as the checkpoint stores the weights
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -40,10 +43,11 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     vocab_size: int
+    quantization: str | None = None  # EngineConfig.quantization
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-                 max_model_len: int | None = None) -> "ModelConfig":
+                 max_model_len: int | None = None, quantization: str | None = None) -> "ModelConfig":
         path = Path(path).expanduser()
         config_file = path / "config.json"
         if not path.is_dir():
@@ -62,7 +66,7 @@ class ModelConfig:
         limit = int(hf.get("max_position_embeddings") or 4096)
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]))
+        return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]), quantization)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.hf.get(key, default)
@@ -97,6 +101,9 @@ class EngineConfig:
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
     graph_memory: int | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
     overlap_decode: bool = True  # launch a greedy decode step before the last one's tokens reach the host
+    # None: quantized checkpoint weights stay in their stored formats where the backends run them;
+    # "none": dequantized to dtype at load
+    quantization: str | None = None
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.window_pages is not None and self.window_pages < 2:
             raise ValueError(f"window_pages must be >= 2, got {self.window_pages}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @property
     def chunk_size(self) -> int | None:

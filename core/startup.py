@@ -17,6 +17,7 @@ from .plugins import Plugins, load_plugins
 from .platform import PlatformSpec
 from .registry import Selection, SelectionContext, SelectionError
 from .loader import iter_checkpoint
+from .models.weights import resident_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
     platform = plugins.detect_platform()
     device = torch.device(config.device or platform.torch_device)
-    model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len)
+    model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len,
+                                        config.quantization)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
     model_cls = select_model_class(plugins, ctx, model_config.architecture)
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
@@ -153,6 +155,9 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     model = model_cls(model_config, backends, device=device)
     model.load_weights(iter_checkpoint(model_config.path, progress=progress))
     model.eval()
+    held, weights = resident_bytes(model)
+    logger.info("weights: %.1f MiB resident for %d parameters, %.3f bytes per parameter",
+                held / 2**20, weights, held / max(weights, 1))
 
     max_model_len = model_config.max_model_len
     window_pages = _window_pages(config, model, max_model_len)

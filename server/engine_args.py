@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes decode graphs may take (default: half of what the KV cache leaves)")
     g.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every greedy decode step's tokens before launching the next step")
+    g.add_argument("--quantization", default=None, choices=["none"],
+                   help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
+                        "them in their stored formats, FP8 / FP4, where the backends run them)")
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -77,4 +80,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mhc_backend=args.mhc_backend, moe_backend=args.moe_backend,
         linear_backend=args.linear_backend, graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
+        quantization=args.quantization,
     )

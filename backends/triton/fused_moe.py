@@ -13,6 +13,14 @@ sum is in fp32. One rounding more than native: the weighted rows are stored in x
 FP8 weights (E4M3 with one fp32 scale per 128 x 128 block of each expert, what
 ``quantize_fp8_block`` makes of each expert's matrices) meet E4M3 activations with one scale per
 token and 128 channels, scaled per K step in fp32 as the FP8 block GEMM does.
+
+FP4 weights (DeepSeek-V4's routed experts: E2M1 packed two per byte along K, one E8M0 scale per
+32) stay packed in memory, a quarter of bf16's bytes. On sm_100 and gfx950 the activations are
+quantized to MXFP8 and both operands go to ``tl.dot_scaled``, the native block-scaled MMA
+(``tcgen05.mma ... block_scale``, ``v_mfma_scale_f32``). Elsewhere (sm_90, gfx942) each weight
+tile is unpacked in registers (bit operations build the fp32 value of each code), multiplied by
+its power-of-two scale (exact) and converted to x's dtype for an ordinary dot: the product is the
+native one on the dequantized weights, up to summation order.
 """
 
 from __future__ import annotations
@@ -24,11 +32,16 @@ import triton.language as tl
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
 from .fp8_quant import GROUP, quantize_fp8_token_group
 from .moe_align import ExpertBlocks, align_by_expert
+from .mxfp8 import MX_BLOCK, e8m0_to_float, quantize_mxfp8
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 FP8 = torch.float8_e4m3fn
+PACKED_FP4 = torch.uint8  # E2M1 weights, two per byte along K
 ACTIVATIONS = ("silu",)
+# targets whose block-scaled MMA takes E2M1 weights with MXFP8 activations (tl.dot_scaled lowers to it);
+# elsewhere triton would only emulate it, so FP4 tiles are dequantized in registers for an ordinary dot
+FP4_SCALED_MMA = {"sm_100": True, "gfx950": True, "default": False}
 
 # small: decode, a few rows per expert, so narrow N tiles spread each expert's weights over every
 # SM; large: prefill, full matrix-unit tiles. ``small_m`` counts rows per expert (T * top_k / E).
@@ -41,6 +54,30 @@ MOE_GEMM = {
     "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 64, 2, 4, 1), small_m=2),
 }
 
+# FP4 experts: as above, but sm_100 keeps 128-row blocks for decode too, since tl.dot_scaled falls
+# back to a bf16 emulation below that (as in mxfp8.py)
+MOE_FP4_GEMM = {**MOE_GEMM, "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3),
+                                                   small_m=16)}
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 codes (int32, 0..15; bit 3 the sign) -> fp32, by building the fp32 bits: exponent e
+    and mantissa m give (1 + m/2) * 2**(e-1), and the subnormal e = 0 gives m/2."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed E2M1 [BLOCK_K/2, BLOCK_N] (element 2j in the low nibble) and E8M0 [BLOCK_K/32, BLOCK_N]
+    -> fp32 [BLOCK_K, BLOCK_N]: unpacked, interleaved back along K, times each 32's scale (exact)."""
+    codes = packed.to(tl.int32)
+    values = tl.join(_e2m1(codes & 15), _e2m1(codes >> 4)).permute(0, 2, 1).reshape(BLOCK_K // 32, 32, BLOCK_N)
+    return (values * e8m0_to_float(scale.to(tl.int32))[:, None, :]).reshape(BLOCK_K, BLOCK_N)
+
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_ptr,
@@ -49,11 +86,14 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
                      stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
-                     FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     FP4: tl.constexpr, SCALED_MMA: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED: b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two products.
     WEIGHTED: c gets the product times the assignment's routing weight.
+    FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
+    to ``tl.dot_scaled``, otherwise each tile is dequantized in registers to a's dtype.
     """
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -68,7 +108,17 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
     bn = (rn % N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rk[:, None]
+    if FP4:
+        B_STEP: tl.constexpr = BLOCK_K // 2
+        rb = tl.arange(0, B_STEP)  # packed bytes along K
+        rs = tl.arange(0, BLOCK_K // SCALE_BLOCK)  # scales along K
+        b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rb[:, None]
+        b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[None, :] * stride_bsn + rs[:, None]
+        if SCALED_MMA:
+            a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
+    else:
+        B_STEP: tl.constexpr = BLOCK_K
+        b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rk[:, None]
     if FP8:
         a_scale_ptrs = a_scale_ptr + am * stride_as
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (bn // SCALE_BLOCK) * stride_bsn
@@ -80,21 +130,41 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
     for k0 in range(0, K, BLOCK_K):
         k_left = K - k0
         a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if GATED:
-            up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
-        if FP8:
-            group = k0 // SCALE_BLOCK
-            a_scale = tl.load(a_scale_ptrs + group)
-            acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
+        if FP4:
+            # bytes and scales past K are 0 and 2**0 (a NaN scale would poison the sum)
+            b = tl.load(b_ptrs, mask=2 * rb[:, None] < k_left, other=0)
+            b_scale = tl.load(b_scale_ptrs, mask=rs[:, None] * SCALE_BLOCK < k_left, other=127)
             if GATED:
-                acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
+                up = tl.load(b_ptrs + up_offset, mask=2 * rb[:, None] < k_left, other=0)
+                up_scale = tl.load(b_scale_ptrs + N * stride_bsn, mask=rs[:, None] * SCALE_BLOCK < k_left,
+                                   other=127)
+            if SCALED_MMA:
+                a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * SCALE_BLOCK < k_left, other=127)
+                acc = tl.dot_scaled(a, a_scale, "e4m3", b, tl.trans(b_scale), "e2m1", acc)
+                if GATED:
+                    acc_up = tl.dot_scaled(a, a_scale, "e4m3", up, tl.trans(up_scale), "e2m1", acc_up)
+                a_scale_ptrs += BLOCK_K // SCALE_BLOCK
+            else:
+                acc = tl.dot(a, _fp4_tile(b, b_scale, BLOCK_K, BLOCK_N).to(a.dtype), acc)
+                if GATED:
+                    acc_up = tl.dot(a, _fp4_tile(up, up_scale, BLOCK_K, BLOCK_N).to(a.dtype), acc_up)
+            b_scale_ptrs += BLOCK_K // SCALE_BLOCK
         else:
-            acc = tl.dot(a, b, acc)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
             if GATED:
-                acc_up = tl.dot(a, up, acc_up)
+                up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
+            if FP8:
+                group = k0 // SCALE_BLOCK
+                a_scale = tl.load(a_scale_ptrs + group)
+                acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
+                if GATED:
+                    acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
+            else:
+                acc = tl.dot(a, b, acc)
+                if GATED:
+                    acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += B_STEP
     dtype = c_ptr.dtype.element_ty
     out = acc.to(dtype).to(tl.float32)
     if GATED:
@@ -109,9 +179,30 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
     tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> GemmConfig:
+def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False) -> GemmConfig:
     """The launch parameters for the rows an expert gets on average."""
-    return config_for(MOE_GEMM, device).for_m(-(-num_tokens * top_k // num_experts))
+    return config_for(MOE_FP4_GEMM if fp4 else MOE_GEMM, device).for_m(-(-num_tokens * top_k // num_experts))
+
+
+def _weight_format(a, a_scale, b, b_scale) -> str:
+    """"dense", "fp8_block", "fp4" (dequantized in registers) or "fp4_scaled" (MXFP8 activations,
+    ``tl.dot_scaled``), after checking that activations, weights and scales go together."""
+    if b.dtype == PACKED_FP4:
+        if b_scale is None or b_scale.dtype != torch.uint8:
+            raise ValueError("FP4 expert weights need their uint8 E8M0 scales")
+        if a.dtype == FP8:
+            if a_scale is None or a_scale.dtype != torch.uint8:
+                raise ValueError("MXFP8 activations need their uint8 E8M0 scales")
+            return "fp4_scaled"
+        if a_scale is not None or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"FP4 expert weights take MXFP8 or unquantized activations, not {a.dtype}")
+        return "fp4"
+    fp8 = b.dtype == FP8
+    if fp8 != (a.dtype == FP8) or fp8 != (b_scale is not None) or fp8 != (a_scale is not None):
+        raise ValueError("FP8 expert weights need E4M3 activations and scales for both, other weights none")
+    if not fp8 and a.dtype != b.dtype:
+        raise ValueError(f"activations in {a.dtype} but expert weights in {b.dtype}")
+    return "fp8_block" if fp8 else "dense"
 
 
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
@@ -119,25 +210,24 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
                   topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
-    fp8 = b.dtype == FP8
-    if fp8 != (a.dtype == FP8) or fp8 != (b_scale is not None) or fp8 != (a_scale is not None):
-        raise ValueError("FP8 expert weights need E4M3 activations and scales for both, other weights none")
-    if not fp8 and a.dtype != b.dtype:
-        raise ValueError(f"activations in {a.dtype} but expert weights in {b.dtype}")
+    fmt = _weight_format(a, a_scale, b, b_scale)
     if blocks.num_blocks == 0:
         return out
     k = a.shape[1]
-    if b.shape[2] != k:
-        raise ValueError(f"expert weights {list(b.shape)} do not take rows of {k} channels")
+    fp4 = fmt.startswith("fp4")
+    if b.shape[2] * (2 if fp4 else 1) != k or (fp4 and k % MX_BLOCK):
+        raise ValueError(f"expert weights {list(b.shape)} ({fmt}) do not take rows of {k} channels")
     grid = (blocks.num_blocks * triton.cdiv(n, cfg.block_n),)
-    scale_strides = (a_scale.stride(0), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0)
+    a_scale_stride = 0 if a_scale is None else a_scale.stride(0)
+    b_scale_strides = (0, 0) if b_scale is None else (b_scale.stride(0), b_scale.stride(1))
     _moe_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, topk_weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
         blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
         0.0 if swiglu_limit is None else float(swiglu_limit),
-        a.stride(0), scale_strides[0], b.stride(0), b.stride(1), scale_strides[1], scale_strides[2], out.stride(0),
+        a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
-        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fp8, SCALE_BLOCK=GROUP,
+        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fmt == "fp8_block",
+        SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 
@@ -169,33 +259,38 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, *, activation: str = "silu", swiglu_limit: float | None = None,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, scaled_mma: bool | None = None) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
 
     FP8 weights come with ``gate_up_scale`` [E, ceil(2I/128), ceil(H/128)] and ``down_scale``
     [E, ceil(H/128), ceil(I/128)]; x and the SwiGLU output are then quantized per token and 128
-    channels on the way into each GEMM.
+    channels on the way into each GEMM. FP4 weights (packed uint8, gate_up [E, 2I, H/2] and down
+    [E, H, I/2]) come with uint8 E8M0 scales [E, N, K/32]; where the target has a block-scaled MMA
+    (``scaled_mma``, by default from ``FP4_SCALED_MMA``) the activations are quantized to MXFP8 for
+    it, elsewhere the weights are dequantized in registers and meet x as it is.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
     num_tokens, top_k = ids.shape
-    num_experts, two_inner, hidden = gate_up.shape
-    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, two_inner // 2):
+    packing = 2 if gate_up.dtype == PACKED_FP4 else 1
+    num_experts, two_inner, hidden = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] * packing
+    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, two_inner // 2 // packing):
         raise ValueError(f"x {list(x.shape)}, ids {list(ids.shape)}, gate_up {list(gate_up.shape)} and "
                          f"down {list(down.shape)} do not fit together")
     out = output_for(num_tokens, hidden, x.dtype, x.device, out)
     if num_tokens == 0:
         return out
-    cfg = moe_config(num_tokens, top_k, num_experts, x.device)
+    cfg = moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2)
     blocks = align_by_expert(ids, num_experts, cfg.block_m)
-    x_scale = h_scale = None
-    a = x
+    quantize = None
     if gate_up.dtype == FP8:
-        a, x_scale = quantize_fp8_token_group(x)
+        quantize = quantize_fp8_token_group
+    elif packing == 2 and (config_for(FP4_SCALED_MMA, x.device) if scaled_mma is None else scaled_mma):
+        quantize = quantize_mxfp8
+    a, x_scale = quantize(x) if quantize else (x, None)
     h = moe_gate_up(a, blocks, gate_up, top_k, cfg, swiglu_limit=swiglu_limit, x_scale=x_scale,
                     gate_up_scale=gate_up_scale, out_dtype=x.dtype)
-    if down.dtype == FP8:
-        h, h_scale = quantize_fp8_token_group(h)
+    h, h_scale = quantize(h) if quantize else (h, None)
     y = moe_down(h, blocks, down, topk_weights, cfg, h_scale=h_scale, down_scale=down_scale, out_dtype=x.dtype)
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)

@@ -17,7 +17,9 @@ class Linear(nn.Module):
     """y = x @ W.T (+ b) through the selected linear backend.
 
     ``shards`` names the checkpoint tensors stacked along the output rows (fused q/k/v or
-    gate/up): name -> (row offset, rows). The loader writes each shard in place.
+    gate/up): name -> (row offset, rows). The loader writes each shard in place. A checkpoint that
+    stores the weight quantized may keep it so (``keep_quantized``): ``weight`` then holds the
+    quantized data and ``weight_scale`` its scales, and the backend multiplies them as they are.
     """
 
     def __init__(self, in_features: int, out_features: int, backend: LinearBackend, *, bias: bool = False,
@@ -27,11 +29,28 @@ class Linear(nn.Module):
         self.backend = backend
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.register_parameter("weight_scale", None)
         self.shards = shards or {}
+        self.scheme = "dense"
+
+    def keep_quantized(self, scheme: str, data_dtype: torch.dtype, scale_shape: tuple[int, ...],
+                       scale_dtype: torch.dtype = torch.float32) -> None:
+        """Hold the weight as ``scheme`` (a LinearWeight scheme): data in ``data_dtype`` and scales of
+        ``scale_shape``, both empty until loaded. Again with the same scheme: nothing."""
+        if scheme == self.scheme:
+            return
+        if self.scheme != "dense" or scheme not in self.backend.schemes:
+            raise ValueError(f"a {self.scheme} linear cannot become {scheme} (the {self.backend.name} linear "
+                             f"backend runs {self.backend.schemes})")
+        device = self.weight.device
+        self.weight = empty_param(*self.weight.shape, dtype=data_dtype, device=device)
+        self.weight_scale = empty_param(*scale_shape, dtype=scale_dtype, device=device)
+        self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
+        self.scheme = scheme
 
     @property
     def linear_weight(self) -> LinearWeight:
-        return LinearWeight(self.weight, bias=self.bias)
+        return LinearWeight(self.weight, self.scheme, self.weight_scale, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.apply(x, self.linear_weight)

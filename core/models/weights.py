@@ -3,6 +3,8 @@
 A model maps each checkpoint name to a :class:`Target`: the parameter, and optionally the row
 range of a fused projection and the expert index of a stacked expert tensor. Every element of
 every parameter must be written exactly once; anything else is an error that names the tensor.
+Parameters are looked up as each tensor arrives, so a layer may switch to the format its
+checkpoint stores (DeepSeek-V4's resident FP8 and FP4 weights) before that tensor is written.
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ class WeightLoadError(ValueError):
 def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], resolve: Resolver,
               shared: dict[str, str] | None = None) -> None:
     """Fill ``model``'s parameters; ``shared`` maps a parameter to the one it is tied to."""
-    params = dict(model.named_parameters(remove_duplicate=False))
     shared = shared or {}
     written: dict[str, int] = {}
     for name, tensor in weights:
         target = resolve(name)
         if target is None:
             continue
-        if target.param not in params:
-            raise WeightLoadError(f"checkpoint tensor {name!r} maps to {target.param!r}, which the model lacks")
-        param = params[target.param]
+        try:
+            param = model.get_parameter(target.param)
+        except AttributeError:
+            raise WeightLoadError(f"checkpoint tensor {name!r} maps to {target.param!r}, "
+                                  f"which the model lacks") from None
         dest = param.data
         if target.expert is not None:
             dest = dest[target.expert]
@@ -54,6 +57,7 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], res
             )
         dest.copy_(tensor)
         written[target.param] = written.get(target.param, 0) + tensor.numel()
+    params = dict(model.named_parameters(remove_duplicate=False))
     for tied, source in shared.items():
         if written.get(tied, 0) == 0 and source in written:
             params[tied].data = params[source].data
@@ -63,3 +67,13 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], res
         detail = ", ".join(f"{n} ({written.get(n, 0)}/{params[n].numel()} elements)" for n in incomplete[:8])
         more = f" and {len(incomplete) - 8} more" if len(incomplete) > 8 else ""
         raise WeightLoadError(f"checkpoint does not fill every parameter: {detail}{more}")
+
+
+def resident_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes the model's parameters hold, weights they stand for). A parameter may say how many
+    weights an element holds in ``values_per_element``: 2 for packed FP4, 0 for a scale."""
+    held = weights = 0
+    for p in model.parameters():
+        held += p.numel() * p.element_size()
+        weights += p.numel() * getattr(p, "values_per_element", 1)
+    return held, weights

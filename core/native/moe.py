@@ -1,4 +1,8 @@
-"""MoE in plain torch: routing as HF computes it, and experts run one group of tokens at a time."""
+"""MoE in plain torch: routing as HF computes it, and experts run one group of tokens at a time.
+
+Quantized experts are dequantized one used expert at a time, on every call: the plain definition
+of what the fused kernels compute from the stored format.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families.moe import ExpertWeights, MoEBackend, RoutingConfig
+from .quant import dequantize_fp4, dequantize_fp8_block
 
 SCORINGS = {
     "softmax": lambda logits: logits.softmax(dim=-1),
@@ -13,6 +18,21 @@ SCORINGS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),  # DeepSeek-V4
 }
 ACTIVATIONS = {"silu": F.silu}
+DEQUANTIZE = {"fp8_block": lambda data, scale, dtype: dequantize_fp8_block(data, scale, dtype=dtype),
+              "fp4": dequantize_fp4}
+
+
+def expert_matrices(w: ExpertWeights, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s (gate_up [2I, H], down [H, I]) in ``dtype``, dequantized from w's scheme."""
+    if w.scheme == "dense":
+        return w.gate_up[expert].to(dtype), w.down[expert].to(dtype)
+    if w.scheme not in DEQUANTIZE:
+        raise ValueError(f"expert scheme {w.scheme!r} is not supported; supported: {NativeMoE.schemes}")
+    if w.gate_up_scale is None or w.down_scale is None:
+        raise ValueError(f"{w.scheme!r} experts need gate_up_scale and down_scale")
+    dequantize = DEQUANTIZE[w.scheme]
+    return (dequantize(w.gate_up[expert], w.gate_up_scale[expert], dtype),
+            dequantize(w.down[expert], w.down_scale[expert], dtype))
 
 
 def _keep_best_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
@@ -47,6 +67,7 @@ def _swiglu(gate_up: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 class NativeMoE(MoEBackend):
     name = "native"
     graph_safe = False  # experts() sizes each expert's slice on the host
+    schemes = ("dense", *DEQUANTIZE)
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +103,9 @@ class NativeMoE(MoEBackend):
         for expert, count in enumerate(counts):
             if count:
                 seg = slice(start, start + count)
-                h = _swiglu(F.linear(rows[seg], w.gate_up[expert]), w)
-                sorted_out[seg] = F.linear(h, w.down[expert])
+                gate_up, down = expert_matrices(w, expert, x.dtype)
+                h = _swiglu(F.linear(rows[seg], gate_up), w)
+                sorted_out[seg] = F.linear(h, down)
                 start += count
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's published checkpoint layout, dequantized at load time for the native path.
+"""DeepSeek-V4's published checkpoint layout: each quantized weight paired with its scale and checked.
 
 DeepSeek ships the dense linears as ``<name>.weight`` in float8_e4m3fn with one E8M0 scale per
 128x128 block in ``<name>.scale`` [ceil(N/128), ceil(K/128)], and the routed experts as packed
@@ -7,24 +7,28 @@ E8M0 scale per 32 along K in ``<name>.scale`` [N, K/32]. HF transformers renames
 ``.weight_scale_inv`` and accepts fp32 block scales there too (the DeepSeek-V3 format); both names
 are read here. Norms, embeddings, the router, hc parameters and whatever the checkpoint keeps in
 bf16 pass through. Anything else is an error that names the tensor.
+
+The model keeps a pair in its format where a layer and its backend run it (model.py), and
+dequantizes the rest, or everything under ``--quantization none``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
 from ...native.quant import (E8M0_DTYPES, FP4_PACKED_DTYPES, FP8, dequantize_fp4, dequantize_fp8_block,
-                             dequantize_fp8_block_e8m0)
+                             dequantize_fp8_block_e8m0, e8m0_exponents, e8m0_to_float)
 
 BLOCK = 128  # FP8 block edge of the published layout
 FP4_GROUP = 32  # FP4 elements per E8M0 scale along K
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)  # tables such as the hash router's tid2eid
-_SCALE = re.compile(r"(.+)\.(scale|weight_scale_inv)$")
+SCALE = re.compile(r"(.+)\.(scale|weight_scale_inv)$")
 
 
 def check_quantization_config(hf: dict) -> None:
@@ -60,8 +64,29 @@ def _kind(name: str, tensor: torch.Tensor) -> str | None:
     return kind
 
 
-def _dequantize(name: str, kind: str, data: torch.Tensor, scale_name: str, scale: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized checkpoint weight and its scale, checked to fit each other."""
+
+    name: str
+    kind: str  # "fp8": E4M3 [N, K] with 128x128 block scales; "fp4": packed E2M1 [N, K/2], one scale per 32
+    data: torch.Tensor
+    scale_name: str
+    scale: torch.Tensor  # E8M0 (uint8 or float8_e8m0fnu), or fp32 for fp8 (DeepSeek-V3)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kind == "fp4":
+            return dequantize_fp4(self.data, self.scale, dtype)
+        if self.scale.dtype == torch.float32:
+            return dequantize_fp8_block(self.data, self.scale, BLOCK, dtype)
+        return dequantize_fp8_block_e8m0(self.data, self.scale, BLOCK, dtype)
+
+    def float_scale(self) -> torch.Tensor:
+        """The scale as fp32 (exact: E8M0 values are powers of two)."""
+        return self.scale if self.scale.dtype == torch.float32 else e8m0_to_float(e8m0_exponents(self.scale))
+
+
+def _checked(name: str, kind: str, data: torch.Tensor, scale_name: str, scale: torch.Tensor) -> Quantized:
     n, k = data.shape
     if kind == "fp8":
         expected, dtypes = (math.ceil(n / BLOCK), math.ceil(k / BLOCK)), E8M0_DTYPES + (torch.float32,)
@@ -75,30 +100,25 @@ def _dequantize(name: str, kind: str, data: torch.Tensor, scale_name: str, scale
         what = f"{BLOCK}x{BLOCK} blocks" if kind == "fp8" else f"one per {FP4_GROUP} along K"
         raise ValueError(f"scale {scale_name!r} has shape {tuple(scale.shape)}, but {kind} weight {name!r} "
                          f"[{n}, {k}] needs {expected} ({what})")
-    if kind == "fp4":
-        if k % FP4_GROUP:
-            raise ValueError(f"fp4 weight {name!r} has K = {k}, not a multiple of {FP4_GROUP}")
-        return dequantize_fp4(data, scale, dtype)
-    if scale.dtype == torch.float32:
-        return dequantize_fp8_block(data, scale, BLOCK, dtype)
-    return dequantize_fp8_block_e8m0(data, scale, BLOCK, dtype)
+    if kind == "fp4" and k % FP4_GROUP:
+        raise ValueError(f"fp4 weight {name!r} has K = {k}, not a multiple of {FP4_GROUP}")
+    return Quantized(name, kind, data, scale_name, scale)
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a checkpoint in the published layout -> the same with every quantized
-    weight dequantized to ``dtype`` and its scale consumed; order across shards does not matter."""
+def paired(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor] | Quantized]:
+    """(name, tensor) of a checkpoint in the published layout -> the tensors that pass through, and
+    each quantized weight with its scale as one :class:`Quantized`; order across shards does not matter."""
     waiting: dict[str, tuple[str, str, torch.Tensor]] = {}  # prefix -> quantized weight without its scale yet
     scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> scale without its weight yet
     for name, tensor in weights:
-        if m := _SCALE.match(name):
+        if m := SCALE.match(name):
             prefix = m[1]
             if prefix in scales:
                 raise ValueError(f"checkpoint has two scales for {prefix + '.weight'!r}: "
                                  f"{scales[prefix][0]!r} and {name!r}")
             if prefix in waiting:
                 weight_name, kind, data = waiting.pop(prefix)
-                yield weight_name, _dequantize(weight_name, kind, data, name, tensor, dtype)
+                yield _checked(weight_name, kind, data, name, tensor)
             else:
                 scales[prefix] = (name, tensor)
             continue
@@ -112,7 +132,7 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         prefix = name.removesuffix(".weight")
         if prefix in scales:
             scale_name, scale = scales.pop(prefix)
-            yield name, _dequantize(name, kind, tensor, scale_name, scale, dtype)
+            yield _checked(name, kind, tensor, scale_name, scale)
         else:
             waiting[prefix] = (name, kind, tensor)
     if waiting:

@@ -8,7 +8,9 @@ laid out as cache.py describes.
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from typing import Any, Iterable
 
 import torch
@@ -18,16 +20,21 @@ from ...config import ModelConfig
 from ...families.mhc import MixWeights
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache, KVLayerSpec
+from ...native.quant import FP8, e8m0_exponents
 from ...native.rope import RotaryEmbedding, rope_from_hf
 from ..base import Backends, CausalLM
 from ..layers import Embedding, Linear, RMSNorm, empty_param
 from ..weights import Target, load_into
 from .attention import CSA, SLIDING, Attention
+from . import moe
 from .cache import LayerCache, cache_layout, window_reach
-from .checkpoint import check_quantization_config, dequantized
-from .moe import SparseMoE
+from .checkpoint import SCALE, Quantized, check_quantization_config, paired
+from .moe import ExpertStack, SparseMoE
+
+logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts\.(\d+)|shared_experts)\.(w[123])\.weight$")
+_SCHEMES = {"fp8": "fp8_block", "fp4": "fp4"}  # checkpoint kind -> the scheme a layer keeps it in
 _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
               "hc_head_scale": "model.hc_head.hc_scale"}
@@ -35,12 +42,12 @@ _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
 
 class DecoderLayer(nn.Module):
     def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
-                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device) -> None:
+                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device, fold_shared: bool) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         self.attn = Attention(hf, layer_id, cache, backends, ropes, dtype=dtype, device=device)
         self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
-                             device=device)
+                             device=device, fold_shared=fold_shared)
         self.attn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
         self.ffn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
         n = hf.get("hc_mult", 4)
@@ -80,12 +87,12 @@ class HyperHead(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, hf: dict, caches: list[LayerCache], backends: Backends, *, dtype: torch.dtype,
-                 device) -> None:
+                 device, fold_shared: bool) -> None:
         super().__init__()
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         self.embed_tokens = Embedding(hf["vocab_size"], hf["hidden_size"], dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device)
-                                    for i, cache in enumerate(caches))
+        self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
+                                                 fold_shared=fold_shared) for i, cache in enumerate(caches))
         self.hc_head = HyperHead(hf, backends, device)
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device)
         self.hc_mult = hf.get("hc_mult", 4)
@@ -114,7 +121,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         rates, overlaps = [0 if t == SLIDING else hf["compress_rates"][t] for t in types], [t == CSA for t in types]
         self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128))
         self.reach = window_reach(hf["sliding_window"], rates, overlaps)
-        self.model = Decoder(hf, caches, backends, dtype=dtype, device=device)
+        # quantized checkpoint weights stay as stored where a layer and its backend run the format;
+        # the published layout's routed (FP4) and shared (FP8) experts then cannot share a launch
+        self.resident = config.quantization != "none"
+        fold = moe.FOLD_SHARED and not (self.resident and hf.get("quantization_config"))
+        self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold)
         self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
 
@@ -134,22 +145,63 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.head(hidden).float()
 
     def resolve(self, name: str) -> Target | None:
-        """Checkpoint name (as HF writes it, or in the published layout without ``model.``) -> parameter."""
+        """Checkpoint name (as HF writes it, or in the published layout without ``model.``) -> parameter;
+        a scale (``.scale`` or ``.weight_scale_inv``) goes beside its weight, where a kept one has it."""
+        if m := SCALE.match(name):
+            return self._scale_target(self.resolve(m[1] + ".weight"))
         name = _PUBLISHED.get(name, name)
         if name.startswith("layers."):
             name = "model." + name
         if m := _EXPERT.match(name):
             ffn, which = self.get_submodule(m[1]), m[4]
-            stack, expert = (f"{m[1]}.experts", int(m[3])) if m[3] is not None else (f"{m[1]}.shared_experts", 0)
+            stack, expert = ("experts", int(m[3])) if m[3] is not None else ffn.shared_slot()
+            stack = f"{m[1]}.{stack}"
             if which == "w2":
                 return Target(f"{stack}.down", expert=expert)
             inter = ffn.intermediate
             return Target(f"{stack}.gate_up", rows=(0, inter) if which == "w1" else (inter, inter), expert=expert)
         return Target(name)
 
+    def _scale_target(self, weight: Target) -> Target:
+        owner = self.get_submodule(weight.param.rpartition(".")[0])
+        rows = weight.rows if weight.rows is None or not isinstance(owner, ExpertStack) else owner.scale_rows(weight.rows)
+        return Target(weight.param + "_scale", rows=rows, expert=weight.expert)
+
+    def _keep(self, q: Quantized) -> bool:
+        """Switch the layer that ``q`` loads into to q's format, if that layer and its backend run it."""
+        if q.name.startswith(("mtp.", "model.mtp.")):
+            return False
+        try:
+            owner = self.get_submodule(self.resolve(q.name).param.rpartition(".")[0])
+        except AttributeError:
+            return False  # not a parameter of this model: load_into names it
+        scheme = _SCHEMES[q.kind]
+        if isinstance(owner, Linear) and scheme == "fp8_block" and scheme in owner.backend.schemes:
+            owner.keep_quantized(scheme, FP8, tuple(q.scale.shape))
+            return True
+        if isinstance(owner, ExpertStack) and owner.can_keep(scheme, self.backends.moe.schemes):
+            owner.keep_quantized(scheme)
+            return True
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        kept, dequantized = Counter(), Counter()
+
         def main_weights():
-            for name, tensor in dequantized(weights, self.config.dtype):
+            for item in paired(weights):
+                if isinstance(item, Quantized):
+                    if self.resident and self._keep(item):
+                        kept[item.kind] += 1
+                        if item.kind == "fp4":
+                            yield item.name, item.data.view(torch.uint8)
+                            yield item.scale_name, e8m0_exponents(item.scale)
+                        else:
+                            yield item.name, item.data
+                            yield item.scale_name, item.float_scale()
+                        continue
+                    dequantized[item.kind] += 1
+                    item = (item.name, item.dequantize(self.config.dtype))
+                name, tensor = item
                 if name.startswith(("mtp.", "model.mtp.")):
                     self.mtp[name] = tensor.clone()
                 else:
@@ -157,6 +209,10 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         with torch.no_grad():
             load_into(self, main_weights(), self.resolve)
+        if kept or dequantized:
+            logger.info("DeepSeek-V4 quantized weights: kept as stored %s, dequantized at load %s%s", dict(kept),
+                        dict(dequantized), " (--quantization none)" if not self.resident else
+                        " (where no layer or backend runs the format)")
 
 
 def _normalised(hf: dict) -> dict:

@@ -3,9 +3,12 @@
 The alignment is checked for its invariants; the grouped GEMMs stage by stage (poisoned outputs,
 every row must be written) and end to end through ``TritonMoE.experts`` against
 ``NativeMoE.experts``, with routings built to leave experts empty and to put experts' row counts
-on, just below and just above the BLOCK_M boundaries. ``ExpertWeights`` has no quantized form, so
-the FP8 path is tested on weights made by ``quantize_fp8_block`` per expert, against the native
-experts on the dequantized weights (the gap is E4M3's rounding of the activations).
+on, just below and just above the BLOCK_M boundaries. The FP8 path is tested on weights made by
+``quantize_fp8_block`` per expert, against the native experts on the dequantized weights (the gap
+is E4M3's rounding of the activations). FP4 experts (``quantize_fp4``, DeepSeek-V4's format) run
+against the native experts on the same packed weights: dequantized in registers to the gap of
+summation order; through ``tl.dot_scaled`` stage by stage on the same MXFP8 activations, and end to
+end to the gap of the activations' MXFP8 rounding.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.backends.triton.fused_moe import MOE_GEMM, _moe_gemm_kernel, fused_moe, moe_config, moe_down, moe_gate_up
+from engine.backends.triton.fused_moe import (FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel, fused_moe, moe_config, moe_down,
+                                              moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.moe_align import (ALIGN, _count_kernel, _place_kernel, _scan_kernel, align_by_expert,
                                                max_padded_rows)
@@ -233,6 +237,76 @@ def test_refuses_unknown_activation_and_fp8_without_scales():
         fused_moe(x, weights, ids, w.gate_up, w.down[:, :64])
 
 
+def fp4_experts(w: ExpertWeights) -> ExpertWeights:
+    (gu, gu_scale), (dn, dn_scale) = quant.quantize_fp4(w.gate_up.float()), quant.quantize_fp4(w.down.float())
+    return ExpertWeights(gu, dn, swiglu_limit=w.swiglu_limit, scheme="fp4", gate_up_scale=gu_scale,
+                         down_scale=dn_scale)
+
+
+def check_fp4(x, weights, ids, w: ExpertWeights, scaled_mma: bool, bound: float):
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=w.swiglu_limit, gate_up_scale=w.gate_up_scale,
+                    down_scale=w.down_scale, out=out, scaled_mma=scaled_mma)
+    ref = NativeMoE(None).experts(x, weights, ids, w)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    assert rel_err(got, ref) < bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit", [
+    (1, 8, 2, 64, 64, None),     # decode config
+    (3, 16, 4, 96, 160, 1.0),    # K tails inside a BLOCK_K step; the clamp bites
+    (40, 8, 4, 128, 96, 0.5),    # prefill config, several blocks per expert
+])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_fp4_experts_dequantized_in_registers_match_native(seed, num_tokens, num_experts, top_k, hidden, inner, limit,
+                                                           dtype, bound):
+    x = activations(num_tokens, hidden, dtype, scale=2.0)
+    w = fp4_experts(random_experts(num_experts, hidden, inner, torch.float32, swiglu_limit=limit))
+    check_fp4(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, False, bound)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner", [(2, 8, 2, 64, 96), (30, 4, 2, 160, 64)])
+def test_fp4_scaled_mma_stages_match_dequantized(seed, num_tokens, num_experts, top_k, hidden, inner):
+    """tl.dot_scaled on MXFP8 activations and FP4 weights: each stage equals the products of what
+    the operands stand for (the interpreter scales and upcasts, as sm_90 would)."""
+    cfg = DEFAULT.for_m(num_tokens * top_k // num_experts)
+    w32 = random_experts(num_experts, hidden, inner, torch.float32, swiglu_limit=1.0)
+    w = fp4_experts(w32)
+    dequantized = ExpertWeights(quant.dequantize_fp4(w.gate_up, w.gate_up_scale),
+                                quant.dequantize_fp4(w.down, w.down_scale), swiglu_limit=1.0)
+    x, ids, weights = activations(num_tokens, hidden, torch.float32), random_ids(num_tokens, num_experts, top_k), \
+        routing_weights(num_tokens, top_k)
+    blocks = align_by_expert(ids, num_experts, cfg.block_m)
+    a, a_scale = quant.quantize_mxfp8(x)
+    ref_h, _ = assignment_reference(quant.dequantize_mxfp8(a, a_scale), ids, dequantized, weights)
+    h = moe_gate_up(a, blocks, w.gate_up, top_k, cfg, swiglu_limit=1.0, x_scale=a_scale,
+                    gate_up_scale=w.gate_up_scale, out_dtype=torch.float32,
+                    out=torch.full((ids.numel(), inner), float("nan")))
+    assert not h.isnan().any() and rel_err(h, ref_h) < 1e-5
+    hq, h_scale = quant.quantize_mxfp8(ref_h)
+    ref_y = torch.einsum("ai,ahi->ah", quant.dequantize_mxfp8(hq, h_scale), dequantized.down[ids.reshape(-1)])
+    ref_y = ref_y * weights.reshape(-1, 1)
+    y = moe_down(hq, blocks, w.down, weights, cfg, h_scale=h_scale, down_scale=w.down_scale, out_dtype=torch.float32,
+                 out=torch.full((ids.numel(), hidden), float("nan")))
+    assert not y.isnan().any() and rel_err(y, ref_y) < 1e-5
+
+
+@pytest.mark.interpret
+def test_fp4_scaled_mma_end_to_end(seed):
+    x = activations(12, 128, torch.float16, scale=2.0)
+    w = fp4_experts(random_experts(8, 128, 64, torch.float32, swiglu_limit=1.0))
+    check_fp4(x, routing_weights(12, 2), random_ids(12, 8, 2), w, True, 0.08)  # two MXFP8 roundings of activations
+
+
+@pytest.mark.interpret
+def test_triton_moe_runs_fp4_expert_weights(seed):
+    x = activations(6, 64, torch.float32)
+    w = fp4_experts(random_experts(8, 64, 64, torch.float32))
+    check_experts(x, routing_weights(6, 2), random_ids(6, 8, 2), w, 1e-5)
+
+
 # GPU: bf16 and FP8 at real expert shapes
 
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden=2048, inner=768, limit=None)
@@ -259,6 +333,22 @@ def test_experts_fp8_gpu(seed, num_tokens):
     x = activations(num_tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
     w = random_experts(e, shape["hidden"], shape["inner"], torch.bfloat16, "cuda", shape["limit"])
     check_fp8(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, 0.06)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 128, 4096])
+def test_experts_fp4_gpu(seed, num_tokens):
+    """DeepSeek-V4-Flash expert shapes, a quarter of the experts, in the target's FP4 path (dequantized
+    in registers on sm_90 / gfx942, MXFP8 activations and tl.dot_scaled on sm_100 / gfx950)."""
+    from engine.backends.triton.target import arch_of
+
+    shape = dict(DEEPSEEK_V4_FLASH, num_experts=64)
+    e, k = shape["num_experts"], shape["top_k"]
+    x = activations(num_tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
+    w = fp4_experts(random_experts(e, shape["hidden"], shape["inner"], torch.float32, "cuda", shape["limit"]))
+    scaled = pick(FP4_SCALED_MMA, arch_of(torch.device("cuda")))
+    check_fp4(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, scaled,
+              0.08 if scaled else 1e-2)
 
 
 # ahead-of-time compilation
@@ -289,7 +379,7 @@ def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[st
     signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=fp8, SCALE_BLOCK=128,
-                      PDL=pdl(target))
+                      PDL=pdl(target), FP4=False, SCALED_MMA=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"])
 
@@ -314,6 +404,39 @@ def test_fp8_moe_gemm_reaches_the_matrix_units(target):
     check_compiled(asm, target, FP8_MMA[target])
     if target.startswith("sm_"):  # launched under the kernel before it (PDL)
         from aot import GRID_DEPENDENCY
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+
+
+# FP4 experts: the block-scaled MMA where FP4_SCALED_MMA says the target has one (E2M1 weights with
+# MXFP8 activations), elsewhere the dequantized tiles' bf16 MMA
+FP4_MMA = {
+    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ("sm_90", "small"): r"mma\.sync\S*\.bf16\.bf16",
+    ("sm_100", "large"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
+    ("sm_100", "small"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
+    ("gfx942", "large"): r"v_mfma_f32_\w+_bf16", ("gfx942", "small"): r"v_mfma_f32_\w+_bf16",
+    ("gfx950", "large"): r"v_mfma_scale_f32_\w+_f8f6f4", ("gfx950", "small"): r"v_mfma_scale_f32_\w+_f8f6f4",
+}
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("which,gated", [("small", True), ("large", True), ("small", False)],
+                         ids=["gate_up-small", "gate_up-large", "down-small"])
+def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
+    from aot import GRID_DEPENDENCY, compile_asm, pdl
+
+    cfg = getattr(pick(MOE_FP4_GEMM, target), which)
+    scaled = pick(FP4_SCALED_MMA, target)
+    signature = {**SIGNATURE, "a_scale_ptr": "*u8", "b_scale_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*bf16",
+                 "a_ptr": "*fp8e4nv" if scaled else "*bf16"}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=False, SCALE_BLOCK=32, PDL=pdl(target),
+                      FP4=True, SCALED_MMA=scaled)
+    asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages,
+                      divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bsn", "stride_cm"])
+    check_compiled(asm, target, FP4_MMA[target, which])
+    if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
 
 
