@@ -81,20 +81,16 @@ def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, st
 
 
 @triton.jit
-def _summed(mix_ptr, t, T, offsets, mask, splits, MP: tl.constexpr):
-    """The partial products of token t at ``offsets`` summed over the splits in order."""
-    total = tl.zeros(offsets.shape, dtype=tl.float32)
-    for s in range(splits):
-        total += tl.load(mix_ptr + (s * T + t) * MP + offsets, mask=mask, other=0.0)
-    return total
+def _summed(ptrs, mask):
+    """Partials laid out [split, ...] summed over the leading split axis: all splits are loaded at
+    once and reduced as one tree in a fixed order."""
+    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
 
 
 @triton.jit
-def _rstd(ss_ptr, t, T, K, eps, splits):
-    ss = tl.load(ss_ptr + t)
-    for s in range(1, splits):
-        ss += tl.load(ss_ptr + s * T + t)
-    return 1.0 / tl.sqrt(ss / K + eps)
+def _rstd(ss_ptr, t, T, K, eps, splits, SPLITS: tl.constexpr):
+    rs = tl.arange(0, SPLITS)
+    return 1.0 / tl.sqrt(_summed(ss_ptr + rs * T + t, rs < splits) / K + eps)
 
 
 @triton.jit
@@ -127,7 +123,7 @@ def _sinkhorn(logits, valid, iters, eps):
 @triton.jit
 def pre_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, post_ptr, comb_ptr,
                    T, D, splits, stride_st, stride_si, stride_ot, norm_eps, hc_eps, iters,
-                   N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                   N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Token ``program_id(0)``: gates and comb from the summed partials, and the collapse of one
     block of D; the block-0 program also writes post [T, N] and comb [T, N, N]."""
@@ -137,14 +133,17 @@ def pre_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, p
     row = ri < N
     valid = row[:, None] & (rj[None, :] < N)
     cells = 2 * N + ri[:, None] * N + rj[None, :]
+    rs = tl.arange(0, SPLITS)
+    live = rs < splits
+    parts = mix_ptr + (rs * T + t) * MP  # token t's partials in each split
     wait_for_prior(PDL)
-    rstd = _rstd(ss_ptr, t, T, N * D, norm_eps, splits)
+    rstd = _rstd(ss_ptr, t, T, N * D, norm_eps, splits, SPLITS)
     pre_s = tl.load(scale_ptr)
     post_s = tl.load(scale_ptr + 1)
     comb_s = tl.load(scale_ptr + 2)
-    pre_w = _summed(mix_ptr, t, T, ri, row, splits, MP) * rstd
-    post_w = _summed(mix_ptr, t, T, N + ri, row, splits, MP) * rstd
-    comb_w = _summed(mix_ptr, t, T, cells, valid, splits, MP) * rstd
+    pre_w = _summed(parts[:, None] + ri[None, :], live[:, None] & row[None, :]) * rstd
+    post_w = _summed(parts[:, None] + N + ri[None, :], live[:, None] & row[None, :]) * rstd
+    comb_w = _summed(parts[:, None, None] + cells[None, :, :], live[:, None, None] & valid[None, :, :]) * rstd
     pre = tl.sigmoid(pre_w * pre_s + tl.load(base_ptr + ri, mask=row, other=0.0)) + hc_eps
     pre = tl.where(row, pre, 0.0)
     _collapse(streams_ptr, out_ptr, pre, t, D, stride_st, stride_si, stride_ot, N, NP, BLOCK_D)
@@ -159,14 +158,16 @@ def pre_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, p
 @triton.jit
 def head_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr,
                     T, D, splits, stride_st, stride_si, stride_ot, norm_eps, hc_eps,
-                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SPLITS: tl.constexpr,
                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Token ``program_id(0)``: sigmoid weights from the summed partials, and the collapse of one block of D."""
     t = tl.program_id(0).to(tl.int64)
     ri = tl.arange(0, NP)
     row = ri < N
+    rs = tl.arange(0, SPLITS)
     wait_for_prior(PDL)
-    mix = _summed(mix_ptr, t, T, ri, row, splits, MP) * _rstd(ss_ptr, t, T, N * D, norm_eps, splits)
+    mix = _summed(mix_ptr + (rs[:, None] * T + t) * MP + ri[None, :], (rs[:, None] < splits) & row[None, :])
+    mix = mix * _rstd(ss_ptr, t, T, N * D, norm_eps, splits, SPLITS)
     pre = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + ri, mask=row, other=0.0)) + hc_eps
     _collapse(streams_ptr, out_ptr, tl.where(row, pre, 0.0), t, D, stride_st, stride_si, stride_ot, N, NP, BLOCK_D)
 
@@ -257,7 +258,8 @@ def mhc_pre(streams: torch.Tensor, w: MixWeights) -> tuple[torch.Tensor, torch.T
         mix, ss, splits, mp = _mix_partials(streams, w.fn, cfg)
         pre_mix_kernel[grid](mix, ss, w.base.float(), w.scale.float(), streams, out, post, comb, t, d, splits,
                              streams.stride(0), streams.stride(1), out.stride(0), w.norm_eps, w.hc_eps,
-                             w.sinkhorn_iters, MP=mp, **shape, **launch_options(streams.device))
+                             w.sinkhorn_iters, MP=mp, SPLITS=triton.next_power_of_2(splits), **shape,
+                             **launch_options(streams.device))
     return out, post, comb
 
 
@@ -272,7 +274,8 @@ def mhc_head(streams: torch.Tensor, w: MixWeights) -> torch.Tensor:
         mix, ss, splits, mp = _mix_partials(streams, w.fn, cfg)
         head_mix_kernel[grid](mix, ss, w.base.float(), w.scale.float(), streams, out, t, d, splits,
                               streams.stride(0), streams.stride(1), out.stride(0), w.norm_eps, w.hc_eps,
-                              MP=mp, **shape, **launch_options(streams.device))
+                              MP=mp, SPLITS=triton.next_power_of_2(splits), **shape,
+                              **launch_options(streams.device))
     return out
 
 
@@ -294,6 +297,7 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
             block_out, streams, post, comb, out, d, block_out.stride(0), streams.stride(0), streams.stride(1),
             post.stride(0), comb.stride(0), out.stride(0), out.stride(1),
             N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=cfg.num_warps,
+            enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of post * block_out
             **launch_options(streams.device))
     return out
 

@@ -156,20 +156,29 @@ def test_mhc_gpu_graph_replays_on_new_contents(seed):
 
 @pytest.mark.gpu
 def test_tiny_dsv4_logits_with_the_triton_mhc(seed, shared_dir):
-    """The whole model on the GPU with only the mHC family switched: prompt logprobs within bf16 bounds."""
+    """The whole model on the GPU with only the mHC family switched: its bf16 prompt logprobs are as
+    close to an fp32 reference (native mHC and MoE) as those of the native mHC in bf16. bf16 runs
+    differ from each other by more than either kernel's rounding: a one-ulp change can flip an
+    expert choice."""
     from engine import LLM, SamplingParams
 
     model = str(shared_dir / "models" / "tiny-dsv4-py")
-    kw = dict(device="cuda", dtype="bfloat16", max_model_len=512, progress=False)
-    fast, oracle = LLM(model, mhc_backend="triton", **kw), LLM(model, mhc_backend="native", **kw)
-    assert fast.engine.components.selections["mhc"].chosen.name == "triton"
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(10, fast.engine.vocab_size, (int(k),), generator=gen).tolist() for k in (1, 37, 200)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    for x, y in zip(fast.generate(prompts, params), oracle.generate(prompts, params)):
-        lx = torch.tensor([next(iter(p.values())) for p in x.prompt_logprobs[1:]])
-        ly = torch.tensor([next(iter(p.values())) for p in y.prompt_logprobs[1:]])
-        torch.testing.assert_close(lx, ly, rtol=0, atol=0.15)
+    prompts = [torch.randint(10, 4096, (int(k),), generator=gen).tolist() for k in (1, 37, 200, 120)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+
+    def logprobs(**kw):
+        llm = LLM(model, device="cuda", max_model_len=512, progress=False, **kw)
+        if kw["mhc_backend"] == "triton":
+            assert llm.engine.components.selections["mhc"].chosen.name == "triton"
+        outs = llm.generate(prompts, params)
+        return torch.cat([torch.tensor([next(iter(p.values())) for p in o.prompt_logprobs[1:]]) for o in outs])
+
+    reference = logprobs(dtype="float32", mhc_backend="native", moe_backend="native")
+    native = (logprobs(dtype="bfloat16", mhc_backend="native") - reference).abs()
+    fast = (logprobs(dtype="bfloat16", mhc_backend="triton") - reference).abs()
+    assert fast.mean() <= 1.25 * native.mean() + 5e-3, (fast.mean(), native.mean())
+    assert fast.quantile(0.9) <= 1.5 * native.quantile(0.9) + 1e-2, (fast.quantile(0.9), native.quantile(0.9))
 
 
 def _signature(x: str) -> dict:
@@ -190,9 +199,9 @@ ALIGNED = ["K", "k_per_split", "stride_x", "stride_fn", "D", "stride_st", "strid
            "stride_oi"]  # as the JIT specializes the V4-Flash sizes
 
 
-def _compile(kernel, signature, constexprs, target):
+def _compile(kernel, signature, constexprs, target, **options):
     return compile_asm(kernel, signature, {**constexprs, "PDL": pdl(target)}, target, num_warps=4,
-                       divisible_by_16=[a for a in ALIGNED if a in signature])
+                       divisible_by_16=[a for a in ALIGNED if a in signature], **options)
 
 
 @pytest.mark.aot
@@ -202,15 +211,18 @@ def test_mhc_compiles(target):
     sig = _signature("bf16")
     asm = {"partials": _compile(mhc.mix_partials_kernel, sig["partials"],
                                 {"BLOCK_T": 64, "BLOCK_K": 128, "MP": 32}, target),
-           "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {"N": 4, "NP": 4, "MP": 32, "BLOCK_D": 1024}, target),
+           "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {"N": 4, "NP": 4, "MP": 32, "SPLITS": 128, "BLOCK_D": 1024},
+                           target),
            "head": _compile(mhc.head_mix_kernel, {k: v for k, v in sig["pre"].items()
                                                   if k not in ("post_ptr", "comb_ptr", "iters")},
-                            {"N": 4, "NP": 4, "MP": 16, "BLOCK_D": 1024}, target),
-           "post": _compile(mhc.post_mix_kernel, sig["post"], {"N": 4, "NP": 4, "BLOCK_D": 1024}, target)}
+                            {"N": 4, "NP": 4, "MP": 16, "SPLITS": 128, "BLOCK_D": 1024}, target),
+           "post": _compile(mhc.post_mix_kernel, sig["post"], {"N": 4, "NP": 4, "BLOCK_D": 1024}, target,
+                            enable_fp_fusion=False)}
     if target.startswith("sm_"):
         assert all(f".target {target}a" in a["ptx"] for a in asm.values())
         assert "mma" in asm["partials"]["ptx"]
         assert "ld.global.v4.b32" in asm["post"]["ptx"] and "st.global.v4.b32" in asm["post"]["ptx"]
+        assert "fma.rn.bf16" not in asm["post"]["ptx"]  # post * block_out is rounded before the sum
     else:
         assert all(target in amdgcn_target(a["amdgcn"]) for a in asm.values())
         assert "mfma" in asm["partials"]["amdgcn"]
