@@ -57,7 +57,7 @@ def run(device: torch.device) -> dict:
         llm = LLM(model=str(MODELS / folder), dtype="bfloat16", device="cuda", enable_prefix_caching=False,
                   **options)
         vocab = llm.engine.model_config.vocab_size
-        results[key] = {"backends": {f: s.chosen.name for f, s in llm.engine.selections.items()},
+        results[key] = {"backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
                         **{f"batch_{b}_tok_s": round(_tokens_per_s(llm, b, vocab, rng), 1) for b in batches}}
         del llm
         gc.collect()

@@ -55,7 +55,9 @@ def _check_post(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
     got = mhc.mhc_post(block_out, streams, post, comb)
     want = native.hc_post(block_out, streams, post, comb)
     torch.testing.assert_close(got, want, **TOL[streams.dtype])
-    if streams.dtype != torch.float32:  # the same rounding steps: only the n-term fp32 sums' order differs
+    if streams.dtype != torch.float32 and streams.device.type == "cpu":
+        # the same rounding steps: only the n-term fp32 sums' order differs (on a GPU the native
+        # comb product is a cuBLAS bf16 matmul with its own order: 75% equal to the bit on the H200)
         assert (got == want).float().mean() > 0.98
 
 

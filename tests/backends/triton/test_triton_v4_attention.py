@@ -86,7 +86,7 @@ class Case:
         rows = []
         for p in self.batch.positions.tolist():
             visible = (p + 1) // self.layer.compression.rate
-            chosen = random.sample(range(visible), random.choice([min(visible, self.top_k), visible // 2]))
+            chosen = random.sample(range(visible), min(self.top_k, random.choice([visible, visible // 2])))
             row = chosen + [-1] * (self.top_k - len(chosen))
             random.shuffle(row)
             rows.append(row)

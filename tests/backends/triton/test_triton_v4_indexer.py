@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import random
 from types import SimpleNamespace
 
@@ -67,6 +69,12 @@ class Case:
                                       indexer=IndexerLayer(heads, head_dim, top_k, comp))
         token_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(qlens)).to(torch.int32)
         self.meta = SimpleNamespace(token_seq=token_seq.to(device), max_entries=-(-max_model_len // rate))
+
+    @property
+    def exact(self) -> bool:
+        """Integer data gives exact scores only where head_dim^-0.5 is a power of two (16, 64, 256): at
+        128 two keys' equal integer sums may round apart, differently in each order of the sums."""
+        return math.log2(self.dims[2]) % 2 == 0
 
     def fill(self):
         """Fresh queries, weights and keys, in place."""
@@ -146,7 +154,7 @@ class Case:
         want = self.want(scores)
         assert got.shape == want.shape == (self.q.shape[0], self.top_k) and got.dtype == torch.int32
         got_sorted, want_sorted = got.sort(dim=1).values, want.sort(dim=1).values
-        if self.kind.endswith("ties"):
+        if self.kind.endswith("ties") and self.exact:
             assert torch.equal(got_sorted, want_sorted)
             return
         visible = visible_entries(self.batch.positions, self.rate)
