@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 from engine.core.sampler import PendingTokens
 
 try:

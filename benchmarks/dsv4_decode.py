@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM
-from engine.core.checkpoint_gen.tokenizer import tokenizer_files
+from engine.checkpoints.tokenizer import tokenizer_files
 
 try:
     from common import bench_main, measure_limits

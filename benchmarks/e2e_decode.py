@@ -25,7 +25,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.backends.triton import pdl
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 
 try:
     from common import bench_main, measure_limits

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 from engine.server.bench_offline import workload
 
 try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.families.graphs import GraphBackend

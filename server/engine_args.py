@@ -60,7 +60,7 @@ def model_dir(args: argparse.Namespace) -> str:
     """The --model directory, or the embedded default written on first use."""
     if args.model:
         return args.model
-    from ..core.checkpoint_gen import ensure_default_model
+    from ..checkpoints import ensure_default_model
 
     path = ensure_default_model()
     print(f"[engine] no --model given: using the embedded default model at {path}. "

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 from engine.core.config import EngineConfig
 from engine.core.startup import build
 from packed_logits import engine_logits, hf_logits, rel_err

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.core.checkpoint_gen import write_checkpoint
+from engine.checkpoints import write_checkpoint
 from engine.core.config import EngineConfig
 from engine.core.kv.storage import KVCache, pages_for_budget
 from engine.core.models.weights import WeightLoadError

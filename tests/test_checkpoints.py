@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.core.checkpoint_gen import (
+from engine.checkpoints import (
     PRESETS, SPECIAL_TOKENS, TOKENIZER_SIZE, default_model_dir, ensure_default_model, parameter_count,
     tensor_shapes, write_checkpoint,
 )
-from engine.core.checkpoint_gen import default_model, writer
+from engine.checkpoints import default_model, writer
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,7 +209,7 @@ def test_ensure_default_model_races_and_warns(tmp_path, monkeypatch, caplog):
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    with caplog.at_level(logging.WARNING, logger="engine.core.checkpoint_gen"):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoints"):
         threads = [threading.Thread(target=call) for _ in range(3)]
         for t in threads:
             t.start()

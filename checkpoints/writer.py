@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import torch
 from tqdm import tqdm
 
-from ..config import parse_dtype
+from ..core.config import parse_dtype
 from .layout import Shapes, tensor_shapes
 from .presets import PRESETS
 from .tokenizer import IM_END_ID, SPECIAL_IDS, TOKENIZER_SIZE, tokenizer_files
