@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoints import write_checkpoint
-from engine.server.bench_offline import workload
+from engine.benchmarks.offline import workload
 
 try:
     from common import bench_main

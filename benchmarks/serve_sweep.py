@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import math
 
-from engine.server.bench_serve import _run, add_bench_serve_args, report
+from engine.benchmarks.serve import _run, add_bench_serve_args, report
 
 try:
     from common import write_result

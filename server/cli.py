@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import asdict
 
-from .bench_serve import add_bench_serve_args
+from ..benchmarks.serve import add_bench_serve_args
 from .engine_args import add_engine_args, engine_config
 from .serve import add_serve_args
 
@@ -48,13 +48,13 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench_offline import run_offline_bench
+    from ..benchmarks.offline import run_offline_bench
 
     return run_offline_bench(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from .bench_serve import run_serve_bench
+    from ..benchmarks.serve import run_serve_bench
 
     return run_serve_bench(args)
 

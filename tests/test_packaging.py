@@ -22,7 +22,7 @@ def test_wheel_has_only_the_engine_package(tmp_path):
     packaged = {str(Path(n).parent) for n in names if n.endswith("__init__.py")}
     on_disk = {"engine" + ("/" + str(p.parent.relative_to(ROOT)) if p.parent != ROOT else "")
                for p in ROOT.rglob("__init__.py")
-               if not p.relative_to(ROOT).parts[0].startswith((".", "tests", "benchmarks", "build"))}
+               if not p.relative_to(ROOT).parts[0].startswith((".", "tests", "build"))}
     assert packaged == on_disk  # every package of the tree is in the wheel (pyproject lists them)
     entry_points = next(wheel.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for line in ("native = engine.core.native.plugin", "cuda = engine.backends.cuda.plugin",

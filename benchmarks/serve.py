@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from .bench_offline import _commit
+from .offline import _commit
 
 
 @dataclass

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .engine_args import engine_config
+from ..server.engine_args import engine_config
 
 
 def _commit() -> str:
