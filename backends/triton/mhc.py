@@ -38,12 +38,13 @@ class MixConfig:
     num_warps: int
     num_stages: int
     block_d: int  # hidden elements per program of the collapse and of ``post``
+    token_warps: int  # warps of the per-token kernels (gates, Sinkhorn-Knopp, collapse; post)
 
 
 MIX = {
-    "cuda": MixConfig(block_t=64, block_k=128, programs=264, num_warps=4, num_stages=3, block_d=1024),
-    "hip": MixConfig(block_t=64, block_k=128, programs=608, num_warps=4, num_stages=2, block_d=1024),
-    "default": MixConfig(block_t=16, block_k=64, programs=4, num_warps=4, num_stages=1, block_d=128),
+    "cuda": MixConfig(block_t=64, block_k=128, programs=264, num_warps=4, num_stages=3, block_d=1024, token_warps=4),
+    "hip": MixConfig(block_t=64, block_k=128, programs=608, num_warps=4, num_stages=2, block_d=1024, token_warps=4),
+    "default": MixConfig(block_t=16, block_k=64, programs=4, num_warps=4, num_stages=1, block_d=128, token_warps=4),
 }
 SMALL_T = 16  # the smallest M of tl.dot
 
@@ -240,7 +241,7 @@ def _collapse_launch(streams: torch.Tensor, cfg: MixConfig) -> tuple[torch.Tenso
     t, n, d = streams.shape
     block_d = min(cfg.block_d, triton.next_power_of_2(d))
     out = _empty(t, d, dtype=streams.dtype, device=streams.device)
-    shape = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=cfg.num_warps)
+    shape = dict(N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=cfg.token_warps)
     return out, (t, triton.cdiv(d, block_d)), shape
 
 
@@ -296,7 +297,7 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
         post_mix_kernel[(t, triton.cdiv(d, block_d))](
             block_out, streams, post, comb, out, d, block_out.stride(0), streams.stride(0), streams.stride(1),
             post.stride(0), comb.stride(0), out.stride(0), out.stride(1),
-            N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=cfg.num_warps,
+            N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=cfg.token_warps,
             enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of post * block_out
             **launch_options(streams.device))
     return out
