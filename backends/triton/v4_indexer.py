@@ -1,17 +1,18 @@
 """DeepSeek-V4's lightning indexer for a whole step: scores over the paged index keys, then top-k.
 
-Two launches, both graph-safe (sizes come from T and the static ``max_entries`` only):
+Two launches, both graph-safe (the grid comes from T and the static ``max_entries``; every loop
+bound that depends on a sequence is read on the device):
 
 1. ``index_scores_kernel``: a program takes one token and every head at once (heads are the MMA's
    M dimension: all of them share one key), rotates the query's rope tail at its position in
-   registers (core/native/tail_rope.py's rounding), and walks blocks of that sequence's entries
+   registers (core/native/tail_rope.py's rounding), and walks blocks of the entries the token sees
    (N), reading each key from its page through the entry-slot formula of
    core/models/deepseek_v4/cache.py. Score = sum_h w_h * relu(q_h . k) * d^-0.5 in fp32, in the
-   order core/native/indexer.py's ``index_scores`` applies them. Each score leaves the kernel as
-   one int64: the score mapped to an order-preserving int32 in the high half, the entry index
-   inverted in the low half, -inf past the token's visible entries.
-2. ``torch.topk`` over those keys. No two keys are equal, so whatever topk does with ties, the
-   result is the stable top-k: among equal scores the lowest entry index wins.
+   order core/native/indexer.py's ``index_scores`` applies them, into a [T, max_entries] scratch.
+2. ``stable_topk_kernel``: a program per token selects among its visible scores only: a radix
+   select over the scores as order-preserving int32 (four 8-bit digits) finds the top_k-th largest
+   value, then one pass in entry order takes every larger score and, of the scores equal to it,
+   the lowest entries. Exact and stable: among equal scores the lowest entry index wins.
 
 FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
 the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
@@ -32,8 +33,7 @@ from engine.core.models.deepseek_v4.cache import flat
 
 from .target import config_for
 
-INDEX_BITS = 31  # the low half of a key: (2**31 - 1) - entry index
-SCRATCH_BYTES = 1 << 29  # the most the keys of one launch may take; longer steps run in token chunks
+SCRATCH_BYTES = 1 << 29  # the most the scores of one launch may take; longer steps run in token chunks
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,15 @@ class IndexerConfig:
     block_n: int  # entries per MMA
     num_warps: int
     programs: int  # programs to aim for: a short step splits each token's entries over several
+    topk_block: int  # scores per step of the top-k's passes
+    topk_warps: int
 
 
 INDEXER = {
-    "cuda": IndexerConfig(block_n=64, num_warps=4, programs=1056),
-    "hip": IndexerConfig(block_n=64, num_warps=4, programs=1216),
-    "default": IndexerConfig(block_n=16, num_warps=1, programs=8),  # the interpreter: several splits still
+    "cuda": IndexerConfig(block_n=64, num_warps=4, programs=1056, topk_block=1024, topk_warps=4),
+    "hip": IndexerConfig(block_n=64, num_warps=4, programs=1216, topk_block=1024, topk_warps=4),
+    # the interpreter: several splits and several top-k blocks even at small shapes
+    "default": IndexerConfig(block_n=16, num_warps=1, programs=8, topk_block=8, topk_warps=1),
 }
 
 
@@ -85,7 +88,7 @@ def index_scores_kernel(
     split = tl.program_id(1)
     pos = tl.load(positions_ptr + token)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    visible = (pos + 1) // RATE
+    visible = tl.minimum((pos + 1) // RATE, max_entries)  # the bound keeps a bad position in its row
     heads = tl.arange(0, BLOCK_H)
     q = _rotated_query(q_ptr + token * stride_qt, stride_qh, heads, cos_ptr + pos * stride_cos,
                        sin_ptr + pos * stride_cos, NUM_HEADS, HEAD_DIM, ROT_HALF, BLOCK_D)
@@ -95,43 +98,86 @@ def index_scores_kernel(
     d = tl.arange(0, BLOCK_D)
     table = page_table_ptr + seq * stride_pt
     slots_per_page: tl.constexpr = (PAGE_SIZE + RATE - 1) // RATE
-    for block in range(split, tl.cdiv(max_entries, BLOCK_N), SPLITS):
+    for block in range(split, tl.cdiv(visible, BLOCK_N), SPLITS):
         w = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        score = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        if block * BLOCK_N < visible:
-            seen = w < visible
-            page_index = (w * RATE + RATE - 1) // PAGE_SIZE
-            page = tl.load(table + page_index, mask=seen, other=0).to(tl.int64)
-            slot = page * slots_per_page + w - page_index * PAGE_SIZE // RATE
-            k = tl.load(keys_ptr + slot[:, None] * stride_key + d[None, :],
-                        mask=seen[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-            if DOT_FP32:  # true fp32 products, not TF32
-                dot = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
-            else:
-                dot = tl.dot(q, tl.trans(k.to(q.dtype)))
-            if HAS_SCALES:
-                dot = dot * tl.load(scales_ptr + slot, mask=seen, other=0.0)[None, :]
-            per_head = tl.maximum(dot, 0.0) * sm_scale
-            total = tl.sum(per_head * weights[:, None], axis=0)
-            total = tl.where(total == 0.0, 0.0, total)  # -0.0 ties with 0.0
-            score = tl.where(seen, total, score)
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of these ints = order of the floats
-        key = (ordered.to(tl.int64) << 32) | (2147483647 - w).to(tl.int64)
-        tl.store(out_ptr + token * stride_out + w, key, mask=w < max_entries)
+        seen = w < visible
+        page_index = (w * RATE + RATE - 1) // PAGE_SIZE
+        page = tl.load(table + page_index, mask=seen, other=0).to(tl.int64)
+        slot = page * slots_per_page + w - page_index * PAGE_SIZE // RATE
+        k = tl.load(keys_ptr + slot[:, None] * stride_key + d[None, :],
+                    mask=seen[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        if DOT_FP32:  # true fp32 products, not TF32
+            dot = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+        else:
+            dot = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if HAS_SCALES:
+            dot = dot * tl.load(scales_ptr + slot, mask=seen, other=0.0)[None, :]
+        per_head = tl.maximum(dot, 0.0) * sm_scale
+        total = tl.sum(per_head * weights[:, None], axis=0)
+        total = tl.where(total == 0.0, 0.0, total)  # -0.0 ties with 0.0
+        tl.store(out_ptr + token * stride_out + w, total, mask=seen)
 
 
-def _order_key(score: float) -> int:
-    """The high half of a kernel key for ``score`` (as the kernel maps it)."""
-    bits = int(torch.tensor(score, dtype=torch.float32).view(torch.int32))
+@triton.jit
+def _ordered(row, idx, mask):
+    """fp32 scores as int32 whose signed order is the floats' order (-0.0 was stored as 0.0)."""
+    bits = tl.load(row + idx, mask=mask, other=0.0).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-HIDDEN = _order_key(float("-inf"))  # the high half of an entry a token does not see
+@triton.jit
+def stable_topk_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s, stride_o,
+                       TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)  # the entries it sees
+    row = scores_ptr + token * stride_s
+    out = out_ptr + token * stride_o
+    lane = tl.arange(0, BLOCK)
+    if n <= TOP_K:
+        for first in range(0, TOP_K, BLOCK):
+            idx = first + lane
+            tl.store(out + idx, tl.where(idx < n, idx, -1), mask=idx < TOP_K)
+    else:
+        # the top_k-th largest value, 8 bits at a time from the top; ``wanted``: how many of the
+        # values that share the digits found so far are still to be taken
+        threshold = 0
+        wanted = TOP_K
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            for start in range(0, n, BLOCK):
+                idx = start + lane
+                key = _ordered(row, idx, idx < n)
+                mask = idx < n
+                if p == 0:
+                    digit = ((key >> 24) & 255) ^ 128  # the sign bit flipped: unsigned order
+                else:
+                    digit = (key >> shift) & 255
+                    mask = mask & ((key >> (shift + 8)) == (threshold >> (shift + 8)))
+                hist += tl.histogram(digit, 256, mask=mask)
+            at_least = tl.cumsum(hist, 0, reverse=True)  # values with this digit or a larger one
+            top = tl.max(tl.where(at_least >= wanted, bins, 0), 0)
+            wanted -= tl.sum(tl.where(bins > top, hist, 0), 0)
+            if p == 0:
+                top = top ^ 128
+            threshold = threshold | (top << shift)
+        taken = 0
+        equal_before = 0
+        for start in range(0, n, BLOCK):
+            idx = start + lane
+            key = _ordered(row, idx, idx < n)
+            equal = ((key == threshold) & (idx < n)).to(tl.int32)
+            take = (((key > threshold) & (idx < n)) |
+                    ((equal != 0) & (equal_before + tl.cumsum(equal, 0) - equal < wanted))).to(tl.int32)
+            tl.store(out + taken + tl.cumsum(take, 0) - take, idx, mask=take != 0)
+            taken += tl.sum(take, 0)
+            equal_before += tl.sum(equal, 0)
 
 
-def _scratch(tokens: int, max_entries: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(tokens, max_entries, dtype=torch.int64, device=device)
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where the kernels' outputs come from (tests poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
@@ -160,34 +206,33 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
         raise ValueError(f"key_scales {tuple(key_scales.shape)} {key_scales.dtype} must be fp32 [{keys.shape[0]}]")
     if 2 * cos.shape[-1] > head_dim:
         raise ValueError(f"rope dim {2 * cos.shape[-1]} exceeds the indexer head dim {head_dim}")
-    picks = torch.full((tokens, top_k), -1, dtype=torch.int32, device=q.device)
-    if tokens == 0 or max_entries == 0:
+    picks = _empty((tokens, top_k), torch.int32, q.device)
+    if tokens == 0:
         return picks
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float().contiguous()
     exact = fp8 or keys.dtype == q.dtype  # an E4M3 key converts exactly to fp32, fp16 and bf16
     cfg = config_for(INDEXER, q.device)
-    blocks = triton.cdiv(max_entries, cfg.block_n)
-    k = min(top_k, max_entries)
-    step = max(1, SCRATCH_BYTES // (8 * max_entries))
+    blocks = max(1, triton.cdiv(max_entries, cfg.block_n))
+    step = max(1, SCRATCH_BYTES // (4 * max(1, max_entries)))
     for a in range(0, tokens, step):
         b = min(a + step, tokens)
-        scratch = _scratch(b - a, max_entries, q.device)
+        scores = _empty((b - a, max_entries), torch.float32, q.device)
         splits = max(1, min(blocks, cfg.programs // (b - a)))
         index_scores_kernel[(b - a, splits)](
             q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
-            page_table, scratch, max_entries, head_dim ** -0.5,
+            page_table, scores, max_entries, head_dim ** -0.5,
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cos.stride(0), page_table.stride(0),
-            scratch.stride(0),
+            scores.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate, PAGE_SIZE=page_size,
             SPLITS=splits, HAS_SCALES=fp8, DOT_FP32=not exact or q.dtype == torch.float32,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
             BLOCK_D=triton.next_power_of_2(head_dim), num_warps=cfg.num_warps,
             enable_fp_fusion=False,  # a fused multiply-add skips the rotation's rounding steps
         )
-        best = torch.topk(scratch, k, dim=1, sorted=False).values
-        entry = (2**INDEX_BITS - 1) - (best & 0xFFFFFFFF)
-        picks[a:b, :k] = torch.where((best >> 32) > HIDDEN, entry, -1)
+        stable_topk_kernel[(b - a,)](scores, positions[a:b], picks[a:b], max_entries, scores.stride(0),
+                                     picks.stride(0),
+                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, num_warps=cfg.topk_warps)
     return picks
 
 

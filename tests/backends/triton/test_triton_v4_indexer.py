@@ -13,7 +13,7 @@ import torch
 from aot import TARGETS, amdgcn_target, compile_asm
 
 from engine.backends.triton import v4_indexer
-from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, select
+from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, select, stable_topk_kernel
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache, KVLayerSpec
@@ -167,12 +167,14 @@ class Case:
         torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=rtol)
 
 
+POISON = {torch.float32: float("nan"), torch.int32: 0x5EED}  # NaN scores sort above all others
+
+
 @pytest.fixture
 def poisoned_scratch(monkeypatch):
-    """The kernel's output, its int64 keys, starts as the largest key: a slot it forgets is picked
-    and decodes to no entry a token sees."""
-    monkeypatch.setattr(v4_indexer, "_scratch", lambda tokens, n, device: torch.full(
-        (tokens, n), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device))
+    """The kernels' outputs (the scores, the picks) start as poison: a slot either forgets shows."""
+    monkeypatch.setattr(v4_indexer, "_empty", lambda shape, dtype, device: torch.full(
+        shape, POISON[dtype], dtype=dtype, device=device))
 
 
 @pytest.mark.interpret
@@ -185,10 +187,14 @@ def test_select_interpreted(seed, poisoned_scratch, dtype, page_size):
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["ties", "fp8-ties"])
-def test_ties_go_to_the_lowest_entry_interpreted(seed, poisoned_scratch, dtype, kind):
+@pytest.mark.parametrize("topk_block", [8, 2])
+def test_ties_go_to_the_lowest_entry_interpreted(seed, poisoned_scratch, monkeypatch, dtype, kind, topk_block):
     """Exact scores with many equal ones (duplicate keys, zeros through ReLU, negative weights):
-    the picks equal the native stable top-k exactly. Head dim 16: d^-0.5 = 1/4 is exact."""
-    Case(LENS, 5, 16, 8, 3, 4, dtype, "cpu", kind=kind).check()
+    the picks equal the native stable top-k exactly, also where the scores equal to the threshold
+    spread over several blocks of the top-k's passes. Head dim 16: d^-0.5 = 1/4 is exact."""
+    monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(
+        block_n=16, num_warps=1, programs=8, topk_block=topk_block, topk_warps=1))
+    Case(LENS + [(50, 3)], 5, 16, 8, 3, 4, dtype, "cpu", kind=kind).check()
 
 
 @pytest.mark.interpret
@@ -200,9 +206,10 @@ def test_fp8_keys_interpreted(seed, poisoned_scratch):
 def test_splits_and_token_chunks_interpreted(seed, poisoned_scratch, monkeypatch):
     """Entry blocks over several programs per token, and a step larger than the scratch taken in
     chunks of tokens; top_k above the number of entries any sequence can have."""
-    monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(block_n=4, num_warps=1, programs=64))
+    monkeypatch.setitem(v4_indexer.INDEXER, "default",
+                        v4_indexer.IndexerConfig(block_n=4, num_warps=1, programs=64, topk_block=4, topk_warps=1))
     case = Case(LENS, 3, 32, 16, 8, 4, torch.float32, "cpu")
-    monkeypatch.setattr(v4_indexer, "SCRATCH_BYTES", 7 * 8 * case.meta.max_entries)
+    monkeypatch.setattr(v4_indexer, "SCRATCH_BYTES", 7 * 4 * case.meta.max_entries)
     case.check()
     small = Case([(9, 3), (0, 6)], 2, 32, 16, 16, 4, torch.float32, "cpu", max_model_len=40)
     assert small.meta.max_entries < 16
@@ -249,6 +256,19 @@ def test_index_scores_compiles(target, key_dtype):
     else:
         assert target in amdgcn_target(asm["amdgcn"])
         assert "mfma" in asm["amdgcn"]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_stable_topk_compiles(target):
+    """The top-512 select over a token's scores, as launched on the GPU."""
+    signature = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "out_ptr": "*i32", "max_entries": "i32",
+                 "stride_s": "i32", "stride_o": "i32"}
+    asm = compile_asm(stable_topk_kernel, signature, dict(TOP_K=512, RATE=4, BLOCK=1024), target)
+    if target.startswith("sm_"):
+        assert f".target {target}a" in asm["ptx"]
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
 
 
 @pytest.mark.aot
