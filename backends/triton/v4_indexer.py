@@ -31,6 +31,7 @@ from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import flat
 
+from .tail_rope import rotate_pairs, tail_cos_sin
 from .target import config_for
 
 SCRATCH_BYTES = 1 << 29  # the most the scores of one launch may take; longer steps run in token chunks
@@ -54,28 +55,6 @@ INDEXER = {
 
 
 @triton.jit
-def _rotated_query(q_row, stride_qh, heads, cos_row, sin_row,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_H, BLOCK_D] in q's dtype: the heads of one token, interleaved pairs of the last
-    2 * ROT_HALF channels rotated in fp32 (x1 c - x2 s, x2 c + x1 s), unfused, as rotate_tail."""
-    d = tl.arange(0, BLOCK_D)
-    nope = HEAD_DIM - 2 * ROT_HALF
-    tail = (d >= nope) & (d < HEAD_DIM)
-    first = ((d - nope) % 2) == 0
-    partner = tl.where(first, d + 1, d - 1)
-    pair = tl.where(tail, (d - nope) // 2, 0)
-    head_mask = (heads < NUM_HEADS)[:, None]
-    rows = q_row + heads[:, None] * stride_qh
-    x = tl.load(rows + d[None, :], mask=head_mask & (d < HEAD_DIM)[None, :], other=0.0)
-    xp = tl.load(rows + partner[None, :], mask=head_mask & tail[None, :], other=0.0).to(tl.float32)
-    c = tl.load(cos_row + pair, mask=tail, other=1.0).to(x.dtype).to(tl.float32)[None, :]
-    s = tl.load(sin_row + pair, mask=tail, other=0.0).to(x.dtype).to(tl.float32)[None, :]
-    xf = x.to(tl.float32)
-    turned = tl.where(first[None, :], xf * c - xp * s, xf * c + xp * s)
-    return tl.where(tail[None, :], turned, xf).to(x.dtype)
-
-
-@triton.jit
 def index_scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr,
     max_entries, sm_scale,
@@ -90,12 +69,14 @@ def index_scores_kernel(
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     visible = tl.minimum((pos + 1) // RATE, max_entries)  # the bound keeps a bad position in its row
     heads = tl.arange(0, BLOCK_H)
-    q = _rotated_query(q_ptr + token * stride_qt, stride_qh, heads, cos_ptr + pos * stride_cos,
-                       sin_ptr + pos * stride_cos, NUM_HEADS, HEAD_DIM, ROT_HALF, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(heads < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos, stride_cos, x.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
+    q = rotate_pairs(x, cos[None, :], sin[None, :], BLOCK_H, BLOCK_D).to(x.dtype)  # rounded as rotate_tail
     if DOT_FP32:
         q = q.to(tl.float32)
     weights = tl.load(w_ptr + token * stride_wt + heads, mask=heads < NUM_HEADS, other=0.0)
-    d = tl.arange(0, BLOCK_D)
     table = page_table_ptr + seq * stride_pt
     slots_per_page: tl.constexpr = (PAGE_SIZE + RATE - 1) // RATE
     for block in range(split, tl.cdiv(visible, BLOCK_N), SPLITS):
