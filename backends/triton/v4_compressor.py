@@ -44,9 +44,10 @@ class CompressConfig:
     max_warps: int
 
 
-COMPRESS = {  # HCA at V4-Flash: 4 tiles of 32 slots x 512 channels on 8 warps; CSA: one tile of 8 slots
-    "cuda": CompressConfig(tile_elements=16384, elements_per_warp=512, max_warps=8),
-    "hip": CompressConfig(tile_elements=16384, elements_per_warp=1024, max_warps=8),
+COMPRESS = {  # V4-Flash, sm_90: HCA 8 tiles of 16 slots x 512 channels on 8 warps (128 registers), CSA one tile of
+    # 8 slots on 4 warps, the indexer's on 1; the registers a pooling program needs set how many store-only ones fit
+    "cuda": CompressConfig(tile_elements=8192, elements_per_warp=1024, max_warps=8),
+    "hip": CompressConfig(tile_elements=8192, elements_per_warp=2048, max_warps=8),
     "default": CompressConfig(tile_elements=1 << 20, elements_per_warp=1 << 30, max_warps=1),  # the interpreter
 }
 
@@ -118,7 +119,7 @@ def compress_kernel(
 
         m = tl.full([BLOCK_D], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in tl.static_range(0, NUM_SLOTS, BLOCK_S):  # unrolled: the tiles' loads overlap
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):  # a loop, not unrolled: unrolled tiles spill registers
             g, rows, slots, fresh, cached, cols = _gate_tile(
                 gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
                 j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
@@ -129,7 +130,7 @@ def compress_kernel(
         base = tl.where(m == float("-inf"), 0.0, m)
         total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in tl.static_range(0, NUM_SLOTS, BLOCK_S):
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):
             g, rows, slots, fresh, cached, cols = _gate_tile(
                 gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
                 j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE)
