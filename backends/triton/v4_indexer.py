@@ -14,6 +14,8 @@ bound that depends on a sequence is read on the device):
    value, then one pass in entry order takes every larger score and, of the scores equal to it,
    the lowest entries. Exact and stable: among equal scores the lowest entry index wins.
 
+Both take part in programmatic dependent launch (pdl.py), as the other decode-path kernels do.
+
 FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
 the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
 """
@@ -31,6 +33,7 @@ from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import flat
 
+from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
 from .target import config_for
 
@@ -61,10 +64,11 @@ def index_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    wait_for_prior(PDL)
     pos = tl.load(positions_ptr + token)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     visible = tl.minimum((pos + 1) // RATE, max_entries)  # the bound keeps a bad position in its row
@@ -108,8 +112,9 @@ def _ordered(row, idx, mask):
 
 @triton.jit
 def stable_topk_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s, stride_o,
-                       TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr):
+                       TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
+    wait_for_prior(PDL)
     n = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)  # the entries it sees
     row = scores_ptr + token * stride_s
     out = out_ptr + token * stride_o
@@ -210,10 +215,12 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
             BLOCK_D=triton.next_power_of_2(head_dim), num_warps=cfg.num_warps,
             enable_fp_fusion=False,  # a fused multiply-add skips the rotation's rounding steps
+            **launch_options(q.device),
         )
         stable_topk_kernel[(b - a,)](scores, positions[a:b], picks[a:b], max_entries, scores.stride(0),
                                      picks.stride(0),
-                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, num_warps=cfg.topk_warps)
+                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, num_warps=cfg.topk_warps,
+                                     **launch_options(q.device))
     return picks
 
 

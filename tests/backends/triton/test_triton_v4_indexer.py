@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm
+from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_indexer
 from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, select, stable_topk_kernel
@@ -238,7 +238,8 @@ def _compile(target: str, key_dtype: str, fp32: bool = False):
                  "page_table_ptr": "*i32", "out_ptr": "*i64", "max_entries": "i32", "sm_scale": "fp32",
                  **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
     constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=4, PAGE_SIZE=64, SPLITS=4,
-                      HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128)
+                      HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128,
+                      PDL=pdl(target))
     return compile_asm(index_scores_kernel, signature, constexprs, target, enable_fp_fusion=False)
 
 
@@ -249,6 +250,8 @@ def test_index_scores_compiles(target, key_dtype):
     """The V4-Flash indexer (64 heads x 128, rope 64, rate 4) with bf16 and E4M3 keys: the heads x
     entries product runs on the matrix units (wgmma on sm_90, tcgen05 on sm_100, MFMA on AMD)."""
     asm = _compile(target, key_dtype)
+    if target.startswith("sm_"):
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     if target == "sm_90":
         assert "wgmma" in asm["ptx"]
     elif target == "sm_100":
@@ -264,9 +267,10 @@ def test_stable_topk_compiles(target):
     """The top-512 select over a token's scores, as launched on the GPU."""
     signature = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "out_ptr": "*i32", "max_entries": "i32",
                  "stride_s": "i32", "stride_o": "i32"}
-    asm = compile_asm(stable_topk_kernel, signature, dict(TOP_K=512, RATE=4, BLOCK=1024), target)
+    asm = compile_asm(stable_topk_kernel, signature, dict(TOP_K=512, RATE=4, BLOCK=1024, PDL=pdl(target)), target)
     if target.startswith("sm_"):
         assert f".target {target}a" in asm["ptx"]
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])
 
