@@ -18,15 +18,14 @@ launches included, as it runs.
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
 
+from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.backends.triton.v4_compressor import compress
 from engine.core.families.v4_attention import Compression, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache, KVLayerSpec
-from engine.core.models.deepseek_v4.cache import window_slots
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.v4_attention import NativeV4Attention
 
@@ -67,11 +66,7 @@ class Step:
         new = [q for _, q in lens]
         self.batch = ForwardBatch.build(input_ids=[0] * sum(new), query_lens=new, context_lens=[c for c, _ in lens],
                                         page_tables=tables, page_size=PAGE_SIZE, logits_indices=[], device=device)
-        table = self.kv.window_table()
-        self.meta = SimpleNamespace(
-            token_seq=torch.arange(len(lens), dtype=torch.int32, device=device).repeat_interleave(
-                torch.tensor(new, device=device)),
-            window_slots=window_slots(self.batch.slot_mapping, table, PAGE_SIZE), window_table=table)
+        self.meta = TritonV4Attention(None).prepare(self.batch, self.kv)
         self.kv_proj = torch.randn(sum(new), width, device=device, dtype=DTYPE)
         self.gate_proj = torch.randn(sum(new), width, device=device, dtype=DTYPE)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,11 +11,12 @@ from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_compressor
 from engine.backends.triton.target import pick
+from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.backends.triton.v4_compressor import compress, compress_kernel, tiles
 from engine.core.families.v4_attention import Compression, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat, window_slots
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.v4_attention import NativeV4Attention
 
@@ -97,14 +97,8 @@ class Case:
             kv.layer(i).k.copy_(self.state[2 * i])
             kv.layer(i).v.copy_(self.state[2 * i + 1])
 
-    def meta(self, kv: KVCache) -> SimpleNamespace:
-        """The fields of the Triton V4 metadata that ``compress`` reads."""
-        table = kv.window_table()
-        seqs = torch.arange(len(self.lens), dtype=torch.int32, device=self.device)
-        new = torch.tensor([q for _, q in self.lens], device=self.device)
-        return SimpleNamespace(token_seq=seqs.repeat_interleave(new),
-                               window_slots=window_slots(self.batch.slot_mapping, table, self.page_size),
-                               window_table=table)
+    def meta(self, kv: KVCache):
+        return TritonV4Attention(None).prepare(self.batch, kv)
 
     def native(self) -> KVCache:
         kv = self.cache(self.state)
@@ -115,7 +109,8 @@ class Case:
 
     def triton(self) -> KVCache:
         kv = self.cache(self.state)
-        compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch, self.meta(kv))
+        TritonV4Attention(None).compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch,
+                                         self.meta(kv))
         return kv
 
     def closed(self) -> int:
