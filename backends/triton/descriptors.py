@@ -37,7 +37,7 @@ def _v4_attention_reasons(ctx: SelectionContext) -> list[str]:
     from .v4_sparse_attention import SPARSE
 
     head_dim = ctx.model_config.hf.get("head_dim")
-    configured = {d for table in (SPARSE["cuda"], SPARSE["hip"]) for d in table}
+    configured = {d for tuning in (SPARSE["cuda"], SPARSE["hip"]) for d in tuning.per_dim}
     if head_dim in configured:
         return []
     return [f"the V4 sparse attention kernel has no config for head dim {head_dim} (configured: {sorted(configured)})"]

@@ -78,9 +78,9 @@ class Case:
                 slots = seq.entry_slots(0, seq.end // comp.rate, comp.rate)
                 entries[slots] = torch.randn(len(slots), entries.shape[1], device=self.device).to(self.dtype)
 
-    def picks(self) -> torch.Tensor | None:
+    def picks(self, padding_last: bool = False) -> torch.Tensor | None:
         """Per token a random set of its visible entries (as many as there are, up to top_k, sometimes
-        fewer), -1 elsewhere, in random order."""
+        fewer), -1 elsewhere, in random order (``padding_last``: the -1s after the entries)."""
         if self.kind != "csa":
             return None
         rows = []
@@ -88,7 +88,8 @@ class Case:
             visible = (p + 1) // self.layer.compression.rate
             chosen = random.sample(range(visible), min(self.top_k, random.choice([visible, visible // 2])))
             row = chosen + [-1] * (self.top_k - len(chosen))
-            random.shuffle(row)
+            if not padding_last:
+                random.shuffle(row)
             rows.append(row)
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
@@ -96,9 +97,9 @@ class Case:
         return torch.randn(self.batch.num_tokens, self.layer.num_heads, self.layer.head_dim,
                            device=self.device).to(self.dtype)
 
-    def check_attend(self) -> None:
+    def check_attend(self, padding_last: bool = False) -> None:
         self.fill()
-        q, picks = self.queries(), self.picks()
+        q, picks = self.queries(), self.picks(padding_last)
         want = self.native.attend(q, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv), picks)
         got = self.triton.attend(q, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv), picks)
         assert got.dtype == q.dtype and not got.isnan().any()
@@ -143,10 +144,27 @@ def test_attend_head_blocks_interpreted(seed, monkeypatch):
     """More heads than one program takes (the last block partly masked), a wider rope tail, a window
     longer than a key block, and more picks than a key block."""
     from engine.backends.triton import v4_sparse_attention as sa
-    monkeypatch.setitem(sa.SPARSE, "default", {"any": sa.SparseConfig(16, 8, 4, 1)})
+    monkeypatch.setitem(sa.SPARSE, "default", sa.SparseTuning({"any": sa.SparseConfig(16, 8, 4, 1)}, 1, 1))
     rng = random.Random(seed)
     Case(mixed_lens(rng, 4), "csa", heads=20, head_dim=64, rope_dim=16, window=24, rate=4, top_k=20, page_size=8,
          dtype=torch.float16).check_attend()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_attend_splits_interpreted(seed, monkeypatch, kind, splits):
+    """Each token's keys cut over several programs and combined by the last to arrive: ranges that
+    straddle the window's end, splits past a short list's end, and (CSA, the -1s last) splits
+    that hold no entry at all; the arrival counters are left at zero."""
+    from engine.backends.triton import attention_decode
+    from engine.backends.triton import v4_sparse_attention as sa
+    monkeypatch.setitem(sa.SPARSE, "default", sa.SparseTuning({"any": sa.SparseConfig(16, 4, 4, 1)}, 1 << 20, splits))
+    rng = random.Random(seed)
+    k = KINDS[kind]
+    Case(mixed_lens(rng, max(k["rate"], 4)), kind, heads=20, head_dim=32, rope_dim=8, window=rng.choice([6, 9]),
+         rate=k["rate"], top_k=k["top_k"] + 4, page_size=4, dtype=torch.float32).check_attend(padding_last=True)
+    assert not attention_decode.arrival_counters(1, torch.device("cpu")).any()
 
 
 @pytest.mark.interpret
@@ -256,20 +274,23 @@ def test_graph_replay_gpu(seed, kind):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("head_dim,mode", [(64, PICKED.value), (512, DENSE.value), (512, PICKED.value)])
-def test_sparse_attention_compiles(target, head_dim, mode):
-    """bf16 at tiny-dsv4-py's heads (4 of 64, rope 16) and V4-Flash's (64 of 512, rope 64): the scores
-    and the weighted sum run on the matrix units."""
+@pytest.mark.parametrize("head_dim,mode,splits", [(64, PICKED.value, 1), (512, DENSE.value, 8),
+                                                  (512, PICKED.value, 32)])
+def test_sparse_attention_compiles(target, head_dim, mode, splits):
+    """bf16 at tiny-dsv4-py's heads (4 of 64, rope 16) and V4-Flash's (64 of 512, rope 64), in one
+    program or split with the combine: the scores and the weighted sum run on the matrix units."""
     from engine.backends.triton.v4_sparse_attention import SPARSE
-    cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"][head_dim]
+    cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"].per_dim[head_dim]
     pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "window_ptr": "*bf16", "entries_ptr": "*bf16",
                 "picks_ptr": "*i32", "sinks_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32", "window_table_ptr": "*i32"}
+                "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32", "window_table_ptr": "*i32",
+                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
     strides = [n for n in sparse_attention_kernel.arg_names if n.startswith("stride_")]
     signature = {**pointers, **{s: "i32" for s in strides}, "qk_scale": "fp32", "window": "i32"}
     heads, rot_half, rate = (64, 32, 4 if mode == PICKED.value else 128) if head_dim == 512 else (4, 8, 16)
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_HALF=rot_half, PAGE_SIZE=64, MODE=mode, RATE=rate,
-                      ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, BLOCK_H=cfg.block_h,
+                      ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, NUM_SPLITS=splits,
+                      BLOCK_H=cfg.block_h,
                       BLOCK_N=cfg.block_n, BLOCK_D=head_dim, PDL=pdl(target))
     asm = compile_asm(sparse_attention_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, divisible_by_16=strides)
