@@ -107,9 +107,9 @@ def compress_kernel(
     tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
 
     p = tl.load(positions_ptr + t)
+    s = tl.load(token_seq_ptr + t).to(tl.int64)  # beside p, not after it: one round trip less to a pooling
     if (p + 1) % RATE == 0:
         w = (p + 1) // RATE - 1
-        s = tl.load(token_seq_ptr + t).to(tl.int64)
         row0 = tl.load(query_start_ptr + s).to(tl.int64)
         ctx = p - (t - row0)  # the sequence's first position in this step
         pages = page_table_ptr + s * stride_pt
