@@ -347,3 +347,25 @@ def test_fp32_block_scales_and_quantized_mtp(fresh, quantized_engine, seed):
         assert torch.equal(p, want[name]), name
     assert model.mtp.keys() == {"mtp.0.attn.wq_a.weight"}
     assert torch.equal(model.mtp["mtp.0.attn.wq_a.weight"], dequantize_fp8_block_e8m0(data, scale))
+
+
+@pytest.mark.gpu
+def test_resident_formats_on_the_gpu_backends(checkpoints, seed):
+    """The quantized checkpoint on the GPU in bf16: the Triton FP8 block GEMM and FP4 MoE GEMM (E4M3
+    activations for the FP8 linears) against the native backends dequantizing the same resident
+    weights on the fly; prompt logprobs within 0.3 (a bound set before any H200 run)."""
+    from engine import LLM, SamplingParams
+
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=1024, progress=False)
+    fast = LLM(str(checkpoints[0]), **common)
+    oracle = LLM(str(checkpoints[0]), **common, moe_backend="native", linear_backend="native")
+    params = dict(fast.engine.components.model.named_parameters())
+    assert params["model.layers.2.ffn.experts.gate_up"].dtype == torch.uint8
+    assert params["model.layers.2.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 4096) for _ in range(rng.randint(2, 300))] for _ in range(4)]
+    sampling = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for a, b in zip(fast.generate(prompts, sampling), oracle.generate(prompts, sampling)):
+        la = torch.tensor([next(iter(d.values())) for d in a.prompt_logprobs[1:]])
+        lb = torch.tensor([next(iter(d.values())) for d in b.prompt_logprobs[1:]])
+        assert (la - lb).abs().max() < 0.3
