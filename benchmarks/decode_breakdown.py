@@ -18,7 +18,8 @@ Step minus replay is the time the GPU does not spend in the graph: host work not
 it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every weight and the
 KV read once, at the measured copy bandwidth. Inside the replay, torch.profiler counts the kernels
 one replay runs and their device time by name; the replay's time beyond their sum is the gaps
-between kernels. ``BREAKDOWN_PRESETS=qwen3-0.6b`` limits the presets.
+between kernels. ``BREAKDOWN_PRESETS=qwen3-0.6b`` limits the presets (empty: none);
+``BREAKDOWN_MODELS=DIR,DIR`` adds checkpoints as they are.
 
     python benchmarks/decode_breakdown.py --json benchmarks/results/decode-breakdown-h200.json
 """
@@ -49,6 +50,7 @@ except ImportError:
     from benchmarks.e2e_decode import _prompts, _roofline
 
 PRESETS = {"qwen3-0.6b": 300, "llama-3.1-8b": 100}  # preset: decode steps timed
+MODEL_STEPS = 300  # decode steps timed for a checkpoint of BREAKDOWN_MODELS
 PROFILED_REPLAYS = 20
 PROMPT_LEN = 1024
 WARMUP_STEPS = 20
@@ -135,7 +137,7 @@ def kernel_profile(graphs, token: int, position: int, pages: list[int]) -> dict:
     return {"per_replay": round(sum(k[1] for k in kernels), 1),
             "device_ms_per_replay": round(sum(k[2] for k in kernels), 4),
             "top": [{"kernel": name[:90], "per_replay": round(n, 1), "ms_per_replay": round(ms, 4)}
-                    for name, n, ms in kernels[:12]]}
+                    for name, n, ms in kernels[:40]]}
 
 
 def host_profile(engine, steps: int) -> list[dict]:
@@ -183,34 +185,41 @@ def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict
     return step_s, timers.times, replay, kernels, profile
 
 
+def _case(label: str, path: Path, steps: int, limits: dict) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    max_len = PROMPT_LEN + WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 16
+    llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1,
+              num_pages=-(-max_len // 16) + 8, progress=False)
+    prompt = _prompts(1, PROMPT_LEN, config["vocab_size"], 0)[0]
+    step_s, parts_s, replay, kernels, profile = _measure(llm, prompt, steps)
+    roofline_ms = 1e3 / _roofline(config, 1, PROMPT_LEN + WARMUP_STEPS + steps // 2, limits["copy_gb_s"],
+                                  weight_bytes)
+    case = {"preset": label, "batch": 1, "steps": steps, "weight_bytes": weight_bytes,
+            "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
+            **summarize(step_s, parts_s, replay, roofline_ms), "kernels": kernels, "host_profile": profile}
+    for line in _case_lines(case):
+        print(line, flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return case
+
+
 def run(device: torch.device) -> dict:
+    """The presets (random weights) named by BREAKDOWN_PRESETS, then the checkpoint directories named
+    by BREAKDOWN_MODELS (comma-separated; a trained model's own weights, as served)."""
     limits = measure_limits(device)
     cases = []
     root = Path(tempfile.mkdtemp(prefix="engine-breakdown-"))
     chosen = os.environ.get("BREAKDOWN_PRESETS")
     for preset, steps in PRESETS.items():
-        if chosen and preset not in chosen.split(","):
+        if chosen is not None and preset not in chosen.split(","):
             continue
-        path = write_checkpoint(root / preset, preset)
-        config = json.loads((path / "config.json").read_text())
-        weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        max_len = PROMPT_LEN + WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 16
-        llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1,
-                  num_pages=-(-max_len // 16) + 8, progress=False)
-        prompt = _prompts(1, PROMPT_LEN, config["vocab_size"], 0)[0]
-        step_s, parts_s, replay, kernels, profile = _measure(llm, prompt, steps)
-        roofline_ms = 1e3 / _roofline(config, 1, PROMPT_LEN + WARMUP_STEPS + steps // 2, limits["copy_gb_s"],
-                                      weight_bytes)
-        case = {"preset": preset, "batch": 1, "steps": steps, "weight_bytes": weight_bytes,
-                "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
-                **summarize(step_s, parts_s, replay, roofline_ms), "kernels": kernels, "host_profile": profile}
-        cases.append(case)
-        for line in _case_lines(case):
-            print(line, flush=True)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        cases.append(_case(preset, write_checkpoint(root / preset, preset), steps, limits))
         shutil.rmtree(root / preset)  # the 8B checkpoint is 16 GB of the machine's disk
+    for model in filter(None, os.environ.get("BREAKDOWN_MODELS", "").split(",")):
+        cases.append(_case(Path(model).name, Path(model), MODEL_STEPS, limits))
     return {"benchmark": "decode_breakdown", "prompt_len": PROMPT_LEN, "replays": REPLAYS, "limits": limits,
             "cases": cases}
 

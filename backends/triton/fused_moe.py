@@ -205,6 +205,17 @@ def _weight_format(a, a_scale, b, b_scale) -> str:
     return "fp8_block" if fp8 else "dense"
 
 
+SMEM_BUDGET = 200 * 1024  # under the 227 KiB an sm_90 or sm_100 program may take, with room for scales
+
+
+def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: bool, fp4: bool) -> int:
+    """The pipeline stages whose A and B tiles fit in shared memory: the tuned stages hold for bf16
+    and FP8, but fp32 tiles are twice bf16's (three stages of the large gated tile need 240 KiB)."""
+    b_tile = cfg.block_k * cfg.block_n * b.element_size() // (2 if fp4 else 1)
+    per_stage = cfg.block_m * cfg.block_k * a.element_size() + b_tile * (2 if gated else 1)
+    return max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
+
+
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   out: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
                   topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,7 +239,7 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fmt == "fp8_block",
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
+        num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
     return out
 
 

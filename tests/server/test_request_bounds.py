@@ -27,12 +27,14 @@ class HealthProbe:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
+        """Probes at least once, so a request answered before the first poll still gets a status."""
         with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
+            while True:
                 t0 = time.monotonic()
                 self.statuses.append(client.get(self.url).status_code)
                 self.slowest = max(self.slowest, time.monotonic() - t0)
-                time.sleep(0.02)
+                if self._stop.wait(0.02):
+                    return
 
     def __enter__(self) -> "HealthProbe":
         self._thread.start()

@@ -325,6 +325,17 @@ def test_experts_bf16_gpu(seed, shape, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 1024])
+def test_experts_fp32_gpu(seed, num_tokens):
+    """fp32 experts (an fp32 engine's): the large tile's pipeline stages are cut to fit shared memory."""
+    shape = dict(DEEPSEEK_V4_FLASH, num_experts=16, hidden=1024, inner=512)
+    e, k = shape["num_experts"], shape["top_k"]
+    x = activations(num_tokens, shape["hidden"], torch.float32, "cuda")
+    w = random_experts(e, shape["hidden"], shape["inner"], torch.float32, "cuda", shape["limit"])
+    check_experts(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, 5e-3)  # TF32 products
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 def test_experts_fp8_gpu(seed, num_tokens):
     """DeepSeek-V4-Flash expert shapes with a quarter of the experts, to keep three copies small."""
