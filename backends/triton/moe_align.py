@@ -9,9 +9,11 @@ assignment. Blocks of experts that receive nothing do not exist.
 Three small kernels instead of a sort: chunks of assignments count their experts; one program
 scans the counts into each chunk's first row per expert (and each block's expert); the chunks
 then place their assignments, an assignment's rank among the same expert's in its chunk coming
-from a CHUNK x CHUNK comparison. Four launches in all, where torch ops (argsort, scatter,
-cumsums, searchsorted) take about twenty five, which a decode step pays for even in a graph; no
-host sync, and sizes bounded by T * top_k, so the shapes are known before the routing is.
+from a CHUNK x CHUNK comparison. Five launches in all with the two fills, where torch ops
+(argsort, scatter, cumsums, searchsorted) take about twenty five, which a decode step pays for
+even in a graph; no host sync, and sizes bounded by T * top_k, so the shapes are known before the
+routing is. A decode step's assignments fit one chunk: then one program does all of it, and finds
+each row's assignment (or the padding) rather than placing assignments, so nothing needs a fill.
 """
 
 from __future__ import annotations
@@ -95,11 +97,45 @@ def _scan_kernel(chunk_counts_ptr, chunk_start_ptr, block_expert_ptr, num_padded
                  running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=mask)
         running += tl.sum(tile, axis=0)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # a block's expert is the first whose rows end after the block starts; -1 past the last
+    _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
+
+
+@triton.jit
+def _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M: tl.constexpr,
+                         SCAN_BLOCKS: tl.constexpr):
+    """A block's expert is the first whose padded rows end after the block starts; -1 past the last."""
     for b0 in range(0, num_blocks, SCAN_BLOCKS):
         blocks = b0 + tl.arange(0, SCAN_BLOCKS)
         expert = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.where(expert < num_experts, expert, -1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, n, num_experts, num_blocks,
+                            BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
+                            SCAN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """All of the alignment for at most CHUNK assignments, in one program. Row r of expert e's
+    padded rows holds e's assignment of rank r - start[e] if there is one, else the padding."""
+    wait_for_prior(PDL)
+    lane = tl.arange(0, CHUNK)
+    valid = lane < n
+    expert = tl.load(ids_ptr + lane, mask=valid, other=-1)
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    start = padded_end - padded
+    rank = tl.sum(((expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for r0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        rows = r0 + lane
+        row_expert = tl.sum((padded_end[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        row_start = tl.sum(tl.where(experts[None, :] == row_expert[:, None], start[None, :], 0), axis=1)
+        match = (expert[None, :] == row_expert[:, None]) & (rank[None, :] == (rows - row_start)[:, None]) \
+            & valid[None, :]
+        found = tl.max(tl.where(match, lane[None, :], -1), axis=1)
+        tl.store(sorted_ids_ptr + rows, tl.where(found >= 0, found, n), mask=rows < num_blocks * BLOCK_M)
+    _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
 
 
 @triton.jit
@@ -131,18 +167,26 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     flat = flat if flat.is_contiguous() else flat.contiguous()
     n, device = flat.numel(), flat.device
     rows = max_padded_rows(n, num_experts, block_m)
+    cfg = config_for(ALIGN, device)
+    experts = triton.next_power_of_2(num_experts)
+    pdl = launch_options(device)
+    if 0 < n <= cfg.chunk:
+        blocks = ExpertBlocks(torch.empty(rows, dtype=torch.int32, device=device),
+                              torch.empty(rows // block_m, dtype=torch.int32, device=device),
+                              torch.empty(1, dtype=torch.int32, device=device), block_m, n)
+        _align_one_chunk_kernel[(1,)](flat, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, n, num_experts,
+                                      rows // block_m, BLOCK_M=block_m, CHUNK=cfg.chunk, EXPERTS=experts,
+                                      SCAN_BLOCKS=cfg.scan_blocks, num_warps=cfg.num_warps, **pdl)
+        return blocks
     sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
     num_padded = torch.zeros(1, dtype=torch.int32, device=device)
     blocks = ExpertBlocks(sorted_ids, block_expert, num_padded, block_m, n)
     if n == 0:
         return blocks
-    cfg = config_for(ALIGN, device)
-    experts = triton.next_power_of_2(num_experts)
     chunks = triton.cdiv(n, cfg.chunk)
     chunk_counts = torch.empty(chunks, experts, dtype=torch.int32, device=device)
     chunk_start = torch.empty_like(chunk_counts)
-    pdl = launch_options(device)
     _count_kernel[(chunks,)](flat, chunk_counts, n, CHUNK=cfg.chunk, EXPERTS=experts, num_warps=cfg.num_warps, **pdl)
     _scan_kernel[(1,)](chunk_counts, chunk_start, block_expert, num_padded, chunks, num_experts, rows // block_m,
                        BLOCK_M=block_m, EXPERTS=experts, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks,

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from engine.backends.triton.fused_moe import (FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel, fused_moe, moe_config, moe_down,
                                               moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
-from engine.backends.triton.moe_align import (ALIGN, _count_kernel, _place_kernel, _scan_kernel, align_by_expert,
-                                               max_padded_rows)
+from engine.backends.triton.moe_align import (ALIGN, _align_one_chunk_kernel, _count_kernel, _place_kernel,
+                                              _scan_kernel, align_by_expert, max_padded_rows)
 from engine.backends.triton.target import pick
 from engine.core.families.moe import ExpertWeights, RoutingConfig
 from engine.core.native import quant
@@ -108,7 +108,7 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 1), (5, 8, 2), (40, 16, 4), (3, 256, 8),
-                                                         (300, 256, 6), (97, 64, 8)])
+                                                         (300, 256, 6), (97, 64, 8), (16, 8, 2), (17, 8, 2)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_alignment_invariants(seed, num_tokens, num_experts, top_k, block_m):
     check_alignment(random_ids(num_tokens, num_experts, top_k), num_experts, block_m)
@@ -464,6 +464,9 @@ def test_alignment_kernels_compile(target):
                         "num_padded_ptr": "*i32", "num_chunks": "i32", "num_experts": "i32", "num_blocks": "i32"},
          dict(BLOCK_M=64, EXPERTS=256, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks, PDL=pdl(target))),
         (_place_kernel, {"ids_ptr": "*i64", "chunk_start_ptr": "*i32", "sorted_ids_ptr": "*i32", "n": "i32"}, shape),
+        (_align_one_chunk_kernel, {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+                                   "num_padded_ptr": "*i32", "n": "i32", "num_experts": "i32", "num_blocks": "i32"},
+         dict(shape, BLOCK_M=16, SCAN_BLOCKS=cfg.scan_blocks)),
     ]
     for kernel, signature, constexprs in kernels:
         asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps)
