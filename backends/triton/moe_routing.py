@@ -44,8 +44,8 @@ def _softplus(x):
 def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, T, E, stride_l, scaling,
                   SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, RENORMALIZE: tl.constexpr,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PDL: tl.constexpr):
-    """weights [T, TOP_K] fp32 and ids [T, TOP_K] int64 of BLOCK_T tokens."""
+                  ROUND_TO: tl.constexpr, PDL: tl.constexpr):
+    """weights [T, TOP_K] fp32 (rounded to ROUND_TO first) and ids [T, TOP_K] int64 of BLOCK_T tokens."""
     wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
@@ -87,8 +87,11 @@ def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, i
         picked = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20)  # the epsilon guards 0/0, as native's
     out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
     keep = live[:, None] & (slots[None, :] < TOP_K)
-    tl.store(weights_ptr + out, picked * scaling, mask=keep)
+    tl.store(weights_ptr + out, (picked * scaling).to(ROUND_TO).to(tl.float32), mask=keep)
     tl.store(ids_ptr + out, chosen, mask=keep)
+
+
+ROUNDINGS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None = None
@@ -106,6 +109,8 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tens
         raise ValueError("hash routing needs the token ids")
     if hashed and (cfg.hash_table.dim() != 2 or cfg.hash_table.shape[1] != cfg.top_k):
         raise ValueError(f"hash table {list(cfg.hash_table.shape)} is not [vocab, top_k={cfg.top_k}]")
+    if cfg.weight_dtype not in ROUNDINGS:
+        raise ValueError(f"routing weights rounded to {cfg.weight_dtype}: supported {sorted(map(str, ROUNDINGS))}")
     device = router_logits.device
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     weights = torch.empty(t, cfg.top_k, dtype=torch.float32, device=device)
@@ -122,5 +127,5 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tens
         logits, bias, table, tokens, weights, ids, t, e, logits.stride(0), float(cfg.routed_scaling_factor),
         SCORING=SCORINGS[cfg.scoring], HAS_BIAS=bias is not None, HASHED=hashed, RENORMALIZE=cfg.renormalize,
         TOP_K=cfg.top_k, K_POW2=triton.next_power_of_2(cfg.top_k), EXPERTS=experts, BLOCK_T=block_t,
-        num_warps=num_warps, **launch_options(device))
+        ROUND_TO=ROUNDINGS[cfg.weight_dtype], num_warps=num_warps, **launch_options(device))
     return weights, ids

@@ -17,6 +17,8 @@ class RoutingConfig:
     top-k (DeepSeek-V3): keep the best groups first, then the best experts inside them.
     ``correction_bias`` (no-aux routing) shifts the scores used to *choose* experts, not the
     weights. ``hash_table`` [vocab, top_k] routes by token id instead (DeepSeek-V4 hash layers).
+    ``weight_dtype``: the weights come out rounded to it (held in fp32), for a model whose reference
+    weighs the expert outputs in the activations' dtype (DeepSeek-V4), with no cast launched apart.
     """
 
     num_experts: int
@@ -28,6 +30,7 @@ class RoutingConfig:
     routed_scaling_factor: float = 1.0
     correction_bias: torch.Tensor | None = None
     hash_table: torch.Tensor | None = None
+    weight_dtype: torch.dtype = torch.float32
 
 
 @dataclass

@@ -88,7 +88,7 @@ class NativeMoE(MoEBackend):
         weights = scores.gather(1, ids)
         if cfg.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # the epsilon guards 0/0
-        return weights * cfg.routed_scaling_factor, ids
+        return (weights * cfg.routed_scaling_factor).to(cfg.weight_dtype).float(), ids
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         """Tokens sorted by expert, each used expert's MLP on its slice in x's dtype, then the top-k

@@ -110,17 +110,17 @@ class SparseMoE(nn.Module):
         """Where the shared expert's weights live: (stack attribute, expert index)."""
         return ("experts", self.num_experts) if self.folded else ("shared_experts", 0)
 
-    def routing(self) -> RoutingConfig:
-        # the reference always renormalises the chosen weights, whatever norm_topk_prob says
+    def routing(self, dtype: torch.dtype) -> RoutingConfig:
+        # the reference always renormalises the chosen weights, whatever norm_topk_prob says, and
+        # weighs the expert outputs in the activations' dtype
         return RoutingConfig(num_experts=self.num_experts, top_k=self.top_k, scoring=self.scoring, renormalize=True,
                              routed_scaling_factor=self.scaling,
                              correction_bias=None if self.hashed else self.gate.bias,
-                             hash_table=self.gate.tid2eid if self.hashed else None)
+                             hash_table=self.gate.tid2eid if self.hashed else None, weight_dtype=dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.linear.apply(x, LinearWeight(self.gate.weight))
-        weights, ids = self.backend.route(logits, self.routing(), input_ids)
-        weights = weights.to(x.dtype).float()  # the reference weighs expert outputs in x's dtype
+        weights, ids = self.backend.route(logits, self.routing(x.dtype), input_ids)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         shared = torch.full((x.shape[0], 1), self.shared_slot()[1], dtype=torch.int64, device=x.device)
         if self.folded:

@@ -8,8 +8,11 @@ Weights must be within a few fp32 ulps.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton.language as tl
 
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.moe_routing import ROUTE_TILE, SCORINGS, _route_kernel, route
@@ -45,10 +48,10 @@ def check_route(logits, cfg, input_ids=None):
     torch.testing.assert_close(got_w[clear], ref_w[clear], rtol=2e-6, atol=1e-7)
 
 
-def config(scoring, experts, top_k, bias, scaling=1.0, renormalize=True, hash_table=None):
+def config(scoring, experts, top_k, bias, scaling=1.0, renormalize=True, hash_table=None, weight_dtype=torch.float32):
     return RoutingConfig(num_experts=experts, top_k=top_k, scoring=scoring, renormalize=renormalize,
-                         routed_scaling_factor=scaling,
-                         correction_bias=torch.randn(experts) * 0.1 if bias else None, hash_table=hash_table)
+                         routed_scaling_factor=scaling, correction_bias=torch.randn(experts) * 0.1 if bias else None,
+                         hash_table=hash_table, weight_dtype=weight_dtype)
 
 
 @pytest.mark.interpret
@@ -68,6 +71,24 @@ def test_route_without_renormalising_and_extreme_logits(seed):
     logits[:, 4:12] = -(torch.rand(20, 8) * 30 + 20)
     check_route(logits, config("sqrtsoftplus", 32, 6, True, renormalize=False))
     check_route(logits[:, 4:12].contiguous(), config("sqrtsoftplus", 8, 2, False, scaling=2.5))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+def test_weights_rounded_to_the_activations_dtype(seed, weight_dtype):
+    """DeepSeek-V4 weighs expert outputs in x's dtype: the weights come out rounded to it, in fp32."""
+    logits = torch.randn(11, 16) * 3
+    cfg = config("sqrtsoftplus", 16, 4, True, scaling=1.5, weight_dtype=weight_dtype)
+    weights, ids = route(logits, cfg)
+    ref_w, ref_ids = NativeMoE(None).route(logits, cfg)
+    clear = clear_of_ties(logits, cfg)
+    assert torch.equal(ids[clear], ref_ids[clear])
+    # both round their fp32 weight, which may differ by an fp32 ulp and so round a step apart
+    torch.testing.assert_close(weights[clear], ref_w[clear], rtol=torch.finfo(weight_dtype).eps, atol=0)
+    for w in (weights, ref_w):
+        assert w.dtype == torch.float32 and torch.equal(w, w.to(weight_dtype).float())
+    unrounded = route(logits, dataclasses.replace(cfg, weight_dtype=torch.float32))[0]
+    assert not torch.equal(weights, unrounded)
 
 
 @pytest.mark.interpret
@@ -165,7 +186,8 @@ def test_route_kernel_compiles(target, hashed):
                  "weights_ptr": "*fp32", "ids_ptr": "*i64", "T": "i32", "E": "i32", "stride_l": "i32",
                  "scaling": "fp32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
-                      TOP_K=6, K_POW2=8, EXPERTS=256, BLOCK_T=tile // 256, PDL=pdl(target))
+                      TOP_K=6, K_POW2=8, EXPERTS=256, BLOCK_T=tile // 256, ROUND_TO=tl.bfloat16,
+                      PDL=pdl(target))
     asm = compile_asm(_route_kernel, signature, constexprs, target, num_warps=num_warps)
     text = asm.get("ptx") or asm["amdgcn"]
     assert ("sqrt.rn.f32" in text) if target.startswith("sm_") else ("v_sqrt_f32" in text or "v_rsq" in text)
