@@ -105,7 +105,7 @@ class Launches(TorchDispatchMode):
 def count(model: Path, dtype: str) -> dict:
     hf = json.loads((model / "config.json").read_text())
     v4 = hf.get("model_type") == "deepseek_v4"
-    families = ["v4_attention", "mhc", "moe", "linear"] if v4 else ["attention", "linear"] + (
+    families = ["v4_attention", "mhc", "moe", "linear"] if v4 else ["attention", "linear", "norm"] + (
         ["moe"] if hf.get("num_experts") else [])
     config = EngineConfig(model=str(model), dtype=dtype, device="cpu", page_size=16, num_pages=64,
                           **{f"{f}_backend": "triton" for f in families})

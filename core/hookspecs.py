@@ -59,6 +59,12 @@ def engine_register_linear_backends() -> Any:
 
 
 @hookspec
+def engine_register_norm_backends() -> Any:
+    """Collecting. Return a list of norm ``Descriptor``s: ``create`` returns a
+    ``core.families.norm.NormBackend`` (RMSNorm, residual add + RMSNorm, SiLU-and-mul)."""
+
+
+@hookspec
 def engine_register_graph_backends() -> Any:
     """Collecting. Return a list of graph ``Descriptor``s (capture and replay of forward steps)."""
 
@@ -99,6 +105,7 @@ FAMILIES: dict[str, str] = {
     "mhc": "engine_register_mhc_backends",
     "moe": "engine_register_moe_backends",
     "linear": "engine_register_linear_backends",
+    "norm": "engine_register_norm_backends",
     "graphs": "engine_register_graph_backends",
     "spec": "engine_register_spec_proposers",
     "kv_transport": "engine_register_kv_transports",

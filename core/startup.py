@@ -21,7 +21,7 @@ from .models.weights import resident_bytes
 
 logger = logging.getLogger(__name__)
 
-BACKEND_FAMILIES = ("attention", "v4_attention", "mhc", "linear", "moe")  # the fields of models.base.Backends
+BACKEND_FAMILIES = ("attention", "v4_attention", "mhc", "linear", "norm", "moe")  # the fields of models.base.Backends
 
 
 @dataclass

@@ -40,6 +40,11 @@ def engine_register_linear_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_norm_backends() -> list[Descriptor]:
+    return triton_descriptors("norm", "nvidia")
+
+
+@hookimpl
 def engine_register_mhc_backends() -> list[Descriptor]:
     return triton_descriptors("mhc", "nvidia")
 

@@ -40,5 +40,10 @@ def engine_register_linear_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_norm_backends() -> list[Descriptor]:
+    return triton_descriptors("norm", "amd")
+
+
+@hookimpl
 def engine_register_mhc_backends() -> list[Descriptor]:
     return triton_descriptors("mhc", "amd")

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.families.linear import LinearBackend, LinearWeight
+from engine.core.families.norm import NormBackend
 
-from . import activation, gemv, norm
+from . import gemv
 from .fp8_gemm import fp8_block_linear
 from .mxfp8 import mxfp8_linear
 
@@ -41,28 +42,18 @@ class TritonLinear(LinearBackend):
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
 
-    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
         if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
             return gemv.gemv(x, w.data, silu_mul=True)
-        return self.silu_and_mul(self.apply(x, w))
+        return ops.silu_and_mul(self.apply(x, w))
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    w: LinearWeight, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    w: LinearWeight, ops: NormBackend, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w) and gemv.norm_fits(x):
             return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
-        return super().norm_linear(x, residual, norm_weight, eps, w, silu_mul)
+        return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
 
     @staticmethod
     def _gemv_serves(x: torch.Tensor, w: LinearWeight) -> bool:
         """On a GPU, for one row of x in the weight's own dtype (the interpreter keeps F.linear)."""
         return x.is_cuda and x.dtype == w.data.dtype and x.numel() == x.shape[-1] and gemv.fits(x, w.data)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return norm.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return norm.add_rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return activation.silu_and_mul(x)

@@ -1,4 +1,5 @@
-"""RMSNorm, alone or after the residual add, one row per program in a single pass over memory.
+"""RMSNorm, alone or after the residual add, one row per program in a single pass over memory; and
+the norm family's Triton backend (with backends/triton/activation.py's SiLU-and-mul).
 
 Rounding follows core/native/norm.py step for step, so the kernel and the oracle agree to the last
 bit wherever they agree on the fp32 sum of squares: the residual sum is rounded to x's dtype
@@ -14,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.core.families.norm import NormBackend
+
+from . import activation
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
@@ -98,3 +102,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     residual_out = torch.empty_like(out) if residual_out is None else residual_out
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out
+
+
+class TritonNorm(NormBackend):
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return activation.silu_and_mul(x)

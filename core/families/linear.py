@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..native import activation as native_activation
-from ..native import norm as native_norm
+from .norm import NormBackend
 
 
 @dataclass
@@ -42,34 +41,21 @@ class LinearBackend(ABC):
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         """x [..., K] @ w.T -> [..., N] in x's dtype."""
 
-    # The elementwise ops between the GEMMs. They belong to this family because a backend fuses
-    # them with what it does to a GEMM's input or output (one launch each instead of a handful,
-    # and later the activation quantization); the native ones are the reference.
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return native_norm.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual)."""
-        return native_norm.add_rms_norm(x, residual, weight, eps)
+    # A GEMM and the elementwise op before or after it, which a backend may run as one launch; where
+    # it does not, the norm family's backend (``ops``) runs the op.
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    w: LinearWeight, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    w: LinearWeight, ops: NormBackend, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(``apply``, or with ``silu_mul`` ``gate_up_silu``, of rms_norm(x + residual) with w;
-        x + residual): a decoder layer's input norm and the projection it feeds, which a backend
-        may fuse into one launch. Without a residual the norm is of x, and x is the sum."""
+        x + residual): a decoder layer's input norm and the projection it feeds. Without a residual
+        the norm is of x, and x is the sum."""
         if residual is None:
-            h, summed = self.rms_norm(x, norm_weight, eps), x
+            h, summed = ops.rms_norm(x, norm_weight, eps), x
         else:
-            h, summed = self.add_rms_norm(x, residual, norm_weight, eps)
-        return (self.gate_up_silu(h, w) if silu_mul else self.apply(h, w)), summed
+            h, summed = ops.add_rms_norm(x, residual, norm_weight, eps)
+        return (self.gate_up_silu(h, w, ops) if silu_mul else self.apply(h, w)), summed
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
-        return native_activation.silu_and_mul(x)
-
-    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-        """silu_and_mul(apply(x, w)) for a gate/up projection w [2I, K]: one GEMM and its activation,
-        which a backend may fuse so the [.., 2I] product never reaches memory."""
-        return self.silu_and_mul(self.apply(x, w))
+    def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
+        """silu_and_mul(apply(x, w)) for a gate/up projection w [2I, K], so the [.., 2I] product
+        need never reach memory."""
+        return ops.silu_and_mul(self.apply(x, w))

@@ -14,6 +14,7 @@ from ..families.attention import AttentionBackend
 from ..families.linear import LinearBackend
 from ..families.mhc import MHCBackend
 from ..families.moe import MoEBackend
+from ..families.norm import NormBackend
 from ..families.v4_attention import V4AttentionBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
@@ -26,6 +27,7 @@ class Backends:
 
     attention: AttentionBackend | None = None
     linear: LinearBackend | None = None
+    norm: NormBackend | None = None
     moe: MoEBackend | None = None
     v4_attention: V4AttentionBackend | None = None
     mhc: MHCBackend | None = None
@@ -43,7 +45,8 @@ class CausalLM(nn.Module, ABC):
     graph_safe: bool = True
     # what runs each block: a backend family's name (its selection serves it) or where its own code is
     blocks: tuple[tuple[str, str], ...] = (("attention, RoPE + KV page store", "attention"),
-                                           ("projections, RMSNorm, SiLU-and-mul, LM head", "linear"))
+                                           ("projections, LM head", "linear"),
+                                           ("RMSNorm, add + RMSNorm, SiLU-and-mul", "norm"))
 
     def __init__(self, config: ModelConfig, backends: Backends) -> None:
         super().__init__()

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from ..families.linear import LinearBackend, LinearWeight
-from ..native.norm import add_rms_norm, rms_norm
+from ..families.norm import NormBackend
+from ..native.norm import NativeNorm
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -66,33 +67,31 @@ def stacked_shards(**sizes: int) -> dict[str, tuple[int, int]]:
 
 
 class RMSNorm(nn.Module):
-    """``ops``: the linear backend whose (possibly fused) norm kernels run it; None: the native ones."""
+    """``ops``: the norm backend that runs it; None: the native one."""
 
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
-                 ops: LinearBackend | None = None) -> None:
+                 ops: NormBackend | None = None) -> None:
         super().__init__()
         self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
-        self.ops = ops
+        self.ops = ops or NativeNorm(None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is None:
-            return rms_norm(x, self.weight, self.eps)
         return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Norm of x + residual, and that sum as the next residual (the first layer has none)."""
         if residual is None:
             return self(x), x
-        if self.ops is None:
-            return add_rms_norm(x, residual, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def add_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: Linear,
                    silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``linear`` (a gate/up projection and its SiLU-and-mul with ``silu_mul``) of
-        ``add_forward``'s norm, and the residual: the projection's backend runs both, fused where it can."""
-        return linear.backend.norm_linear(x, residual, self.weight, self.eps, linear.linear_weight, silu_mul)
+        ``add_forward``'s norm, and the residual: the projection's backend fuses the norm (and the
+        activation) where it can, and this norm's backend runs what it does not."""
+        return linear.backend.norm_linear(x, residual, self.weight, self.eps, linear.linear_weight, self.ops,
+                                          silu_mul)
 
 
 class Embedding(nn.Module):

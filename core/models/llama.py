@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..families.attention import AttentionLayer, QKNorm
-from ..families.linear import LinearBackend
+from ..families.norm import NormBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
 from ..native.rope import RotaryEmbedding, rope_from_hf
@@ -76,7 +76,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, ops: LinearBackend, *, dtype,
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, ops: NormBackend, *, dtype,
                  device) -> None:
         super().__init__()
         self.self_attn = attn
@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, ops: LinearBackend, *,
+    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, ops: NormBackend, *,
                  dtype, device) -> None:
         super().__init__()
         self.embed_tokens = Embedding(vocab, hidden, dtype=dtype, device=device)
@@ -121,11 +121,11 @@ class LlamaForCausalLM(CausalLM):
             DecoderLayer(
                 Attention(config, i, backends, rope, self.qk_norm, self.sliding_window(i), dtype=dtype, device=device),
                 self.make_mlp(i, backends, dtype=dtype, device=device),
-                hidden, eps, backends.linear, dtype=dtype, device=device,
+                hidden, eps, backends.norm, dtype=dtype, device=device,
             )
             for i in range(hf["num_hidden_layers"])
         ]
-        self.model = Decoder(layers, config.vocab_size, hidden, eps, backends.linear, dtype=dtype, device=device)
+        self.model = Decoder(layers, config.vocab_size, hidden, eps, backends.norm, dtype=dtype, device=device)
         self.lm_head = Linear(hidden, config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.tied = bool(hf.get("tie_word_embeddings", False))
 

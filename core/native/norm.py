@@ -1,8 +1,12 @@
-"""RMSNorm with HF's rounding order, so model logits can match HF transformers bit for bit."""
+"""RMSNorm with HF's rounding order, so model logits can match HF transformers bit for bit; and the
+norm family's native backend, the oracle of the fast ones."""
 
 from __future__ import annotations
 
 import torch
+
+from ..families.norm import NormBackend
+from .activation import silu_and_mul
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,3 +26,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual): the residual sum is kept in x's dtype, as HF does."""
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
+
+
+class NativeNorm(NormBackend):
+    name = "native"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)

@@ -43,3 +43,7 @@ def engine_register_linear_backends() -> list[Descriptor]:
     return [Descriptor("linear", "native", _instance("engine.core.native.linear:NativeLinear"),
                        priority=NATIVE_PRIORITY)]
 
+
+@hookimpl
+def engine_register_norm_backends() -> list[Descriptor]:
+    return [Descriptor("norm", "native", _instance("engine.core.native.norm:NativeNorm"), priority=NATIVE_PRIORITY)]

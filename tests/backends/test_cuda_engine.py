@@ -12,7 +12,7 @@ from greedy_agreement import GreedyAgreement, compare_greedy
 
 pytestmark = pytest.mark.gpu
 
-NATIVE = {"attention_backend": "native", "moe_backend": "native", "linear_backend": "native"}
+NATIVE = {"attention_backend": "native", "moe_backend": "native", "linear_backend": "native", "norm_backend": "native"}
 
 
 def _prompts(seed: int, vocab: int) -> list[list[int]]:
@@ -30,7 +30,7 @@ def pair(request, tiny_qwen3):
 def test_the_triton_backends_are_selected_on_cuda(pair):
     _, fast, oracle = pair
     chosen = {f: s.chosen.name for f, s in fast.engine.components.selections.items()}
-    assert chosen["attention"] == chosen["linear"] == "triton"
+    assert chosen["attention"] == chosen["linear"] == chosen["norm"] == "triton"
     assert {f: s.chosen.name for f, s in oracle.engine.components.selections.items()}["attention"] == "native"
 
 

@@ -13,11 +13,13 @@ from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel, norm_gemv
 from engine.backends.triton.linear import TritonLinear
+from engine.backends.triton.norm import TritonNorm
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
 from engine.core.native import activation as native
 from engine.core.native import norm as native_norm
 from engine.core.native.linear import NativeLinear
+from engine.core.native.norm import NativeNorm
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -145,13 +147,15 @@ def test_triton_linear_matches_native_at_decode_rows(seed, m):
     w = LinearWeight((torch.randn(2 * 1536, 2048, device="cuda") / 2048**0.5).to(torch.bfloat16),
                      bias=torch.randn(2 * 1536, dtype=torch.bfloat16, device="cuda"))
     triton_linear, native_linear = TritonLinear(None), NativeLinear(None)
+    triton_norm, native_norm = TritonNorm(None), NativeNorm(None)
     assert _rel(triton_linear.apply(x, w), native_linear.apply(x, w)) < TOL[torch.bfloat16]
     plain = LinearWeight(w.data)
-    assert _rel(triton_linear.gate_up_silu(x, plain), native_linear.gate_up_silu(x, plain)) < TOL[torch.bfloat16]
+    assert _rel(triton_linear.gate_up_silu(x, plain, triton_norm),
+                native_linear.gate_up_silu(x, plain, native_norm)) < TOL[torch.bfloat16]
     residual, g = torch.randn_like(x), (1 + 0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
     for weight, silu_mul in ((w, False), (plain, True)):
-        got, got_sum = triton_linear.norm_linear(x, residual, g, 1e-6, weight, silu_mul=silu_mul)
-        want, want_sum = native_linear.norm_linear(x, residual, g, 1e-6, weight, silu_mul=silu_mul)
+        got, got_sum = triton_linear.norm_linear(x, residual, g, 1e-6, weight, triton_norm, silu_mul=silu_mul)
+        want, want_sum = native_linear.norm_linear(x, residual, g, 1e-6, weight, native_norm, silu_mul=silu_mul)
         assert _rel(got, want) < TOL[torch.bfloat16] and torch.equal(got_sum, want_sum)
 
 

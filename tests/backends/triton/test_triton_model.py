@@ -16,6 +16,7 @@ import torch
 
 from engine.backends.triton.attention import TritonAttention
 from engine.backends.triton.linear import TritonLinear
+from engine.backends.triton.norm import TritonNorm
 from engine.core.config import ModelConfig
 from engine.core.families.graphs import GraphBackend
 from engine.core.forward import ForwardBatch
@@ -26,13 +27,14 @@ from engine.core.models.base import Backends
 from engine.core.models.llama import Qwen3ForCausalLM
 from engine.core.native.attention import NativeAttention
 from engine.core.native.linear import NativeLinear
+from engine.core.native.norm import NativeNorm
 
 PAGE = 16
 
 
-def _model(path, attention, linear) -> Qwen3ForCausalLM:
+def _model(path, attention, linear, norm) -> Qwen3ForCausalLM:
     config = ModelConfig.from_dir(path, "float32", "cpu", 256)
-    model = Qwen3ForCausalLM(config, Backends(attention=attention, linear=linear), device="cpu")
+    model = Qwen3ForCausalLM(config, Backends(attention=attention, linear=linear, norm=norm), device="cpu")
     model.load_weights(iter_checkpoint(config.path, progress=False))
     return model
 
@@ -50,8 +52,8 @@ def _pages(lens: list[int], extra: int = 0) -> tuple[list[list[int]], int]:
 def test_triton_backends_match_native(tiny_qwen3, seed):
     """Attention, RMSNorm, add+RMSNorm and SiLU-and-mul all on Triton kernels, logits as native's."""
     rng = random.Random(seed)
-    fast = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None))
-    oracle = _model(tiny_qwen3, NativeAttention(None), NativeLinear(None))
+    fast = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None), TritonNorm(None))
+    oracle = _model(tiny_qwen3, NativeAttention(None), NativeLinear(None), NativeNorm(None))
     lens = [rng.randint(1, 60) for _ in range(3)]
     prompts = [[rng.randrange(10, fast.config.vocab_size) for _ in range(n)] for n in lens]
     tables, _ = _pages(lens)
@@ -85,7 +87,7 @@ def test_buckets():
 @pytest.mark.interpret
 def test_padded_replay_equals_eager_decode(tiny_qwen3, seed):
     rng = random.Random(seed)
-    model = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None))
+    model = _model(tiny_qwen3, TritonAttention(None), TritonLinear(None), TritonNorm(None))
     config = model.config
     kv = KVCache(model.kv_layer_specs(), 64, PAGE, torch.float32, "cpu")
     graphs = DecodeGraphs(model, kv, ReplayByRerun(None), PAGE, 256, 6, torch.device("cpu"))
