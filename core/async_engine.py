@@ -14,14 +14,11 @@ import threading
 from typing import AsyncIterator
 
 from .engine import LLMEngine
+from .errors import EngineDeadError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class AsyncLLM:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import EngineConfig
+from .context import check_context
 from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequest
 from .outputs import RequestOutput
 from .plugins import Plugins
 from .request import Request
@@ -48,19 +50,6 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
-
-
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, min_tokens: int = 0) -> None:
-    """The context rule; a ValueError names the field. The context holds max_model_len positions
-    of KV and the last sampled token needs none, so prompt + max_tokens may reach max_model_len + 1."""
-    if prompt_len > max_model_len:
-        raise ValueError(f"prompt has {prompt_len} tokens, more than the context length {max_model_len}")
-    room = max_model_len - prompt_len + 1
-    if max_tokens is not None and max_tokens > room:
-        raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: {room} for a "
-                         f"{prompt_len}-token prompt and context length {max_model_len}")
-    if min_tokens > room:
-        raise ValueError(f"min_tokens {min_tokens} exceeds the room left in the context: {room}")
 
 
 @dataclass
@@ -103,12 +92,12 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field for anything this engine cannot serve."""
+        """Raise ``InvalidRequest`` naming the field for anything this engine cannot serve."""
         if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt", "must not be empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            raise InvalidRequest("prompt", f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         params.validate_against(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.min_tokens)
 
@@ -116,7 +105,7 @@ class LLMEngine:
                     stream: bool = True) -> Request:
         """Queue a request. With ``stream`` every step that changes it reports it; else only its end."""
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -1,12 +1,14 @@
 """Per-request sampling settings, shaped like vLLM's ``SamplingParams`` so callers can switch.
 
-Every validation error is a ``ValueError`` whose message starts with the field name, so the
-server can answer 400 naming the field.
+Every validation error is an ``InvalidRequest`` (a ``ValueError``) that names the field, so the
+server can answer 400 naming it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .errors import InvalidRequest
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (as vLLM treats it)
 _MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
@@ -15,7 +17,7 @@ _MAX_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 def _require(ok: bool, field: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"{field} must {rule}, got {value!r}")
+        raise InvalidRequest(field, f"must {rule}, got {value!r}")
 
 
 def _is_int(v) -> bool:
@@ -68,7 +70,7 @@ class SamplingParams:
             try:
                 tok = int(k)
             except (TypeError, ValueError):
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                raise InvalidRequest("logit_bias", f"keys must be token ids, got {k!r}") from None
             _require(_is_number(v) and -_MAX_BIAS <= v <= _MAX_BIAS, "logit_bias",
                      f"have values in [-{_MAX_BIAS:g}, {_MAX_BIAS:g}]", v)
             out[tok] = float(v)

@@ -25,20 +25,13 @@ import zmq
 import zmq.asyncio
 
 from ..core.config import EngineConfig
+from ..core.errors import EngineDeadError, InvalidRequest, rebuild
 from . import wire
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 
 logger = logging.getLogger(__name__)
 
 MONITOR_S = 0.2
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; no request can be served until it is back."""
-
-
-class RequestRejected(ValueError):
-    """The engine refused a request at admission; the message names the field."""
 
 
 class EngineClient:
@@ -142,7 +135,7 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is in use")
+            raise InvalidRequest("request_id", f"{request_id!r} is in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
@@ -199,7 +192,7 @@ class EngineClient:
                 self.stats = msg.stats
             elif isinstance(msg, wire.Rejected):
                 if (q := self._streams.get(msg.request_id)) is not None:
-                    q.put_nowait(RequestRejected(msg.message))
+                    q.put_nowait(rebuild(msg.code, msg.detail, msg.field))
             elif isinstance(msg, wire.Failed):
                 self._died(f"the engine loop died: {msg.message}")
 

@@ -27,6 +27,7 @@ import zmq
 
 from ..core.config import EngineConfig
 from ..core.engine import LLMEngine
+from ..core.errors import EngineError, InvalidRequest
 from ..core.request import Request
 from ..core.sampling_params import SamplingParams
 from . import wire
@@ -101,14 +102,19 @@ class EngineLoop:
         if req is not None and (d := self.tracker.delta(req)) is not None:
             self._pending.append(d)
 
+    def _reject(self, request_id: str, exc: EngineError) -> None:
+        self._send(wire.Rejected(request_id, exc.code.value, exc.detail, exc.field))
+
     def _apply(self, msg) -> None:
         e = self.engine
         if isinstance(msg, wire.AddRequest):
             try:
                 params = SamplingParams(**msg.params)
                 e.add_request(msg.request_id, msg.prompt_token_ids, params)
-            except (TypeError, ValueError) as exc:
-                self._send(wire.Rejected(msg.request_id, str(exc)))
+            except TypeError as exc:  # a field SamplingParams does not have
+                self._reject(msg.request_id, InvalidRequest("params", str(exc)))
+            except EngineError as exc:
+                self._reject(msg.request_id, exc)
         elif isinstance(msg, wire.AbortRequest):
             req = e.requests.get(msg.request_id)
             if req is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..core.errors import EngineError, ErrorCode
+
 
 class APIError(Exception):
     """A failed request: the HTTP status and what OpenAI's error object says about it."""
@@ -25,9 +27,19 @@ def invalid(param: str | None, message: str) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
-def field_error(exc: ValueError, names: dict[str, str] | None = None, prefix: str = "") -> APIError:
-    """A 400 from an engine-side ``ValueError``, whose message starts with the engine's field name,
-    renamed to the field the client sent (``names``: engine field -> request field)."""
-    field, _, rest = str(exc).partition(" ")
-    field = (names or {}).get(field, field)
-    return invalid(prefix + field, f"{field} {rest}")
+# what each engine error code answers: HTTP status, OpenAI error type, OpenAI error code
+_STATUS: dict[ErrorCode, tuple[int, str, str | None]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorCode.ENGINE_DEAD: (500, "internal_server_error", "engine_dead"),
+}
+
+
+def engine_error(exc: EngineError, names: dict[str, str] | None = None, prefix: str = "") -> APIError:
+    """The answer to an engine error, its field renamed to the one the client sent (``names``:
+    engine field -> request field; ``prefix``: where the route nests it, as ``sampling_params.``)."""
+    status, type_, code = _STATUS[exc.code]
+    field = (names or {}).get(exc.field, exc.field) if exc.field is not None else None
+    message = exc.message_for(field)
+    if code == "engine_dead":
+        message = f"the engine is not serving: {message}"
+    return APIError(status, message, type_, prefix + field if field is not None else None, code)

@@ -15,8 +15,9 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ConfigDict
 
+from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
-from .errors import APIError, field_error, invalid
+from .errors import APIError, engine_error, invalid
 from .generation import PromptRun
 from .limits import Limits, check_range, check_stops, check_token_maps
 from .openai_serving import Serving, _respond, _stream
@@ -81,8 +82,8 @@ def _params(req: GenerateRequest, limits: Limits, vocab_size: int) -> tuple[Samp
     try:
         params = SamplingParams(**raw)
         params.validate_against(vocab_size)
-    except ValueError as e:
-        raise field_error(e, names, PARAMS) from None
+    except InvalidRequest as e:
+        raise engine_error(e, names, PARAMS) from None
     return params, names
 
 

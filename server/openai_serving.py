@@ -17,12 +17,13 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..core.engine import check_context
+from ..core.context import check_context
+from ..core.errors import EngineError, InvalidRequest
 from ..core.sampling_params import SamplingParams
 from ..core.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
-from .engine_client import EngineClient, EngineDeadError, RequestRejected
-from .errors import APIError, error_body, field_error, invalid
+from .engine_client import EngineClient
+from .errors import APIError, engine_error, error_body, invalid
 from .generation import Completion, PromptRun, Update
 from .metrics import ServerMetrics
 from .limits import Limits, check_logprob_entries, check_sequences
@@ -60,8 +61,8 @@ class Serving:
         ``prefix`` say the client spelled it."""
         try:
             check_context(len(ids), params.max_tokens, self.max_model_len, params.min_tokens)
-        except ValueError as e:
-            raise field_error(e, names, prefix) from None
+        except InvalidRequest as e:
+            raise engine_error(e, names, prefix) from None
         return PromptRun(self.tokenizer, ids, params, text)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -147,12 +148,6 @@ async def _run_to_end(runs: list[PromptRun], s: Serving, arrival: float, request
     return True
 
 
-def _engine_error(exc: BaseException) -> APIError:
-    if isinstance(exc, RequestRejected):
-        return field_error(exc)
-    return APIError(500, f"the engine is not serving: {exc}", "internal_server_error", None, "engine_dead")
-
-
 def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -162,8 +157,8 @@ def _stream(events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
         try:
             async for chunk in events():
                 yield _sse(chunk)
-        except (EngineDeadError, RequestRejected) as exc:
-            yield _sse(json.dumps(error_body(_engine_error(exc))))
+        except EngineError as exc:
+            yield _sse(json.dumps(error_body(engine_error(exc))))
         yield _sse("[DONE]")
 
     return StreamingResponse(body(), media_type="text/event-stream",
@@ -187,8 +182,8 @@ async def _respond(runs: list[PromptRun], s: Serving, arrival: float, request: R
     try:
         if not await _run_to_end(runs, s, arrival, request):
             return Response(status_code=499)  # nobody is listening
-    except (EngineDeadError, RequestRejected) as exc:
-        err = _engine_error(exc)
+    except EngineError as exc:
+        err = engine_error(exc)
         return JSONResponse(error_body(err), status_code=err.status_code)
     return Response(await asyncio.to_thread(lambda: _json_bytes(build())), media_type="application/json")
 

@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
-from .errors import APIError, field_error, invalid
+from .errors import APIError, engine_error, invalid
 from .limits import Limits, check_range, check_stops, check_token_maps
 
 
@@ -195,8 +196,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
     try:
         params = SamplingParams(**kwargs)
         params.validate_against(vocab_size)
-    except ValueError as e:
-        raise field_error(e, client_field_names(req)) from None
+    except InvalidRequest as e:
+        raise engine_error(e, client_field_names(req)) from None
     return params
 
 

@@ -81,10 +81,12 @@ class Outputs(msgspec.Struct, tag="outputs"):
 
 
 class Rejected(msgspec.Struct, tag="rejected"):
-    """The engine refused a request at admission (a ValueError naming the field)."""
+    """The engine refused a request at admission: an ``EngineError``'s parts (core/errors.py)."""
 
     request_id: str
-    message: str
+    code: str
+    detail: str
+    field: str | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
