@@ -130,7 +130,7 @@ class EngineClient:
     # -- requests -----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: dict) -> AsyncIterator[wire.RequestDelta]:
+                       params: wire.EngineParams) -> AsyncIterator[wire.RequestDelta]:
         """Stream one request's deltas until it finishes; leaving early aborts it in the engine."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)

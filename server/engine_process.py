@@ -29,7 +29,6 @@ from ..core.config import EngineConfig
 from ..core.engine import LLMEngine
 from ..core.errors import EngineError, InvalidRequest
 from ..core.request import Request
-from ..core.sampling_params import SamplingParams
 from . import wire
 from .liveness import DEFAULT_STALL_S, Liveness
 
@@ -109,10 +108,7 @@ class EngineLoop:
         e = self.engine
         if isinstance(msg, wire.AddRequest):
             try:
-                params = SamplingParams(**msg.params)
-                e.add_request(msg.request_id, msg.prompt_token_ids, params)
-            except TypeError as exc:  # a field SamplingParams does not have
-                self._reject(msg.request_id, InvalidRequest("params", str(exc)))
+                e.add_request(msg.request_id, msg.prompt_token_ids, wire.sampling_params(msg.params))
             except EngineError as exc:
                 self._reject(msg.request_id, exc)
         elif isinstance(msg, wire.AbortRequest):
@@ -131,12 +127,23 @@ class EngineLoop:
     def _receive(self, timeout_ms: int) -> None:
         while self.pull.poll(timeout_ms):
             timeout_ms = 0
+            raw = self.pull.recv(copy=False).buffer
             try:
-                msg = wire.to_engine_decoder.decode(self.pull.recv(copy=False).buffer)
+                msg = wire.to_engine_decoder.decode(raw)
             except msgspec.DecodeError as exc:  # a bad message is dropped, never trusted
-                logger.error("dropped a malformed message: %s", exc)
+                self._malformed(raw, exc)
                 continue
             self._apply(msg)
+
+    def _malformed(self, raw, exc: msgspec.DecodeError) -> None:
+        """Log it; a request that still says its id is refused, so its caller does not wait forever."""
+        try:
+            request_id = wire.envelope_decoder.decode(raw).request_id
+        except msgspec.DecodeError:
+            logger.error("dropped a malformed message: %s", exc)
+            return
+        logger.error("refused request %r: a malformed message: %s", request_id, exc)
+        self._reject(request_id, InvalidRequest(None, f"malformed request: {exc}"))
 
     def run(self) -> None:
         last_beat = 0.0

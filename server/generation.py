@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ..core.detokenizer import IncrementalDetokenizer
@@ -18,7 +18,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.tokenizer import Tokenizer
 from .engine_client import EngineClient
 from .metrics import ServerMetrics
-from .wire import RequestDelta, SeqDelta
+from .wire import RequestDelta, SeqDelta, engine_params
 
 
 @dataclass
@@ -88,11 +88,6 @@ class PromptRun:
         self.num_cached_tokens = 0
         self._first_token_seen = False
 
-    def engine_params(self) -> dict:
-        """SamplingParams for the engine: stop strings stay here, the engine does not detokenize."""
-        p = replace(self.params, stop=[])
-        return {f: getattr(p, f) for f in p.__dataclass_fields__}
-
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
@@ -101,7 +96,7 @@ class PromptRun:
         """Updates until every completion ended; leaving early aborts the request in the engine."""
         metrics.prompt_tokens += len(self.prompt_token_ids)
         try:
-            async for delta in client.generate(self.request_id, self.prompt_token_ids, self.engine_params()):
+            async for delta in client.generate(self.request_id, self.prompt_token_ids, engine_params(self.params)):
                 for update in self._take(delta, client, metrics, arrival):
                     yield update
             for c in self.completions:  # the engine ended the request without a final word for it

@@ -7,15 +7,43 @@ step added, so a long generation costs the same per step at its end as at its st
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import msgspec
 
+from ..core.sampling_params import SamplingParams
+
 # ---- API process -> engine process ----
+
+# SamplingParams' fields with their types and defaults, built from the dataclass so the two never
+# drift; an unknown field or a wrong type fails the decode. Stop strings stay in the API process.
+_HINTS = typing.get_type_hints(SamplingParams)
+EngineParams = msgspec.defstruct(
+    "EngineParams",
+    [(f.name, _HINTS[f.name], f.default) for f in dataclasses.fields(SamplingParams) if f.name != "stop"],
+    forbid_unknown_fields=True, module=__name__)
+
+
+def engine_params(params: SamplingParams) -> EngineParams:
+    return EngineParams(**{f: getattr(params, f) for f in EngineParams.__struct_fields__})
+
+
+def sampling_params(params: EngineParams) -> SamplingParams:
+    """The engine's SamplingParams; their own checks raise ``InvalidRequest`` naming the field."""
+    return SamplingParams(**msgspec.structs.asdict(params))
 
 
 class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict  # SamplingParams fields; stop strings stay in the API process
+    params: EngineParams
+
+
+class AddEnvelope(msgspec.Struct, tag="add"):
+    """What an ``AddRequest`` that failed to decode may still say: whom to answer."""
+
+    request_id: str
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -106,5 +134,6 @@ class Failed(msgspec.Struct, tag="failed"):
 FromEngine = Ready | Outputs | Rejected | Heartbeat | Alive | Failed
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+envelope_decoder = msgspec.msgpack.Decoder(AddEnvelope)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
 encoder = msgspec.msgpack.Encoder()
