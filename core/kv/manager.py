@@ -9,6 +9,15 @@ held exactly where someone reads it) are kept and checked in one place.
 A sequence's state is its page table, the tokens committed to it (written and confirmed: only
 those ever reach the prefix cache), the radix node locked on its behalf, and the page indices
 whose windows it holds. The manager reads a sequence's ``seq_id`` and tokens; it never writes it.
+
+Rolling back needs no undo record, DeepSeek-V4's state included: every component is kept per
+position (the sliding-window KV and the compressors' per-token projections, which are the open
+windows' partial state, in the token's slot of its page's window page; a pooled entry in the page
+of its window's last token), so a step never writes a slot of an earlier position, and a slot past
+the new end (a token's, or an entry whose window closes there) is written again by the step that
+brings that position before any query reads it. What a rollback must keep is the window pages
+within reach of the shorter end: a sequence holds them ``max_rollback`` tokens further back than
+its steps read, and never takes up again a window it let go (its page may have been reused).
 """
 
 from __future__ import annotations
@@ -62,11 +71,17 @@ class KVStats:
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 kv: KVCache | None = None, num_window_pages: int = 0, window_reach: int = 0) -> None:
-        """``num_window_pages`` > 0 keeps windows (the windowed layers of ``kv``, ``window_reach`` tokens)."""
+                 kv: KVCache | None = None, num_window_pages: int = 0, window_reach: int = 0,
+                 max_rollback: int = 0) -> None:
+        """``num_window_pages`` > 0 keeps windows (the windowed layers of ``kv``, ``window_reach`` tokens).
+        ``max_rollback``: how many committed tokens back from its end a sequence keeps the windows a
+        rollback returns to, over any number of steps (a rollback within the last step needs none)."""
         if num_window_pages and kv is None:
             raise ValueError("window pages need the KV cache whose window table they fill (kv)")
+        if max_rollback < 0:
+            raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
         self.page_size = page_size
+        self.max_rollback = max_rollback
         self.pool = PagePool(num_pages)
         self.window = WindowPool(num_window_pages, kv, window_reach) if num_window_pages else None
         self.radix = RadixCache(self.pool, page_size, enabled=enable_prefix_caching, window=self.window)
@@ -127,7 +142,7 @@ class KVManager:
             if not self._reserve(need):
                 return False
             st.pages.extend(self.pool.alloc(need))
-        return self.window is None or self._move_windows(st, st.num_tokens, end)
+        return self.window is None or self._move_windows(st, st.num_tokens, end, retain=True)
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of the first ``num_tokens`` tokens is written. Once the prompt is, its full pages
@@ -147,8 +162,9 @@ class KVManager:
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Forget every token from ``num_tokens`` on (rejected speculative tokens): pages past the new
         end are freed, the windows held become those of the shorter end, and the prefix cache never
-        sees the forgotten tokens. The windows the shorter end reads must still be held (a rollback
-        within the last step's tokens), and a page it leaves partly filled must be its own."""
+        sees the forgotten tokens; the sequence then reads what it would have, had they never been
+        computed. The windows the shorter end reads must still be held (a rollback within the last
+        step's tokens, or of at most ``max_rollback``), and a page it leaves partly filled must be its own."""
         st = self._seqs[seq.seq_id]
         if not 0 <= num_tokens <= st.num_tokens:
             raise ValueError(f"rollback to {num_tokens} tokens; {st.num_tokens} are committed")
@@ -160,7 +176,7 @@ class KVManager:
             if a < st.window[0]:
                 raise ValueError(f"rollback to {num_tokens} tokens reaches back to page {a}, whose window "
                                  f"is no longer held (held from page {st.window[0]})")
-            self._move_windows(st, num_tokens, num_tokens)
+            self._move_windows(st, num_tokens, num_tokens, retain=True)
         self.pool.decref(st.pages[keep:])
         del st.pages[keep:]
         st.num_tokens = num_tokens
@@ -299,13 +315,17 @@ class KVManager:
             self.radix.evict(num_pages - self.pool.num_free)
         return self.pool.num_free >= num_pages
 
-    def _move_windows(self, st: SeqKV, first: int, end: int) -> bool:
+    def _move_windows(self, st: SeqKV, first: int, end: int, retain: bool = False) -> bool:
         """Hold exactly the windows a step over tokens first..end-1 reads (its pages exist), letting
-        cached prefixes' windows go if window pages run short; False (nothing changed) if still short."""
+        cached prefixes' windows go if window pages run short; False (nothing changed) if still short.
+        With ``retain``, also those a rollback of ``max_rollback`` tokens from ``end`` returns to,
+        where still held."""
         if self.window is None:
             return True
         a, b = self.window.span(first, end, self.page_size)
         a0, b0 = st.window
+        if retain:
+            a = max(min(a, self.window.span(max(0, end - self.max_rollback), end, self.page_size)[0]), a0)
         if (a, b) == (a0, b0):
             return True
         gain = [st.pages[i] for i in range(a, b) if not a0 <= i < b0]

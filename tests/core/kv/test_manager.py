@@ -24,11 +24,12 @@ SPECS = [KVLayerSpec(1, 8, 0, windowed=True), KVLayerSpec(1, 4, 0)]
 NUM_PAGES = 40
 
 
-def make(page_size: int, windowed: bool, caching: bool = True, num_window: int = 14, reach: int = 5) -> KVManager:
+def make(page_size: int, windowed: bool, caching: bool = True, num_window: int = 14, reach: int = 5,
+         max_rollback: int = 0) -> KVManager:
     if not windowed:
-        return KVManager(NUM_PAGES, page_size, caching)
+        return KVManager(NUM_PAGES, page_size, caching, max_rollback=max_rollback)
     kv = KVCache(SPECS, NUM_PAGES, page_size, torch.float32, "cpu", num_window)
-    return KVManager(NUM_PAGES, page_size, caching, kv, num_window, reach)
+    return KVManager(NUM_PAGES, page_size, caching, kv, num_window, reach, max_rollback)
 
 
 def new_seq(seq_id: int, prompt: list[int], outputs: list[int] = ()) -> Sequence:
@@ -58,7 +59,7 @@ def cached_prefixes(m: KVManager) -> dict[tuple[int, ...], int]:
 @dataclass
 class Live:
     seq: Sequence
-    step_start: int = 0  # where its last step began (or a fork): a rollback may go back that far
+    floor: int = 0  # the shortest end a rollback may return to (its start, a fork, the last step, max_rollback)
     locked: tuple[int, ...] = ()  # the prefix whose radix node it keeps locked
     published: bool = False  # its prompt went to the prefix cache (and its lock with it)
 
@@ -124,7 +125,7 @@ class Harness:
             return False
         self.write(m.pages(seq), done, seq.tokens[done:done + num_new])
         m.commit(seq, done + num_new)
-        live.step_start = done
+        live.floor = max(live.floor, min(done, done + num_new - m.max_rollback))
         for k in range(1, (done + num_new) // self.ps + 1):
             self.rejected.discard(tuple(seq.tokens[:k * self.ps]))
         if done + num_new >= len(seq.prompt_token_ids) and m.radix.enabled and not live.published:
@@ -146,9 +147,10 @@ class Harness:
             assert all(tuple(seq.tokens[:k * self.ps]) in cached for k in range(1, n // self.ps + 1))
 
     def rollback(self, live: Live) -> None:
-        """Reject some of the last step's output tokens, as speculative decoding does."""
+        """Reject some output tokens of the last step, or of the last ``max_rollback``, as speculative
+        decoding does."""
         seq, n = live.seq, self.committed(live.seq)
-        lo = max(live.step_start, len(seq.prompt_token_ids))
+        lo = max(live.floor, len(seq.prompt_token_ids))
         if n < lo:
             return
         to = self.rng.randint(lo, n)
@@ -162,7 +164,7 @@ class Harness:
         self.m.rollback(seq, to)
         del seq.output_token_ids[to - len(seq.prompt_token_ids):]  # the rejected tokens
         assert len(self.m.pages(seq)) == -(-to // self.ps)
-        live.step_start = to
+        live.floor = max(live.floor, to - self.m.max_rollback)
 
     def fork(self, parent: Live) -> None:
         n = self.committed(parent.seq)
@@ -175,7 +177,7 @@ class Harness:
             assert self.m.state(child) is None
             return
         self.apply_copies()
-        parent.step_start = n  # what both share is confirmed
+        parent.floor = max(parent.floor, n)  # what both share is confirmed
         self.live[child.seq_id] = Live(child, n, parent.locked, parent.published)
         shared = n // self.ps
         assert self.m.pages(child)[:shared] == self.m.pages(p)[:shared]
@@ -226,11 +228,13 @@ class Harness:
         assert s.num_cached == len(cached)
 
 
-@pytest.mark.parametrize("page_size,windowed,caching", [(1, False, True), (2, False, True), (4, False, True),
-                                                        (2, True, True), (4, True, True), (4, False, False)])
-def test_random_operations_keep_every_page_accounted_for(seed, page_size, windowed, caching):
+@pytest.mark.parametrize("page_size,windowed,caching,max_rollback", [
+    (1, False, True, 0), (2, False, True, 0), (4, False, True, 0), (2, True, True, 0), (4, True, True, 0),
+    (4, False, False, 0), (2, True, True, 3), (4, True, True, 6)])
+def test_random_operations_keep_every_page_accounted_for(seed, page_size, windowed, caching, max_rollback):
     rng = random.Random(seed)
-    h = Harness(make(page_size, windowed, caching), rng)
+    h = Harness(make(page_size, windowed, caching, num_window=24 if max_rollback else 14,
+                     max_rollback=max_rollback), rng)
     ops = ["add"] * 3 + ["step"] * 6 + ["rollback"] * 2 + ["finish", "preempt", "fork", "export", "evict"]
     for _ in range(400):
         op = rng.choice(ops) if h.live else "add"
@@ -278,6 +282,29 @@ def test_rollback_refuses_what_it_cannot_restore():
     m.check_consistency()
     with pytest.raises(ValueError, match="committed"):
         m.rollback(seq, 26)
+    m.free(seq)
+    m.reset_prefix_cache()
+    assert m.stats().num_used == 0 and m.stats().num_window_used == 0
+
+
+def test_rollback_over_several_steps_keeps_the_windows_it_returns_to():
+    """With max_rollback, one-token steps keep the windows of the last max_rollback tokens' ends;
+    after a rollback the sequence never takes up again a window it let go (its page may be reused)."""
+    m = make(4, windowed=True, reach=5, max_rollback=6)
+    seq = new_seq(1, list(range(12)), list(range(12, 30)))
+    assert m.allocate(seq, 12)
+    m.commit(seq, 12)
+    for end in range(13, 31):
+        assert m.allocate(seq, 1)
+        m.commit(seq, end)
+    assert m.state(seq).window == (4, 8)  # from (24 // 4 * 4 - 5) // 4: what a rollback to 24 reads
+    with pytest.raises(ValueError, match="no longer held"):
+        m.rollback(seq, 23)
+    m.rollback(seq, 24)
+    assert m.state(seq).window == (4, 6) and len(m.pages(seq)) == 6
+    assert m.allocate(seq, 1)  # the step reads from page 4; a rollback of 6 would reach page 2, let go
+    assert m.state(seq).window == (4, 7)
+    m.check_consistency()
     m.free(seq)
     m.reset_prefix_cache()
     assert m.stats().num_used == 0 and m.stats().num_window_used == 0
