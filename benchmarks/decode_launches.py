@@ -42,7 +42,7 @@ try:
 except ImportError:
     from benchmarks.common import commit
 
-FAMILIES = ("attention", "v4_attention", "mhc", "moe", "linear")
+FAMILIES = ("attention", "v4_attention", "mhc", "moe", "linear", "norm")
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t", "permute", "unsqueeze", "squeeze",
              "as_strided", "detach", "detach_", "alias", "transpose", "split", "split_with_sizes", "unbind", "chunk",
              "narrow", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "unflatten", "flatten", "_reshape_alias",
@@ -105,7 +105,7 @@ class Launches(TorchDispatchMode):
 def count(model: Path, dtype: str) -> dict:
     hf = json.loads((model / "config.json").read_text())
     v4 = hf.get("model_type") == "deepseek_v4"
-    families = ["v4_attention", "mhc", "moe", "linear"] if v4 else ["attention", "linear", "norm"] + (
+    families = ["v4_attention", "mhc", "moe", "linear", "norm"] if v4 else ["attention", "linear", "norm"] + (
         ["moe"] if hf.get("num_experts") else [])
     config = EngineConfig(model=str(model), dtype=dtype, device="cpu", page_size=16, num_pages=64,
                           **{f"{f}_backend": "triton" for f in families})

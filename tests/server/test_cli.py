@@ -55,6 +55,7 @@ def test_plugins_says_what_serves_each_deepseek_v4_block(shared_dir):
     assert any("indexer top-k" in block and how == "v4_attention backend native" for block, how in served.items())
     assert any("experts" in block and how == "moe backend native" for block, how in served.items())
     assert any("projections" in block and how == "linear backend native" for block, how in served.items())
+    assert any("RMSNorms" in block and how == "norm backend native" for block, how in served.items())
 
 
 def test_explicit_backend_that_cannot_run_fails_with_reasons(tiny_qwen3):

@@ -84,11 +84,11 @@ class Attention(nn.Module):
         self.eps = eps
         self.backend = backends.v4_attention
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device)
+        self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device, ops=backends.norm)
         self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim, backends.linear, dtype=dtype,
                            device=device)
         self.wkv = Linear(hidden, self.head_dim, backends.linear, dtype=dtype, device=device)
-        self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device)
+        self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device, ops=backends.norm)
         self.wo_a = GroupedLinear(self.num_heads * self.head_dim // self.groups, self.o_rank, self.groups,
                                   dtype=dtype, device=device)
         self.wo_b = Linear(self.groups * self.o_rank, hidden, backends.linear, dtype=dtype, device=device)

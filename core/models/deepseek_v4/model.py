@@ -48,8 +48,8 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(hf, layer_id, cache, backends, ropes, dtype=dtype, device=device)
         self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
                              device=device, fold_shared=fold_shared)
-        self.attn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
-        self.ffn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device)
+        self.attn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device, ops=backends.norm)
+        self.ffn_norm = RMSNorm(hidden, eps, dtype=torch.float32, device=device, ops=backends.norm)
         n = hf.get("hc_mult", 4)
         for name in ("attn", "ffn"):
             mixes = (2 + n) * n
@@ -94,7 +94,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
                                                  fold_shared=fold_shared) for i, cache in enumerate(caches))
         self.hc_head = HyperHead(hf, backends, device)
-        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device)
+        self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device,
+                            ops=backends.norm)
         self.hc_mult = hf.get("hc_mult", 4)
         self.attention = backends.v4_attention
 
@@ -111,7 +112,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "mhc"),
               ("attention: window store, compressors, indexer top-k, window + entries, sinks", "v4_attention"),
               ("q/kv/compressor/indexer/output projections, LM head", "linear"),
-              ("RMSNorms", "torch in core/native/norm.py"),
+              ("RMSNorms (fp32 weights, HF's rounding order)", "norm"),
               ("routed + shared experts (sqrtsoftplus and hash routing, swiglu clamp)", "moe"))
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
