@@ -109,7 +109,7 @@ def count(model: Path, dtype: str) -> dict:
         ["moe"] if hf.get("num_experts") else [])
     config = EngineConfig(model=str(model), dtype=dtype, device="cpu", page_size=16, num_pages=64,
                           **{f"{f}_backend": "triton" for f in families})
-    engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False, detokenize=False)
+    engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
     engine.add_request("0", list(range(10, 40)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()  # the prompt
     engine.step()  # the first decode step

@@ -1,7 +1,10 @@
 """The engine loop: add requests, run steps, hand back outputs. Owns the device.
 
-One ``step()`` schedules, runs one forward, samples, and applies stop rules. It is synchronous
-and single-threaded by design; the async and server layers drive it from their own loop.
+``EngineCore.step_outputs()`` schedules, runs one forward, samples, applies the stop rules that
+need no text, and returns typed deltas (``EngineCoreOutput``); the engine process sends those as
+they are. ``LLMEngine`` is the core read through an ``OutputProcessor`` (text, stop strings),
+returning ``RequestOutput``s. It is synchronous and single-threaded by design; the async and
+server layers drive it from their own loop.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import torch
 
 from .config import EngineConfig
 from .context import check_context
-from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequest
-from .outputs import RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
 from .request import Request
 from .runner import ModelRunner, StepLogits
@@ -66,13 +69,12 @@ def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Genera
     return g
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
-                 detokenize: bool = True) -> None:
-        """``detokenize=False``: outputs carry token ids only and stop strings are the caller's to
-        apply (with ``finish_sequence``); the server's API process does that off the engine loop."""
+class EngineCore:
+    """The engine without text: token ids in, typed deltas out. Stop strings are its reader's to
+    find (output_processor.py), and its reader ends such a completion with ``finish_sequence``."""
+
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
         self.config = config
-        self.detokenize = detokenize
         c = build(config, plugins, progress=progress)
         self.components = c
         self.model_config = c.model_config
@@ -101,14 +103,10 @@ class LLMEngine:
         params.validate_against(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.min_tokens)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    stream: bool = True) -> Request:
-        """Queue a request. With ``stream`` every step that changes it reports it; else only its end."""
+    def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; every step that changes it reports it."""
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
-        params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, ids, params,
@@ -117,14 +115,14 @@ class LLMEngine:
                      prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
             for i in range(params.n)
         ]
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in seqs] if self.detokenize else None
-        req = Request(request_id, text, ids, params, seqs, detoks, stream=stream)
+        req = Request(request_id, ids, params, seqs)
         self.requests[request_id] = req
         self.scheduler.add(seqs)
         self.counters.prompt_tokens += len(ids)
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        """End a request; its last output, or None if it is not here."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -133,18 +131,19 @@ class LLMEngine:
             if not s.is_finished:
                 s.status, s.finish_reason = SeqStatus.FINISHED, "abort"
         self._count_finish(req)
-        return req.output()
+        return req.take_output()
 
-    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> Request | None:
-        """End one completion that the caller saw reach a stop string; the request if that ended it."""
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> EngineCoreOutput | None:
+        """End one completion that the caller saw reach a stop string; the request's output, or None
+        if there is no such running completion."""
         req = self.requests.get(request_id)
-        if req is None or req.seqs[index].is_finished:
+        if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
             return None
         self.scheduler.finish(req.seqs[index], "stop", stop_reason)
-        if not req.finished:
-            return None
-        self._count_finish(req)
-        return self.requests.pop(request_id)
+        if req.finished:
+            self._count_finish(req)
+            del self.requests[request_id]
+        return req.take_output()
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager.stats()
@@ -156,12 +155,12 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return the cumulative output of every request it changed."""
-        return [req.output() for req in self.step_requests()]
+    def step_outputs(self) -> list[EngineCoreOutput]:
+        """Run one step; what it changed, per request."""
+        return [out for req in self.step_requests() if (out := req.take_output()) is not None]
 
     def step_requests(self) -> list[Request]:
-        """Run one step; return every request it changed (streaming ones) or finished.
+        """Run one step; return every request it changed.
 
         With ``overlap_decode``, a step whose rows are all plain greedy leaves its tokens on the
         device, and the next decode step is launched on them before they are read: the device runs
@@ -264,7 +263,7 @@ class LLMEngine:
                 entry[token] = out.logprobs[k]
                 seq.logprobs.append(entry)
             self.counters.generation_tokens += 1
-            self._check_stop(seq, req, token)
+            self._check_stop(seq, token)
             touched[seq.request_id] = None
         changed = []
         for rid in touched:
@@ -272,7 +271,7 @@ class LLMEngine:
             if req.finished:
                 self._count_finish(req)
                 changed.append(self.requests.pop(rid))
-            elif req.stream:
+            else:
                 changed.append(req)
         return changed
 
@@ -288,29 +287,53 @@ class LLMEngine:
         rows = step_logits.logits[start + first - s.context_len: start + last - s.context_len]
         seq.prompt_logprobs.extend(prompt_logprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs))
 
-    def _check_stop(self, seq: Sequence, req: Request, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """The endings by token (stop strings are the reader's: output_processor.py)."""
         p = seq.params
-        detok = req.detokenizers[seq.index] if req.detokenizers is not None else None
-        if detok is not None:
-            detok.add(token)
         n_out = len(seq.output_token_ids)
         if n_out >= p.min_tokens:
             if p.stop_token_ids and token in p.stop_token_ids:
-                return self._finish(seq, detok, "stop", token)
+                return self.scheduler.finish(seq, "stop", token)
             if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-                return self._finish(seq, detok, "stop", None)
-            if detok is not None and detok.finished_by_stop is not None:
-                return self._finish(seq, detok, "stop", detok.finished_by_stop)
+                return self.scheduler.finish(seq, "stop", None)
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens > self.max_model_len:
-            return self._finish(seq, detok, "length", None)
-
-    def _finish(self, seq: Sequence, detok: IncrementalDetokenizer | None, reason: str, stop_reason) -> None:
-        if detok is not None and detok.finished_by_stop is None:
-            detok.flush()
-            if detok.finished_by_stop is not None:  # text held back until the end held a stop string
-                reason, stop_reason = "stop", detok.finished_by_stop
-        self.scheduler.finish(seq, reason, stop_reason)
+            return self.scheduler.finish(seq, "length", None)
 
     def _count_finish(self, req: Request) -> None:
         for s in req.seqs:
             self.counters.finished[s.finish_reason] = self.counters.finished.get(s.finish_reason, 0) + 1
+
+
+class LLMEngine(EngineCore):
+    """The core read through an ``OutputProcessor``: prompts may be text, outputs are cumulative
+    ``RequestOutput``s with text, and stop strings end completions (in the processor, then here)."""
+
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
+        super().__init__(config, plugins, progress)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = True) -> Request:
+        """Queue a request. With ``stream`` every step that changes it returns it; else only its end."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        req = super().add_request(request_id, ids, params)
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, stream)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self._read(super().abort_request(request_id))
+
+    def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> RequestOutput | None:
+        return self._read(super().finish_sequence(request_id, index, stop_reason))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests it changed (of those that do not stream, the end)."""
+        results, stops = self.outputs.process(self.step_outputs())
+        for request_id, index, stop in stops:  # ended in the processor: the core's word is already read
+            EngineCore.finish_sequence(self, request_id, index, stop)
+        return results
+
+    def _read(self, out: EngineCoreOutput | None) -> RequestOutput | None:
+        results, _ = self.outputs.process([out] if out is not None else [])
+        return results[0] if results else None

@@ -1,12 +1,11 @@
-"""A request as the engine tracks it: its sequences, their text, and its timings."""
+"""A request as the engine core tracks it: its sequences, its timings, and what it has reported."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionDelta, EngineCoreOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -14,38 +13,44 @@ from .sequence import Sequence
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer] | None  # None: the caller detokenizes
-    stream: bool = True  # report every change, not only the end
     arrival_time: float = field(default_factory=time.monotonic)
+    reported: list[int] = field(init=False)  # per sequence: tokens reported, -1 once its end was
+    prompt_logprobs_reported: bool = False
+
+    def __post_init__(self) -> None:
+        self.reported = [0] * len(self.seqs)
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
-    def output(self) -> RequestOutput:
-        """The cumulative state so far (what ``LLM.generate`` returns once finished)."""
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=self.detokenizers[s.index].output_text if self.detokenizers is not None else "",
-                token_ids=list(s.output_token_ids),
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in self.seqs
-        ]
+    def take_output(self) -> EngineCoreOutput | None:
+        """What changed since the last report (None: nothing): new tokens and logprobs per sequence,
+        each end once, the prompt logprobs once with the first tokens."""
+        deltas = []
+        for s in self.seqs:
+            k = self.reported[s.index]
+            if k < 0:
+                continue
+            new = s.output_token_ids[k:]
+            if not new and not s.is_finished:
+                continue
+            lps = s.logprobs[k:] if s.logprobs is not None else None
+            deltas.append(CompletionDelta(s.index, new, lps, s.finish_reason, s.stop_reason))
+            self.reported[s.index] = -1 if s.is_finished else k + len(new)
         first = self.seqs[0]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=completions,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            finished=self.finished,
-            num_cached_tokens=first.num_cached,
-        )
+        prompt_lps = None
+        if first.prompt_logprobs is not None and not self.prompt_logprobs_reported and (
+                first.output_token_ids or first.is_finished):
+            prompt_lps = list(first.prompt_logprobs)
+            self.prompt_logprobs_reported = True
+        finished = self.finished
+        if not deltas and not finished:
+            return None
+        queue_time = None
+        if finished and first.first_scheduled_time is not None:
+            queue_time = first.first_scheduled_time - self.arrival_time
+        return EngineCoreOutput(self.request_id, deltas, finished, prompt_lps, first.num_cached, queue_time)

@@ -18,14 +18,16 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from ..core.config import EngineConfig
-from ..core.errors import EngineDeadError, InvalidRequest, rebuild
+from ..core.errors import EngineDeadError, rebuild
+from ..core.front import EngineFront
+from ..core.sampling_params import SamplingParams
 from . import wire
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 
@@ -34,17 +36,18 @@ logger = logging.getLogger(__name__)
 MONITOR_S = 0.2
 
 
-class EngineClient:
+class EngineClient(EngineFront):
+    """The front's transport over IPC to an engine process (core/front.py has the streaming)."""
+
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
                  on_death: Callable[[str], None] | None = None, stall_timeout: float = DEFAULT_STALL_S) -> None:
+        super().__init__()
         self.config = config
         self.log_level = log_level
         self.stall_timeout = stall_timeout
         self.on_death = on_death
         self.info: wire.Ready | None = None
         self.stats = wire.Stats()
-        self.dead_reason: str | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
         self._proc: subprocess.Popen | None = None
         self._dir: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -129,32 +132,9 @@ class EngineClient:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: wire.EngineParams) -> AsyncIterator[wire.RequestDelta]:
-        """Stream one request's deltas until it finishes; leaving early aborts it in the engine."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", f"{request_id!r} is in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        finished = False
-        try:
-            await self._push.send(wire.encoder.encode(wire.AddRequest(request_id, prompt_token_ids, params)))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine holds nothing for it any more
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.dead_reason is None:
-                self.abort(request_id)
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        await self._push.send(wire.encoder.encode(wire.AddRequest(request_id, prompt_token_ids,
+                                                                  wire.engine_params(params))))
 
     def abort(self, request_id: str) -> None:
         self._send_nowait(wire.AbortRequest(request_id))
@@ -163,7 +143,7 @@ class EngineClient:
         self._send_nowait(wire.FinishSequence(request_id, index, stop))
 
     def abort_all(self) -> None:
-        for rid in list(self._streams):
+        for rid in self.active:
             self.abort(rid)
 
     def _send_nowait(self, msg) -> None:
@@ -185,14 +165,12 @@ class EngineClient:
             self._last_beat = time.monotonic()  # any word from the engine says it is alive
             if isinstance(msg, wire.Outputs):
                 self.stats = msg.stats
-                for d in msg.deltas:
-                    if (q := self._streams.get(d.request_id)) is not None:
-                        q.put_nowait(d)
+                for out in msg.deltas:
+                    self._deliver(out.request_id, out)
             elif isinstance(msg, wire.Heartbeat):
                 self.stats = msg.stats
             elif isinstance(msg, wire.Rejected):
-                if (q := self._streams.get(msg.request_id)) is not None:
-                    q.put_nowait(rebuild(msg.code, msg.detail, msg.field))
+                self._deliver(msg.request_id, rebuild(msg.code, msg.detail, msg.field))
             elif isinstance(msg, wire.Failed):
                 self._died(f"the engine loop died: {msg.message}")
 
@@ -207,9 +185,6 @@ class EngineClient:
     def _died(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
-        self.dead_reason = reason
-        logger.error("%s; failing %d waiting requests", reason, len(self._streams))
-        for q in self._streams.values():
-            q.put_nowait(EngineDeadError(reason))
+        logger.error("%s; failing %d waiting requests", reason, self._fail_all(reason))
         if self.on_death is not None:
             self.on_death(reason)

@@ -2,7 +2,7 @@
 
 Started by the API process as ``python -m engine.server.engine_process`` with the engine config
 as JSON on stdin and two socket addresses the API process has bound. It sends ``Ready`` once the
-model is loaded, then per step the token deltas of the requests the step changed, and a heartbeat
+model is loaded, then per step the core's typed outputs (token deltas) of the requests it changed, and a heartbeat
 with the gauges while idle; a thread says ``Alive`` while the loop makes progress (liveness.py).
 A dead loop says ``Failed`` and exits non-zero; a vanished parent ends it too, and then it removes
 the sockets' directory itself, so neither the engine nor its sockets outlive the server.
@@ -26,9 +26,9 @@ import msgspec
 import zmq
 
 from ..core.config import EngineConfig
-from ..core.engine import LLMEngine
+from ..core.engine import EngineCore
 from ..core.errors import EngineError, InvalidRequest
-from ..core.request import Request
+from ..core.outputs import EngineCoreOutput
 from . import wire
 from .liveness import DEFAULT_STALL_S, Liveness
 
@@ -37,52 +37,14 @@ logger = logging.getLogger("engine.server.engine_process")
 HEARTBEAT_S = 0.5
 
 
-class DeltaTracker:
-    """What each request has already been told, so every message carries only what is new."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, list[int]] = {}  # per sequence: tokens sent, -1 once its end was sent
-        self._prompt_logprobs_sent: set[str] = set()
-
-    def delta(self, req: Request) -> wire.RequestDelta | None:
-        sent = self._sent.setdefault(req.request_id, [0] * len(req.seqs))
-        seqs = []
-        for s in req.seqs:
-            k = sent[s.index]
-            if k < 0:
-                continue
-            new = s.output_token_ids[k:]
-            if not new and not s.is_finished:
-                continue
-            lps = s.logprobs[k:] if s.logprobs is not None else None
-            seqs.append(wire.SeqDelta(s.index, new, lps, s.finish_reason, s.stop_reason))
-            sent[s.index] = -1 if s.is_finished else k + len(new)
-        first = req.seqs[0]
-        prompt_lps = None
-        if first.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent and (
-                first.output_token_ids or first.is_finished):
-            prompt_lps = list(first.prompt_logprobs)
-            self._prompt_logprobs_sent.add(req.request_id)
-        finished = req.finished
-        if finished:
-            self._sent.pop(req.request_id, None)
-            self._prompt_logprobs_sent.discard(req.request_id)
-        if not seqs and not finished:
-            return None
-        queue_time = None
-        if finished and first.first_scheduled_time is not None:
-            queue_time = first.first_scheduled_time - req.arrival_time
-        return wire.RequestDelta(req.request_id, seqs, finished, prompt_lps, first.num_cached, queue_time)
-
-
-def _stats(engine: LLMEngine) -> wire.Stats:
+def _stats(engine: EngineCore) -> wire.Stats:
     s = engine.stats()
     return wire.Stats(s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits,
                       s.num_preemptions)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
+    def __init__(self, engine: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int,
                  liveness: Liveness) -> None:
         self.engine = engine
         self.pull = pull
@@ -90,16 +52,15 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.liveness = liveness
         self.orphaned = False
-        self.tracker = DeltaTracker()
         self._stop = False
-        self._pending: list[wire.RequestDelta] = []
+        self._pending: list[EngineCoreOutput] = []
 
     def _send(self, msg) -> None:
         self.push.send(wire.encoder.encode(msg), copy=False)
 
-    def _report(self, req: Request | None) -> None:
-        if req is not None and (d := self.tracker.delta(req)) is not None:
-            self._pending.append(d)
+    def _report(self, out: EngineCoreOutput | None) -> None:
+        if out is not None:
+            self._pending.append(out)
 
     def _reject(self, request_id: str, exc: EngineError) -> None:
         self._send(wire.Rejected(request_id, exc.code.value, exc.detail, exc.field))
@@ -112,15 +73,9 @@ class EngineLoop:
             except EngineError as exc:
                 self._reject(msg.request_id, exc)
         elif isinstance(msg, wire.AbortRequest):
-            req = e.requests.get(msg.request_id)
-            if req is not None:
-                e.abort_request(msg.request_id)
-                self._report(req)
+            self._report(e.abort_request(msg.request_id))
         elif isinstance(msg, wire.FinishSequence):
-            req = e.requests.get(msg.request_id)
-            if req is not None and 0 <= msg.index < len(req.seqs):
-                e.finish_sequence(msg.request_id, msg.index, msg.stop)
-                self._report(req)
+            self._report(e.finish_sequence(msg.request_id, msg.index, msg.stop))
         elif isinstance(msg, wire.Shutdown):
             self._stop = True
 
@@ -154,8 +109,7 @@ class EngineLoop:
             if self._stop:
                 break
             if self.engine.has_unfinished_requests():
-                for req in self.engine.step_requests():
-                    self._report(req)
+                self._pending += self.engine.step_outputs()
             if self._pending:
                 self._send(wire.Outputs(self._pending, _stats(self.engine)))
                 self._pending = []
@@ -187,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     push.connect(args.output)
     try:
         config = EngineConfig(**json.loads(sys.stdin.read()))
-        engine = LLMEngine(config, detokenize=False)
+        engine = EngineCore(config)
         push.send(wire.encoder.encode(wire.Ready(engine.max_model_len, engine.vocab_size, engine.kv_manager.num_pages,
                                                  config.page_size)))
         logger.info("serving: max_model_len %d, %d KV pages of %d tokens", engine.max_model_len,

@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.context import check_context
 from ..core.errors import EngineError, InvalidRequest
+from ..core.output_processor import Completion, Update
 from ..core.sampling_params import SamplingParams
 from ..core.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
 from .engine_client import EngineClient
 from .errors import APIError, engine_error, error_body, invalid
-from .generation import Completion, PromptRun, Update
+from .generation import PromptRun
 from .metrics import ServerMetrics
 from .limits import Limits, check_logprob_entries, check_sequences
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined

@@ -1,8 +1,9 @@
 """Messages between the API process and the engine process: msgpack through msgspec, typed.
 
 Every message is a tagged ``msgspec.Struct``; decoding checks the shape and types, so nothing
-from a socket becomes an arbitrary object (no pickle anywhere). Outputs are deltas: the tokens a
-step added, so a long generation costs the same per step at its end as at its start.
+from a socket becomes an arbitrary object (no pickle anywhere). Outputs are the engine core's own
+typed deltas (``EngineCoreOutput``): the tokens a step added, so a long generation costs the same
+per step at its end as at its start.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import typing
 
 import msgspec
 
+from ..core.outputs import EngineCoreOutput
 from ..core.sampling_params import SamplingParams
 
 # ---- API process -> engine process ----
@@ -68,23 +70,6 @@ ToEngine = AddRequest | AbortRequest | FinishSequence | Shutdown
 # ---- engine process -> API process ----
 
 
-class SeqDelta(msgspec.Struct, array_like=True):
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # per new token: {token id: logprob}, chosen included
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-class RequestDelta(msgspec.Struct):
-    request_id: str
-    seqs: list[SeqDelta]
-    finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the first delta
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival in the engine to first scheduling
-
-
 class Stats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -104,7 +89,7 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
-    deltas: list[RequestDelta]
+    deltas: list[EngineCoreOutput]
     stats: Stats
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import Tokenizer
-from engine.server.generation import Completion
-from engine.server.wire import SeqDelta
+from engine.core.output_processor import Completion
+from engine.core.outputs import CompletionDelta
 
 
 def test_a_stop_string_in_the_flushed_text_is_a_stop(tiny_qwen3):
     tok = Tokenizer.from_dir(tiny_qwen3)
     first_byte = tok.encode("é")[0]  # alone: an unfinished character, held back until the end
     c = Completion(0, IncrementalDetokenizer(tok, [0], SamplingParams(max_tokens=1, stop=["\ufffd"])))
-    new, used = c.apply(SeqDelta(0, [first_byte], None, "length", None))
+    new, used = c.apply(CompletionDelta(0, [first_byte], None, "length", None))
     assert (new, used, c.text) == ("", 1, "")
     assert (c.finish_reason, c.stop_reason) == ("stop", "\ufffd")

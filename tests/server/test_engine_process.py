@@ -14,7 +14,7 @@ import zmq
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.engine import LLMEngine
+from engine.core.engine import EngineCore
 from engine.server import wire
 from engine.server.engine_process import EngineLoop
 from engine.server.liveness import Liveness
@@ -71,7 +71,7 @@ def llm(tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def peer(tiny_qwen3):
-    p = LoopPeer(LLMEngine(EngineConfig(model=str(tiny_qwen3), **ENGINE_OPTS), progress=False, detokenize=False))
+    p = LoopPeer(EngineCore(EngineConfig(model=str(tiny_qwen3), **ENGINE_OPTS), progress=False))
     yield p
     p.close()
 
@@ -113,8 +113,8 @@ def test_malformed_messages_are_refused_and_logged_and_the_engine_serves(peer, l
     prompt = [random.randrange(1000) for _ in range(random.randint(3, 9))]
     peer.send_raw(wire.encoder.encode(wire.AddRequest("good", prompt, wire.engine_params(params))))
     deltas = peer.replies("good")
-    tokens = [t for d in deltas for s in d.seqs for t in s.token_ids]
-    assert deltas[-1].finished and deltas[-1].seqs[-1].finish_reason == "length"
+    tokens = [t for d in deltas for c in d.completions for t in c.token_ids]
+    assert deltas[-1].finished and deltas[-1].completions[-1].finish_reason == "length"
     assert tokens == llm.generate([prompt], params)[0].outputs[0].token_ids
 
 

@@ -67,8 +67,7 @@ def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_pa
     for name in ("native", "triton"):
         config = EngineConfig(model=str(path), dtype="float32", device="cpu", page_size=4, chunked_prefill_size=6,
                               max_num_batched_tokens=16, num_pages=96, v4_attention_backend=name)
-        engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False,
-                           detokenize=False)
+        engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
         chosen = engine.components.selections["v4_attention"].chosen
         assert chosen.name == name
         assert type(engine.components.model.model.attention).__name__ == (
