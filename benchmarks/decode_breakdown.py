@@ -3,17 +3,17 @@
 For each preset (random bf16 weights), one sequence decodes greedily after a 1K-token prompt with
 decode graphs on, and three things are measured:
 - the step: wall time of ``engine.step()``, one step after another (each reads a step's sampled
-  token back, so over many steps a step's wall time is all of it; with ``overlap_decode`` the
-  next step is already launched when it does);
+  token back, so over many steps a step's wall time is all of it; with ``overlap_decode`` it
+  launches the next step, its input read from the token table, before it does);
 - the replay: CUDA events around ``DecodeGraphs.run`` of one prepared decode batch (the sequence's
   last step again: same token, same position, same KV written), run back to back, so the GPU never
   waits on the host and the time per run is the device's;
 - the host parts of a step, by wall time of each part: scheduling; ``ModelRunner.execute``
   (gathering the batch, staging it, the copies and the replay's launch: host work only, nothing in
-  it waits for the device); the sampler, which launches the argmax and the token's copy back (and
-  without ``overlap_decode`` waits for them); the wait for a token left on the device; and the rest
-  (stop checks, detokenizing, outputs). A lookahead step's launch is inside the execute of the
-  step before it.
+  it waits for the device); the sampler, which launches the argmax, its write into the token
+  table and the token's copy back; the wait for that copy (``SamplerOutput.wait``: with
+  ``overlap_decode`` a step waits for the tokens of the step before it, which the device computed
+  while the host launched this one); and the rest (stop checks, detokenizing, outputs).
 Step minus replay is the time the GPU does not spend in the graph: host work not overlapped with
 it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every weight and the
 KV read once, at the measured copy bandwidth. Inside the replay, torch.profiler counts the kernels
@@ -40,7 +40,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoints import write_checkpoint
-from engine.core.sampler import PendingTokens
+from engine.core.sampler import SamplerOutput
 
 try:
     from common import bench_main, measure_limits
@@ -56,7 +56,7 @@ PROMPT_LEN = 1024
 WARMUP_STEPS = 20
 REPLAYS = 200
 HOST_PROFILE_STEPS, HOST_PROFILE_TOP = 50, 15
-PARTS = ("schedule", "execute", "sample", "wait")  # wait: for the tokens a step left on the device
+PARTS = ("schedule", "execute", "sample", "wait")  # wait: for a step's tokens to reach the host
 INNER_PARTS = ("stage", "graph_run")  # inside execute: the staging of the graph's inputs, and it with the launch
 
 
@@ -66,10 +66,9 @@ class PartTimers:
     def __init__(self, engine) -> None:
         self.times: dict[str, list[float]] = {part: [] for part in PARTS + INNER_PARTS}
         graphs = engine.runner.graphs
-        # an overlapped step schedules through extend_decodes, an ordinary one through schedule
-        self._targets = [("schedule", engine.scheduler, "schedule"), ("schedule", engine.scheduler, "extend_decodes"),
-                         ("execute", engine.runner, "execute"), ("sample", engine, "sampler"),
-                         ("wait", PendingTokens, "wait"), ("stage", graphs, "_stage"), ("graph_run", graphs, "run")]
+        self._targets = [("schedule", engine.scheduler, "schedule"), ("execute", engine.runner, "execute"),
+                         ("sample", engine, "sampler"), ("wait", SamplerOutput, "wait"), ("stage", graphs, "_stage"),
+                         ("graph_run", graphs, "run")]
         self._saved: list[tuple] = []
 
     def __enter__(self) -> "PartTimers":

@@ -101,7 +101,7 @@ class EngineConfig:
     enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
     graph_memory: int | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
-    overlap_decode: bool = True  # launch a greedy decode step before the last one's tokens reach the host
+    overlap_decode: bool = True  # launch each step before the last one's tokens reach the host (core/engine.py)
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load
     quantization: str | None = None

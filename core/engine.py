@@ -1,8 +1,8 @@
 """The engine loop: add requests, run steps, hand back outputs. Owns the device.
 
-``EngineCore.step_outputs()`` schedules, runs one forward, samples, applies the stop rules that
-need no text, and returns typed deltas (``EngineCoreOutput``); the engine process sends those as
-they are. ``LLMEngine`` is the core read through an ``OutputProcessor`` (text, stop strings),
+``EngineCore.step_outputs()`` schedules and launches a forward and its sampling, then applies
+the stop rules that need no text to the tokens of the step before it, and returns typed deltas
+(``EngineCoreOutput``); the engine process sends those as they are. ``LLMEngine`` is the core read through an ``OutputProcessor`` (text, stop strings),
 returning ``RequestOutput``s. It is synchronous and single-threaded by design; the async and
 server layers drive it from their own loop.
 """
@@ -24,11 +24,12 @@ from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
 from .request import Request
 from .runner import ModelRunner, StepLogits
-from .sampler import PendingTokens, Sampler, SamplerOutput, SamplingRow, plain_greedy, prompt_logprobs
+from .sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqStatus, Sequence
 from .startup import build
+from .token_table import TokenTable
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,10 @@ class EngineCounters:
 
 @dataclass
 class _StepTokens:
-    """A step's sampled sequences (one row each, in order) and their tokens, maybe still on the device."""
+    """A step's sampled sequences (one row each, in order) and their draws, on their way to the host."""
 
     seqs: list[Sequence]
-    tokens: SamplerOutput | PendingTokens | None
+    tokens: SamplerOutput | None
 
 
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -83,13 +84,14 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(c.model_config.path)
         self.vocab_size = c.model_config.vocab_size
         self.kv_manager = c.kv_manager
-        self.scheduler = Scheduler(config, c.kv_manager)
-        self.runner = ModelRunner(c.model, c.kv, config.page_size, c.device, c.graphs)
-        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, c.device)
+        self.token_table = TokenTable(config.max_num_seqs, c.device)
+        self.scheduler = Scheduler(config, c.kv_manager, self.token_table, c.max_model_len)
+        self.runner = ModelRunner(c.model, c.kv, self.token_table, config.page_size, c.device, c.graphs)
+        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()
-        self._ahead: _StepTokens | None = None  # a lookahead step in flight, its tokens not yet applied
+        self._in_flight: _StepTokens | None = None  # the step launched last, its tokens not yet applied
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -162,30 +164,21 @@ class EngineCore:
     def step_requests(self) -> list[Request]:
         """Run one step; return every request it changed.
 
-        With ``overlap_decode``, a step whose rows are all plain greedy leaves its tokens on the
-        device, and the next decode step is launched on them before they are read: the device runs
-        step N+1 while the host applies step N's tokens (stop checks, detokenizing, outputs). The
-        lookahead step's tokens are applied by the next call, which launches the one after in turn,
-        for as long as nothing needs an ordinary step: a waiting request, a prefill, a fork, a page
-        shortage, a sequence whose next token ends it by length, a row that needs more than the
-        argmax. Then the call runs an ordinary step once the tokens in flight are applied, so every
-        call launches a forward. A sequence that stops while a lookahead step runs drops that
-        step's token (its KV was written past its end, on pages it still held)."""
-        changed: list[Request] = []
-        done, self._ahead = self._ahead, None
-        if done is not None:
-            self._ahead = self._look_ahead(done)
-            changed = self._apply(done)
-            if self._ahead is not None:
-                return changed
-        step = self._run_scheduled()  # after the tokens of the step in flight are in
-        if step is None:
-            return changed
-        if isinstance(step.tokens, PendingTokens):
-            self._ahead = self._look_ahead(step)
-        return list(dict.fromkeys(changed + self._apply(step)))
+        A call schedules and launches step N+1, then applies the tokens of step N (stop checks,
+        outputs) while the device computes: whatever the sampling, the inputs of step N+1 that the
+        host has not seen yet are read from the token table on the device, and the penalties of its
+        rows count their tokens in flight from there. A sequence whose token of step N ends it by
+        length is not scheduled in step N+1; one that step N's token stops (or that is aborted, or
+        that its reader ends at a stop string) has its token of step N+1 dropped, and its pages went
+        back when it ended. Without ``overlap_decode`` a call applies its own step's tokens before
+        it returns."""
+        step = self._launch()
+        if self.config.overlap_decode:
+            step, self._in_flight = self._in_flight, step
+        return self._apply(step) if step is not None else []
 
-    def _run_scheduled(self) -> _StepTokens | None:
+    def _launch(self) -> _StepTokens | None:
+        """Schedule a step, run its forward and sample it, waiting for nothing on the device."""
         sched = self.scheduler.schedule()
         if not sched:
             return None
@@ -206,39 +199,16 @@ class EngineCore:
                     to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
         return self._sample(to_sample, step_logits.logits)
 
-    def _look_ahead(self, done: _StepTokens) -> _StepTokens | None:
-        """Launch the decode step after ``done`` on its device tokens, where one may run."""
-        keep = [i for i, seq in enumerate(done.seqs) if not seq.is_finished]
-        seqs = [done.seqs[i] for i in keep]
-        if not seqs or not all(self._may_run_ahead(seq) for seq in seqs):
-            return None
-        sched = self.scheduler.extend_decodes(seqs)
-        if sched is None:
-            return None
-        ids = done.tokens.device_ids
-        if len(keep) != len(done.seqs):
-            ids = ids.index_select(0, torch.tensor(keep, device=ids.device))
-        step_logits = self.runner.execute(sched, ahead_ids=ids)
-        for s in sched.scheduled:
-            self.scheduler.computed(s)
-        return self._sample([(seq, i) for i, seq in enumerate(seqs)], step_logits.logits)
-
-    def _may_run_ahead(self, seq: Sequence) -> bool:
-        """Whether a step may compute past ``seq``'s pending token: that token cannot end it by length,
-        and the next one is the plain argmax whatever the pending token is."""
-        p, n_out = seq.params, len(seq.output_token_ids) + 1  # the pending token counted
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens + 1 > self.max_model_len:
-            return False
-        return plain_greedy(SamplingRow(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids))
-
     def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor) -> _StepTokens:
         seqs, rows = [s for s, _ in to_sample], [r for _, r in to_sample]
         if not seqs:
             return _StepTokens(seqs, None)
         if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids)
-                                    for s in seqs], defer=self.config.overlap_decode)
+        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
+                                                s.slot, s.num_pending > 0) for s in seqs])
+        for s in seqs:
+            s.num_pending += 1
         return _StepTokens(seqs, out)
 
     def _apply(self, done: _StepTokens) -> list[Request]:
@@ -246,15 +216,14 @@ class EngineCore:
         if not done.seqs:
             return []
         out = done.tokens
-        if isinstance(out, PendingTokens):
-            out = SamplerOutput(out.wait(), None, [None] * len(done.seqs))
+        tokens = out.token_ids  # waits for the step
         now = time.monotonic()
         touched: dict[str, None] = {}
         for k, seq in enumerate(done.seqs):
-            if seq.is_finished:  # stopped or aborted while this (lookahead) step ran
+            seq.num_pending -= 1
+            if seq.is_finished:  # stopped or aborted while this step ran: its token is dropped
                 continue
-            req = self.requests[seq.request_id]
-            token = out.token_ids[k]
+            token = tokens[k]
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -290,13 +259,12 @@ class EngineCore:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         """The endings by token (stop strings are the reader's: output_processor.py)."""
         p = seq.params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
+        if len(seq.output_token_ids) >= p.min_tokens:
             if p.stop_token_ids and token in p.stop_token_ids:
                 return self.scheduler.finish(seq, "stop", token)
             if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
                 return self.scheduler.finish(seq, "stop", None)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens > self.max_model_len:
+        if seq.reaches_length(self.max_model_len):
             return self.scheduler.finish(seq, "length", None)
 
     def _count_finish(self, req: Request) -> None:

@@ -97,14 +97,14 @@ class DecodeGraphs:
             and all(q == 1 for q in query_lens) and max(map(len, page_tables)) <= self.page_table.shape[1]
 
     def run(self, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]],
-            device_ids: torch.Tensor | None = None) -> torch.Tensor:
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n;
-        ``device_ids`` replace ``input_ids`` from the device (a lookahead step's tokens)."""
+        ``fill`` writes, on the device, the input ids the host does not have yet into the staged ones."""
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         staged_ids = self._stage(b, input_ids, context_lens, page_tables)
-        if device_ids is not None:
-            staged_ids[:n].copy_(device_ids)
+        if fill is not None:
+            fill(staged_ids)
         self.kv.window_table()  # the replay reads the window table as it is: apply the staged changes first
         return self._replays[b]()[:n]
 

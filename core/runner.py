@@ -1,5 +1,6 @@
 """The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
-graph that holds it, and returns its logits."""
+graph that holds it, and returns its logits. Input tokens the host has not seen yet (the draws of
+the step still in flight) are read from the token table on the device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .graph_runner import DecodeGraphs
 from .kv.storage import KVCache
 from .models.base import CausalLM
 from .scheduler import SchedulerOutput
+from .token_table import TokenTable
 
 
 @dataclass
@@ -25,28 +27,29 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, page_size: int, device: torch.device,
+    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, page_size: int, device: torch.device,
                  graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.table = table
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, ahead_ids: torch.Tensor | None = None) -> StepLogits:
-        """``ahead_ids``: the input tokens of a lookahead step (every sequence ``ahead``), on the device."""
+    def execute(self, step: SchedulerOutput) -> StepLogits:
         if step.page_copies:
             src, dst = zip(*step.page_copies)
             self.kv.copy_pages(list(src), list(dst))
-        input_ids, query_lens, context_lens, tables, logits_indices, rows = self._gather(step)
+        input_ids, query_lens, context_lens, tables, logits_indices, rows, (table_rows, slots) = self._gather(step)
+        fill = (lambda ids: self.table.fill(ids, table_rows, slots)) if slots else None
         if self.graphs is not None and self.graphs.can_run(query_lens, tables, len(logits_indices)):
-            return StepLogits(self.graphs.run(input_ids, context_lens, tables, ahead_ids), rows)
+            return StepLogits(self.graphs.run(input_ids, context_lens, tables, fill), rows)
         batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size, logits_indices,
                                    device=self.device, staging=self.staging)
-        if ahead_ids is not None:
-            batch.input_ids.copy_(ahead_ids)
+        if fill is not None:
+            fill(batch.input_ids)
         batch.attn_metadata = self.model.prepare(batch)
         hidden = self.model(batch, self.kv)
         if batch.logits_indices.numel() == 0:
@@ -55,17 +58,24 @@ class ModelRunner:
 
     @staticmethod
     def _gather(step: SchedulerOutput):
-        """The step's batch as host lists, and each sequence's (first logits row, number of rows)."""
+        """The step's batch as host lists, each sequence's (first logits row, number of rows), and the
+        packed rows whose input is read from the token table with the slots they read."""
         input_ids: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         rows: list[tuple[int, int]] = []
+        table_rows: list[int] = []
+        slots: list[int] = []
         for s in step.scheduled:
             seq, start = s.seq, len(input_ids)
-            # a lookahead step's token is not on the host yet: a 0 here, the device's value in the batch
-            input_ids.extend([0] if s.ahead else seq.token_slice(s.context_len, s.context_len + s.num_new))
+            if s.in_flight:  # its token is not on the host yet: a 0 here, the table's value in the batch
+                table_rows.append(start)
+                slots.append(seq.slot)
+                input_ids.append(0)
+            else:
+                input_ids.extend(seq.token_slice(s.context_len, s.context_len + s.num_new))
             query_lens.append(s.num_new)
             context_lens.append(s.context_len)
             tables.append(s.pages)
@@ -77,4 +87,4 @@ class ModelRunner:
                 logits_indices.append(start + s.num_new - 1)
             else:
                 rows.append((len(logits_indices), 0))
-        return input_ids, query_lens, context_lens, tables, logits_indices, rows
+        return input_ids, query_lens, context_lens, tables, logits_indices, rows, (table_rows, slots)

@@ -5,10 +5,14 @@ rows take the argmax of that, the others go through temperature, top-k, top-p an
 draw. Reported logprobs are those of the raw model logits (vLLM's default), so they say what the
 model thought, not what the sampling settings made of it.
 
+Nothing waits for the device: the draws are written into the token table (core/token_table.py),
+where the next step reads its inputs, and come to the host behind the step, read when the engine
+processes it. So a row's last token may still be in flight when it is sampled again; it is in the
+table at the row's slot, and the penalties and the min_tokens count take it from there.
+
 A batch of plain greedy rows (nothing that changes the logits, no logprobs: the common decode)
-takes a fast path: one argmax on the device and one copy of the tokens to the host. Otherwise
-nothing a batch does not need runs either: no copy of the logits where nothing changes them in
-place, no logprobs where no row asks for them.
+takes a fast path: one argmax. Otherwise nothing a batch does not need runs either: no copy of the
+logits where nothing changes them in place, no logprobs where no row asks for them.
 
 A draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token, which picks token ``i`` with
 probability ``probs[i]``. A seeded row takes its ``q`` from its own generator only, so its tokens
@@ -18,10 +22,12 @@ do not depend on what else is in the batch; unseeded rows share the sampler's ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from .sampling_params import SamplingParams
+from .token_table import TokenTable
 
 
 @dataclass
@@ -31,14 +37,62 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # None: the sampler's shared generator
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # those on the host
+    slot: int = 0  # its token table slot, where the draw goes; 0: scratch
+    in_flight: bool = False  # one more output token, not on the host yet: in the table at ``slot``
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_token_ids) + self.in_flight
 
 
-@dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None  # raw logprob of each chosen token; None where no row asks for logprobs
-    top_logprobs: list[list[tuple[int, float]] | None]  # top-n (id, logprob) where params.logprobs is set
+    """A step's draws: on the device at once, on the host when first read. The copies are queued
+    behind the step (into pinned memory behind an event on CUDA), so reading waits for the step."""
+
+    def __init__(self, token_ids: torch.Tensor, chosen: torch.Tensor | None = None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None, top_n: list[int | None] | None = None) -> None:
+        """``chosen``: the raw logprob of each draw; ``top``: (logprobs, ids) of the rows whose ``top_n`` > 0
+        (in row order), ``top_n`` each row's params.logprobs."""
+        self.device_token_ids = token_ids
+        self._top_n = top_n
+        pinned = token_ids.is_cuda
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t, non_blocking=pinned)
+                      for t in (token_ids, chosen, *(top or ())) if t is not None]
+        self._copied = None
+        if pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        self.wait()
+        return self._host[0].tolist()
+
+    @cached_property
+    def logprobs(self) -> list[float] | None:
+        """The raw logprob of each chosen token; None where no row asks for logprobs."""
+        self.wait()
+        return self._host[1].tolist() if self._top_n is not None else None
+
+    @cached_property
+    def top_logprobs(self) -> list[list[tuple[int, float]] | None]:
+        """Top-n (id, logprob) where params.logprobs is set."""
+        if self._top_n is None:
+            return [None] * len(self.token_ids)
+        self.wait()
+        out: list[list[tuple[int, float]] | None] = [None if n is None else [] for n in self._top_n]
+        if len(self._host) == 4:
+            rows = (i for i, n in enumerate(self._top_n) if n)
+            for i, v, t in zip(rows, self._host[2].tolist(), self._host[3].tolist()):
+                n = self._top_n[i]
+                out[i] = list(zip(t[:n], v[:n]))
+        return out
 
 
 def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -77,58 +131,32 @@ def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> t
             torch.tensor(cols, dtype=torch.long, device=device))
 
 
-def plain_greedy(row: SamplingRow) -> bool:
-    """Greedy, no logprobs, and none of what ``Sampler.process`` applies: the raw logits' argmax."""
-    p = row.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and len(row.output_token_ids) >= p.min_tokens
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
-
-
-class PendingTokens:
-    """Greedy tokens still on the device, on their way to the host.
-
-    The engine launches the next decode step on ``device_ids`` before it reads them, so the
-    device runs that step while the host applies these (stop checks, detokenizing, outputs). On
-    CUDA/HIP the copy goes to pinned memory behind an event; elsewhere it is done at once."""
-
-    def __init__(self, device_ids: torch.Tensor) -> None:
-        self.device_ids = device_ids
-        pinned = device_ids.is_cuda
-        self._host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=pinned)
-        self._host.copy_(device_ids, non_blocking=pinned)
-        self._copied = None
-        if pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def wait(self) -> list[int]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()
-
-
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], device: torch.device | str,
-                 seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], table: TokenTable, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self.device = torch.device(device)
+        self.table = table
+        self.device = table.device
         self.generator = torch.Generator(device=self.device)
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 defer: bool = False) -> SamplerOutput | PendingTokens:
-        """The tokens of ``rows``; with ``defer``, a batch of plain greedy rows leaves them on the
-        device (``PendingTokens``) instead of waiting for them."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The draws of ``rows``, written into their table slots; nothing here waits for the device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}], got {list(logits.shape)}")
-        if all(map(plain_greedy, rows)):
-            tokens = logits.argmax(dim=-1)
-            return PendingTokens(tokens) if defer else SamplerOutput(tokens.tolist(), None, [None] * len(rows))
-        return self.sample(logits, rows)
+        out = SamplerOutput(logits.argmax(dim=-1)) if all(map(self._plain_greedy, rows)) else self.sample(logits, rows)
+        self.table.write([r.slot for r in rows], out.device_token_ids)
+        return out
+
+    @staticmethod
+    def _plain_greedy(row: SamplingRow) -> bool:
+        """Greedy, no logprobs, and none of what ``process`` applies: the raw logits' argmax."""
+        p = row.params
+        return (p.greedy and p.logprobs is None and not p.logit_bias and row.num_output >= p.min_tokens
+                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The general path, whatever the rows ask for."""
@@ -142,18 +170,25 @@ class Sampler:
             if sampled:
                 idx = torch.tensor(sampled, device=x.device)
                 tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
-        if all(r.params.logprobs is None for r in rows):
-            return SamplerOutput(tokens.tolist(), None, [None] * len(rows))
+        top_n = [r.params.logprobs for r in rows]
+        if all(n is None for n in top_n):
+            return SamplerOutput(tokens)
         raw = torch.log_softmax(logits, dim=-1)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), self._top_logprobs(raw, rows))
+        wanted = [i for i, n in enumerate(top_n) if n]
+        top = None
+        if wanted:
+            most = min(max(top_n[i] for i in wanted), raw.shape[1])
+            top = raw.index_select(0, torch.tensor(wanted, device=raw.device)).topk(most, dim=-1)
+        return SamplerOutput(tokens, chosen, top, top_n)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The logits after bias, min_tokens masking and penalties: greedy rows take their argmax."""
+        """The logits after bias, min_tokens masking and penalties: greedy rows take their argmax.
+        A row's token still in flight counts (read from the token table)."""
         dev = logits.device
         bias = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
         early = [(i, self.eos_token_ids + r.params.stop_token_ids) for i, r in enumerate(rows)
-                 if len(r.output_token_ids) < r.params.min_tokens]
+                 if r.num_output < r.params.min_tokens]
         x = logits.clone() if bias or early else logits  # the two in-place steps; the others make new tensors
         if bias:
             ri, ci = _ragged_index([(i, list(b)) for i, b in bias], dev)
@@ -161,22 +196,35 @@ class Sampler:
                          accumulate=True)
         if early:
             x.index_put_(_ragged_index(early, dev), torch.tensor(float("-inf"), device=dev))
-        rep = [(i, r.prompt_token_ids + r.output_token_ids) for i, r in enumerate(rows)
-               if r.params.repetition_penalty != 1.0]
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
             seen = torch.zeros_like(x, dtype=torch.bool)
-            seen.index_put_(_ragged_index(rep, dev), torch.tensor(True, device=dev))
+            seen.index_put_(_ragged_index([(i, rows[i].prompt_token_ids + rows[i].output_token_ids) for i in rep], dev),
+                            torch.tensor(True, device=dev))
+            flight = self._in_flight(rows, rep)
+            if flight is not None:
+                seen.index_put_(flight, torch.tensor(True, device=dev))
             pen = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
             x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
-        counted = [(i, r.output_token_ids) for i, r in enumerate(rows)
-                   if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
+        counted = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
         if counted:
-            ri, ci = _ragged_index(counted, dev)
+            ri, ci = _ragged_index([(i, rows[i].output_token_ids) for i in counted], dev)
             counts = torch.zeros_like(x).index_put_((ri, ci), torch.ones_like(ci, dtype=x.dtype), accumulate=True)
+            flight = self._in_flight(rows, counted)
+            if flight is not None:
+                counts.index_put_(flight, torch.tensor(1.0, dtype=x.dtype, device=dev), accumulate=True)
             freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
             pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
             x = x - freq * counts - pres * (counts > 0)
         return x
+
+    def _in_flight(self, rows: list[SamplingRow], which: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row, token) index tensors of the tokens in flight of the rows ``which``, the tokens from the table."""
+        flying = [i for i in which if rows[i].in_flight]
+        if not flying:
+            return None
+        return (torch.tensor(flying, dtype=torch.long, device=self.device),
+                self.table.read([rows[i].slot for i in flying]))
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
@@ -195,19 +243,6 @@ class Sampler:
                 q[j].exponential_(generator=r.generator)
         # q == 0 would turn an excluded token's 0/0 into NaN, which argmax prefers
         return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-
-    @staticmethod
-    def _top_logprobs(raw: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
-        out: list[list[tuple[int, float]] | None] = [None if r.params.logprobs is None else [] for r in rows]
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
-        if not wanted:
-            return out
-        most = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
-        vals, ids = raw.index_select(0, torch.tensor(wanted, device=raw.device)).topk(most, dim=-1)
-        for i, v, t in zip(wanted, vals.tolist(), ids.tolist()):
-            n = rows[i].params.logprobs
-            out[i] = list(zip(t[:n], v[:n]))
-        return out
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> list[dict[int, float]]:

@@ -9,6 +9,10 @@ Where the model has windowed components (core/kv/window.py), a sequence also hol
 pages of the pages within reach of its end, and a shortage of those is met the same way: first
 the prefix cache's windows are let go, then a sequence is preempted. Pages, windows and the prefix
 cache are the KV manager's (core/kv/manager.py): the scheduler asks it and never reaches in.
+
+A step is scheduled before the tokens of the step in flight reach the host (core/engine.py): a
+sequence with a token still on the device decodes it from the token table, and one whose token in
+flight ends it by length is not scheduled again. A running sequence holds a slot of that table.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .kv.manager import KVManager
 from .sequence import SeqStatus, Sequence
+from .token_table import TokenTable
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +35,12 @@ class ScheduledSeq:
     num_new: int  # tokens computed this step, starting at seq.num_computed
     context_len: int  # seq.num_computed when scheduled
     pages: list[int]  # the sequence's page table
-    ahead: bool = False  # a lookahead decode: its input token is the one still on the device
+    in_flight: bool = False  # a decode whose input token is still on the device only (in the token table)
 
     @property
     def samples(self) -> bool:
-        """The step reaches the sequence's last token, so a new token is drawn."""
-        return self.ahead or self.context_len + self.num_new == self.seq.num_tokens
+        """The step reaches the sequence's last token (on the host, or still in flight), so a new token is drawn."""
+        return self.context_len + self.num_new >= self.seq.num_tokens
 
     @property
     def needs_all_logits(self) -> bool:
@@ -64,9 +69,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
+        self.table = table
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fork_pending: dict[str, list[Sequence]] = {}  # request id -> siblings of n > 1
@@ -124,9 +131,20 @@ class Scheduler:
         return self.kv.allocate(seq, upto_tokens - seq.num_computed)
 
     def _release(self, seq: Sequence, cache: bool) -> None:
-        """Give back a sequence's pages; its computed full pages go to the prefix cache first."""
+        """Give back a sequence's pages and slot; its computed full pages go to the prefix cache first."""
         self.kv.free(seq, cache=cache)
         seq.num_computed = 0
+        self.table.release(seq.slot)
+        seq.slot = 0
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        seq.slot = self.table.assign()
+        self.running.append(seq)
+
+    def _drawn_out(self, seq: Sequence) -> bool:
+        """Its token still in flight is its last (it ends by length): nothing is left to compute."""
+        return seq.num_pending > 0 and seq.reaches_length(self.max_model_len, seq.num_pending)
 
     def computed(self, s: ScheduledSeq) -> None:
         """A scheduled step's tokens are computed (their KV written): the sequence moves past them."""
@@ -156,9 +174,8 @@ class Scheduler:
                 self.waiting.append(s)
                 continue
             s.num_computed = prompt_len
-            s.status = SeqStatus.RUNNING
             s.first_scheduled_time = parent.first_scheduled_time
-            self.running.append(s)
+            self._run(s)
         return siblings
 
     # -- the step -----------------------------------------------------------------------------
@@ -166,7 +183,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         cfg = self.config
-        num_decodes = sum(1 for s in self.running if not s.in_prefill)
+        num_decodes = sum(1 for s in self.running if not s.in_prefill and not self._drawn_out(s))
         prefill_budget = max(cfg.max_num_batched_tokens - num_decodes, 0)
         if cfg.chunk_size:
             prefill_budget = min(prefill_budget, cfg.chunk_size)
@@ -174,6 +191,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if self._drawn_out(seq):
+                i += 1
+                continue
             remaining = seq.num_tokens - seq.num_computed
             prefilling = seq.in_prefill
             if prefilling:
@@ -193,7 +213,7 @@ class Scheduler:
                 continue  # preempted itself; ``i`` now points at the next sequence
             if prefilling:
                 prefill_budget -= num_new
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq)))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq), seq.num_pending > 0))
             i += 1
 
         if not out.preempted:
@@ -202,24 +222,11 @@ class Scheduler:
         self.stats.num_steps += 1
         return out
 
-    def extend_decodes(self, seqs: list[Sequence]) -> SchedulerOutput | None:
-        """The next decode step of ``seqs`` scheduled before their last tokens reach the host: each
-        computes the token at ``num_computed``, which is on the device. None where that step would
-        leave out anything an ordinary step serves (a running sequence not in ``seqs``, a waiting
-        request, a fork, a page copy) or need more than free pages (a preemption)."""
-        if self.waiting or self.fork_pending or self.kv.has_page_copies or set(self.running) != set(seqs):
-            return None
-        for seq in seqs:
-            if not self._allocate(seq, seq.num_computed + 1):
-                return None  # pages taken so far are the ones the next ordinary step needs
-        self.stats.num_steps += 1
-        return SchedulerOutput([ScheduledSeq(s, 1, s.num_computed, self.kv.pages(s), ahead=True) for s in seqs])
-
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            if budget <= 0:
+            if budget <= 0 or seq.num_pending:  # a sibling whose first token is still in flight waits a step
                 break
             self._match_prefix(seq)  # waiting sequences hold no pages
             remaining = seq.num_tokens - seq.num_computed
@@ -235,8 +242,7 @@ class Scheduler:
             self.waiting.popleft()
             # a lookup counts once, when admitted, however many steps the sequence waited
             self.kv.record_lookup(seq.num_tokens - 1, seq.num_cached)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq)))
             budget -= num_new
 

@@ -29,6 +29,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is written
     num_cached: int = 0  # of those, how many came from the prefix cache at admission
+    num_pending: int = 0  # tokens drawn on the device whose step the host has not processed yet
+    slot: int = 0  # its row in the token table while it runs (core/token_table.py); 0: none
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
@@ -52,6 +54,12 @@ class Sequence:
         if hi <= n:
             return self.prompt_token_ids[lo:hi]
         return self.prompt_token_ids[lo:] + self.output_token_ids[: hi - n]
+
+    def reaches_length(self, max_model_len: int, num_more: int = 0) -> bool:
+        """Its tokens and ``num_more`` drawn after them end it by length: max_tokens, or a full context."""
+        n_out = len(self.output_token_ids) + num_more
+        return (self.params.max_tokens is not None and n_out >= self.params.max_tokens) \
+            or self.num_tokens + num_more > max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graph-memory", type=parse_size, default=None,
                    help="bytes decode graphs may take (default: half of what the KV cache leaves)")
     g.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
-                   help="read every greedy decode step's tokens before launching the next step")
+                   help="read every step's tokens before launching the next step")
     g.add_argument("--quantization", default=None, choices=["none"],
                    help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
                         "them in their stored formats, FP8 / FP4, where the backends run them)")

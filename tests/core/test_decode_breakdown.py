@@ -55,9 +55,6 @@ def test_part_timers_time_each_call_and_put_everything_back(breakdown):
         def schedule(self):
             return "scheduled"
 
-        def extend_decodes(self, seqs):
-            return seqs
-
     class Graphs:
         def _stage(self, b):
             return b
@@ -71,15 +68,18 @@ def test_part_timers_time_each_call_and_put_everything_back(breakdown):
                              sampler=lambda logits, rows: (logits, rows))
     execute = engine.runner.execute
     sampler = engine.sampler
-    wait = breakdown.PendingTokens.wait
+    wait = breakdown.SamplerOutput.wait
     with breakdown.PartTimers(engine) as timers:
         for i in range(3):
             assert engine.scheduler.schedule() == "scheduled"
             assert engine.runner.execute(i) == 2 * (i + 1)
-        assert engine.scheduler.extend_decodes([7]) == [7]  # an overlapped step's schedule
         assert engine.sampler(1, 2) == (1, 2)
-    assert [len(timers.times[p]) for p in ("schedule", "execute", "sample", "stage", "graph_run")] == [4, 3, 1, 3, 3]
-    assert breakdown.PendingTokens.wait is wait
+        out = breakdown.SamplerOutput(torch.tensor([3, 1]))
+        assert out.token_ids == [3, 1]
+        out.wait()
+    assert [len(timers.times[p]) for p in ("schedule", "execute", "sample", "wait", "stage", "graph_run")] \
+        == [3, 3, 1, 2, 3, 3]
+    assert breakdown.SamplerOutput.wait is wait
     assert all(t >= 0 for ts in timers.times.values() for t in ts)
     assert not vars(engine.scheduler) and engine.runner.execute is execute and engine.sampler is sampler
     assert not vars(graphs)

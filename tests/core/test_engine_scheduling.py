@@ -52,7 +52,7 @@ def token_ids(outputs) -> list[list[int]]:
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_abort_mid_generation_returns_every_page(tiny_qwen3, eval_text, seed, prefix_caching):
-    # step by step states: no decode step runs ahead (tests/core/test_engine_overlap.py aborts one that does)
+    # step by step states: each step read before the next (tests/core/test_overlap.py aborts with one in flight)
     llm = make_llm(tiny_qwen3, chunked_prefill_size=8, max_num_seqs=2, enable_prefix_caching=prefix_caching,
                    overlap_decode=False)
     engine = llm.engine

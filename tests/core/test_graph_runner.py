@@ -21,6 +21,7 @@ from engine.core.runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.core.token_table import TokenTable
 
 CPU = torch.device("cpu")
 
@@ -84,8 +85,11 @@ def test_each_step_fills_its_bucket_and_the_padding_rows(seed):
         assert graphs.can_run([1] * n, tables, n)
         if rng.random() < 0.5:
             got = graphs.run(ids, ctx, tables)
-        else:  # a lookahead step: the ids on the device only
-            got = graphs.run([0] * n, ctx, tables, device_ids=torch.tensor(ids))
+        else:  # the ids on the device only, in a token table
+            table = TokenTable(graphs.max_batch + 3, CPU)
+            slots = rng.sample(range(1, table.num_slots + 1), n)
+            table.write(slots, torch.tensor(ids))
+            got = graphs.run([0] * n, ctx, tables, lambda staged: table.fill(staged, list(range(n)), slots))
         full = echo.last.clone()
         want = echo(ForwardBatch.build(ids, [1] * n, ctx, tables, page, list(range(n))), None)
         assert torch.equal(got, want)
@@ -106,25 +110,34 @@ def test_graphs_refuse_what_they_do_not_hold(seed):
     assert not graphs.can_run([1, 1], [[1], [2]], 1)  # a sequence that draws no token has no logits row
 
 
-def _scheduled(rng: random.Random, i: int, prompt_len: int, outputs: int, page: int, context_len=None) -> ScheduledSeq:
-    """One token of a sequence on random pages, after ``context_len`` tokens (default: its last token)."""
+def _scheduled(rng: random.Random, i: int, prompt_len: int, outputs: int, page: int, context_len=None,
+               table: TokenTable | None = None) -> ScheduledSeq:
+    """One token of a sequence on random pages, after ``context_len`` tokens (default: its last token).
+    With ``table``, the token is one drawn on the device only: in the table at the sequence's slot."""
     seq = Sequence(i, f"r{i}", 0, [rng.randrange(50000) for _ in range(prompt_len)], SamplingParams())
     seq.output_token_ids = [rng.randrange(50000) for _ in range(outputs)]
-    pages = rng.sample(range(1, 10000), -(-seq.num_tokens // page))
-    return ScheduledSeq(seq, 1, seq.num_tokens - 1 if context_len is None else context_len, pages)
+    if table is not None:
+        seq.slot, seq.num_pending = table.assign(), 1
+        table.write([seq.slot], torch.tensor([rng.randrange(50000)]))
+        context_len = seq.num_tokens
+    pages = rng.sample(range(1, 10000), -(-(seq.num_tokens + seq.num_pending) // page))
+    return ScheduledSeq(seq, 1, seq.num_tokens - 1 if context_len is None else context_len, pages, table is not None)
 
 
 def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
     """A one-token prefill chunk draws nothing: beside decodes, its step must not take a graph, whose
-    logits rows are one per sequence, or the decodes after it would read the wrong rows."""
+    logits rows are one per sequence, or the decodes after it would read the wrong rows. Decodes
+    whose token is still in flight read it from the token table, on either path."""
     rng = random.Random(seed)
     graphs, echo = make_graphs(rng)
     page = graphs.page_size
-    runner = ModelRunner(echo, graphs.kv, page, CPU, graphs)
     for chunk in (False, True):
+        table = TokenTable(2, CPU)  # grows as slots are taken
+        runner = ModelRunner(echo, graphs.kv, table, page, CPU, graphs)
         step = SchedulerOutput()
         for i in range(rng.randint(2, graphs.max_batch)):
-            step.scheduled.append(_scheduled(rng, i, rng.randint(2, 30), rng.randint(1, 20), page))
+            step.scheduled.append(_scheduled(rng, i, rng.randint(2, 30), rng.randint(1, 20), page,
+                                             table=table if rng.random() < 0.6 else None))
         if chunk:
             prompt_len = rng.randint(3, 30)
             step.scheduled.insert(rng.randrange(len(step.scheduled)),
@@ -134,9 +147,9 @@ def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
         through_graph = echo.batches[0].seq_lens_cpu[0] == graphs.max_model_len  # a captured batch's placeholder
         assert through_graph != chunk
         s = step.scheduled
-        want = echo(ForwardBatch.build([x.seq.tokens[x.context_len] for x in s], [1] * len(s),
-                                       [x.context_len for x in s], [x.pages for x in s], page, list(range(len(s)))),
-                    None)
+        ids = [int(table.tokens[x.seq.slot]) if x.in_flight else x.seq.tokens[x.context_len] for x in s]
+        want = echo(ForwardBatch.build(ids, [1] * len(s), [x.context_len for x in s], [x.pages for x in s], page,
+                                       list(range(len(s)))), None)
         for i, x in enumerate(s):
             if x.samples:
                 assert torch.equal(out.logits[out.last_row(i)], want[i])

@@ -6,6 +6,7 @@ import torch
 
 from engine.core.sampler import Sampler, SamplingRow, filter_logits, prompt_logprobs
 from engine.core.sampling_params import SamplingParams
+from engine.core.token_table import TokenTable
 
 
 def make_row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
@@ -57,7 +58,7 @@ def test_greedy_is_argmax(seed):
     V = 300
     logits = torch.randn(9, V) * 4
     rows = [make_row(temperature=0) if i % 2 == 0 else make_row(temperature=1.3, top_k=5) for i in range(9)]
-    out = Sampler(V, {1}, "cpu", seed=seed)(logits, rows)
+    out = Sampler(V, {1}, TokenTable(4, "cpu"), seed=seed)(logits, rows)
     for i in range(0, 9, 2):
         assert out.token_ids[i] == int(logits[i].argmax())
     for i in range(1, 9, 2):
@@ -74,7 +75,7 @@ def spied(sampler: Sampler) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_equals_the_general_path(seed, dtype):
     V, N = 257, 33
-    sampler = Sampler(V, {1}, "cpu", seed=seed)
+    sampler = Sampler(V, {1}, TokenTable(4, "cpu"), seed=seed)
     general = spied(sampler)
     rows = [make_row(temperature=0, output=[random.randrange(V)]) for _ in range(N)]
     for logits in (torch.randn(N, V) * 3, torch.randint(0, 4, (N, V)).float()):  # the second is full of ties
@@ -94,7 +95,7 @@ def test_one_row_that_needs_more_takes_the_batch_off_the_fast_path(seed, extra):
     rows = [make_row(temperature=0, output=[7, 7]) for _ in range(N)]
     k = random.randrange(N)
     rows[k] = make_row(output=[7, 7], **{"temperature": 0, **extra})
-    sampler = Sampler(V, {1}, "cpu", seed=seed)
+    sampler = Sampler(V, {1}, TokenTable(4, "cpu"), seed=seed)
     general = spied(sampler)
     out = sampler(logits, rows)
     assert general == [1]
@@ -140,7 +141,7 @@ def test_sampling_distribution_shared_generator(seed, temperature, top_k, top_p,
     logits = torch.randn(V) * 1.5
     allowed, expected = reference_allowed(logits / temperature, top_k, top_p, min_p)
     rows = [make_row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * N
-    out = Sampler(V, set(), "cpu", seed=seed)(logits.expand(N, V).contiguous(), rows)
+    out = Sampler(V, set(), TokenTable(4, "cpu"), seed=seed)(logits.expand(N, V).contiguous(), rows)
     _check_distribution(out.token_ids, allowed, expected)
 
 
@@ -150,7 +151,7 @@ def test_sampling_distribution_seeded_rows(seed):
     allowed, expected = reference_allowed(logits / 0.8, 0, 0.9, 0.0)
     rows = [make_row(generator=torch.Generator().manual_seed(seed * 7919 + i), temperature=0.8, top_p=0.9, seed=i)
             for i in range(N)]
-    out = Sampler(V, set(), "cpu", seed=seed)(logits.expand(N, V).contiguous(), rows)
+    out = Sampler(V, set(), TokenTable(4, "cpu"), seed=seed)(logits.expand(N, V).contiguous(), rows)
     _check_distribution(out.token_ids, allowed, expected)
 
 
@@ -169,7 +170,7 @@ def test_penalties_and_bias_match_reference(seed):
             min_tokens=random.choice([0, 4]), stop_token_ids=[random.randrange(V)], max_tokens=None,
             temperature=0))
     logits = torch.randn(len(rows), V) * 3
-    sampler = Sampler(V, eos, "cpu", seed=seed)
+    sampler = Sampler(V, eos, TokenTable(4, "cpu"), seed=seed)
     expected = reference_process(logits, rows, eos)
     before = logits.clone()
     torch.testing.assert_close(sampler.process(logits, rows), expected)
@@ -177,9 +178,37 @@ def test_penalties_and_bias_match_reference(seed):
     assert torch.equal(logits, before)  # the caller's logits (a graph's static output) are left as they were
 
 
+def test_a_token_in_flight_counts_from_the_table(seed):
+    """A row sampled again before its last token reached the host: penalties and min_tokens count
+    that token from its table slot, as if it were on the host; every draw lands in its row's slot."""
+    V, N = 16, 12
+    eos = {1, 3}
+    table = TokenTable(2, "cpu")
+    host_rows, flying_rows = [], []
+    for _ in range(N):
+        params = dict(repetition_penalty=random.choice([1.0, 0.7, 1.3]), frequency_penalty=random.choice([0.0, 0.5]),
+                      presence_penalty=random.choice([0.0, -0.8]), min_tokens=random.choice([0, 2, 3, 4]),
+                      stop_token_ids=[random.randrange(V)], max_tokens=None, temperature=0)
+        prompt = [random.randrange(V) for _ in range(random.randrange(0, 6))]
+        output = [random.randrange(V) for _ in range(random.randrange(0, 5))]
+        last = random.randrange(V)
+        host_rows.append(make_row(prompt, output + [last], **params))
+        flying = make_row(prompt, output, **params)
+        flying.slot, flying.in_flight = table.assign(), True
+        table.write([flying.slot], torch.tensor([last]))
+        flying_rows.append(flying)
+    logits = torch.randn(N, V) * 3
+    sampler = Sampler(V, eos, table, seed=seed)
+    expected = reference_process(logits, host_rows, eos)
+    torch.testing.assert_close(sampler.process(logits, flying_rows), expected)
+    out = sampler(logits, flying_rows)
+    assert out.token_ids == expected.argmax(-1).tolist()
+    assert table.read([r.slot for r in flying_rows]).tolist() == out.token_ids
+
+
 def _seeded_run(layouts, steps_logits, V, run_seed) -> list[int]:
     """Sample the target row over several steps, with a different crowd around it in each layout."""
-    sampler = Sampler(V, {0}, "cpu", seed=run_seed)
+    sampler = Sampler(V, {0}, TokenTable(4, "cpu"), seed=run_seed)
     target = make_row(prompt=[5, 6, 7], generator=torch.Generator().manual_seed(1234), seed=1234,
                       temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2,
                       max_tokens=None)
@@ -222,7 +251,7 @@ def test_seed_changes_the_draw(seed):
     V, N = 1000, 20
     logits = torch.zeros(N, V)
     rows = [make_row(generator=torch.Generator().manual_seed(seed + i), seed=i) for i in range(N)]
-    assert len(set(Sampler(V, set(), "cpu", seed=seed)(logits, rows).token_ids)) > N // 2
+    assert len(set(Sampler(V, set(), TokenTable(4, "cpu"), seed=seed)(logits, rows).token_ids)) > N // 2
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
@@ -233,7 +262,7 @@ def test_min_tokens_masks_eos_and_stop_ids(seed, ignore_eos):
     logits[:, [1, 3, 7]] = 50.0
     rows = [make_row(output=[4] * n, min_tokens=3, stop_token_ids=stop, ignore_eos=ignore_eos, temperature=t)
             for n, t in [(0, 0), (2, 0), (2, 1.0), (3, 0)]]
-    sampler = Sampler(V, eos, "cpu", seed=seed)
+    sampler = Sampler(V, eos, TokenTable(4, "cpu"), seed=seed)
     for _ in range(20):
         out = sampler(logits, rows)
         assert not set(out.token_ids[:3]) & {1, 3, 7}
@@ -247,7 +276,7 @@ def test_logprobs_are_raw(seed):
             make_row(temperature=0, logit_bias={7: 30.0}, logprobs=0),
             make_row(top_k=3, logprobs=None),
             make_row(temperature=2.0, logprobs=2)]
-    out = Sampler(V, set(), "cpu", seed=seed)(logits, rows)
+    out = Sampler(V, set(), TokenTable(4, "cpu"), seed=seed)(logits, rows)
     raw = torch.log_softmax(logits, -1)
     assert out.token_ids[1] == 7
     for i, t in enumerate(out.token_ids):
@@ -275,4 +304,4 @@ def test_prompt_logprobs_include_actual_token(seed):
 
 def test_rejects_wrong_shape():
     with pytest.raises(ValueError, match="logits must be"):
-        Sampler(10, set(), "cpu")(torch.zeros(2, 11), [make_row(), make_row()])
+        Sampler(10, set(), TokenTable(4, "cpu"))(torch.zeros(2, 11), [make_row(), make_row()])
