@@ -4,21 +4,27 @@ For each batch size the engine generates ``--decode`` tokens after a 1K-token pr
 greedy, prefix cache off); decode tokens/s is batch x decode over the time beyond a
 one-token run of the same prompts (prefill and first token), so prefill stays out of it. The
 roofline of a step is its bytes (every weight once, plus each sequence's KV) over the measured
-copy bandwidth. HF transformers generates the same prompts on the same device the same way. Batch 1 runs once
-more with each of two speed-ups off, to show what it gives: ``overlap_decode`` (each step is launched
-before the last one's tokens are read) and programmatic dependent launch (``ENGINE_PDL=0``).
+copy bandwidth. HF transformers generates the same prompts on the same device the same way. Batch 1
+is measured again with seeded top-p sampling (temperature 0.8, top-p 0.95, ``top_p_vs_greedy``: it
+should cost little beside greedy), and once more with each of two speed-ups off, to show what it
+gives: ``overlap_decode`` (each step is launched before the last one's tokens are read) and
+programmatic dependent launch (``ENGINE_PDL=0``).
 
     python benchmarks/e2e_decode.py --json benchmarks/results/e2e-h200.json
+
+``E2E_PRESETS=qwen3-0.6b`` (comma-separated) measures only those presets; ``E2E_HF=0`` leaves HF out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import random
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,6 +39,8 @@ except ImportError:
     from benchmarks.common import bench_main, measure_limits
 
 CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+TOP_P = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
 HF_MAX_BATCH = 64  # HF's cache at 256 x 1K adds minutes for a figure nobody would serve with
 WITHOUT = {  # key: what is off, the LLM's options, the environment
     "no_overlap": ("without overlapped decode", {"overlap_decode": False}, {}),
@@ -62,11 +70,21 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def _engine_decode(llm: LLM, prompts, decode: int) -> float:
+def _cases(presets: str | None) -> tuple:
+    """CASES, or those named in ``presets`` (comma-separated)."""
+    if not presets:
+        return CASES
+    names = presets.split(",")
+    if unknown := set(names) - {preset for preset, _ in CASES}:
+        raise ValueError(f"E2E_PRESETS: unknown {sorted(unknown)}; known: {[preset for preset, _ in CASES]}")
+    return tuple(case for case in CASES if case[0] in names)
+
+
+def _engine_decode(llm: LLM, prompts, decode: int, params: SamplingParams = GREEDY) -> float:
     def run(n: int) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        outs = llm.generate(prompts, dataclasses.replace(params, max_tokens=n))
         torch.cuda.synchronize()
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
         return time.perf_counter() - t
@@ -99,14 +117,14 @@ def _roofline(config: dict, batch: int, ctx: int, copy_gb_s: float, weight_bytes
 
 
 def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024, decode: int = 32,
-        hf: bool = True) -> dict:
+        hf: bool = True, cases: tuple = CASES) -> dict:
     """Prints each figure as it is measured (the checkpoints take minutes to write)."""
     import json
 
     limits = limits or measure_limits(device)
     results = []
     root = Path(tempfile.mkdtemp(prefix="engine-e2e-"))
-    for preset, batches in CASES:
+    for preset, batches in cases:
         path = write_checkpoint(root / preset, preset)
         config = json.loads((path / "config.json").read_text())
         weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -121,6 +139,10 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
             rows.append({"batch": b, "engine_tok_s": round(tps, 1), "roofline_tok_s": round(roof, 1),
                          "fraction_of_roofline": round(tps / roof, 3)})
             print(f"{preset} batch {b}: {tps:.1f} tok/s, roofline {roof:.1f} ({tps / roof:.2f})", flush=True)
+            if b == 1:
+                top_p = _engine_decode(llm, prompts, decode, TOP_P)
+                rows[-1].update(engine_tok_s_top_p=round(top_p, 1), top_p_vs_greedy=round(top_p / tps, 3))
+                print(f"{preset} batch 1 seeded top-p: {top_p:.1f} tok/s ({top_p / tps:.3f} of greedy)", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -157,4 +179,5 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
 
 
 if __name__ == "__main__":
-    bench_main(run, lambda result: [])
+    bench_main(partial(run, hf=os.environ.get("E2E_HF", "1") != "0", cases=_cases(os.environ.get("E2E_PRESETS"))),
+               lambda result: [])
