@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import engine  # noqa: E402
 from engine.backends.triton.descriptors import triton_descriptors  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.engine import LLMEngine  # noqa: E402
@@ -47,7 +48,7 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t"
              "as_strided", "detach", "detach_", "alias", "transpose", "split", "split_with_sizes", "unbind", "chunk",
              "narrow", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "unflatten", "flatten", "_reshape_alias",
              "view_as", "movedim", "diagonal", "promote_types", "resolve_conj", "resolve_neg", "_local_scalar_dense"}
-ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+ROOT = str(Path(engine.__file__).parent) + os.sep  # as frames name the package, through any symlink
 
 
 def interpreted_triton() -> types.ModuleType:

@@ -11,11 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families.mhc import MHCBackend, MixWeights
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last axis: the statistic in fp32, the product in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+from .norm import unweighted_rms_norm
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

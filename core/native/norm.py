@@ -21,6 +21,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * h.to(torch.promote_types(x.dtype, weight.dtype))).to(x.dtype)
 
 
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last axis, as HF's DeepseekV4UnweightedRMSNorm rounds it: the statistic in
+    fp32, its reciprocal root cast to x's dtype, and the product taken in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the residual sum is kept in x's dtype, as HF does."""
@@ -33,6 +39,9 @@ class NativeNorm(NormBackend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
+
+    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return unweighted_rms_norm(x, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

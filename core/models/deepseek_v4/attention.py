@@ -16,7 +16,6 @@ from torch import nn
 from ...families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
-from ...native.mhc import unweighted_rms_norm
 from ...native.rope import RotaryEmbedding
 from ..base import Backends
 from ..layers import Linear, RMSNorm, empty_param
@@ -82,7 +81,7 @@ class Attention(nn.Module):
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         self.cache = cache
         self.eps = eps
-        self.backend = backends.v4_attention
+        self.backend, self.norm_backend = backends.v4_attention, backends.norm
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device, ops=backends.norm)
         self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim, backends.linear, dtype=dtype,
@@ -120,7 +119,7 @@ class Attention(nn.Module):
         """x [T, hidden], the batch's new tokens packed -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
         q_low = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
+        q = self.norm_backend.unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
         backend.store(self.norm(self.wkv(x)), layer, kv, batch, meta)
         if self.compressor is not None:
             backend.compress(self.compressor.wkv(x), self.compressor.wgate(x), layer.compression, layer, kv, batch,

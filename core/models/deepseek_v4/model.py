@@ -112,7 +112,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     blocks = (("mHC pre/post mixing, Sinkhorn, HC head", "mhc"),
               ("attention: window store, compressors, indexer top-k, window + entries, sinks", "v4_attention"),
               ("q/kv/compressor/indexer/output projections, LM head", "linear"),
-              ("RMSNorms (fp32 weights, HF's rounding order)", "norm"),
+              ("RMSNorms (fp32 weights, HF's rounding order), the per-head q norm", "norm"),
               ("routed + shared experts (sqrtsoftplus and hash routing, swiglu clamp)", "moe"))
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)

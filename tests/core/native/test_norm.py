@@ -1,14 +1,14 @@
-"""RMSNorm bit for bit against HF's Llama / Qwen3 / DeepSeek-V4 norms."""
+"""RMSNorm, weighted and unweighted, bit for bit against HF's Llama / Qwen3 / DeepSeek-V4 norms."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from engine.core.native.norm import add_rms_norm, rms_norm
+from engine.core.native.norm import add_rms_norm, rms_norm, unweighted_rms_norm
 
 
 def hf_norm(cls, weight, eps):
@@ -35,6 +35,15 @@ def test_fp32_weight_on_bf16_matches_deepseek_v4_bitwise(seed):
     out = rms_norm(x, weight, 1e-6)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unweighted_matches_deepseek_v4_bitwise(seed, dtype):
+    """The per-head q norm: the reciprocal root rounded to x's dtype before the product."""
+    q = (torch.randn(3, 4, 64) * 4).to(dtype)
+    out = unweighted_rms_norm(q, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, DeepseekV4UnweightedRMSNorm(eps=1e-6)(q), rtol=0, atol=0)
 
 
 def test_bf16_weight_order_matters(seed):
