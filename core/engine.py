@@ -29,6 +29,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqStatus, Sequence
 from .startup import build
+from .to_device import to_device
 from .token_table import TokenTable
 from .tokenizer import Tokenizer
 
@@ -204,7 +205,7 @@ class EngineCore:
         if not seqs:
             return _StepTokens(seqs, None)
         if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
         out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
                                                 s.slot, s.num_pending > 0) for s in seqs])
         for s in seqs:

@@ -27,6 +27,7 @@ from functools import cached_property
 import torch
 
 from .sampling_params import SamplingParams
+from .to_device import to_device
 from .token_table import TokenTable
 
 
@@ -108,17 +109,17 @@ def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     if use_k or use_p:
         ordered, order = logits.sort(dim=-1, descending=True)
         if use_k:
-            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+            k = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, dev)
             ordered.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
         if use_p:
             probs = ordered.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-            p = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=dev)
+            p = to_device([p if p < 1 else float("inf") for p in top_p], torch.float32, dev)
             ordered.masked_fill_(before >= p[:, None], float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, ordered)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=dev)[:, None]
+        floor = probs.amax(dim=-1, keepdim=True) * to_device(min_p, torch.float32, dev)[:, None]
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -127,8 +128,7 @@ def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> t
     """Row and column index tensors for per-row token lists of different lengths."""
     rows = [i for i, toks in pairs for _ in toks]
     cols = [t for _, toks in pairs for t in toks]
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(cols, dtype=torch.long, device=device))
+    return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)
 
 
 class Sampler:
@@ -168,7 +168,7 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             if sampled:
-                idx = torch.tensor(sampled, device=x.device)
+                idx = to_device(sampled, torch.int64, x.device)
                 tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
         top_n = [r.params.logprobs for r in rows]
         if all(n is None for n in top_n):
@@ -179,7 +179,7 @@ class Sampler:
         top = None
         if wanted:
             most = min(max(top_n[i] for i in wanted), raw.shape[1])
-            top = raw.index_select(0, torch.tensor(wanted, device=raw.device)).topk(most, dim=-1)
+            top = raw.index_select(0, to_device(wanted, torch.int64, raw.device)).topk(most, dim=-1)
         return SamplerOutput(tokens, chosen, top, top_n)
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -192,19 +192,17 @@ class Sampler:
         x = logits.clone() if bias or early else logits  # the two in-place steps; the others make new tensors
         if bias:
             ri, ci = _ragged_index([(i, list(b)) for i, b in bias], dev)
-            x.index_put_((ri, ci), torch.tensor([v for _, b in bias for v in b.values()], device=dev),
-                         accumulate=True)
+            x.index_put_((ri, ci), to_device([v for _, b in bias for v in b.values()], x.dtype, dev), accumulate=True)
         if early:
-            x.index_put_(_ragged_index(early, dev), torch.tensor(float("-inf"), device=dev))
+            x[_ragged_index(early, dev)] = float("-inf")
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
             seen = torch.zeros_like(x, dtype=torch.bool)
-            seen.index_put_(_ragged_index([(i, rows[i].prompt_token_ids + rows[i].output_token_ids) for i in rep], dev),
-                            torch.tensor(True, device=dev))
+            seen[_ragged_index([(i, rows[i].prompt_token_ids + rows[i].output_token_ids) for i in rep], dev)] = True
             flight = self._in_flight(rows, rep)
             if flight is not None:
-                seen.index_put_(flight, torch.tensor(True, device=dev))
-            pen = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+                seen[flight] = True
+            pen = to_device([r.params.repetition_penalty for r in rows], x.dtype, dev)[:, None]
             x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
         counted = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
         if counted:
@@ -212,9 +210,9 @@ class Sampler:
             counts = torch.zeros_like(x).index_put_((ri, ci), torch.ones_like(ci, dtype=x.dtype), accumulate=True)
             flight = self._in_flight(rows, counted)
             if flight is not None:
-                counts.index_put_(flight, torch.tensor(1.0, dtype=x.dtype, device=dev), accumulate=True)
-            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
-            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+                counts.index_put_(flight, torch.ones(len(flight[0]), dtype=x.dtype, device=dev), accumulate=True)
+            freq = to_device([r.params.frequency_penalty for r in rows], x.dtype, dev)[:, None]
+            pres = to_device([r.params.presence_penalty for r in rows], x.dtype, dev)[:, None]
             x = x - freq * counts - pres * (counts > 0)
         return x
 
@@ -223,12 +221,11 @@ class Sampler:
         flying = [i for i in which if rows[i].in_flight]
         if not flying:
             return None
-        return (torch.tensor(flying, dtype=torch.long, device=self.device),
-                self.table.read([rows[i].slot for i in flying]))
+        return to_device(flying, torch.int64, self.device), self.table.read([rows[i].slot for i in flying])
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
-        x = x / torch.tensor([p.temperature for p in params], device=x.device)[:, None]
+        x = x / to_device([p.temperature for p in params], x.dtype, x.device)[:, None]
         x = filter_logits(x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
         probs = x.softmax(dim=-1)
         q = torch.empty_like(probs)
@@ -237,7 +234,7 @@ class Sampler:
             q.exponential_(generator=self.generator)
         elif shared:
             noise = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(generator=self.generator)
-            q[torch.tensor(shared, device=probs.device)] = noise
+            q[to_device(shared, torch.int64, probs.device)] = noise
         for j, r in enumerate(rows):
             if r.generator is not None:
                 q[j].exponential_(generator=r.generator)

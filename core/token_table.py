@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .to_device import to_device
+
 
 class TokenTable:
     def __init__(self, num_slots: int, device: torch.device | str) -> None:
@@ -48,7 +50,7 @@ class TokenTable:
         """``slots`` on the device. The last list's tensor is kept: a decode step's runner and its
         sampler name the same slots, so a step sends them once."""
         if slots != self._last[0]:
-            self._last = (list(slots), torch.tensor(slots, dtype=torch.int64, device=self.device))
+            self._last = (list(slots), to_device(slots, torch.int64, self.device))
         return self._last[1]
 
     def read(self, slots: list[int]) -> torch.Tensor:
@@ -64,4 +66,4 @@ class TokenTable:
         if rows[-1] == len(rows) - 1:  # the first rows, as in a decode step
             input_ids[:len(rows)].copy_(tokens)
         else:
-            input_ids.index_copy_(0, torch.tensor(rows, dtype=torch.int64, device=self.device), tokens)
+            input_ids.index_copy_(0, to_device(rows, torch.int64, self.device), tokens)

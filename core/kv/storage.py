@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..families.attention import LayerKV
+from ..to_device import to_device
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,7 @@ class KVCache:
         """[num_pages] int32 on the device: each page's window page, staged changes applied."""
         if self._staged:
             pages, windows = zip(*self._staged.items())
-            self._window_table[torch.tensor(pages, device=self.device)] = torch.tensor(
-                windows, dtype=torch.int32, device=self.device)
+            self._window_table[to_device(pages, torch.int64, self.device)] = to_device(windows, torch.int32, self.device)
             self._staged.clear()
         return self._window_table
 
@@ -91,8 +91,7 @@ class KVCache:
             raise ValueError(f"destination pages repeat: {dst}")
         if not src:
             return
-        src_idx = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
+        src_idx, dst_idx = to_device(src, torch.int64, self.device), to_device(dst, torch.int64, self.device)
         if self.num_window_pages:
             table = self.window_table()
             windows = (table[src_idx].long(), table[dst_idx].long())
