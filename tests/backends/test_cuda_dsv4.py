@@ -18,9 +18,16 @@ from greedy_agreement import GreedyAgreement, compare_greedy
 pytestmark = pytest.mark.gpu
 
 ORACLE = {"v4_attention_backend": "native", "mhc_backend": "native", "moe_backend": "native",
-          "linear_backend": "native"}
+          "linear_backend": "native", "norm_backend": "native"}
 COMMON = dict(device="cuda", dtype="bfloat16", max_model_len=1024, chunked_prefill_size=40, progress=False)
-BOUND = 0.15  # bf16 logprobs of two summation orders (the Qwen3 engine test's bound)
+# tiny-dsv4-py in bf16 is far from its fp32 self where a near-tie in the expert routing or the indexer's
+# top-k flips (H200, 24 prompts: the native oracle's prompt logprobs up to 1.38 from fp32, 99th
+# percentile 0.12; the fast backends' 1.52 and 0.16), so the bf16 paths are each held to the fp32
+# oracle, the fast one to within a factor of the native one's error, and greedy tokens to near-ties
+# of the fp32 reference's top 5 at a bound above the largest decode error seen (0.096)
+BOUND = 0.25
+SAME_PATH_BOUND = 0.15  # the fast backends against themselves in another batch or cache shape: two sum orders
+TOP = 5
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +36,15 @@ def dsv4(shared_dir):
 
 
 @pytest.fixture(scope="module")
-def pair(dsv4):
-    return LLM(dsv4, **COMMON), LLM(dsv4, **COMMON, **ORACLE)
+def trio(dsv4):
+    """The fast backends in bf16, the native oracle in bf16, and the native oracle in fp32."""
+    return (LLM(dsv4, **COMMON), LLM(dsv4, **COMMON, **ORACLE),
+            LLM(dsv4, **{**COMMON, "dtype": "float32"}, **ORACLE))
+
+
+@pytest.fixture(scope="module")
+def pair(trio):
+    return trio[0], trio[1]
 
 
 def _prompts(seed: int, vocab: int) -> list[list[int]]:
@@ -41,16 +55,33 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
     return [stem] + shared + [[rng.randrange(10, vocab) for _ in range(rng.randint(1, 400))] for _ in range(3)]
 
 
-def _agree(a, b, agreement: GreedyAgreement) -> float:
-    worst = 0.0
+def _agree(a, b, agreement: GreedyAgreement, bound: float = SAME_PATH_BOUND, logprobs: bool = True
+           ) -> GreedyAgreement:
+    """Greedy tokens of ``a`` against the reference ``b`` (and their logprobs, unless told not to)."""
     for x, y in zip(a, b):
-        if x.prompt_logprobs is not None:
-            lx = torch.tensor([next(iter(d.values())) for d in x.prompt_logprobs[1:]])
-            ly = torch.tensor([next(iter(d.values())) for d in y.prompt_logprobs[1:]])
-            worst = max(worst, (lx - ly).abs().max().item() if len(lx) else 0.0)
         got, want = x.outputs[0], y.outputs[0]
-        agreement += compare_greedy(want.token_ids, want.logprobs, got.token_ids, got.logprobs, bound=BOUND)
-    return worst
+        agreement += compare_greedy(want.token_ids, want.logprobs, got.token_ids, got.logprobs if logprobs else None,
+                                    bound=bound)
+    return agreement
+
+
+def _prompt_errors(a, b) -> torch.Tensor:
+    """|a - b| of the prompt logprobs of the actual next tokens, every position of every prompt."""
+    diffs = [torch.tensor([next(iter(d.values())) for d in x.prompt_logprobs[1:]])
+             - torch.tensor([next(iter(d.values())) for d in y.prompt_logprobs[1:]]) for x, y in zip(a, b)]
+    return torch.cat(diffs).abs()
+
+
+def _decode_errors(a, b) -> torch.Tensor:
+    """|a - b| of the greedy tokens' logprobs while the two sequences' tokens agree."""
+    out = []
+    for x, y in zip(a, b):
+        for t, u, lx, ly in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,
+                                y.outputs[0].logprobs):
+            if t != u:
+                break
+            out.append(abs(lx[t] - ly[u]))
+    return torch.tensor(out)
 
 
 def test_the_fast_backends_are_selected(pair):
@@ -60,14 +91,21 @@ def test_the_fast_backends_are_selected(pair):
     assert {f: s.chosen.name for f, s in oracle.engine.components.selections.items()}["v4_attention"] == "native"
 
 
-def test_greedy_and_logprobs_match_the_oracle(pair, seed):
-    fast, oracle = pair
+def test_greedy_and_logprobs_match_the_oracle(trio, seed):
+    """The fast bf16 path is as close to the fp32 oracle as the native bf16 path is."""
+    fast, native, exact = trio
     prompts = _prompts(seed, fast.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0, logprobs=TOP)
     agreement = GreedyAgreement()
-    for _ in range(2):  # the second round hits the prefix cache on both sides
-        worst = _agree(fast.generate(prompts, params), oracle.generate(prompts, params), agreement)
-        assert worst < BOUND, worst
+    for _ in range(2):  # the second round hits the prefix cache on all three
+        want = exact.generate(prompts, params)
+        got, oracle = fast.generate(prompts, params), native.generate(prompts, params)
+        agreement = _agree(got, want, agreement, BOUND, logprobs=False)
+        for errors in (_prompt_errors, _decode_errors):
+            e_fast, e_native = errors(got, want), errors(oracle, want)
+            assert e_fast.mean() <= 1.5 * e_native.mean() + 2e-3, (errors.__name__, e_fast.mean(), e_native.mean())
+            assert e_fast.quantile(0.99) <= 2 * e_native.quantile(0.99) + 0.02, (
+                errors.__name__, e_fast.quantile(0.99), e_native.quantile(0.99))
     agreement.assert_most_sure(0.03)
 
 
@@ -76,9 +114,8 @@ def test_preemption_keeps_the_outputs(dsv4, pair, seed):
     fast, _ = pair
     tight = LLM(dsv4, **COMMON, num_pages=40, max_num_seqs=8)
     prompts = _prompts(seed + 1, fast.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-    agreement = GreedyAgreement()
-    _agree(tight.generate(prompts, params), fast.generate(prompts, params), agreement)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=TOP)
+    agreement = _agree(tight.generate(prompts, params), fast.generate(prompts, params), GreedyAgreement())
     assert tight.engine.scheduler.stats.num_preemptions > 0
     agreement.assert_most_sure(0.03)
 
@@ -88,7 +125,6 @@ def test_graph_replay_equals_eager(dsv4, pair, seed):
     assert fast.engine.runner.graphs is not None, "DeepSeek-V4 on the fast backends should decode from graphs"
     eager = LLM(dsv4, **COMMON, enforce_eager=True)
     prompts = _prompts(seed + 2, fast.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    agreement = GreedyAgreement()
-    _agree(fast.generate(prompts, params), eager.generate(prompts, params), agreement)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP)
+    agreement = _agree(fast.generate(prompts, params), eager.generate(prompts, params), GreedyAgreement())
     agreement.assert_most_sure(0.1)
