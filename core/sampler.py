@@ -194,14 +194,15 @@ class Sampler:
             ri, ci = _ragged_index([(i, list(b)) for i, b in bias], dev)
             x.index_put_((ri, ci), to_device([v for _, b in bias for v in b.values()], x.dtype, dev), accumulate=True)
         if early:
-            x[_ragged_index(early, dev)] = float("-inf")
+            x.index_put_(_ragged_index(early, dev), torch.full((), float("-inf"), device=dev))
         rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:
-            seen = torch.zeros_like(x, dtype=torch.bool)
-            seen[_ragged_index([(i, rows[i].prompt_token_ids + rows[i].output_token_ids) for i in rep], dev)] = True
+            seen, true = torch.zeros_like(x, dtype=torch.bool), torch.ones((), dtype=torch.bool, device=dev)
+            seen.index_put_(_ragged_index([(i, rows[i].prompt_token_ids + rows[i].output_token_ids) for i in rep], dev),
+                            true)
             flight = self._in_flight(rows, rep)
             if flight is not None:
-                seen[flight] = True
+                seen.index_put_(flight, true)
             pen = to_device([r.params.repetition_penalty for r in rows], x.dtype, dev)[:, None]
             x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
         counted = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]

@@ -27,6 +27,8 @@ COMMON = dict(device="cuda", dtype="bfloat16", max_model_len=1024, chunked_prefi
 # of the fp32 reference's top 5 at a bound above the largest decode error seen (0.096)
 BOUND = 0.25
 SAME_PATH_BOUND = 0.15  # the fast backends against themselves in another batch or cache shape: two sum orders
+GRAPH_BOUND = 0.05  # graph replay against eager: the same kernels at the same batch shapes (equal to the bit on
+# the H200 so far); at 0.15 only 9-19% of tiny-dsv4-py's positions precede a near-tie (fp32, CPU, 6 seeds)
 TOP = 5
 
 
@@ -126,5 +128,5 @@ def test_graph_replay_equals_eager(dsv4, pair, seed):
     eager = LLM(dsv4, **COMMON, enforce_eager=True)
     prompts = _prompts(seed + 2, fast.engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP)
-    agreement = _agree(fast.generate(prompts, params), eager.generate(prompts, params), GreedyAgreement())
+    agreement = _agree(fast.generate(prompts, params), eager.generate(prompts, params), GreedyAgreement(), GRAPH_BOUND)
     agreement.assert_most_sure(0.1)
