@@ -30,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from ..core.config import EngineConfig, ModelConfig
+    from ..core.config import ModelConfig
     from ..core.plugins import load_plugins
     from ..core.plugins_report import report
     from ..core.registry import SelectionContext
