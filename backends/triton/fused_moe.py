@@ -18,9 +18,9 @@ FP4 weights (DeepSeek-V4's routed experts: E2M1 packed two per byte along K, one
 32) stay packed in memory, a quarter of bf16's bytes. On sm_100 and gfx950 the activations are
 quantized to MXFP8 and both operands go to ``tl.dot_scaled``, the native block-scaled MMA
 (``tcgen05.mma ... block_scale``, ``v_mfma_scale_f32``). Elsewhere (sm_90, gfx942) each weight
-tile is unpacked in registers (bit operations build the fp32 value of each code), multiplied by
-its power-of-two scale (exact) and converted to x's dtype for an ordinary dot: the product is the
-native one on the dequantized weights, up to summation order.
+tile is unpacked in registers (five integer operations make a byte's two codes exact fp16 values,
+see ``_e2m1_halves``), multiplied by its power-of-two scale (exact) and converted to x's dtype for
+an ordinary dot: the product is the native one on the dequantized weights, up to summation order.
 """
 
 from __future__ import annotations
@@ -55,28 +55,36 @@ MOE_GEMM = {
 }
 
 # FP4 experts: as above, but sm_100 keeps 128-row blocks for decode too, since tl.dot_scaled falls
-# back to a bf16 emulation below that (as in mxfp8.py)
-MOE_FP4_GEMM = {**MOE_GEMM, "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3),
-                                                   small_m=16)}
+# back to a bf16 emulation below that (as in mxfp8.py); on sm_90, where the gated tile unpacks two
+# weight tiles in registers, decode tiles take 8 warps and prefill tiles are 64 wide, which is what
+# keeps them from spilling (4 warps: 27 local loads and stores; 128 wide: over 500; the AOT test
+# reads the SASS)
+MOE_FP4_GEMM = {**MOE_GEMM,
+                "sm_90": GemmTuning(GemmConfig(16, 64, 128, 1, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3), small_m=16),
+                "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3),
+                                     small_m=16)}
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 codes (int32, 0..15; bit 3 the sign) -> fp32, by building the fp32 bits: exponent e
-    and mantissa m give (1 + m/2) * 2**(e-1), and the subnormal e = 0 gives m/2."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_halves(packed):
+    """Packed E2M1 bytes -> (low nibbles, high nibbles) as fp16 holding each code's value times 2**-14.
+
+    Three code bits under fp16's sign land on its two low exponent bits and its top mantissa bit:
+    exponent e > 0 reads (1 + m/2) * 2**(e-15), and e = 0 is fp16's subnormal m/2 * 2**-14, which is
+    E2M1's own subnormal, so the value is exact with no branch and no table."""
+    b = packed.to(tl.int16)
+    low = ((b & 7) << 9) | ((b & 8) << 12)
+    high = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return low.to(tl.float16, bitcast=True), high.to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _fp4_tile(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Packed E2M1 [BLOCK_K/2, BLOCK_N] (element 2j in the low nibble) and E8M0 [BLOCK_K/32, BLOCK_N]
     -> fp32 [BLOCK_K, BLOCK_N]: unpacked, interleaved back along K, times each 32's scale (exact)."""
-    codes = packed.to(tl.int32)
-    values = tl.join(_e2m1(codes & 15), _e2m1(codes >> 4)).permute(0, 2, 1).reshape(BLOCK_K // 32, 32, BLOCK_N)
-    return (values * e8m0_to_float(scale.to(tl.int32))[:, None, :]).reshape(BLOCK_K, BLOCK_N)
+    low, high = _e2m1_halves(packed)
+    values = tl.join(low, high).permute(0, 2, 1).reshape(BLOCK_K // 32, 32, BLOCK_N).to(tl.float32)
+    return (values * (e8m0_to_float(scale.to(tl.int32)) * 16384.0)[:, None, :]).reshape(BLOCK_K, BLOCK_N)
 
 
 @triton.jit

@@ -16,11 +16,15 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Iterable
 
 import triton
+import triton.backends.nvidia as nvidia_backend
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -39,8 +43,9 @@ _worker: ProcessPoolExecutor | None = None
 
 def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], target: str,
                 num_warps: int = 4, num_stages: int | None = None,
-                divisible_by_16: Iterable[str] = (), **options: Any) -> dict[str, str]:
-    """The text stages (ttir, ttgir, llir, then ptx or amdgcn) of ``kernel`` compiled for ``target``.
+                divisible_by_16: Iterable[str] = (), sass: bool = False, **options: Any) -> dict[str, str]:
+    """The text stages (ttir, ttgir, llir, then ptx or amdgcn) of ``kernel`` compiled for ``target``,
+    and with ``sass`` on NVIDIA the machine code ptxas made of it (cuobjdump, shipped with triton).
 
     ``signature`` types every runtime argument (``"*fp16"``, ``"i32"``, ...); ``constexprs`` gives
     the compile-time ones. Pointers are taken as 16-byte aligned, as torch allocations are when the
@@ -59,7 +64,7 @@ def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, An
     options = {"num_warps": num_warps, **options}
     if num_stages is not None:
         options["num_stages"] = num_stages
-    job = (signature, dict(constexprs), target, options, tuple(divisible_by_16))
+    job = (signature, dict(constexprs), target, options, tuple(divisible_by_16), sass)
     if isinstance(kernel, JITFunction):
         return _compile(kernel, *job)
     return _interpreter_free_worker().submit(_compile_by_name, kernel.fn.__module__, kernel.fn.__qualname__,
@@ -71,13 +76,30 @@ def amdgcn_target(amdgcn: str) -> str:
     return next(line for line in amdgcn.splitlines() if ".amdgcn_target" in line)
 
 
-def _compile(fn: JITFunction, signature, constexprs, target, options, divisible_by_16):
+def _compile(fn: JITFunction, signature, constexprs, target, options, divisible_by_16, sass=False):
     full = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty in signature.items() if ty.startswith("*") or name in divisible_by_16}
     compiled = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs),
                               target=TARGETS[target], options=options)
-    return {stage: text for stage, text in compiled.asm.items() if stage in TEXT_STAGES}
+    out = {stage: text for stage, text in compiled.asm.items() if stage in TEXT_STAGES}
+    if sass:
+        out["sass"] = _disassemble(compiled.asm["cubin"])
+    return out
+
+
+def _disassemble(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def local_memory_ops(sass: str) -> int:
+    """Loads and stores to local memory in a SASS listing: register spills, in a kernel that indexes
+    no local array."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:STL|LDL)\b", sass, re.M))
 
 
 def _compile_by_name(module: str, qualname: str, *job) -> dict[str, str]:

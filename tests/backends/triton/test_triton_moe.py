@@ -432,10 +432,10 @@ FP4_MMA = {
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
-@pytest.mark.parametrize("which,gated", [("small", True), ("large", True), ("small", False)],
-                         ids=["gate_up-small", "gate_up-large", "down-small"])
+@pytest.mark.parametrize("which,gated", [("small", True), ("large", True), ("small", False), ("large", False)],
+                         ids=["gate_up-small", "gate_up-large", "down-small", "down-large"])
 def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
-    from aot import GRID_DEPENDENCY, compile_asm, pdl
+    from aot import GRID_DEPENDENCY, compile_asm, local_memory_ops, pdl
 
     cfg = getattr(pick(MOE_FP4_GEMM, target), which)
     scaled = pick(FP4_SCALED_MMA, target)
@@ -445,11 +445,13 @@ def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
                       GATED=gated, HAS_LIMIT=gated, WEIGHTED=not gated, FP8=False, SCALE_BLOCK=32, PDL=pdl(target),
                       FP4=True, SCALED_MMA=scaled)
     asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages,
+                      num_stages=cfg.num_stages, sass=target == "sm_90",
                       divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bsn", "stride_cm"])
     check_compiled(asm, target, FP4_MMA[target, which])
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+    if target == "sm_90":  # the weights unpacked in registers: every tile must fit them without spilling
+        assert local_memory_ops(asm["sass"]) == 0
 
 
 @pytest.mark.aot
