@@ -90,8 +90,8 @@ def _fp4_tile(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_ptr,
                      sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                     M, N, K, num_assignments, rows_per_a, swiglu_limit,
-                     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+                     M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k,
+                     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_wt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -99,7 +99,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED: b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two products.
-    WEIGHTED: c gets the product times the assignment's routing weight.
+    WEIGHTED: c gets the product times the assignment's routing weight (weights [T, top_k], row
+    stride stride_wt: a column slice of a wider routing reads in place).
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
     to ``tl.dot_scaled``, otherwise each tile is dequantized in registers to a's dtype.
     """
@@ -182,7 +183,9 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
             up_out = tl.minimum(tl.maximum(up_out, -swiglu_limit), swiglu_limit)
         out = (out / (1.0 + tl.exp(-out))).to(dtype).to(tl.float32) * up_out
     if WEIGHTED:
-        out *= tl.load(topk_weight_ptr + tl.where(valid, ids, 0))[:, None]
+        assignment = tl.where(valid, ids, 0)
+        token = assignment // top_k
+        out *= tl.load(topk_weight_ptr + token * stride_wt + assignment - token * top_k)[:, None]
     c_ptrs = c_ptr + ids[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
 
@@ -239,11 +242,12 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
     grid = (blocks.num_blocks * triton.cdiv(n, cfg.block_n),)
     a_scale_stride = 0 if a_scale is None else a_scale.stride(0)
     b_scale_strides = (0, 0) if b_scale is None else (b_scale.stride(0), b_scale.stride(1))
+    top_k, stride_wt = (1, 0) if topk_weights is None else (topk_weights.shape[1], topk_weights.stride(0))
     _moe_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, topk_weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
         blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
-        0.0 if swiglu_limit is None else float(swiglu_limit),
-        a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, out.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit), top_k,
+        a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, out.stride(0), stride_wt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fmt == "fp8_block",
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
@@ -268,11 +272,15 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
              cfg: GemmConfig, *, h_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """h [T * top_k, I] through down [E, H, I], times the routing weight of each assignment
-    (``topk_weights`` [T, top_k]) -> [T * top_k, H]."""
+    (``topk_weights`` [T, top_k], any row stride) -> [T * top_k, H]."""
+    if topk_weights.dim() != 2 or topk_weights.numel() != blocks.num_assignments:
+        raise ValueError(f"routing weights {list(topk_weights.shape)} are not [tokens, top_k] of "
+                         f"{blocks.num_assignments} assignments")
     h, down = unit_inner_stride(h, down)
     out = output_for(blocks.num_assignments, down.shape[1], out_dtype or h.dtype, h.device, out)
+    weights = topk_weights.float()
     return _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, down.shape[1], 1, out, gated=False,
-                         topk_weights=topk_weights.float().contiguous())
+                         topk_weights=weights if weights.stride(1) == 1 else weights.contiguous())
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -281,6 +289,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
               out: torch.Tensor | None = None, scaled_mma: bool | None = None) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
+    The weights and ids may be column slices of a wider routing: they are read through their row
+    stride, not copied.
 
     FP8 weights come with ``gate_up_scale`` [E, ceil(2I/128), ceil(H/128)] and ``down_scale``
     [E, ceil(H/128), ceil(I/128)]; x and the SwiGLU output are then quantized per token and 128
@@ -294,9 +304,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     num_tokens, top_k = ids.shape
     packing = 2 if gate_up.dtype == PACKED_FP4 else 1
     num_experts, two_inner, hidden = gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] * packing
-    if x.shape != (num_tokens, hidden) or down.shape != (num_experts, hidden, two_inner // 2 // packing):
-        raise ValueError(f"x {list(x.shape)}, ids {list(ids.shape)}, gate_up {list(gate_up.shape)} and "
-                         f"down {list(down.shape)} do not fit together")
+    if (x.shape != (num_tokens, hidden) or topk_weights.shape != ids.shape
+            or down.shape != (num_experts, hidden, two_inner // 2 // packing)):
+        raise ValueError(f"x {list(x.shape)}, weights {list(topk_weights.shape)}, ids {list(ids.shape)}, gate_up "
+                         f"{list(gate_up.shape)} and down {list(down.shape)} do not fit together")
     out = output_for(num_tokens, hidden, x.dtype, x.device, out)
     if num_tokens == 0:
         return out

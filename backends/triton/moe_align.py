@@ -14,6 +14,8 @@ from a CHUNK x CHUNK comparison. Five launches in all with the two fills, where 
 even in a graph; no host sync, and sizes bounded by T * top_k, so the shapes are known before the
 routing is. A decode step's assignments fit one chunk: then one program does all of it, and finds
 each row's assignment (or the padding) rather than placing assignments, so nothing needs a fill.
+The ids may be a column slice of a wider routing (DeepSeek-V4's routed experts apart from the
+shared one): the kernels read them through their row stride, so a slice costs no copy.
 """
 
 from __future__ import annotations
@@ -61,12 +63,21 @@ ALIGN = {
 
 
 @triton.jit
-def _count_kernel(ids_ptr, chunk_counts_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr):
+def _expert_of(ids_ptr, assignment, valid, top_k, stride_t):
+    """The expert of assignment t * top_k + k: ids[t, k] of ids [T, top_k] with row stride stride_t; -1
+    where not valid."""
+    token = assignment // top_k
+    return tl.load(ids_ptr + token * stride_t + (assignment - token * top_k), mask=valid, other=-1)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, chunk_counts_ptr, n, top_k, stride_t, CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
+                  PDL: tl.constexpr):
     """chunk_counts[c, e]: how many of chunk c's assignments chose expert e."""
     wait_for_prior(PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    expert = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+    expert = _expert_of(ids_ptr, offs, offs < n, top_k, stride_t)
     experts = tl.arange(0, EXPERTS)
     counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(chunk_counts_ptr + chunk * EXPERTS + experts, counts)
@@ -111,15 +122,15 @@ def _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, 
 
 
 @triton.jit
-def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, n, num_experts, num_blocks,
-                            BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
-                            SCAN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, n, top_k, stride_t,
+                            num_experts, num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                            EXPERTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """All of the alignment for at most CHUNK assignments, in one program. Row r of expert e's
     padded rows holds e's assignment of rank r - start[e] if there is one, else the padding."""
     wait_for_prior(PDL)
     lane = tl.arange(0, CHUNK)
     valid = lane < n
-    expert = tl.load(ids_ptr + lane, mask=valid, other=-1)
+    expert = _expert_of(ids_ptr, lane, valid, top_k, stride_t)
     experts = tl.arange(0, EXPERTS)
     counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -139,15 +150,15 @@ def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padde
 
 
 @triton.jit
-def _place_kernel(ids_ptr, chunk_start_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
-                  PDL: tl.constexpr):
+def _place_kernel(ids_ptr, chunk_start_ptr, sorted_ids_ptr, n, top_k, stride_t, CHUNK: tl.constexpr,
+                  EXPERTS: tl.constexpr, PDL: tl.constexpr):
     """sorted_ids[row] = assignment, at its chunk's start for its expert plus its rank there."""
     wait_for_prior(PDL)
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + lane
     valid = offs < n
-    expert = tl.load(ids_ptr + offs, mask=valid, other=-1)
+    expert = _expert_of(ids_ptr, offs, valid, top_k, stride_t)
     earlier_same = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     start = tl.load(chunk_start_ptr + chunk * EXPERTS + tl.where(valid, expert, 0), mask=valid, other=0)
@@ -162,10 +173,13 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Expert ids [T, top_k] -> the assignments sorted by expert in blocks of ``block_m`` rows."""
-    flat = ids.reshape(-1)
-    flat = flat if flat.is_contiguous() else flat.contiguous()
-    n, device = flat.numel(), flat.device
+    """Expert ids [T, top_k] (any row stride) -> the assignments sorted by expert in blocks of
+    ``block_m`` rows."""
+    if ids.dim() != 2:
+        raise ValueError(f"expert ids {list(ids.shape)} are not [tokens, top_k]")
+    ids = ids if ids.stride(1) == 1 else ids.contiguous()
+    n, top_k, device = ids.numel(), ids.shape[1], ids.device
+    layout = (top_k, ids.stride(0))
     rows = max_padded_rows(n, num_experts, block_m)
     cfg = config_for(ALIGN, device)
     experts = triton.next_power_of_2(num_experts)
@@ -174,8 +188,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
         blocks = ExpertBlocks(torch.empty(rows, dtype=torch.int32, device=device),
                               torch.empty(rows // block_m, dtype=torch.int32, device=device),
                               torch.empty(1, dtype=torch.int32, device=device), block_m, n)
-        _align_one_chunk_kernel[(1,)](flat, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, n, num_experts,
-                                      rows // block_m, BLOCK_M=block_m, CHUNK=cfg.chunk, EXPERTS=experts,
+        _align_one_chunk_kernel[(1,)](ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, n, *layout,
+                                      num_experts, rows // block_m, BLOCK_M=block_m, CHUNK=cfg.chunk, EXPERTS=experts,
                                       SCAN_BLOCKS=cfg.scan_blocks, num_warps=cfg.num_warps, **pdl)
         return blocks
     sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=device)
@@ -187,10 +201,11 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     chunks = triton.cdiv(n, cfg.chunk)
     chunk_counts = torch.empty(chunks, experts, dtype=torch.int32, device=device)
     chunk_start = torch.empty_like(chunk_counts)
-    _count_kernel[(chunks,)](flat, chunk_counts, n, CHUNK=cfg.chunk, EXPERTS=experts, num_warps=cfg.num_warps, **pdl)
+    _count_kernel[(chunks,)](ids, chunk_counts, n, *layout, CHUNK=cfg.chunk, EXPERTS=experts,
+                             num_warps=cfg.num_warps, **pdl)
     _scan_kernel[(1,)](chunk_counts, chunk_start, block_expert, num_padded, chunks, num_experts, rows // block_m,
                        BLOCK_M=block_m, EXPERTS=experts, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks,
                        num_warps=cfg.num_warps, **pdl)
-    _place_kernel[(chunks,)](flat, chunk_start, sorted_ids, n, CHUNK=cfg.chunk, EXPERTS=experts,
+    _place_kernel[(chunks,)](ids, chunk_start, sorted_ids, n, *layout, CHUNK=cfg.chunk, EXPERTS=experts,
                              num_warps=cfg.num_warps, **pdl)
     return blocks

@@ -4,7 +4,9 @@ What ``NativeMoE.route`` computes for ungrouped routing, rounding apart: scores 
 or DeepSeek-V4's sqrtsoftplus) in fp32; the experts chosen by the scores plus the correction bias
 (no-aux routing), best first, among equal choice scores the lowest expert id first (as
 ``torch.topk`` on the CPU orders them), or read from the hash table by token id; the weights are
-the unbiased scores of the chosen experts, renormalised and times the routed scaling factor.
+the unbiased scores of the chosen experts, renormalised and times the routed scaling factor; a
+shared expert (``RoutingConfig.shared_expert``) is one column more, weight 1, written by the same
+program.
 
 Everything is sized by the logits' shape, so a step that routes can be captured in a graph. A
 program takes BLOCK_T tokens and every expert of them; the top-k is TOP_K rounds of (max, lowest
@@ -44,8 +46,10 @@ def _softplus(x):
 def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, ids_ptr, T, E, stride_l, scaling,
                   SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, RENORMALIZE: tl.constexpr,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROUND_TO: tl.constexpr, PDL: tl.constexpr):
-    """weights [T, TOP_K] fp32 (rounded to ROUND_TO first) and ids [T, TOP_K] int64 of BLOCK_T tokens."""
+                  ROUND_TO: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+    """weights [T, WIDTH] fp32 (rounded to ROUND_TO first) and ids [T, WIDTH] int64 of BLOCK_T tokens:
+    the TOP_K routed experts, then, where SHARED >= 0, expert SHARED with weight 1 (WIDTH = TOP_K + 1)."""
+    WIDTH: tl.constexpr = TOP_K + (SHARED >= 0)
     wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
@@ -85,10 +89,14 @@ def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, weights_ptr, i
         picked = tl.where(slots[None, :] == k, weight[:, None], picked)
     if RENORMALIZE:
         picked = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20)  # the epsilon guards 0/0, as native's
-    out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    row_start = rows.to(tl.int64) * WIDTH
+    out = row_start[:, None] + slots[None, :]
     keep = live[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, (picked * scaling).to(ROUND_TO).to(tl.float32), mask=keep)
     tl.store(ids_ptr + out, chosen, mask=keep)
+    if SHARED >= 0:
+        tl.store(weights_ptr + row_start + TOP_K, tl.full((BLOCK_T,), 1.0, tl.float32), mask=live)
+        tl.store(ids_ptr + row_start + TOP_K, tl.full((BLOCK_T,), SHARED, tl.int64), mask=live)
 
 
 ROUNDINGS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -96,7 +104,8 @@ ROUNDINGS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights [T, top_k] fp32, expert ids [T, top_k] int64); ungrouped routing only."""
+    """[T, E] logits -> (weights [T, K] fp32, expert ids [T, K] int64), K = top_k (+ 1 with a shared
+    expert); ungrouped routing only."""
     if cfg.num_groups > 1:
         raise ValueError("grouped top-k is not in the routing kernel; route it natively")
     if cfg.scoring not in SCORINGS:
@@ -113,8 +122,10 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tens
         raise ValueError(f"routing weights rounded to {cfg.weight_dtype}: supported {sorted(map(str, ROUNDINGS))}")
     device = router_logits.device
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty(t, cfg.top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(t, cfg.top_k, dtype=torch.int64, device=device)
+    shared = -1 if cfg.shared_expert is None else cfg.shared_expert
+    width = cfg.top_k + (shared >= 0)
+    weights = torch.empty(t, width, dtype=torch.float32, device=device)
+    ids = torch.empty(t, width, dtype=torch.int64, device=device)
     if t == 0:
         return weights, ids
     tile, num_warps = config_for(ROUTE_TILE, device)
@@ -127,5 +138,5 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tens
         logits, bias, table, tokens, weights, ids, t, e, logits.stride(0), float(cfg.routed_scaling_factor),
         SCORING=SCORINGS[cfg.scoring], HAS_BIAS=bias is not None, HASHED=hashed, RENORMALIZE=cfg.renormalize,
         TOP_K=cfg.top_k, K_POW2=triton.next_power_of_2(cfg.top_k), EXPERTS=experts, BLOCK_T=block_t,
-        ROUND_TO=ROUNDINGS[cfg.weight_dtype], num_warps=num_warps, **launch_options(device))
+        ROUND_TO=ROUNDINGS[cfg.weight_dtype], SHARED=shared, num_warps=num_warps, **launch_options(device))
     return weights, ids

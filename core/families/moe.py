@@ -19,6 +19,9 @@ class RoutingConfig:
     weights. ``hash_table`` [vocab, top_k] routes by token id instead (DeepSeek-V4 hash layers).
     ``weight_dtype``: the weights come out rounded to it (held in fp32), for a model whose reference
     weighs the expert outputs in the activations' dtype (DeepSeek-V4), with no cast launched apart.
+    ``shared_expert``: an expert every token also takes, with weight 1, appended after the top_k
+    routed ones (so the route gives [T, top_k + 1]): DeepSeek-V4's shared expert, folded into the
+    routed launch or sliced off for its own, with no column built apart.
     """
 
     num_experts: int
@@ -31,6 +34,11 @@ class RoutingConfig:
     correction_bias: torch.Tensor | None = None
     hash_table: torch.Tensor | None = None
     weight_dtype: torch.dtype = torch.float32
+    shared_expert: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shared_expert is not None and (not isinstance(self.shared_expert, int) or self.shared_expert < 0):
+            raise ValueError(f"shared_expert must be an expert index (an int >= 0), not {self.shared_expert!r}")
 
 
 @dataclass
@@ -65,10 +73,12 @@ class MoEBackend(ABC):
     def route(
         self, router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, E] logits -> (weights [T, top_k] fp32, expert ids [T, top_k] int64)."""
+        """[T, E] logits -> (weights [T, K] fp32, expert ids [T, K] int64); K is top_k, plus one
+        with a shared expert."""
 
     @abstractmethod
     def experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights
     ) -> torch.Tensor:
-        """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]."""
+        """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]. ``weights`` and
+        ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride)."""

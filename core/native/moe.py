@@ -71,7 +71,8 @@ class NativeMoE(MoEBackend):
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores in fp32; the bias and groups only choose experts, the weights are unbiased scores."""
+        """Scores in fp32; the bias and groups only choose experts, the weights are unbiased scores;
+        the shared expert's column (weight 1) comes after the top-k, outside the renormalisation."""
         try:
             scores = SCORINGS[cfg.scoring](router_logits.float())
         except KeyError:
@@ -88,7 +89,10 @@ class NativeMoE(MoEBackend):
         weights = scores.gather(1, ids)
         if cfg.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # the epsilon guards 0/0
-        return (weights * cfg.routed_scaling_factor).to(cfg.weight_dtype).float(), ids
+        weights = (weights * cfg.routed_scaling_factor).to(cfg.weight_dtype).float()
+        if cfg.shared_expert is not None:  # weight 1 is exact in any weight_dtype
+            weights, ids = F.pad(weights, (0, 1), value=1.0), F.pad(ids, (0, 1), value=cfg.shared_expert)
+        return weights, ids
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         """Tokens sorted by expert, each used expert's MLP on its slice in x's dtype, then the top-k

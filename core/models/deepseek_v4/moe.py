@@ -1,10 +1,11 @@
 """DeepSeek-V4 MoE: routed experts (no-aux top-k, or hash routing by token id) plus one shared expert.
 
 Both kinds of expert use V4's clamped SwiGLU. The shared expert runs through the MoE backend as an
-expert every token takes with weight 1: on its own (a second launch), or, with ``fold_shared``,
-stacked after the routed experts and appended to every token's choice, so one launch computes
-both. Folding needs both in one format, so a checkpoint kept in its published formats (FP4
-routed, FP8 shared) runs them apart. ``FOLD_SHARED`` is the switch: benchmarks/moe_bench.py
+expert every token takes with weight 1: the routing appends it to every token's choice
+(``RoutingConfig.shared_expert``, its slot). With ``fold_shared`` it is stacked after the routed
+experts and one launch computes both; otherwise the routing is sliced (views, read in place) into
+the routed columns and the shared one, each for its own stack. Folding needs both in one format,
+so a checkpoint kept in its published formats (FP4 routed, FP8 shared) runs them apart. ``FOLD_SHARED`` is the switch: benchmarks/moe_bench.py
 (``fold``, H200, benchmarks/results/moe-h200.json) puts the folded launch at 0.89 of the two at one
 token and 0.97-0.99 from 16 to 4096 at the V4-Flash shape, so it is on.
 """
@@ -117,15 +118,16 @@ class SparseMoE(nn.Module):
         return RoutingConfig(num_experts=self.num_experts, top_k=self.top_k, scoring=self.scoring, renormalize=True,
                              routed_scaling_factor=self.scaling,
                              correction_bias=None if self.hashed else self.gate.bias,
-                             hash_table=self.gate.tid2eid if self.hashed else None, weight_dtype=dtype)
+                             hash_table=self.gate.tid2eid if self.hashed else None, weight_dtype=dtype,
+                             shared_expert=self.shared_slot()[1])
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         logits = self.linear.apply(x, LinearWeight(self.gate.weight))
-        weights, ids = self.backend.route(logits, self.routing(x.dtype), input_ids)
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        shared = torch.full((x.shape[0], 1), self.shared_slot()[1], dtype=torch.int64, device=x.device)
+        weights, ids = self.backend.route(logits, self.routing(x.dtype), input_ids)  # the shared expert last
+        experts = self.experts.weights(self.activation, self.limit)
         if self.folded:
-            return self.backend.experts(x, torch.cat([weights, ones], dim=1), torch.cat([ids, shared], dim=1),
-                                        self.experts.weights(self.activation, self.limit))
-        routed = self.backend.experts(x, weights, ids, self.experts.weights(self.activation, self.limit))
-        return routed + self.backend.experts(x, ones, shared, self.shared_experts.weights(self.activation, self.limit))
+            return self.backend.experts(x, weights, ids, experts)
+        k = self.top_k
+        routed = self.backend.experts(x, weights[:, :k], ids[:, :k], experts)
+        return routed + self.backend.experts(x, weights[:, k:], ids[:, k:],
+                                             self.shared_experts.weights(self.activation, self.limit))

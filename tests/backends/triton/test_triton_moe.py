@@ -122,6 +122,21 @@ def test_alignment_at_block_boundaries(seed, counts, top_k):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens", [5, 40])  # one chunk of assignments, and several
+def test_alignment_of_column_slices(seed, num_tokens):
+    """The routed columns and the shared one of a wider routing align in place (their row stride)
+    exactly as their contiguous copies do."""
+    num_experts, top_k = 16, 3
+    wide = torch.cat([random_ids(num_tokens, num_experts, top_k), torch.zeros(num_tokens, 1, dtype=torch.long)], 1)
+    for ids in (wide[:, :top_k], wide[:, top_k:]):
+        assert not ids.is_contiguous()
+        got, want = align_by_expert(ids, num_experts, 16), align_by_expert(ids.contiguous(), num_experts, 16)
+        assert torch.equal(got.sorted_ids, want.sorted_ids) and torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.num_padded, want.num_padded) and got.num_assignments == want.num_assignments
+        check_alignment(ids, num_experts, 16)
+
+
+@pytest.mark.interpret
 def test_alignment_of_no_tokens():
     blocks = align_by_expert(torch.zeros(0, 4, dtype=torch.long), 8, 16)
     assert blocks.num_blocks == 0 and int(blocks.num_padded) == 0
@@ -226,6 +241,24 @@ def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_e
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens", [1, 3, 13])  # one row (a [1, k] slice is contiguous), a few, chunked
+def test_experts_read_routing_slices_in_place(seed, num_tokens):
+    """DeepSeek-V4's unfolded shared expert: one routing [T, top_k + 1] sliced into the routed columns
+    and the shared one, each slice through its own stack, gives to the bit what contiguous copies
+    give, and what native gives."""
+    num_experts, top_k, hidden, inner = 8, 3, 64, 64
+    x = activations(num_tokens, hidden, torch.float32, scale=2.0)
+    weights = torch.cat([routing_weights(num_tokens, top_k), torch.ones(num_tokens, 1)], 1)
+    ids = torch.cat([random_ids(num_tokens, num_experts, top_k), torch.zeros(num_tokens, 1, dtype=torch.long)], 1)
+    stacks = random_experts(num_experts, hidden, inner, torch.float32), random_experts(1, hidden, inner, torch.float32)
+    for cols, w in zip((slice(0, top_k), slice(top_k, None)), stacks):
+        got = TritonMoE(None).experts(x, weights[:, cols], ids[:, cols], w)
+        copies = weights[:, cols].contiguous(), ids[:, cols].contiguous()
+        assert torch.equal(got, TritonMoE(None).experts(x, *copies, w))
+        check_experts(x, weights[:, cols], ids[:, cols], w, 1e-5)
+
+
+@pytest.mark.interpret
 def test_refuses_unknown_activation_and_fp8_without_scales():
     x, weights, ids = torch.zeros(2, 128), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)
     w = random_experts(4, 128, 128, torch.float32)
@@ -235,6 +268,8 @@ def test_refuses_unknown_activation_and_fp8_without_scales():
         fused_moe(x, weights, ids, w.gate_up.to(FP8), w.down.to(FP8))
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe(x, weights, ids, w.gate_up, w.down[:, :64])
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, weights[:, :1], ids, w.gate_up, w.down)
 
 
 def fp4_experts(w: ExpertWeights) -> ExpertWeights:
@@ -367,8 +402,9 @@ def test_experts_fp4_gpu(seed, num_tokens):
 
 SIGNATURE = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "topk_weight_ptr": "*fp32",
              "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
-             **{name: "i32" for name in ["M", "N", "K", "num_assignments", "rows_per_a", "stride_am", "stride_as",
-                                         "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm"]},
+             **{name: "i32" for name in ["M", "N", "K", "num_assignments", "rows_per_a", "top_k", "stride_am",
+                                         "stride_as", "stride_be", "stride_bn", "stride_bse", "stride_bsn",
+                                         "stride_cm", "stride_wt"]},
              "swiglu_limit": "fp32"}
 # the matrix instruction the bf16 dot must become: decode blocks of 16 rows are too few for
 # Hopper's wgmma and Blackwell's tcgen05, so they stay on mma.sync there
@@ -461,14 +497,15 @@ def test_alignment_kernels_compile(target):
 
     cfg = pick(ALIGN, target)
     shape = dict(CHUNK=cfg.chunk, EXPERTS=256, PDL=pdl(target))
+    layout = {"n": "i32", "top_k": "i32", "stride_t": "i32"}
     kernels = [
-        (_count_kernel, {"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "n": "i32"}, shape),
+        (_count_kernel, {"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", **layout}, shape),
         (_scan_kernel, {"chunk_counts_ptr": "*i32", "chunk_start_ptr": "*i32", "block_expert_ptr": "*i32",
                         "num_padded_ptr": "*i32", "num_chunks": "i32", "num_experts": "i32", "num_blocks": "i32"},
          dict(BLOCK_M=64, EXPERTS=256, SCAN_ROWS=cfg.scan_rows, SCAN_BLOCKS=cfg.scan_blocks, PDL=pdl(target))),
-        (_place_kernel, {"ids_ptr": "*i64", "chunk_start_ptr": "*i32", "sorted_ids_ptr": "*i32", "n": "i32"}, shape),
+        (_place_kernel, {"ids_ptr": "*i64", "chunk_start_ptr": "*i32", "sorted_ids_ptr": "*i32", **layout}, shape),
         (_align_one_chunk_kernel, {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-                                   "num_padded_ptr": "*i32", "n": "i32", "num_experts": "i32", "num_blocks": "i32"},
+                                   "num_padded_ptr": "*i32", **layout, "num_experts": "i32", "num_blocks": "i32"},
          dict(shape, BLOCK_M=16, SCAN_BLOCKS=cfg.scan_blocks)),
     ]
     for kernel, signature, constexprs in kernels:

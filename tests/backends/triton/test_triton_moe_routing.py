@@ -3,7 +3,8 @@
 Fresh random logits every run. Expert ids must equal native's exactly wherever the choice has no
 near tie (two of the k+1 best choice scores within 1e-5 relative, where the kernel's and torch's
 fp32 roundings may order them differently); such tokens are left out of the id check and counted.
-Weights must be within a few fp32 ulps.
+Weights must be within a few fp32 ulps. A shared expert's column (weight 1, its id) comes from the
+same launch, checked on outputs that start as poison.
 """
 
 from __future__ import annotations
@@ -101,6 +102,43 @@ def test_hash_routing_by_token_id(seed, tokens):
     check_route(logits, config("sqrtsoftplus", experts, top_k, False, 1.5, hash_table=table), input_ids)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every tensor torch.empty gives starts as poison (NaN, or -7 in integers): a slot the kernel
+    forgets to write shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
+@pytest.mark.parametrize("shared", [None, 0, 16], ids=["no-shared", "shared-apart", "shared-folded"])
+@pytest.mark.parametrize("top_k", [3, 4])
+def test_shared_expert_column(seed, poisoned_empty, hashed, shared, top_k):
+    """DeepSeek-V4's routing (sqrtsoftplus with the no-aux bias, or hash by token id) with its shared
+    expert's column (id 0 in a stack of its own, 16 folded after the routed experts) and without:
+    native's routing, and the column weight 1 and the shared id; the routed columns are those of the
+    routing without it, to the bit."""
+    tokens, experts, vocab = 21, 16, 50
+    table = torch.rand(vocab, experts).argsort(-1)[:, :top_k] if hashed else None
+    cfg = dataclasses.replace(config("sqrtsoftplus", experts, top_k, not hashed, 1.5, hash_table=table),
+                              shared_expert=shared)
+    logits, input_ids = torch.randn(tokens, experts) * 3, torch.randint(vocab, (tokens,))
+    check_route(logits, cfg, input_ids)
+    weights, ids = route(logits, cfg, input_ids)
+    assert weights.shape == ids.shape == (tokens, top_k + (shared is not None))
+    assert not weights.isnan().any() and not (ids == -7).any()
+    if shared is not None:
+        assert (weights[:, top_k] == 1).all() and (ids[:, top_k] == shared).all()
+        routed = route(logits, dataclasses.replace(cfg, shared_expert=None), input_ids)
+        assert torch.equal(weights[:, :top_k], routed[0]) and torch.equal(ids[:, :top_k], routed[1])
+
+
 @pytest.mark.interpret
 def test_strided_logits_and_no_tokens(seed):
     wide = torch.randn(7, 40)
@@ -178,7 +216,8 @@ def test_routing_and_experts_replay_in_a_cuda_graph(seed, hashed):
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("hashed", [False, True])
-def test_route_kernel_compiles(target, hashed):
+@pytest.mark.parametrize("shared", [-1, 256])
+def test_route_kernel_compiles(target, hashed, shared):
     from aot import GRID_DEPENDENCY, compile_asm, pdl
 
     tile, num_warps = pick(ROUTE_TILE, target)
@@ -187,7 +226,7 @@ def test_route_kernel_compiles(target, hashed):
                  "scaling": "fp32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, BLOCK_T=tile // 256, ROUND_TO=tl.bfloat16,
-                      PDL=pdl(target))
+                      SHARED=shared, PDL=pdl(target))
     asm = compile_asm(_route_kernel, signature, constexprs, target, num_warps=num_warps)
     text = asm.get("ptx") or asm["amdgcn"]
     assert ("sqrt.rn.f32" in text) if target.startswith("sm_") else ("v_sqrt_f32" in text or "v_rsq" in text)

@@ -1,5 +1,6 @@
 """DeepSeek-V4's shared expert folded into the routed experts' launch (``FOLD_SHARED``) computes what
-it computes in a launch of its own: the stack gains one expert, every token takes it with weight 1."""
+it computes in a launch of its own: the stack gains one expert, every token takes it with weight 1
+(the routing's last column, sliced off for the separate launch)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ PAGE = 16
 def test_folded_shared_expert_equals_separate(shared_dir, seed, monkeypatch):
     config = EngineConfig(model=str(shared_dir / "models" / "tiny-dsv4-py"), dtype="float32", page_size=PAGE,
                           num_pages=80)
+    monkeypatch.setattr(moe, "FOLD_SHARED", False)
     separate = build(config, progress=False)
     monkeypatch.setattr(moe, "FOLD_SHARED", True)
     folded = build(config, progress=False)

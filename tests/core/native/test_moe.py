@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,35 @@ def test_group_score_is_top2_sum_with_bias_else_max():
     assert ids.tolist() == [[0]]
     _, ids = moe.route(probs.logit(), RoutingConfig(**cfg, correction_bias=torch.zeros(8)))
     assert ids.tolist() == [[4]] or ids.tolist() == [[5]]
+
+
+@pytest.mark.parametrize("routing", [
+    dict(scoring="softmax"),
+    dict(scoring="sqrtsoftplus", routed_scaling_factor=1.5, bias=True, weight_dtype=torch.bfloat16),
+    dict(scoring="sqrtsoftplus", routed_scaling_factor=1.5, hashed=True),
+    dict(scoring="sigmoid", num_groups=4, topk_groups=2, bias=True),
+], ids=["softmax", "v4-noaux-bf16", "v4-hash", "grouped"])
+@pytest.mark.parametrize("shared", [0, 16])
+def test_shared_expert_is_a_column_after_the_top_k(seed, routing, shared):
+    """DeepSeek-V4's shared expert (in its own stack at 0, or folded after 16 routed ones): the
+    routing without it, exactly, then weight 1 and the shared id in every row; not renormalised in."""
+    routing = dict(routing)
+    bias, hashed = routing.pop("bias", False), routing.pop("hashed", False)
+    input_ids = torch.randint(0, 64, (TOKENS,))
+    cfg = RoutingConfig(num_experts=16, top_k=4, **routing, correction_bias=torch.randn(16) * 0.1 if bias else None,
+                        hash_table=torch.rand(64, 16).argsort(-1)[:, :4] if hashed else None)
+    logits = torch.randn(TOKENS, 16) * 3
+    weights, ids = moe.route(logits, cfg, input_ids)
+    with_shared = moe.route(logits, dataclasses.replace(cfg, shared_expert=shared), input_ids)
+    assert with_shared[0].dtype == torch.float32 and with_shared[1].dtype == torch.int64
+    assert torch.equal(with_shared[0], torch.cat([weights, torch.ones(TOKENS, 1)], dim=1))
+    assert torch.equal(with_shared[1], torch.cat([ids, torch.full((TOKENS, 1), shared)], dim=1))
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, "0"])
+def test_shared_expert_must_be_an_index(bad):
+    with pytest.raises(ValueError, match="shared_expert"):
+        RoutingConfig(num_experts=8, top_k=2, shared_expert=bad)
 
 
 def loop_reference(x, weights, ids, w):
