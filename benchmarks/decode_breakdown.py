@@ -19,13 +19,16 @@ it, plus the sampler's kernel and copies. The roofline is e2e_decode.py's: every
 KV read once, at the measured copy bandwidth. Inside the replay, torch.profiler counts the kernels
 one replay runs and their device time by name; the replay's time beyond their sum is the gaps
 between kernels. ``BREAKDOWN_PRESETS=qwen3-0.6b`` limits the presets (empty: none);
-``BREAKDOWN_MODELS=DIR,DIR`` adds checkpoints as they are.
+``BREAKDOWN_MODELS=DIR,DIR`` adds checkpoints as they are; ``BREAKDOWN_SAMPLING=top_p`` decodes
+with e2e_decode.py's seeded top-p instead of greedy (the sampler's kernels run outside the graph,
+so they show in the step beyond the replay and in the host profile).
 
     python benchmarks/decode_breakdown.py --json benchmarks/results/decode-breakdown-h200.json
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -44,10 +47,10 @@ from engine.core.sampler import SamplerOutput
 
 try:
     from common import bench_main, measure_limits
-    from e2e_decode import _prompts, _roofline
+    from e2e_decode import TOP_P, _prompts, _roofline
 except ImportError:
     from benchmarks.common import bench_main, measure_limits
-    from benchmarks.e2e_decode import _prompts, _roofline
+    from benchmarks.e2e_decode import TOP_P, _prompts, _roofline
 
 PRESETS = {"qwen3-0.6b": 300, "llama-3.1-8b": 100}  # preset: decode steps timed
 MODEL_STEPS = 300  # decode steps timed for a checkpoint of BREAKDOWN_MODELS
@@ -58,6 +61,7 @@ REPLAYS = 200
 HOST_PROFILE_STEPS, HOST_PROFILE_TOP = 50, 15
 PARTS = ("schedule", "execute", "sample", "wait")  # wait: for a step's tokens to reach the host
 INNER_PARTS = ("stage", "graph_run")  # inside execute: the staging of the graph's inputs, and it with the launch
+SAMPLING = {"greedy": SamplingParams(temperature=0, ignore_eos=True), "top_p": TOP_P}
 
 
 class PartTimers:
@@ -161,9 +165,8 @@ def _measure(llm: LLM, prompt: list[int], steps: int) -> tuple[list[float], dict
     graphs = engine.runner.graphs
     if graphs is None:
         raise RuntimeError("no decode graphs were captured (see the start-up log): there is no replay to time")
-    engine.add_request("breakdown", prompt, SamplingParams(temperature=0,
-                                                           max_tokens=WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 2,
-                                                           ignore_eos=True), stream=False)
+    params = dataclasses.replace(sampling(), max_tokens=WARMUP_STEPS + steps + HOST_PROFILE_STEPS + 2)
+    engine.add_request("breakdown", prompt, params, stream=False)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
         engine.step()  # the prompt and its first token
     for _ in range(WARMUP_STEPS):
@@ -205,6 +208,14 @@ def _case(label: str, path: Path, steps: int, limits: dict) -> dict:
     return case
 
 
+def sampling() -> SamplingParams:
+    """The decode's sampling, as BREAKDOWN_SAMPLING names it (greedy by default)."""
+    name = os.environ.get("BREAKDOWN_SAMPLING", "greedy")
+    if name not in SAMPLING:
+        raise ValueError(f"BREAKDOWN_SAMPLING={name!r}: one of {sorted(SAMPLING)}")
+    return SAMPLING[name]
+
+
 def run(device: torch.device) -> dict:
     """The presets (random weights) named by BREAKDOWN_PRESETS, then the checkpoint directories named
     by BREAKDOWN_MODELS (comma-separated; a trained model's own weights, as served)."""
@@ -220,7 +231,7 @@ def run(device: torch.device) -> dict:
     for model in filter(None, os.environ.get("BREAKDOWN_MODELS", "").split(",")):
         cases.append(_case(Path(model).name, Path(model), MODEL_STEPS, limits))
     return {"benchmark": "decode_breakdown", "prompt_len": PROMPT_LEN, "replays": REPLAYS, "limits": limits,
-            "cases": cases}
+            "sampling": os.environ.get("BREAKDOWN_SAMPLING", "greedy"), "cases": cases}
 
 
 def _case_lines(case: dict) -> list[str]:

@@ -108,3 +108,14 @@ def test_refuses_without_cuda():
                        env=env, timeout=120)
     assert r.returncode == 1 and "needs a CUDA device" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_sampling_is_greedy_unless_named(breakdown, monkeypatch):
+    monkeypatch.delenv("BREAKDOWN_SAMPLING", raising=False)
+    assert breakdown.sampling().greedy
+    monkeypatch.setenv("BREAKDOWN_SAMPLING", "top_p")
+    top_p = breakdown.sampling()
+    assert not top_p.greedy and top_p.top_p < 1 and top_p.seed is not None
+    monkeypatch.setenv("BREAKDOWN_SAMPLING", "nucleus")
+    with pytest.raises(ValueError, match="BREAKDOWN_SAMPLING='nucleus'"):
+        breakdown.sampling()
