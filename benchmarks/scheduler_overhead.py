@@ -38,12 +38,17 @@ MODES = {"sampled": (SamplingParams(temperature=0.8, top_p=0.95), False, True),
 
 
 class StandInModel:
-    """Returns zero hidden states and fixed random logits at no model cost."""
+    """Returns zero hidden states and fixed random logits at no model cost.
+
+    The logits are seeded, so every run's greedy rows repeat the same token. Unseeded, one run in
+    four drew one of tiny-llama's 128 byte tokens (of 512), whose repeats never complete a
+    character: the detokenizer's window then grew by a token every step, and its cost with it.
+    """
 
     def __init__(self, model) -> None:
         self.backends, self.config = model.backends, model.config
         self.hidden = model.config.hf["hidden_size"]
-        self.logits = torch.randn(1, model.config.vocab_size)
+        self.logits = torch.randn(1, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
 
     def prepare(self, batch):
         return self.backends.attention.prepare(batch)  # the model's per-step host work, kept

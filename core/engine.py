@@ -24,7 +24,7 @@ from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
 from .request import Request
 from .runner import ModelRunner, StepLogits
-from .sampler import Sampler, SamplerOutput, SamplingRow, prompt_logprobs
+from .sampler import Sampler, SamplerOutput, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqStatus, Sequence
@@ -184,30 +184,31 @@ class EngineCore:
         if not sched:
             return None
         now = time.monotonic()
-        for s in sched.scheduled:
+        step_logits = self.runner.execute(sched)
+        seqs: list[Sequence] = []  # those that draw a token, and their logits rows
+        rows: list[int] = []
+        for i, s in enumerate(sched.scheduled):
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-        step_logits = self.runner.execute(sched)
-        to_sample: list[tuple[Sequence, int]] = []
-        for i, s in enumerate(sched.scheduled):
             self.scheduler.computed(s)
             if s.needs_all_logits:
                 self._record_prompt_logprobs(s, step_logits, i)
             if s.samples:
                 row = step_logits.last_row(i)
-                to_sample.append((s.seq, row))
+                seqs.append(s.seq)
+                rows.append(row)
                 if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
-                    to_sample.extend((sib, row) for sib in self.scheduler.fork(s.seq))
-        return self._sample(to_sample, step_logits.logits)
+                    siblings = self.scheduler.fork(s.seq)
+                    seqs += siblings
+                    rows += [row] * len(siblings)
+        return self._sample(seqs, rows, step_logits.logits)
 
-    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor) -> _StepTokens:
-        seqs, rows = [s for s, _ in to_sample], [r for _, r in to_sample]
+    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> _StepTokens:
         if not seqs:
             return _StepTokens(seqs, None)
         if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
             logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
-        out = self.sampler(logits, [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
-                                                s.slot, s.num_pending > 0) for s in seqs])
+        out = self.sampler(logits, seqs)
         for s in seqs:
             s.num_pending += 1
         return _StepTokens(seqs, out)
@@ -220,6 +221,7 @@ class EngineCore:
         tokens = out.token_ids  # waits for the step
         now = time.monotonic()
         touched: dict[str, None] = {}
+        ended: set[str] = set()  # requests with a sequence that ended here: only they can be finished
         for k, seq in enumerate(done.seqs):
             seq.num_pending -= 1
             if seq.is_finished:  # stopped or aborted while this step ran: its token is dropped
@@ -235,10 +237,12 @@ class EngineCore:
             self.counters.generation_tokens += 1
             self._check_stop(seq, token)
             touched[seq.request_id] = None
+            if seq.is_finished:
+                ended.add(seq.request_id)
         changed = []
         for rid in touched:
             req = self.requests[rid]
-            if req.finished:
+            if rid in ended and req.finished:
                 self._count_finish(req)
                 changed.append(self.requests.pop(rid))
             else:

@@ -25,32 +25,33 @@ class Completion:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    @property
+    def text(self) -> str:
+        """All text handed out so far (the detokenizer keeps it)."""
+        return self.detok.output_text
+
     def apply(self, d: CompletionDelta) -> tuple[str, int]:
-        """Take a delta; return the new text and how many tokens it consumed (after a stop string, none)."""
-        if self.finish_reason is not None:
-            return "", 0
-        pieces, used = [], 0
-        for i, tok in enumerate(d.token_ids):
-            self.token_ids.append(tok)
-            if self.logprobs is not None and d.logprobs is not None:
-                self.logprobs.append(d.logprobs[i])
-            pieces.append(self.detok.add(tok))
+        """Take a delta of this unfinished completion; return the new text and how many tokens it
+        consumed (none after a stop string)."""
+        new, used = "", 0
+        for tok in d.token_ids:
+            new += self.detok.add(tok)
             used += 1
             if self.detok.finished_by_stop is not None:
                 self.finish_reason, self.stop_reason = "stop", self.detok.finished_by_stop
                 break
         else:
             if d.finish_reason is not None:
-                pieces.append(self.detok.flush())
+                new += self.detok.flush()
                 self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
                 if self.detok.finished_by_stop is not None:  # text held back until the end held a stop string
                     self.finish_reason, self.stop_reason = "stop", self.detok.finished_by_stop
-        new = "".join(pieces)
-        self.text += new
+        self.token_ids += d.token_ids[:used]
+        if self.logprobs is not None and d.logprobs is not None:
+            self.logprobs += d.logprobs[:used]
         return new, used
 
     def output(self) -> CompletionOutput:
@@ -99,10 +100,11 @@ class RequestState:
         updates = []
         for d in out.completions:
             c = self.completions[d.index]
-            was_done = c.finish_reason is not None
+            if c.finish_reason is not None:  # ended already (here, on a stop string): nothing more to take
+                continue
             start = len(c.token_ids)
             text, used = c.apply(d)
-            done = c.finish_reason is not None and not was_done
+            done = c.finish_reason is not None
             if used or done or text:
                 updates.append(Update(c, text, start, used, done, done and d.finish_reason is None))
         return updates
@@ -135,12 +137,16 @@ class OutputProcessor:
         """The outputs of the requests these changed, and the stop strings the core must hear of."""
         results, stops = [], []
         for out in outs:
-            if out.request_id not in self._states:  # ended here already (stop strings); the core caught up
+            entry = self._states.get(out.request_id)
+            if entry is None:  # ended here already (stop strings); the core caught up
                 continue
-            state, stream = self._states[out.request_id]
-            stops += [(out.request_id, u.completion.index, u.completion.stop_reason)
-                      for u in state.apply(out) if u.stop_string]
-            if state.finished:
+            state, stream = entry
+            ended = False  # an unfinished state only finishes by an update that ends a completion
+            for u in state.apply(out):
+                ended = ended or u.finished
+                if u.stop_string:
+                    stops.append((out.request_id, u.completion.index, u.completion.stop_reason))
+            if ended and state.finished:
                 del self._states[out.request_id]
                 results.append(state.output())
             elif stream:

@@ -30,24 +30,25 @@ class Request:
     def take_output(self) -> EngineCoreOutput | None:
         """What changed since the last report (None: nothing): new tokens and logprobs per sequence,
         each end once, the prompt logprobs once with the first tokens."""
-        deltas = []
+        deltas, finished = [], True
         for s in self.seqs:
             k = self.reported[s.index]
-            if k < 0:
+            if k < 0:  # its end is reported
                 continue
+            done = s.is_finished
+            finished = finished and done
             new = s.output_token_ids[k:]
-            if not new and not s.is_finished:
+            if not new and not done:
                 continue
             lps = s.logprobs[k:] if s.logprobs is not None else None
             deltas.append(CompletionDelta(s.index, new, lps, s.finish_reason, s.stop_reason))
-            self.reported[s.index] = -1 if s.is_finished else k + len(new)
+            self.reported[s.index] = -1 if done else k + len(new)
         first = self.seqs[0]
         prompt_lps = None
         if first.prompt_logprobs is not None and not self.prompt_logprobs_reported and (
                 first.output_token_ids or first.is_finished):
             prompt_lps = list(first.prompt_logprobs)
             self.prompt_logprobs_reported = True
-        finished = self.finished
         if not deltas and not finished:
             return None
         queue_time = None

@@ -60,10 +60,10 @@ class ModelRunner:
     def _gather(step: SchedulerOutput):
         """The step's batch as host lists, each sequence's (first logits row, number of rows), and the
         packed rows whose input is read from the token table with the slots they read."""
+        query_lens = [s.num_new for s in step.scheduled]
+        context_lens = [s.context_len for s in step.scheduled]
+        tables = [s.pages for s in step.scheduled]
         input_ids: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_indices: list[int] = []
         rows: list[tuple[int, int]] = []
         table_rows: list[int] = []
@@ -76,9 +76,6 @@ class ModelRunner:
                 input_ids.append(0)
             else:
                 input_ids.extend(seq.token_slice(s.context_len, s.context_len + s.num_new))
-            query_lens.append(s.num_new)
-            context_lens.append(s.context_len)
-            tables.append(s.pages)
             if s.needs_all_logits:
                 rows.append((len(logits_indices), s.num_new))
                 logits_indices.extend(range(start, start + s.num_new))

@@ -21,8 +21,8 @@ do not depend on what else is in the batch; unseeded rows share the sampler's ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
@@ -31,20 +31,23 @@ from .to_device import to_device
 from .token_table import TokenTable
 
 
-@dataclass
-class SamplingRow:
-    """One row of the logits and what sampling it needs to know about its sequence."""
+class SamplingRow(Protocol):
+    """What sampling reads of a row's sequence. The engine passes its ``Sequence``s (core/sequence.py)
+    as they are, so a step builds nothing per row."""
 
     params: SamplingParams
     generator: torch.Generator | None  # None: the sampler's shared generator
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # those on the host
-    slot: int = 0  # its token table slot, where the draw goes; 0: scratch
-    in_flight: bool = False  # one more output token, not on the host yet: in the table at ``slot``
+    slot: int  # its token table slot, where the draw goes; 0: scratch
+
+    @property
+    def in_flight(self) -> bool:
+        """One more output token, not on the host yet: in the table at ``slot``."""
 
     @property
     def num_output(self) -> int:
-        return len(self.output_token_ids) + self.in_flight
+        """Its output tokens, the one in flight counted."""
 
 
 class SamplerOutput:
@@ -155,8 +158,9 @@ class Sampler:
     def _plain_greedy(row: SamplingRow) -> bool:
         """Greedy, no logprobs, and none of what ``process`` applies: the raw logits' argmax."""
         p = row.params
-        return (p.greedy and p.logprobs is None and not p.logit_bias and row.num_output >= p.min_tokens
-                and p.repetition_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0)
+        return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+                and p.frequency_penalty == 0 and p.presence_penalty == 0
+                and (not p.min_tokens or row.num_output >= p.min_tokens))
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The general path, whatever the rows ask for."""

@@ -36,16 +36,14 @@ class ScheduledSeq:
     context_len: int  # seq.num_computed when scheduled
     pages: list[int]  # the sequence's page table
     in_flight: bool = False  # a decode whose input token is still on the device only (in the token table)
+    samples: bool = field(init=False)  # the step reaches the last token (on the host or in flight): one is drawn
+    needs_all_logits: bool = field(init=False)  # prompt logprobs: a logits row for every prompt position of the chunk
 
-    @property
-    def samples(self) -> bool:
-        """The step reaches the sequence's last token (on the host, or still in flight), so a new token is drawn."""
-        return self.context_len + self.num_new >= self.seq.num_tokens
-
-    @property
-    def needs_all_logits(self) -> bool:
-        """Prompt logprobs want a logits row for every prompt position of the chunk."""
-        return self.seq.wants_prompt_logprobs and self.context_len < len(self.seq.prompt_token_ids) - 1
+    def __post_init__(self) -> None:
+        """Decided once when scheduled: the runner and the engine both read them."""
+        seq = self.seq
+        self.samples = self.context_len + self.num_new >= seq.num_tokens
+        self.needs_all_logits = seq.wants_prompt_logprobs and self.context_len < len(seq.prompt_token_ids) - 1
 
 
 @dataclass
@@ -127,9 +125,6 @@ class Scheduler:
 
     # -- KV ---------------------------------------------------------------------------------
 
-    def _allocate(self, seq: Sequence, upto_tokens: int) -> bool:
-        return self.kv.allocate(seq, upto_tokens - seq.num_computed)
-
     def _release(self, seq: Sequence, cache: bool) -> None:
         """Give back a sequence's pages and slot; its computed full pages go to the prefix cache first."""
         self.kv.free(seq, cache=cache)
@@ -183,7 +178,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         cfg = self.config
-        num_decodes = sum(1 for s in self.running if not s.in_prefill and not self._drawn_out(s))
+        # per running sequence, once: whether its token in flight ends it (nothing to schedule), whether
+        # it prefills. A preemption below removes only later sequences, so kinds[i] stays running[i]'s.
+        kinds = [(self._drawn_out(s), s.in_prefill) for s in self.running]
+        num_decodes = kinds.count((False, False))
         prefill_budget = max(cfg.max_num_batched_tokens - num_decodes, 0)
         if cfg.chunk_size:
             prefill_budget = min(prefill_budget, cfg.chunk_size)
@@ -191,19 +189,19 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self._drawn_out(seq):
+            drawn_out, prefilling = kinds[i]
+            if drawn_out:
                 i += 1
                 continue
-            remaining = seq.num_tokens - seq.num_computed
-            prefilling = seq.in_prefill
             if prefilling:
                 if prefill_budget <= 0:
                     i += 1
                     continue
+                remaining = seq.num_tokens - seq.num_computed
                 num_new = min(remaining, prefill_budget) if cfg.chunk_size else remaining
             else:
                 num_new = 1
-            while not self._allocate(seq, seq.num_computed + num_new):
+            while not self.kv.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -213,7 +211,7 @@ class Scheduler:
                 continue  # preempted itself; ``i`` now points at the next sequence
             if prefilling:
                 prefill_budget -= num_new
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq), seq.num_pending > 0))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq), seq.in_flight))
             i += 1
 
         if not out.preempted:
@@ -236,7 +234,7 @@ class Scheduler:
                 num_new = remaining  # chunking off: whole prompts, one may exceed the budget alone
             else:
                 break
-            if not self._allocate(seq, seq.num_computed + num_new):
+            if not self.kv.allocate(seq, num_new):
                 self._release(seq, cache=False)
                 break
             self.waiting.popleft()

@@ -43,6 +43,16 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def in_flight(self) -> bool:
+        """Its latest token is drawn on the device and not on the host yet (in the token table at ``slot``)."""
+        return self.num_pending > 0
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens drawn, those in flight counted."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -59,7 +69,7 @@ class Sequence:
         """Its tokens and ``num_more`` drawn after them end it by length: max_tokens, or a full context."""
         n_out = len(self.output_token_ids) + num_more
         return (self.params.max_tokens is not None and n_out >= self.params.max_tokens) \
-            or self.num_tokens + num_more > max_model_len
+            or len(self.prompt_token_ids) + n_out > max_model_len
 
     @property
     def is_finished(self) -> bool:

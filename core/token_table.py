@@ -62,8 +62,7 @@ class TokenTable:
     def fill(self, input_ids: torch.Tensor, rows: list[int], slots: list[int]) -> None:
         """Write the tokens of ``slots`` into the packed ``input_ids`` at ``rows`` (ascending): a
         step's inputs that the host has not seen yet."""
-        tokens = self.read(slots)
-        if rows[-1] == len(rows) - 1:  # the first rows, as in a decode step
-            input_ids[:len(rows)].copy_(tokens)
+        if rows[-1] == len(rows) - 1:  # the first rows, as in a decode step: read straight into them
+            torch.index_select(self.tokens, 0, self.index(slots), out=input_ids[:len(rows)])
         else:
-            input_ids.index_copy_(0, to_device(rows, torch.int64, self.device), tokens)
+            input_ids.index_copy_(0, to_device(rows, torch.int64, self.device), self.read(slots))

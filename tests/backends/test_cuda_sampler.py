@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from engine.core.sampler import Sampler, SamplingRow
+from engine.core.sampler import Sampler
 from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from engine.core.token_table import TokenTable
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 V = 1000
 
 
-def _rows(table: TokenTable) -> list[SamplingRow]:
+def _rows(table: TokenTable) -> list[Sequence]:
     """Every option the sampler applies, seeded and shared generators, tokens in flight."""
     options = [dict(temperature=0), dict(temperature=0, logprobs=3), dict(temperature=0.8, top_p=0.9),
                dict(temperature=1.2, top_k=20, min_p=0.05, seed=7), dict(temperature=0.7, logit_bias={5: 2.0}),
@@ -26,8 +27,8 @@ def _rows(table: TokenTable) -> list[SamplingRow]:
     rows = []
     for opts in options:
         gen = torch.Generator("cuda").manual_seed(opts["seed"]) if "seed" in opts else None
-        row = SamplingRow(SamplingParams(**opts), gen, [random.randrange(V) for _ in range(5)],
-                          [random.randrange(V) for _ in range(2)], slot=table.assign(), in_flight=True)
+        row = Sequence(0, "r", 0, [random.randrange(V) for _ in range(5)], SamplingParams(**opts), gen,
+                       [random.randrange(V) for _ in range(2)], slot=table.assign(), num_pending=1)
         rows.append(row)
     return rows
 

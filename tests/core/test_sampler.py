@@ -6,11 +6,12 @@ import torch
 
 from engine.core.sampler import Sampler, SamplingRow, filter_logits, prompt_logprobs
 from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from engine.core.token_table import TokenTable
 
 
-def make_row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), generator, list(prompt), list(output))
+def make_row(prompt=(), output=(), generator=None, **params) -> Sequence:
+    return Sequence(0, "r", 0, list(prompt), SamplingParams(**params), generator, list(output))
 
 
 def reference_allowed(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[set[int], torch.Tensor]:
@@ -194,7 +195,7 @@ def test_a_token_in_flight_counts_from_the_table(seed):
         last = random.randrange(V)
         host_rows.append(make_row(prompt, output + [last], **params))
         flying = make_row(prompt, output, **params)
-        flying.slot, flying.in_flight = table.assign(), True
+        flying.slot, flying.num_pending = table.assign(), 1
         table.write([flying.slot], torch.tensor([last]))
         flying_rows.append(flying)
     logits = torch.randn(N, V) * 3
