@@ -1,9 +1,11 @@
 """DeepSeek-V4 attention: low-rank q, one shared K=V head with partial RoPE, sinks, a sliding window
 over raw tokens, and in compressed layers the pooled entries of a CSA or HCA compressor.
 
-The projections are here; everything that reads or writes the cache (the window store, the
-compressors' pooling, the lightning indexer's top-k, the attention itself, the rotations) is the
-V4 attention family's (core/families/v4_attention.py), called for the whole step at once.
+The projections are here, those of the attention input (the low-rank q, the KV, each compressor's,
+the indexer's weights) as one GEMM per weight format; everything that reads or writes the cache
+(the window store, the compressors' pooling, the lightning indexer's top-k, the attention itself,
+the rotations) is the V4 attention family's (core/families/v4_attention.py), called for the whole
+step at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ...forward import ForwardBatch
 from ...kv.storage import KVCache
 from ...native.rope import RotaryEmbedding
 from ..base import Backends
+from ..fused_projection import FusedProjection
 from ..layers import Linear, RMSNorm, empty_param
 from .cache import LayerCache
 
@@ -100,6 +103,12 @@ class Attention(nn.Module):
                                          dtype=dtype, device=device)
             if self.layer_type == CSA:
                 self.indexer = Indexer(hf, rate, backends, dtype=dtype, device=device)
+        x_parts = ["wq_a", "wkv"]
+        if self.compressor is not None:
+            x_parts += ["compressor.wkv", "compressor.wgate"]
+        if self.indexer is not None:
+            x_parts += ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"]
+        self.x_proj = FusedProjection({name: self.get_submodule(name) for name in x_parts})
         self._spec: V4AttentionLayer | None = None
 
     def spec(self) -> V4AttentionLayer:
@@ -118,18 +127,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
         """x [T, hidden], the batch's new tokens packed -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
-        q_low = self.q_norm(self.wq_a(x))
+        p = self.x_proj(x)
+        q_low = self.q_norm(p["wq_a"])
         q = self.norm_backend.unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
-        backend.store(self.norm(self.wkv(x)), layer, kv, batch, meta)
+        backend.store(self.norm(p["wkv"]), layer, kv, batch, meta)
         if self.compressor is not None:
-            backend.compress(self.compressor.wkv(x), self.compressor.wgate(x), layer.compression, layer, kv, batch,
-                             meta)
+            backend.compress(p["compressor.wkv"], p["compressor.wgate"], layer.compression, layer, kv, batch, meta)
         picks = None
         if self.indexer is not None:
-            comp = self.indexer.compressor
-            backend.compress(comp.wkv(x), comp.wgate(x), layer.indexer.compression, layer, kv, batch, meta)
+            backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"], layer.indexer.compression,
+                             layer, kv, batch, meta)
             q_index = self.indexer.wq_b(q_low).view(-1, self.indexer.num_heads, self.indexer.head_dim)
-            weights = self.indexer.weights_proj(x).float() * self.indexer.num_heads**-0.5
+            weights = p["indexer.weights_proj"].float() * self.indexer.num_heads**-0.5
             picks = backend.select(q_index, weights, layer, kv, batch, meta)
         out = backend.attend(q, layer, kv, batch, meta, picks)
         return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))

@@ -18,6 +18,8 @@ from engine.backends.triton.fp8_quant import QUANT, _token_group_quant_kernel, q
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
+from engine.core.models.fused_projection import FusedProjection
+from engine.core.models.layers import Linear
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 
@@ -124,6 +126,29 @@ def test_triton_linear_dense_matches_native(seed, dtype):
     w = LinearWeight(torch.randn(48, 64, dtype=torch.bfloat16), bias=torch.randn(48))
     got, ref = TritonLinear(None).apply(x, w), NativeLinear(None).apply(x, w)
     assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+@pytest.mark.interpret
+def test_fused_projection_on_triton_equals_its_parts(seed):
+    """Two FP8 block parts as one GEMM over their concatenated weights and scales, and two dense parts
+    as another, equal each part's own product; small integers keep every sum exact, so only a
+    wrong row or scale offset could make them differ."""
+    k, linear = 256, TritonLinear(None)
+    parts = {}
+    for name, n in (("a", 128), ("b", 72), ("c", 256), ("d", 40)):
+        part = parts[name] = Linear(k, n, linear, dtype=torch.float32, device="cpu")
+        if n % 128 == 0:
+            part.keep_quantized("fp8_block", FP8, (n // 128, k // 128))
+            part.weight_scale.data.copy_(torch.exp2(torch.randint(-3, 4, (n // 128, k // 128)).float()))
+        part.weight.data.copy_(torch.randint(-16, 17, (n, k)).to(part.weight.dtype))
+    x = torch.randint(-4, 5, (3, k)).float()
+    want = {name: part(x) for name, part in parts.items()}
+    proj = FusedProjection(parts)
+    proj.fuse()
+    assert sorted(sorted(names) for _, names, _ in proj.groups) == [["a", "c"], ["b", "d"]]
+    got = proj(x)
+    for name in parts:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_triton_linear_refuses_unknown_scheme_and_missing_scale():

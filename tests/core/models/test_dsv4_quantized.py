@@ -182,6 +182,7 @@ def test_dequantized_at_load_equals_reference(checkpoints, reference_engine, see
     assert q_params.keys() == r_params.keys()
     for name, p in q_params.items():
         assert torch.equal(p, r_params[name]), f"{name} differs from the dequantized reference"
+    assert all(len(layer.attn.x_proj.groups) == 1 for layer in q.model.model.layers)  # one GEMM of the input
     check_logits(q, r, 1e-6)
 
 
@@ -192,7 +193,9 @@ RESIDENT_BOUND = 1e-5
 
 def test_resident_formats_match_dequantized_reference(checkpoints, quantized_engine, reference_engine, seed):
     """FP8 linears and shared experts keep E4M3 with the E8M0 scales as fp32, routed experts packed FP4
-    with E8M0 scales; the grouped output projection (wo_a, not a Linear) is dequantized at load."""
+    with E8M0 scales; the grouped output projection (wo_a, not a Linear) is dequantized at load. The
+    projections of the attention input run as one GEMM per format: the compressors' and the
+    indexer's (bf16 as published) as one."""
     params = dict(quantized_engine.model.named_parameters())
     fp8 = [n for n in checkpoints[2] if FP8_LINEARS.search(n) and ".shared_experts." not in n]
     for name in fp8:
@@ -202,6 +205,10 @@ def test_resident_formats_match_dequantized_reference(checkpoints, quantized_eng
             continue
         assert params[param + ".weight"].dtype == torch.float8_e4m3fn
         assert params[param + ".weight_scale"].dtype == torch.float32
+    for layer in quantized_engine.model.model.layers:  # the attention input's projections, a GEMM per format
+        groups = [(weight.scheme, names) for weight, names, _ in layer.attn.x_proj.groups]
+        assert {n for scheme, names in groups if scheme == "fp8_block" for n in names} == {"wq_a", "wkv"}
+        assert sum(scheme == "dense" for scheme, _ in groups) == (len(layer.attn.x_proj.parts) > 2)
     for layer in range(quantized_engine.model_config.hf["num_hidden_layers"]):
         stack = f"model.layers.{layer}.ffn.experts"
         assert params[stack + ".gate_up"].dtype == params[stack + ".gate_up_scale"].dtype == torch.uint8

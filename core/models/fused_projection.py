@@ -1,0 +1,76 @@
+"""Several projections of one input as one GEMM.
+
+A decode step of a small model is launch-bound, and a layer often projects the same input several
+times (DeepSeek-V4's attention input feeds the low-rank q, the KV and each compressor). The parts
+stay the ``Linear`` layers the checkpoint names: they load as before, may keep the format their
+checkpoint stores, and are what the model's parameters list. ``fuse``, called once the weights are
+in, concatenates the parts that one weight can hold into one [sum N, K] weight per group and makes
+each part's weight (and scale) a view of it, so the memory is held once and one launch computes
+the group. A group is the parts in one format: dense, or FP8 with 128x128 block scales where each
+part fills whole blocks of rows (its scale rows then concatenate too); any other part runs alone.
+Which parts a checkpoint quantizes is known only once it is read (DeepSeek's published layout
+keeps some of these projections in FP8 and others in bf16), hence after loading, not before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..families.linear import LinearWeight
+from .layers import Linear
+
+FP8_BLOCK = 128  # rows a block scale covers
+
+
+def _group_key(part: Linear) -> tuple | None:
+    """Parts with equal keys concatenate into one weight; None: this part runs alone."""
+    if part.bias is not None:
+        return None
+    if part.scheme == "dense":
+        return "dense", part.weight.dtype
+    if part.scheme == "fp8_block" and part.weight.shape[0] % FP8_BLOCK == 0:
+        return "fp8_block", part.weight.dtype
+    return None
+
+
+class FusedProjection:
+    """Named ``Linear`` parts of one input [..., K] (one linear backend); calling it returns each
+    part's output, views of one product per group."""
+
+    def __init__(self, parts: dict[str, Linear]) -> None:
+        backends = {p.backend for p in parts.values()}
+        if len(backends) != 1:
+            raise ValueError(f"the parts of a FusedProjection share one linear backend, not {len(backends)}")
+        (self.backend,) = backends
+        self.parts = parts
+        self.groups: list[tuple[LinearWeight, list[str], list[int]]] = []  # (weight, its parts, their N)
+
+    def fuse(self) -> None:
+        """Concatenate each group's weights (and scales) and make the parts views of them."""
+        grouped: dict[object, list[str]] = {}
+        for name, part in self.parts.items():
+            grouped.setdefault(_group_key(part) or name, []).append(name)
+        self.groups = []
+        for names in grouped.values():
+            parts = [self.parts[n] for n in names]
+            sizes = [p.weight.shape[0] for p in parts]
+            if len(parts) == 1:
+                self.groups.append((parts[0].linear_weight, names, sizes))
+                continue
+            data = torch.cat([p.weight.data for p in parts])
+            scale = None if parts[0].weight_scale is None else torch.cat([p.weight_scale.data for p in parts])
+            offset = 0
+            for part, n in zip(parts, sizes):
+                part.weight.data = data.narrow(0, offset, n)
+                if scale is not None:
+                    part.weight_scale.data = scale.narrow(0, offset // FP8_BLOCK, n // FP8_BLOCK)
+                offset += n
+            self.groups.append((LinearWeight(data, parts[0].scheme, scale), names, sizes))
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.groups:
+            raise RuntimeError("a FusedProjection runs once fuse() made its groups (the model calls it after loading)")
+        out = {}
+        for weight, names, sizes in self.groups:
+            out.update(zip(names, self.backend.apply(x, weight).split(sizes, dim=-1)))
+        return out
