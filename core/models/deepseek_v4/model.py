@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
         x, post, comb = self.mhc.pre(streams, self._mix("attn"))
-        streams = self.mhc.post(self.attn(self.attn_norm(x), batch, kv, meta), streams, post, comb)
+        streams = self.mhc.post(self.attn(x, self.attn_norm, batch, kv, meta), streams, post, comb)
         x, post, comb = self.mhc.pre(streams, self._mix("ffn"))
         return self.mhc.post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
 

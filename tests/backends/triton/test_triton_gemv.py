@@ -16,6 +16,8 @@ from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.norm import TritonNorm
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
+from engine.core.models.fused_projection import FusedProjection
+from engine.core.models.layers import Linear, RMSNorm
 from engine.core.native import activation as native
 from engine.core.native import norm as native_norm
 from engine.core.native.linear import NativeLinear
@@ -83,6 +85,27 @@ def test_norm_gemv_fp32_norm_weight_interpreted(seed):
     check_norm_gemv(1, 40, 256, torch.float16, norm_dtype=torch.float32)
 
 
+def check_norm_rounding(m, dtype, norm_dtype, device="cpu", config=None):
+    """The fused norm's row, read back through an identity weight, against core/native's: an fp32
+    norm weight (DeepSeek-V4's) multiplies before the one rounding to x's dtype, one in x's dtype
+    after it. Integer x keeps the fp32 sum of squares exact in any order, so the interpreter agrees
+    to the bit; a GPU's approximate rsqrt may flip the odd bit."""
+    k = 256
+    x = torch.randint(-8, 9, (m, k), device=device).to(dtype)
+    g = (1 + 0.5 * torch.randn(k, device=device)).to(norm_dtype)
+    got, _ = norm_gemv(x, None, g, 1e-6, torch.eye(k, dtype=dtype, device=device), config=config)
+    want = native_norm.rms_norm(x, g, 1e-6)
+    assert torch.equal(got, want) if device == "cpu" else (got == want).float().mean() > 0.98
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_norm_gemv_rounds_as_the_norm_family_interpreted(seed, norm_dtype, m):
+    """In fp16: the interpreter rounds fp32 to bf16 by truncation, the compiled kernels to nearest."""
+    check_norm_rounding(m, torch.float16, norm_dtype, config=GemvConfig(16, 64, 4, 1))
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 64, 256), (MAX_ROWS, 33, 128), (5, 17, 64)])
@@ -140,6 +163,13 @@ def test_norm_gemv_gpu(seed, m, n, k, silu_mul, residual):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 8])
+def test_norm_gemv_rounds_as_the_norm_family_gpu(seed, norm_dtype, m):
+    check_norm_rounding(m, torch.bfloat16, norm_dtype, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS + 1, 64])
 def test_triton_linear_matches_native_at_decode_rows(seed, m):
     """The backend's routing: GEMV at one row, the library GEMM past it, both as native computes."""
@@ -157,6 +187,25 @@ def test_triton_linear_matches_native_at_decode_rows(seed, m):
         got, got_sum = triton_linear.norm_linear(x, residual, g, 1e-6, weight, triton_norm, silu_mul=silu_mul)
         want, want_sum = native_linear.norm_linear(x, residual, g, 1e-6, weight, native_norm, silu_mul=silu_mul)
         assert _rel(got, want) < TOL[torch.bfloat16] and torch.equal(got_sum, want_sum)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_fused_projection_folds_its_input_norm_gpu(seed, m):
+    """DeepSeek-V4's attention input: the parts' one GEMV computes the fp32-weighted norm in its
+    prologue, as the norm kernel and then the GEMV would."""
+    k, linear = 256, TritonLinear(None)
+    parts = {f"p{n}": Linear(k, n, linear, dtype=torch.bfloat16, device="cuda") for n in (128, 64, 96)}
+    for part in parts.values():
+        part.weight.data.copy_(torch.randn_like(part.weight) / k**0.5)
+    proj = FusedProjection(parts)
+    proj.fuse()
+    norm = RMSNorm(k, 1e-6, dtype=torch.float32, device="cuda", ops=TritonNorm(None))
+    norm.weight.data.copy_(1 + 0.5 * torch.randn(k, device="cuda"))
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    got, want = proj(x, norm), proj(norm(x))
+    for name in parts:
+        assert _rel(got[name], want[name]) < TOL[torch.bfloat16], name
 
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
