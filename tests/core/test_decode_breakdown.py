@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_breakdown.py"
+from benchmark_script import BENCHMARKS, load
+
+SCRIPT = BENCHMARKS / "decode_breakdown.py"
 
 
 @pytest.fixture(scope="module")
 def breakdown():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("decode_breakdown", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    return load("decode_breakdown")
 
 
 def test_summary_splits_the_step(breakdown, seed):
