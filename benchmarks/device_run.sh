@@ -1,6 +1,9 @@
 #!/bin/bash
 # One device call: install the engine, run the GPU tests, run the kernel benchmarks; results in $OUT.
 #   bash benchmarks/device_run.sh [tests|attention|gemm|moe|e2e ...]   (default: all of them)
+# Python packages the machine lacks travel as wheels in .whl/ (carried with the call): msgspec, the
+# engine's wire format, is one (pip download msgspec --only-binary :all: --python-version 3.12
+# --platform manylinux_2_17_x86_64 --no-deps -d .whl), transformers for dsv4_decode another.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/engine-out}
 mkdir -p "$OUT"
