@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.core.config import EngineConfig
+from engine.core.models.deepseek_v4.publish import FP8_LINEARS, ROUTED, publish, published_config, weight_format
 from engine.core.models.weights import resident_bytes
 from engine.core.native.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8_block_e8m0, quantize_fp4,
                                      quantize_fp8_block_e8m0, unpack_fp4)
@@ -35,11 +36,6 @@ from packed_logits import engine_logits, hf_logits, rel_err
 Fp8Dequantize = pytest.importorskip("transformers.integrations.finegrained_fp8").Fp8Dequantize
 
 PAGE = 16
-ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
-PUBLISHED = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-             "model.hc_head.hc_scale": "hc_head_scale"}
 
 
 def test_fp4_rounds_to_nearest_e2m1_ties_to_even(seed):
@@ -91,10 +87,6 @@ def read(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def published_name(name: str) -> str:
-    return PUBLISHED.get(name, name.removeprefix("model."))
-
-
 def hf_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """HF's dequantization; it reads packed FP4 from int8 or float4_e2m1fn_x2 (not uint8)."""
     if weight.dtype == torch.uint8:
@@ -131,25 +123,20 @@ def checkpoints(tiny, tmp_path_factory, run_seed):
     packed_dtype = rng.choice([torch.int8, torch.uint8, torch.float4_e2m1fn_x2])
     quantized, reference, kinds = {}, {}, {"fp8": 0, "fp4": 0}
     for name, t in read(tiny).items():
-        out = published_name(name)
-        if ROUTED.search(name) or FP8_LINEARS.search(name):
-            kind = "fp4" if ROUTED.search(name) else "fp8"
-            data, scale = quantize_fp4(t) if kind == "fp4" else quantize_fp8_block_e8m0(t)
-            if kind == "fp4":
-                data = data.view(packed_dtype)
-            scale = scale.view(scale_dtype)
-            quantized[out] = data
-            quantized[out.removesuffix(".weight") + "." + scale_suffix] = scale
-            reference[name] = hf_dequantize(data, scale)
-            kinds[kind] += 1
-        else:
-            quantized[out] = t
-            reference[name] = t
+        out, data, scale = publish(name, t)
+        if scale is None:
+            quantized[out] = reference[name] = t
+            continue
+        kind = weight_format(name)
+        if kind == "fp4":
+            data = data.view(packed_dtype)
+        scale = scale.view(scale_dtype)
+        quantized[out] = data
+        quantized[out.removesuffix(".weight") + "." + scale_suffix] = scale
+        reference[name] = hf_dequantize(data, scale)
+        kinds[kind] += 1
     assert kinds["fp8"] > 0 and kinds["fp4"] > 0
-    config = json.loads((tiny / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    config["expert_dtype"] = "fp4"
+    config = published_config(json.loads((tiny / "config.json").read_text()))
     root = tmp_path_factory.mktemp("dsv4q")
     write(root / "quantized", tiny, quantized, run_seed, config, shards=2)
     write(root / "reference", tiny, reference, run_seed)

@@ -1,0 +1,98 @@
+"""Writing DeepSeek-V4 weights in the published quantized layout, the one checkpoint.py reads.
+
+The attention linears and the shared expert become FP8 E4M3 with one E8M0 scale per 128x128 block,
+the routed experts packed FP4 E2M1 with one E8M0 scale per 32 along K, under the published names
+(no ``model.`` prefix, ``embed``, ``norm``, ``hc_head_*``); the rest (norms, embeddings, the router,
+the compressors and indexer projections DeepSeek keeps in bf16) passes through. This lets a bf16
+checkpoint (HF's ``save_pretrained``, a random-weight one) be served and measured as DeepSeek ships it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ...native.quant import quantize_fp4, quantize_fp8_block_e8m0
+from .checkpoint import BLOCK
+
+ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+RENAMED = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+
+
+def published_name(name: str) -> str:
+    return RENAMED.get(name, name.removeprefix("model."))
+
+
+def weight_format(name: str) -> str | None:
+    """'fp4' for a routed expert's weight, 'fp8' for an attention or shared-expert linear, else None."""
+    if ROUTED.search(name):
+        return "fp4"
+    return "fp8" if FP8_LINEARS.search(name) else None
+
+
+def publish(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """(published name, the tensor as stored, its E8M0 scale as uint8 or None where it passes through);
+    the scale goes under ``<name without .weight>.scale``."""
+    kind = weight_format(name)
+    if kind is None:
+        return published_name(name), tensor, None
+    data, scale = quantize_fp4(tensor) if kind == "fp4" else quantize_fp8_block_e8m0(tensor)
+    return published_name(name), data, scale
+
+
+def published_config(hf: dict) -> dict:
+    """config.json of the quantized layout: the published quantization_config, FP4 routed experts."""
+    return {**hf, "quantization_config": dict(QUANTIZATION_CONFIG), "expert_dtype": "fp4"}
+
+
+def _shards(src: Path) -> list[str]:
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+def _published_shard(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            out, data, scale = publish(name, f.get_tensor(name).to(device))
+            yield out, data.cpu()
+            if scale is not None:
+                yield out.removesuffix(".weight") + ".scale", scale.cpu()
+
+
+def write_published(src: str | Path, dst: str | Path, device: str | torch.device = "cpu") -> dict[str, int]:
+    """Writes the checkpoint in ``src`` (HF names, any float dtype) to ``dst`` in the published layout,
+    a shard for each of src's, quantizing on ``device``; returns the count of fp8 and fp4 weights and
+    the bytes written."""
+    src, dst, device = Path(src), Path(dst), torch.device(device)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(published_config(json.loads((src / "config.json").read_text())),
+                                                indent=2))
+    counts, weight_map = {"fp8": 0, "fp4": 0, "bytes": 0}, {}
+    for shard in _shards(src):
+        tensors = dict(_published_shard(src / shard, device))
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / shard))
+        weight_map |= dict.fromkeys(tensors, shard)
+        for name, t in tensors.items():
+            counts["bytes"] += t.numel() * t.element_size()
+            if name.endswith(".scale"):
+                counts[weight_format(name.removesuffix(".scale") + ".weight")] += 1
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": counts["bytes"]}, "weight_map": weight_map}))
+    return counts

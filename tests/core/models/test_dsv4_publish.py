@@ -1,0 +1,62 @@
+"""core/models/deepseek_v4/publish.py: tiny-dsv4-py written in the published quantized layout loads
+through checkpoint.py's reader with its weights resident as FP8 and FP4, and generates."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine import LLM, SamplingParams
+from engine.core.models.deepseek_v4.publish import weight_format, write_published
+from engine.core.models.weights import resident_bytes
+
+
+@pytest.fixture(scope="module")
+def published(shared_dir, tmp_path_factory):
+    src = shared_dir / "models" / "tiny-dsv4-py"
+    dst = tmp_path_factory.mktemp("published") / "tiny-dsv4-fp8-fp4"
+    return src, dst, write_published(src, dst)
+
+
+def test_layout_names_and_counts(published):
+    src, dst, counts = published
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        kinds = [weight_format(n) for n in f.keys()]
+    assert counts["fp8"] == kinds.count("fp8") > 0 and counts["fp4"] == kinds.count("fp4") > 0
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names == set(index["weight_map"])
+        assert {"embed.weight", "norm.weight", "hc_head_fn"} <= names and not any(n.startswith("model.") for n in names)
+        expert = next(n for n in names if weight_format(n) == "fp4")
+        scale = f.get_tensor(expert.removesuffix(".weight") + ".scale")
+        assert f.get_tensor(expert).dtype == scale.dtype == torch.uint8
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    assert counts["bytes"] == sum(p.stat().st_size for p in dst.glob("*.safetensors")) - _headers(dst)
+
+
+def _headers(path) -> int:
+    """Bytes of the safetensors headers (8-byte length and JSON) in path's shards."""
+    total = 0
+    for p in path.glob("*.safetensors"):
+        with open(p, "rb") as f:
+            total += 8 + int.from_bytes(f.read(8), "little")
+    return total
+
+
+def test_loads_resident_in_fp8_and_fp4_and_generates(published, seed):
+    src, dst, _ = published
+    quantized, dense = (LLM(str(p), device="cpu", dtype="float32", progress=False) for p in (dst, src))
+    params = dict(quantized.engine.components.model.named_parameters())
+    assert params["model.layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert params["model.layers.0.ffn.experts.gate_up"].dtype == torch.uint8
+    held, weights = resident_bytes(quantized.engine.components.model)
+    dense_held, dense_weights = resident_bytes(dense.engine.components.model)
+    assert weights == dense_weights and held < 0.5 * dense_held
+    prompts = [[random.randrange(100, 4000) for _ in range(random.randint(2, 40))] for _ in range(2)]
+    outs = quantized.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
