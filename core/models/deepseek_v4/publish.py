@@ -76,7 +76,7 @@ def _published_shard(path: Path, device: torch.device) -> Iterator[tuple[str, to
 def write_published(src: str | Path, dst: str | Path, device: str | torch.device = "cpu") -> dict[str, int]:
     """Writes the checkpoint in ``src`` (HF names, any float dtype) to ``dst`` in the published layout,
     a shard for each of src's, quantizing on ``device``; returns the count of fp8 and fp4 weights and
-    the bytes written."""
+    the bytes written. A checkpoint with no weight to quantize under V4's names is an error."""
     src, dst, device = Path(src), Path(dst), torch.device(device)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -93,6 +93,10 @@ def write_published(src: str | Path, dst: str | Path, device: str | torch.device
             counts["bytes"] += t.numel() * t.element_size()
             if name.endswith(".scale"):
                 counts[weight_format(name.removesuffix(".scale") + ".weight")] += 1
+    if not counts["fp8"] or not counts["fp4"]:
+        raise ValueError(f"{src} has {counts['fp8']} attention/shared-expert linears and {counts['fp4']} routed "
+                         f"expert weights under DeepSeek-V4's names ('...attn.wq_a.weight', "
+                         f"'...ffn.experts.<e>.w1.weight'); the published layout needs both")
     (dst / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": counts["bytes"]}, "weight_map": weight_map}))
     return counts

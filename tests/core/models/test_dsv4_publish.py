@@ -60,3 +60,14 @@ def test_loads_resident_in_fp8_and_fp4_and_generates(published, seed):
     prompts = [[random.randrange(100, 4000) for _ in range(random.randint(2, 40))] for _ in range(2)]
     outs = quantized.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+def test_refuses_a_checkpoint_without_v4_names(tmp_path, shared_dir):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text((shared_dir / "models" / "tiny-dsv4-py" / "config.json").read_text())
+    save_file({"model.layers.0.mlp.gate_proj.weight": torch.randn(4, 4)}, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="0 attention/shared-expert linears and 0 routed expert weights"):
+        write_published(src, tmp_path / "dst")
