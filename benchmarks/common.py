@@ -27,6 +27,12 @@ def commit() -> str:
         return ""
 
 
+def sync() -> None:
+    """Waits for the device where there is one (end-to-end helpers also run on the CPU in tests/core)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 

@@ -63,10 +63,10 @@ from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.models.weights import resident_bytes
 
 try:
-    from common import bench_main, measure_limits
+    from common import bench_main, measure_limits, sync
     from e2e_decode import _hf_decode, _prompts
 except ImportError:
-    from benchmarks.common import bench_main, measure_limits
+    from benchmarks.common import bench_main, measure_limits, sync
     from benchmarks.e2e_decode import _hf_decode, _prompts
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -283,16 +283,11 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():  # the engine's side also runs on the CPU (tests/core)
-        torch.cuda.synchronize()
-
-
 def _timed(fn) -> float:
-    _sync()
+    sync()
     start = time.perf_counter()
     fn()
-    _sync()
+    sync()
     return time.perf_counter() - start
 
 
@@ -306,7 +301,7 @@ def _engine_prefill(llm: LLM, length: int, vocab: int) -> float:
 
 def _hf_prefill(model, length: int, vocab: int) -> float:
     def run(seed: int):
-        ids = torch.tensor(_prompts(1, length, vocab, seed), device="cuda")
+        ids = torch.tensor(_prompts(1, length, vocab, seed), device=model.device)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     run(length)
@@ -398,12 +393,11 @@ def _hf_side(budget: Budget, result: dict, rows: dict, shape: dict, layers: int,
     return bool(saved)
 
 
-def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path, **options) -> None:
-    """Loads the variant as served (``options``: what differs off the device, as in tests/core), records
-    its resident bytes and backends, and measures it."""
+def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path) -> None:
+    """Loads the variant as served, records its resident bytes and backends, and measures it."""
     config, longest = rows["config"], max([c for _, c in rows["decode_cases"]] + rows["prefills"], default=1024)
     llm = budget.attempt(f"{name} load", lambda: LLM(
-        str(path), progress=False, **VARIANTS[name].options, **options, max_model_len=longest + 32,
+        str(path), progress=False, **VARIANTS[name].options, max_model_len=longest + 32,
         max_num_seqs=max([b for b, _ in rows["decode_cases"]], default=1)))
     if llm is None:
         return
@@ -490,7 +484,7 @@ def run(device: torch.device, limits: dict | None = None, shape: dict = FLASH, l
                   vocab_note=f"vocab {shape['vocab_size']} (V4-Flash: 129,280): only the embedding and LM head shrink")
     root = Path(tempfile.mkdtemp(prefix="engine-dsv4-", dir=folder))
     paths = {"bf16": root / "bf16", "fp8_fp4": root / "fp8_fp4"}
-    signal.signal(signal.SIGTERM, _stop)
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         if _hf_side(budget, result, rows, shape, layers, device, paths["bf16"], with_hf):  # HF freed on return
             _free()
@@ -504,6 +498,7 @@ def run(device: torch.device, limits: dict | None = None, shape: dict = FLASH, l
     except Stopped:
         result["errors"]["run"] = "stopped by SIGTERM (the call's timeout): the figures measured before it"
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(root, ignore_errors=True)
         _free()
     result.update(summarize(rows, variants))

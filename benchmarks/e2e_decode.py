@@ -34,9 +34,9 @@ from engine.backends.triton import pdl
 from engine.checkpoints import write_checkpoint
 
 try:
-    from common import bench_main, measure_limits
+    from common import bench_main, measure_limits, sync
 except ImportError:
-    from benchmarks.common import bench_main, measure_limits
+    from benchmarks.common import bench_main, measure_limits, sync
 
 CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
@@ -94,14 +94,14 @@ def _engine_decode(llm: LLM, prompts, decode: int, params: SamplingParams = GREE
 
 
 def _hf_decode(model, prompts, decode: int) -> float:
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=model.device)
 
     def run(n: int) -> float:
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+        sync()
         assert out.shape[1] == ids.shape[1] + n
         return time.perf_counter() - t
 

@@ -1,5 +1,6 @@
 """benchmarks/dsv4_decode.py where no GPU is needed: case selection, the roofline's arithmetic, the
-resident parts of a real (tiny, published-layout) model, the budget, and the JSON's rows."""
+resident parts of a real (tiny, published-layout) model, the budget, the JSON's rows, and the whole
+run at a tiny shape."""
 
 from __future__ import annotations
 
@@ -135,22 +136,32 @@ def test_hf_skips_what_its_attention_cannot_hold(bench):
     assert "256 x 1024" in bench.hf_skip_reason(256, 1024)
 
 
-def test_engine_side_fills_its_rows(bench, shared_dir, published):
-    """The engine's side end to end on the CPU (tiny-dsv4-py as published): resident bytes, the
-    roofline of each row, prefill and decode figures from prompts the prefix cache holds."""
+@pytest.mark.slow
+def test_whole_run_on_a_tiny_shape(bench, shared_dir):
+    """run() end to end on the CPU at tiny-dsv4-py's shape, four layers (two sliding, CSA, HCA): HF
+    builds, saves and measures, the published copy is written, both variants load and measure, and
+    HF's rows past its attention's reach carry their reason."""
     import json
+    import signal
 
-    config = json.loads((shared_dir / "models" / "tiny-dsv4-py" / "config.json").read_text())
-    rows = bench._rows([1, 3], [40], [24], config)
-    # a copy rate as slow as the CPU's step, so the fraction of the roofline does not round to 0
-    result = {"errors": {}, "seconds": {}, "variants": {}, "limits": {"copy_gb_s": 0.1}}
-    bench._engine_side(bench.Budget(result, 600), result, rows, "fp8_fp4", published, device="cpu", dtype="float32")
-    assert result["errors"] == {}
-    variant = result["variants"]["fp8_fp4"]
-    assert variant["backends"]["moe"] == "native" and 0 < variant["bytes_per_parameter"] < 2  # fp32: 4
-    out = bench.summarize(rows, ["fp8_fp4"])
-    assert [(r["batch"], r["context"]) for r in out["decode"]] == [(1, 40), (3, 40)]
-    for r in out["decode"]:
-        assert r["step_ms"] > 0 and 0 < r["fraction_of_roofline"] and r["hf_step_ms"] is None
-    assert out["decode"][1]["roofline_step_ms"] > out["decode"][0]["roofline_step_ms"]
-    assert out["prefill"][0]["tok_s"] > 0
+    import torch
+
+    tiny = json.loads((shared_dir / "models" / "tiny-dsv4-py" / "config.json").read_text())
+    shape = {k: tiny[k] for k in [*bench.FLASH, "partial_rotary_factor", "qk_rope_head_dim", "rope_parameters"]}
+    env = {"DSV4_BATCHES": "1,2", "DSV4_CONTEXTS": "40", "DSV4_PREFILLS": "24"}
+    handler = signal.getsignal(signal.SIGTERM)
+    result = bench.run(torch.device("cpu"), {"copy_gb_s": 0.1}, shape, layers=4, env=env)
+    assert signal.getsignal(signal.SIGTERM) == handler
+    assert result["errors"] == {}, result["errors"]
+    assert result["published"]["fp8"] > 0 and result["published"]["fp4"] > 0
+    assert result["variants"]["fp8_fp4"]["bytes_per_parameter"] < result["variants"]["bf16"]["bytes_per_parameter"]
+    assert result["variants"]["bf16"]["backends"]["moe"] == "native"  # what the CPU platform picks
+    decode = {(r["variant"], r["batch"]): r for r in result["decode"]}
+    assert decode.keys() == {(v, b) for v in ("fp8_fp4", "bf16") for b in (1, 2)}
+    for r in result["decode"] + result["prefill"]:
+        assert r["engine_vs_hf"] > 0
+    assert all(r["fraction_of_roofline"] > 0 and r["step_ms"] > 0 for r in result["decode"])
+    for v in ("fp8_fp4", "bf16"):
+        assert decode[v, 2]["roofline_step_ms"] > decode[v, 1]["roofline_step_ms"]
+    assert decode["fp8_fp4", 1]["roofline_step_ms"] < decode["bf16", 1]["roofline_step_ms"]
+    assert not list(Path(result["checkpoint_folder"]).glob("engine-dsv4-*"))  # the checkpoints are removed
