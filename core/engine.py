@@ -24,7 +24,7 @@ from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
 from .request import Request
 from .runner import ModelRunner, StepLogits
-from .sampler import Sampler, SamplerOutput, prompt_logprobs
+from .sampler import PromptLogprobs, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqStatus, Sequence
@@ -59,10 +59,12 @@ class EngineCounters:
 
 @dataclass
 class _StepTokens:
-    """A step's sampled sequences (one row each, in order) and their draws, on their way to the host."""
+    """A step's sampled sequences (one row each, in order) and their draws, and the prompt logprobs
+    its chunks computed, on their way to the host."""
 
     seqs: list[Sequence]
     tokens: SamplerOutput | None
+    prompt: list[tuple[Sequence, PromptLogprobs]]
 
 
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -129,6 +131,8 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self._in_flight is not None:  # its prompt logprobs in flight are read now: an abort is rare
+            self._apply_prompt_logprobs(self._in_flight, request_id)
         self.scheduler.abort(request_id)
         for s in req.seqs:
             if not s.is_finished:
@@ -165,8 +169,8 @@ class EngineCore:
     def step_requests(self) -> list[Request]:
         """Run one step; return every request it changed.
 
-        A call schedules and launches step N+1, then applies the tokens of step N (stop checks,
-        outputs) while the device computes: whatever the sampling, the inputs of step N+1 that the
+        A call schedules and launches step N+1, then applies the tokens and prompt logprobs of step
+        N (stop checks, outputs) while the device computes: whatever the sampling, the inputs of step N+1 that the
         host has not seen yet are read from the token table on the device, and the penalties of its
         rows count their tokens in flight from there. A sequence whose token of step N ends it by
         length is not scheduled in step N+1; one that step N's token stops (or that is aborted, or
@@ -187,12 +191,13 @@ class EngineCore:
         step_logits = self.runner.execute(sched)
         seqs: list[Sequence] = []  # those that draw a token, and their logits rows
         rows: list[int] = []
+        prompt: list[tuple[Sequence, PromptLogprobs]] = []
         for i, s in enumerate(sched.scheduled):
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
             self.scheduler.computed(s)
-            if s.needs_all_logits:
-                self._record_prompt_logprobs(s, step_logits, i)
+            if s.needs_all_logits and (lps := self._prompt_logprobs(s, step_logits, i)) is not None:
+                prompt.append((s.seq, lps))
             if s.samples:
                 row = step_logits.last_row(i)
                 seqs.append(s.seq)
@@ -201,20 +206,22 @@ class EngineCore:
                     siblings = self.scheduler.fork(s.seq)
                     seqs += siblings
                     rows += [row] * len(siblings)
-        return self._sample(seqs, rows, step_logits.logits)
+        return _StepTokens(seqs, self._sample(seqs, rows, step_logits.logits), prompt)
 
-    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> _StepTokens:
+    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> SamplerOutput | None:
         if not seqs:
-            return _StepTokens(seqs, None)
+            return None
         if rows != list(range(logits.shape[0])):  # a decode step samples every row once, in order
             logits = logits.index_select(0, to_device(rows, torch.int64, logits.device))
         out = self.sampler(logits, seqs)
         for s in seqs:
             s.num_pending += 1
-        return _StepTokens(seqs, out)
+        return out
 
     def _apply(self, done: _StepTokens) -> list[Request]:
-        """Append a step's tokens and apply the stop rules; the requests it changed or finished."""
+        """Append a step's prompt logprobs, then its tokens, and apply the stop rules; the requests
+        it changed or finished (prompt logprobs alone change no output: they go with the first token)."""
+        self._apply_prompt_logprobs(done)
         if not done.seqs:
             return []
         out = done.tokens
@@ -249,17 +256,30 @@ class EngineCore:
                 changed.append(req)
         return changed
 
-    def _record_prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> None:
-        """Logprobs of the prompt tokens this chunk predicts, skipping any a preemption recomputes."""
+    @staticmethod
+    def _apply_prompt_logprobs(step: _StepTokens, request_id: str | None = None) -> None:
+        """Append the prompt logprobs of ``step`` (of ``request_id`` only, if named) not appended yet."""
+        rest = []
+        for seq, lps in step.prompt:
+            if request_id is None or seq.request_id == request_id:
+                seq.prompt_logprobs.extend(lps.entries)
+            else:
+                rest.append((seq, lps))
+        step.prompt = rest
+
+    def _prompt_logprobs(self, s: ScheduledSeq, step_logits: StepLogits, i: int) -> PromptLogprobs | None:
+        """Logprobs of the prompt tokens this chunk predicts, on their way to the host; None where a
+        preemption recomputes only positions already requested (an earlier chunk's may still be in flight)."""
         seq = s.seq
         start, count = step_logits.rows[i]
         prompt = seq.prompt_token_ids
-        first = max(s.context_len, len(seq.prompt_logprobs) - 1)  # first position still missing
+        first = max(s.context_len, seq.prompt_logprobs_requested)  # first position still missing
         last = min(s.context_len + count, len(prompt) - 1)
         if last <= first:
-            return
+            return None
+        seq.prompt_logprobs_requested = last
         rows = step_logits.logits[start + first - s.context_len: start + last - s.context_len]
-        seq.prompt_logprobs.extend(prompt_logprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs))
+        return PromptLogprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         """The endings by token (stop strings are the reader's: output_processor.py)."""

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from .host_copy import HostCopy
 from .sampling_params import SamplingParams
 from .to_device import to_device
 from .token_table import TokenTable
@@ -51,8 +52,8 @@ class SamplingRow(Protocol):
 
 
 class SamplerOutput:
-    """A step's draws: on the device at once, on the host when first read. The copies are queued
-    behind the step (into pinned memory behind an event on CUDA), so reading waits for the step."""
+    """A step's draws: on the device at once, on the host when first read (core/host_copy.py), so
+    reading waits for the step."""
 
     def __init__(self, token_ids: torch.Tensor, chosen: torch.Tensor | None = None,
                  top: tuple[torch.Tensor, torch.Tensor] | None = None, top_n: list[int | None] | None = None) -> None:
@@ -60,42 +61,56 @@ class SamplerOutput:
         (in row order), ``top_n`` each row's params.logprobs."""
         self.device_token_ids = token_ids
         self._top_n = top_n
-        pinned = token_ids.is_cuda
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t, non_blocking=pinned)
-                      for t in (token_ids, chosen, *(top or ())) if t is not None]
-        self._copied = None
-        if pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._host = HostCopy([t for t in (token_ids, chosen, *(top or ())) if t is not None])
 
     def wait(self) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        self._host.wait()
 
     @cached_property
     def token_ids(self) -> list[int]:
         self.wait()
-        return self._host[0].tolist()
+        return self._host.tolist(0)
 
     @cached_property
     def logprobs(self) -> list[float] | None:
         """The raw logprob of each chosen token; None where no row asks for logprobs."""
-        self.wait()
-        return self._host[1].tolist() if self._top_n is not None else None
+        return self._host.tolist(1) if self._top_n is not None else None
 
     @cached_property
     def top_logprobs(self) -> list[list[tuple[int, float]] | None]:
         """Top-n (id, logprob) where params.logprobs is set."""
         if self._top_n is None:
             return [None] * len(self.token_ids)
-        self.wait()
         out: list[list[tuple[int, float]] | None] = [None if n is None else [] for n in self._top_n]
         if len(self._host) == 4:
             rows = (i for i, n in enumerate(self._top_n) if n)
-            for i, v, t in zip(rows, self._host[2].tolist(), self._host[3].tolist()):
+            for i, v, t in zip(rows, self._host.tolist(2), self._host.tolist(3)):
                 n = self._top_n[i]
                 out[i] = list(zip(t[:n], v[:n]))
+        return out
+
+
+class PromptLogprobs:
+    """A prompt chunk's logprobs: computed on the device at once, on the host when first read
+    (core/host_copy.py), so the step that computes them waits for nothing."""
+
+    def __init__(self, logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> None:
+        """``logits``: one row per position, predicting ``next_token_ids``; ``top_n`` more tokens each."""
+        if logits.shape[0] != len(next_token_ids):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(next_token_ids)} next tokens")
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, to_device(next_token_ids, torch.int64, lp.device)[:, None]).squeeze(1)
+        top = lp.topk(min(top_n, lp.shape[1]), dim=-1) if top_n > 0 else ()
+        self._next = next_token_ids
+        self._host = HostCopy([chosen, *top])
+
+    @cached_property
+    def entries(self) -> list[dict[int, float]]:
+        """Per position, the logprob of the token that follows, then those of the top_n tokens."""
+        out = [{t: c} for t, c in zip(self._next, self._host.tolist(0))]
+        if len(self._host) == 3:
+            for d, v, t in zip(out, self._host.tolist(1), self._host.tolist(2)):
+                d.update(zip(t, v))
         return out
 
 
@@ -245,18 +260,3 @@ class Sampler:
                 q[j].exponential_(generator=r.generator)
         # q == 0 would turn an excluded token's 0/0 into NaN, which argmax prefers
         return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-
-
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> list[dict[int, float]]:
-    """For each position, the logprobs of the token that actually follows and of the top_n tokens."""
-    if logits.shape[0] != len(next_token_ids):
-        raise ValueError(f"{logits.shape[0]} rows of logits for {len(next_token_ids)} next tokens")
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    nxt = torch.tensor(next_token_ids, dtype=torch.long, device=lp.device)
-    chosen = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
-    out = [{t: c} for t, c in zip(next_token_ids, chosen)]
-    if top_n > 0:
-        vals, ids = lp.topk(min(top_n, lp.shape[1]), dim=-1)
-        for d, t, v in zip(out, ids.tolist(), vals.tolist()):
-            d.update(zip(t, v))
-    return out

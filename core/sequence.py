@@ -35,6 +35,7 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_requested: int = 0  # prompt positions whose logprobs are computed (maybe still in flight)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

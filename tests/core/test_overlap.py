@@ -261,10 +261,60 @@ def test_windowed_model_matches_reading_every_step(dsv4_engines, eval_text, seed
     """DeepSeek-V4 (window pages, compressor state): steps computed past a stop or an abort leave its
     windows and pages as they should be, and the outputs match."""
     base = dsv4_engines[False]
-    arrivals = [(random.randint(0, 4), random_prompt(base, eval_text, random.randint(4, 16)), random_params(8))
+    arrivals = [(random.randint(0, 2), random_prompt(base, eval_text, random.randint(4, 16)), random_params(8))
                 for _ in range(3)]
     got, want = (run_arrivals(dsv4_engines[overlap], arrivals, {0: 3}) for overlap in (True, False))
     assert_same(got, want)
     for e in dsv4_engines.values():
         e.step()
         assert_all_returned(e)
+
+
+def test_prompt_logprobs_match_reading_every_step(tiny_qwen3, eval_text, seed):
+    """Prompt logprobs come to the host behind their step. Over chunked prefills, preemptions that
+    recompute prompts, aborts and requests that end in the step of their last prompt chunk: the
+    same outputs and the same prompt logprobs (each position once) as reading every step first."""
+    engines = {overlap: make_llm(tiny_qwen3, overlap, num_pages=24, max_num_seqs=6, chunked_prefill_size=8,
+                                 enable_prefix_caching=False).engine for overlap in (True, False)}
+    arrivals = []
+    for _ in range(8):
+        params = random_params(max_tokens=random.choice([1, 1, 24]))
+        params.prompt_logprobs = random.choice([0, 2])
+        arrivals.append((random.randint(0, 2), random_prompt(engines[False], eval_text, random.randint(9, 40)), params))
+    abort_at = {i: random.randint(1, 6) for i in random.sample(range(len(arrivals)), 2)}
+    for _ in range(2):  # the latest arrivals, more than the pages hold: preempted and recomputed
+        params = SamplingParams(temperature=0.8, seed=random.randrange(2**31), max_tokens=40, ignore_eos=True,
+                                prompt_logprobs=1)
+        arrivals.append((3, random_prompt(engines[False], eval_text, random.randint(36, 40)), params))
+    got, want = ({}, {}), ({}, {})
+    for engine, (outcomes, prompts) in zip((engines[False], engines[True]), (want, got)):
+        with Spy(engine.outputs, "process") as processed, Spy(engine.scheduler, "_preempt") as preempted:
+            outcomes.update(run_arrivals(engine, arrivals, abort_at))
+        prompts.update((o.request_id, o.prompt_logprobs) for results, _ in processed.results for o in results
+                       if o.finished)
+    assert_same(got[0], want[0])
+    assert got[1].keys() == want[1].keys() == {f"r{i}" for i in range(len(arrivals))}
+    for rid, lps in want[1].items():
+        prompt = arrivals[int(rid[1:])][1]
+        assert len(lps) == len(got[1][rid]) == len(prompt) and lps[0] is None is got[1][rid][0], rid
+        for x, y, t in zip(got[1][rid][1:], lps[1:], prompt[1:]):
+            assert t in x and x.keys() == y.keys() and all(math.isclose(x[k], y[k], abs_tol=1e-4) for k in x), rid
+    assert any(seq.wants_prompt_logprobs for seq, in preempted.calls)  # in the overlapped engine
+    engines[True].step()
+    assert_all_returned(engines[True])
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_abort_mid_prompt_keeps_the_prompt_logprobs_in_flight(tiny_qwen3, eval_text, seed, steps):
+    """An abort while a prompt chunk's logprobs are in flight: its output carries them, as when every
+    step is read first."""
+    outs, prompt = {}, None
+    for overlap in (True, False):
+        engine = make_llm(tiny_qwen3, overlap, chunked_prefill_size=8).engine
+        prompt = prompt or random_prompt(engine, eval_text, 30)
+        engine.add_request("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=1))
+        for _ in range(steps):
+            assert not engine.step()
+        outs[overlap] = engine.abort_request("r").prompt_logprobs
+    assert len(outs[True]) == len(outs[False]) == 1 + 8 * steps
+    assert [list(d) if d else d for d in outs[True]] == [list(d) if d else d for d in outs[False]]

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from engine.core.sampler import Sampler, SamplingRow, filter_logits, prompt_logprobs
+from engine.core.sampler import PromptLogprobs, Sampler, SamplingRow, filter_logits
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.core.token_table import TokenTable
@@ -294,13 +294,13 @@ def test_prompt_logprobs_include_actual_token(seed):
     logits = torch.randn(L, V)
     lp = torch.log_softmax(logits, -1)
     nexts = [int(lp[i].argmin()) if i % 2 else int(lp[i].argmax()) for i in range(L)]
-    got = prompt_logprobs(logits, nexts, 3)
+    got = PromptLogprobs(logits, nexts, 3).entries
     top = lp.topk(3).indices
     for i, d in enumerate(got):
         assert set(d) == set(top[i].tolist()) | {nexts[i]}
         for t, v in d.items():
             assert math.isclose(v, lp[i, t].item(), rel_tol=1e-6, abs_tol=1e-6)
-    assert [list(d) for d in prompt_logprobs(logits, nexts, 0)] == [[t] for t in nexts]
+    assert [list(d) for d in PromptLogprobs(logits, nexts, 0).entries] == [[t] for t in nexts]
 
 
 def test_rejects_wrong_shape():
