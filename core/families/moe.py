@@ -37,7 +37,7 @@ class RoutingConfig:
     shared_expert: int | None = None
 
     def __post_init__(self) -> None:
-        if self.shared_expert is not None and (not isinstance(self.shared_expert, int) or self.shared_expert < 0):
+        if self.shared_expert is not None and (type(self.shared_expert) is not int or self.shared_expert < 0):
             raise ValueError(f"shared_expert must be an expert index (an int >= 0), not {self.shared_expert!r}")
 
 

@@ -129,7 +129,7 @@ def test_shared_expert_is_a_column_after_the_top_k(seed, routing, shared):
     assert torch.equal(with_shared[1], torch.cat([ids, torch.full((TOKENS, 1), shared)], dim=1))
 
 
-@pytest.mark.parametrize("bad", [-1, 2.0, "0"])
+@pytest.mark.parametrize("bad", [-1, 2.0, "0", True])
 def test_shared_expert_must_be_an_index(bad):
     with pytest.raises(ValueError, match="shared_expert"):
         RoutingConfig(num_experts=8, top_k=2, shared_expert=bad)
