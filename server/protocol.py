@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response bodies, and their translation into ``SamplingParams``.
 
-Requests validate types strictly (``"3"`` is not a number) but ignore unknown fields, because
-OpenAI clients send extras. Every integer fits 64 bits (the engine's wire format is msgpack) and
+Requests validate types strictly (``"3"`` is not a number) and refuse fields they do not know, so
+a request never runs without something it asked for: the fields OpenAI's API has and this server
+does not do are declared and refused with the reason, the rest as unknown. Every integer fits 64 bits (the engine's wire format is msgpack) and
 every number is finite. Every refusal is an ``APIError`` 400 naming the field at fault, the field
 as the client spelled it (``max_completion_tokens``, not the engine's ``max_tokens``).
 Response models use OpenAI's field names exactly, so the official client parses them.
@@ -33,7 +34,7 @@ RepetitionPenalty = Annotated[float, Field(ge=1e-6, le=F32_MAX)]
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictRequest):
@@ -233,7 +234,8 @@ def pydantic_error_to_api(exc: pydantic.ValidationError) -> APIError:
     first = exc.errors()[0]
     parts = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_type_label(x)]
     param = ".".join(parts) or None
-    return invalid(param, f"{param}: {first['msg']}" if param else first["msg"])
+    msg = "unknown field: this server does not support it" if first["type"] == "extra_forbidden" else first["msg"]
+    return invalid(param, f"{param}: {msg}" if param else msg)
 
 
 # ---- responses ----

@@ -109,7 +109,7 @@ def test_completion_maps_to_sampling_params():
         n=n, seed=seed, top_k=top_k, temperature=temp, top_p=top_p, min_p=0.05, stop="END", stop_token_ids=stop_ids,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=3, max_tokens=40,
         min_tokens=2, ignore_eos=True, skip_special_tokens=False, logit_bias={str(bias_tok): -100},
-        user="u", unknown_extra={"anything": 1}), LIMITS, VOCAB)
+        user="u"), LIMITS, VOCAB)
     assert (p.n, p.seed, p.top_k, p.temperature, p.top_p, p.min_p) == (n, seed, top_k, temp, top_p, 0.05)
     assert p.stop == ["END"] and p.stop_token_ids == stop_ids
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
@@ -183,6 +183,21 @@ def test_chat_type_errors_name_the_field(body, param):
 ])
 def test_completion_type_errors_name_the_field(body, param):
     assert validation_param(CompletionRequest, {"model": "m", **body}) == param
+
+
+@pytest.mark.parametrize("request_model, body, param", [
+    (CompletionRequest, {"prompt": "x", "logprob": 2}, "logprob"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": True},
+     "parallel_tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"usage": True}},
+     "stream_options.usage"),
+])
+def test_unknown_fields_are_refused_by_name(request_model, body, param):
+    with pytest.raises(pydantic.ValidationError) as exc:
+        request_model.model_validate({"model": "m", **body})
+    err = pydantic_error_to_api(exc.value)
+    assert err.status_code == 400 and err.param == param and "unknown field" in err.message
 
 
 def test_prompt_shapes():
