@@ -6,10 +6,19 @@ rest of a multi-byte character, so nothing is emitted until it completes (the te
 and of HF's DecodeStream). The window starts in the prompt, so decoders that drop a leading space
 on the first token see the context the model saw.
 
+Bytes that never make a character (a model repeating a lone continuation byte) would keep that
+wait going forever, the window, and the cost of decoding it, growing with every token. A
+character has at most ``MAX_CHAR_BYTES`` bytes, so once more tokens than that wait, everything
+but the last few is settled: its text is emitted where the whole window's text agrees with it,
+and the window moves past it. The window stays bounded; the text is the same.
+
 Stop strings: text that could still become a stop string is held back, so no delta ever contains
 one, even split across tokens. Stop strings only end a sequence once more than ``min_tokens``
 tokens are out (as in vLLM). A token that ends the sequence by id (a stop token id, or EOS unless
 ``ignore_eos``) adds no text unless ``include_stop_str_in_output``, also as in vLLM.
+
+Work per token is bounded by the window and the longest stop string, never by the text so far:
+the emitted deltas are kept as a list and joined only when ``output_text`` is read.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 PROMPT_CONTEXT = 5  # prompt tokens the decode window starts with
+MAX_CHAR_BYTES = 4  # the longest UTF-8 character
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -33,30 +43,34 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
+        self._skip = params.skip_special_tokens
+        self._ending_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # the text of ids[prefix_offset:read_offset], once decoded
         self._num_output = 0
-        self._text = ""  # decoded so far, after any stop-string cut
-        self._emitted = 0  # length of the prefix of _text handed out
-        self._check_from = 0  # a stop string must end past here (text before min_tokens never stops)
+        self._emitted: list[str] = []  # every delta handed out
+        self._tail = ""  # decoded but not handed out: it may be the start of a stop string
+        self._check_from = 0  # in _tail: a stop string must end past here (text before min_tokens never stops)
         self._done = False
         self.finished_by_stop: str | None = None
 
     @property
     def output_text(self) -> str:
         """All text emitted so far: the concatenation of every delta."""
-        return self._text[:self._emitted]
+        parts = self._emitted
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
 
     def add(self, token_id: int) -> str:
         """Take the next generated token; return the text that became final with it."""
         if self._done:
             return ""
         self._num_output += 1
-        p = self.params
-        ends = self._num_output >= p.min_tokens and (
-            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.tokenizer.eos_token_ids))
-        if not ends or p.include_stop_str_in_output:
+        ends = token_id in self._ending_ids and self._num_output >= self.params.min_tokens
+        if not ends or self.params.include_stop_str_in_output:
             self._ids.append(token_id)
         self._done = ends
         return self._release(self._decode_new(final=ends), final=ends)
@@ -68,54 +82,87 @@ class IncrementalDetokenizer:
         self._done = True
         return self._release(self._decode_new(final=True), final=True)
 
+    def _decode(self, lo: int, hi: int | None = None) -> str:
+        return self.tokenizer.decode(self._ids[lo:hi], skip_special_tokens=self._skip)
+
     def _decode_new(self, final: bool) -> str:
-        skip = self.params.skip_special_tokens
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
-        text = self.tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens=skip)
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        text = self._decode(self._prefix_offset)
         # text extends prefix, except where the prompt ended inside a character this token completes
         n = len(prefix) if text.startswith(prefix) else _common_prefix_len(prefix, text)
-        if len(text) <= n or (text.endswith("\ufffd") and not final):
+        if text.endswith("\ufffd") and not final:
+            return self._settled(text, n)
+        if len(text) <= n:
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._advance(len(self._ids))
         return text[n:]
 
+    def _settled(self, text: str, n: int) -> str:
+        """The new text of a window that ends in U+FFFD and cannot be waiting for a character any
+        more: that of all but the last tokens that might still hold a character's first bytes
+        (``MAX_CHAR_BYTES`` - 1 of them, special tokens that decode to nothing not counted), where
+        the whole window's text agrees with it; "" while fewer tokens wait."""
+        ids = self._ids
+        if len(ids) - self._read_offset <= MAX_CHAR_BYTES:
+            return ""
+        skipped = set(self.tokenizer.all_special_ids) if self._skip else set()
+        cut, kept = len(ids), 0
+        while kept < MAX_CHAR_BYTES - 1 and cut > self._read_offset:
+            cut -= 1
+            kept += ids[cut] not in skipped
+        if cut <= self._read_offset:
+            return ""
+        settled = self._decode(self._prefix_offset, cut)
+        if len(settled) <= n or not text.startswith(settled):
+            return ""
+        self._advance(cut)
+        return settled[n:]
+
+    def _advance(self, read_offset: int) -> None:
+        """The text of ids up to ``read_offset`` is emitted: the window starts where the last new text did."""
+        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, read_offset, None
+
     def _release(self, piece: str, final: bool) -> str:
-        self._text += piece
-        stops = self.params.stop
-        hold = 0
-        if stops and not self.finished_by_stop:
-            if self._num_output > self.params.min_tokens:
-                self._cut_at_stop()
-            else:
-                self._check_from = len(self._text)
-            if not (final or self.finished_by_stop):
-                hold = self._held_back()
-        end = len(self._text) - hold
-        delta = self._text[self._emitted:end]
-        self._emitted = end
+        if not self.params.stop:
+            if piece:
+                self._emitted.append(piece)
+            return piece
+        if not (piece or final):  # nothing new: no stop string ends here, nothing more can be released
+            return ""
+        tail = self._tail + piece
+        if self._num_output > self.params.min_tokens:
+            tail = self._cut_at_stop(tail)
+        else:
+            self._check_from = len(tail)
+        end = len(tail) if final or self._done else len(tail) - self._held_back(tail)
+        delta, self._tail = tail[:end], tail[end:]
+        self._check_from = max(0, self._check_from - end)
+        if delta:
+            self._emitted.append(delta)
         return delta
 
-    def _cut_at_stop(self) -> None:
-        """Truncate at the earliest stop string in the unemitted text, if one is there."""
+    def _cut_at_stop(self, tail: str) -> str:
+        """``tail`` truncated at its earliest stop string, if one is there (which ends the sequence)."""
         best: tuple[int, int, str] | None = None
         for s in self.params.stop:
-            i = self._text.find(s, max(self._emitted, self._check_from - len(s) + 1))
+            i = tail.find(s, max(0, self._check_from - len(s) + 1))
             if i >= 0 and (best is None or (i, i + len(s)) < best[:2]):
                 best = (i, i + len(s), s)
         if best is None:
-            return
+            return tail
         start, end, s = best
-        self._text = self._text[:end if self.params.include_stop_str_in_output else start]
         self.finished_by_stop = s
         self._done = True
+        return tail[:end if self.params.include_stop_str_in_output else start]
 
-    def _held_back(self) -> int:
-        """Length of the longest unemitted suffix that is the start of some stop string."""
-        room = len(self._text) - self._emitted
+    def _held_back(self, tail: str) -> int:
+        """Length of the longest suffix of ``tail`` that is the start of some stop string."""
         hold = 0
         for s in self.params.stop:
-            for k in range(min(len(s) - 1, room), hold, -1):
-                if self._text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(tail)), hold, -1):
+                if tail.endswith(s[:k]):
                     hold = k
                     break
         return hold

@@ -1,9 +1,10 @@
 import random
+import tracemalloc
 
 import pytest
 import tokenizers
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import MAX_CHAR_BYTES, PROMPT_CONTEXT, IncrementalDetokenizer
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import Tokenizer
 
@@ -150,3 +151,73 @@ def test_character_begun_in_the_prompt_is_emitted_whole(tok):
     d, deltas = stream(tok, ids[:split], ids[split:], SamplingParams())
     assert tok.decode(ids[:split]) == "caf\ufffd"
     assert "".join(deltas) == "é au lait"
+
+
+class CountingTokenizer(Tokenizer):
+    """The real tokenizer, counting the ids it is asked to decode: the detokenizer's work."""
+
+    decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def byte_tokens(tok: Tokenizer) -> list[int]:
+    """The id of each byte's own token in a byte-level BPE vocabulary (GPT-2's byte-to-character map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    ids = [tok._backend.token_to_id(chars[b]) for b in range(256)]
+    assert None not in ids and tok.decode(ids[65:68]) == "ABC"
+    return ids
+
+
+def test_bytes_that_never_make_a_character_keep_the_window_bounded(tiny_qwen3):
+    tok = CountingTokenizer.from_dir(tiny_qwen3)
+    lone = byte_tokens(tok)[0x80]  # a continuation byte: no character, however many follow
+    d = IncrementalDetokenizer(tok, tok.encode("x = 1\n"), SamplingParams())
+    deltas = [d.add(lone) for _ in range(2000)]
+    streamed = "".join(deltas)
+    assert streamed == "\ufffd" * len(streamed) and len(streamed) >= 2000 - MAX_CHAR_BYTES  # out as it came
+    assert tok.decoded < 2000 * 3 * (PROMPT_CONTEXT + 2 * MAX_CHAR_BYTES)  # unbounded, it was ~4M ids
+    assert streamed + d.flush() == d.output_text == tok.decode([lone] * 2000)
+
+
+def test_random_bytes_read_as_utf8_with_replacement(tiny_qwen3, seed):
+    """Byte by byte, runs of bytes that make no character among characters split over their bytes."""
+    tok = CountingTokenizer.from_dir(tiny_qwen3)
+    of_byte = byte_tokens(tok)
+    pieces = [b"\x80", b"\xbf\xbf\xbf", b"\xc3", b"\xe2\x82", b"\xf0\x9f\x98", b"\xff", "é".encode(), "€".encode(),
+              "😀".encode(), b"a", b" ", b"\n"]
+    for _ in range(30):
+        data = b"".join(random.choice(pieces) * random.choice([1, 1, 2, 7]) for _ in range(random.randrange(1, 120)))
+        ids = [of_byte[b] for b in data]
+        tok.decoded = 0
+        d, deltas = stream(tok, random.choice([[], [0], tok.encode("café")]), ids, SamplingParams(ignore_eos=True))
+        assert "".join(deltas) == data.decode("utf-8", errors="replace") == tok.decode(ids)
+        assert tok.decoded <= len(ids) * 3 * (PROMPT_CONTEXT + 2 * MAX_CHAR_BYTES) + 50
+
+
+@pytest.mark.parametrize("stop", [[], ["\x00never\x00"]])
+def test_work_per_token_does_not_grow_with_the_text(tok, eval_text, stop):
+    """Bytes allocated per token (what extending the text copies) stay flat over a long output."""
+    ids = tok.encode(eval_text[:60000])[:4000]
+    d = IncrementalDetokenizer(tok, [0], SamplingParams(stop=stop))
+    per_token = []
+    tracemalloc.start()
+    try:
+        for t in ids:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            d.add(t)
+            per_token.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    assert len(d.output_text) > 10000
+    first, last = sum(per_token[:1000]) / 1000, sum(per_token[-1000:]) / 1000
+    assert last < 1.5 * first + 100, (first, last)  # a copy of the text per token made it ~8x
