@@ -3,12 +3,15 @@
 gate/up: a program takes BLOCK_M rows of one expert (see moe_align) and BLOCK_N columns of the
 intermediate, multiplies the rows' tokens by that expert's gate rows and up rows in one K loop,
 and applies SwiGLU in its epilogue, so the [T * top_k, 2I] projection is never stored. down: the
-same grouped GEMM over the SwiGLU output with the routing weight multiplied in; rows are written
-in assignment order, [T, top_k, H], and summed over top_k afterwards: no atomics, deterministic.
+same grouped GEMM over the SwiGLU output, ending in the weighted combine: its rows are stored in
+assignment order, [T, top_k, H], and the program that stores the last of a token's top_k rows of a
+column tile (an integer arrival count per token and tile says which) sums that token's rows, each
+times its routing weight, in k order into the output. So nothing runs between the down GEMM and
+the residual, and the sum is deterministic (no floating-point atomics).
 
 Rounding follows core/native/moe.py: each GEMM's fp32 result is rounded to x's dtype; SwiGLU is
-the native ``_swiglu`` (the DeepSeek-V4 clamp, silu in fp32 rounded, times up rounded); the top-k
-sum is in fp32. One rounding more than native: the weighted rows are stored in x's dtype.
+the native ``_swiglu`` (the DeepSeek-V4 clamp, silu in fp32 rounded, times up rounded); the
+weighted top-k sum is in fp32, rounded once.
 
 FP8 weights (E4M3 with one fp32 scale per 128 x 128 block of each expert, what
 ``quantize_fp8_block`` makes of each expert's matrices) meet E4M3 activations with one scale per
@@ -88,19 +91,61 @@ def _fp4_tile(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_ptr,
+def _clear_arrivals(arrivals_ptr, token, valid, tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """arrivals[token, :] = 0 for the block's valid rows (a token of several blocks is cleared by each)."""
+    for t0 in range(0, tiles, BLOCK_N):
+        rt = t0 + tl.arange(0, BLOCK_N)
+        tl.store(arrivals_ptr + token[:, None] * tiles + rt[None, :], tl.zeros((BLOCK_M, BLOCK_N), tl.int32),
+                 mask=valid[:, None] & (rt[None, :] < tiles))
+
+
+@triton.jit
+def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
+             stride_cm, stride_om, stride_wt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, tile] = sum over k of c[t * top_k + k, tile] * weight[t, k], in fp32 and in k order,
+    by whichever program stores the last of token t's top_k rows of this column tile.
+
+    Each program counts its stored rows into arrivals[t, pid_n] (an integer atomic, after a barrier:
+    every row of the tile is stored before any is counted; acquire-release at GPU scope, so the
+    program that sees the count reach top_k sees every row counted before). Which program that is
+    varies from run to run, but what it sums, and in what order, does not: the result is
+    deterministic. The rows are read past L1, which may hold lines of an earlier kernel. The counts
+    are the launch's own (``arrivals_for``, cleared by the gate/up GEMM before), so launches share
+    no buffer and a graph replays them as captured.
+    """
+    tl.debug_barrier()
+    token = tl.where(valid, ids, 0) // top_k
+    arrived = tl.atomic_add(arrivals_ptr + token * tiles + pid_n, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (arrived == top_k - 1)
+    mask = last[:, None] & (rn[None, :] < N)
+    first_row = token.to(tl.int64) * top_k
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(top_k):
+        weight = tl.load(weight_ptr + token * stride_wt + k, mask=last, other=0.0)
+        row = tl.load(c_ptr + (first_row + k)[:, None] * stride_cm + rn[None, :], mask=mask, other=0.0,
+                      cache_modifier=".cg")
+        total += row.to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + token[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
                      sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                     M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k,
-                     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_wt,
+                     M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
+                     stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om,
+                     stride_wt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
+                     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
                      FP4: tl.constexpr, SCALED_MMA: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
-    GATED: b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two products.
-    WEIGHTED: c gets the product times the assignment's routing weight (weights [T, top_k], row
-    stride stride_wt: a column slice of a wider routing reads in place).
+    GATED (gate/up): b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two
+    products, and the block's tokens' arrival counts [T, tiles] are cleared for the down GEMM.
+    Otherwise (down): c gets the product, and each token's rows are combined into out (see
+    ``_combine``) with the routing weights [T, top_k] (row stride stride_wt: a column slice of a
+    wider routing reads in place).
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
     to ``tl.dot_scaled``, otherwise each tile is dequantized in registers to a's dtype.
     """
@@ -113,6 +158,9 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
     valid = ids < num_assignments
     # padding rows read row 0 and columns past N read column N-1 again; neither is stored
     am = tl.where(valid, ids // rows_per_a, 0).to(tl.int64)
+    if GATED:
+        if pid_n == 0:
+            _clear_arrivals(arrivals_ptr, am, valid, tiles, BLOCK_M, BLOCK_N)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     bn = (rn % N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -182,12 +230,11 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight_
             out = tl.minimum(out, swiglu_limit)
             up_out = tl.minimum(tl.maximum(up_out, -swiglu_limit), swiglu_limit)
         out = (out / (1.0 + tl.exp(-out))).to(dtype).to(tl.float32) * up_out
-    if WEIGHTED:
-        assignment = tl.where(valid, ids, 0)
-        token = assignment // top_k
-        out *= tl.load(topk_weight_ptr + token * stride_wt + assignment - token * top_k)[:, None]
     c_ptrs = c_ptr + ids[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
+    if not GATED:
+        _combine(c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
+                 stride_cm, stride_om, stride_wt, BLOCK_M, BLOCK_N)
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False) -> GemmConfig:
@@ -228,13 +275,13 @@ def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: b
 
 
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
-                  out: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
-                  topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                  c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
+                  out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> None:
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
     fmt = _weight_format(a, a_scale, b, b_scale)
     if blocks.num_blocks == 0:
-        return out
+        return
     k = a.shape[1]
     fp4 = fmt.startswith("fp4")
     if b.shape[2] * (2 if fp4 else 1) != k or (fp4 and k % MX_BLOCK):
@@ -244,43 +291,66 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
     b_scale_strides = (0, 0) if b_scale is None else (b_scale.stride(0), b_scale.stride(1))
     top_k, stride_wt = (1, 0) if topk_weights is None else (topk_weights.shape[1], topk_weights.stride(0))
     _moe_gemm_kernel[grid](
-        a, a_scale, b, b_scale, out, topk_weights, blocks.sorted_ids, blocks.block_expert, blocks.num_padded,
-        blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
-        0.0 if swiglu_limit is None else float(swiglu_limit), top_k,
-        a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, out.stride(0), stride_wt,
+        a, a_scale, b, b_scale, c, out, topk_weights, arrivals, blocks.sorted_ids, blocks.block_expert,
+        blocks.num_padded, blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
+        0.0 if swiglu_limit is None else float(swiglu_limit), top_k, arrivals.shape[1],
+        a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, c.stride(0),
+        0 if out is None else out.stride(0), stride_wt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
-        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=topk_weights is not None, FP8=fmt == "fp8_block",
+        HAS_LIMIT=swiglu_limit is not None, FP8=fmt == "fp8_block",
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
         num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
-    return out
+
+
+def arrivals_for(num_tokens: int, hidden: int, cfg: GemmConfig, device: torch.device) -> torch.Tensor:
+    """The down GEMM's arrival counts, [T, column tiles of H] int32, left as allocated: ``moe_gate_up``
+    clears those of every token it computes, so no launch fills them."""
+    return torch.empty(num_tokens, triton.cdiv(hidden, cfg.block_n), dtype=torch.int32, device=device)
+
+
+def _check_arrivals(arrivals: torch.Tensor, num_tokens: int, hidden: int, cfg: GemmConfig) -> None:
+    want = (num_tokens, triton.cdiv(hidden, cfg.block_n))
+    if arrivals.shape != want or arrivals.dtype != torch.int32 or not arrivals.is_contiguous():
+        raise ValueError(f"arrivals must be contiguous int32 {list(want)} (arrivals_for), not "
+                         f"{arrivals.dtype} {list(arrivals.shape)}")
 
 
 def moe_gate_up(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, top_k: int, cfg: GemmConfig, *,
-                swiglu_limit: float | None = None, x_scale: torch.Tensor | None = None,
+                arrivals: torch.Tensor, swiglu_limit: float | None = None, x_scale: torch.Tensor | None = None,
                 gate_up_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] through gate_up [E, 2I, H] (gate rows first) and SwiGLU -> [T * top_k, I], row
-    ``t * top_k + k`` for token t's k-th expert; in ``out_dtype`` (by default x's), or into ``out``."""
+    ``t * top_k + k`` for token t's k-th expert; in ``out_dtype`` (by default x's), or into ``out``.
+    Clears ``arrivals`` (``arrivals_for``) for the ``moe_down`` that follows."""
     x, gate_up = unit_inner_stride(x, gate_up)
+    _check_arrivals(arrivals, x.shape[0], x.shape[1], cfg)
     inner = gate_up.shape[1] // 2
     out = output_for(blocks.num_assignments, inner, out_dtype or x.dtype, x.device, out)
-    return _grouped_gemm(x, x_scale, gate_up, gate_up_scale, blocks, cfg, inner, top_k, out, gated=True,
-                         swiglu_limit=swiglu_limit)
+    _grouped_gemm(x, x_scale, gate_up, gate_up_scale, blocks, cfg, inner, top_k, out, arrivals, gated=True,
+                  swiglu_limit=swiglu_limit)
+    return out
 
 
 def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_weights: torch.Tensor,
-             cfg: GemmConfig, *, h_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """h [T * top_k, I] through down [E, H, I], times the routing weight of each assignment
-    (``topk_weights`` [T, top_k], any row stride) -> [T * top_k, H]."""
+             cfg: GemmConfig, *, arrivals: torch.Tensor, h_scale: torch.Tensor | None = None,
+             down_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T * top_k, I] through down [E, H, I], each token's rows weighted by its routing weights
+    (``topk_weights`` [T, top_k], any row stride) and summed -> [T, H] in ``out_dtype`` (by default
+    h's), or into ``out``. ``arrivals`` as ``moe_gate_up`` left them. The rows pass through memory
+    in the output's dtype, each GEMM's result rounded to it as native rounds it."""
     if topk_weights.dim() != 2 or topk_weights.numel() != blocks.num_assignments:
         raise ValueError(f"routing weights {list(topk_weights.shape)} are not [tokens, top_k] of "
                          f"{blocks.num_assignments} assignments")
     h, down = unit_inner_stride(h, down)
-    out = output_for(blocks.num_assignments, down.shape[1], out_dtype or h.dtype, h.device, out)
+    num_tokens, hidden = topk_weights.shape[0], down.shape[1]
+    _check_arrivals(arrivals, num_tokens, hidden, cfg)
+    out = output_for(num_tokens, hidden, out_dtype or h.dtype, h.device, out)
+    rows = torch.empty(blocks.num_assignments, hidden, dtype=out.dtype, device=h.device)
     weights = topk_weights.float()
-    return _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, down.shape[1], 1, out, gated=False,
-                         topk_weights=weights if weights.stride(1) == 1 else weights.contiguous())
+    _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, hidden, 1, rows, arrivals, gated=False, out=out,
+                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous())
+    return out
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -319,8 +389,9 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     elif packing == 2 and (config_for(FP4_SCALED_MMA, x.device) if scaled_mma is None else scaled_mma):
         quantize = quantize_mxfp8
     a, x_scale = quantize(x) if quantize else (x, None)
-    h = moe_gate_up(a, blocks, gate_up, top_k, cfg, swiglu_limit=swiglu_limit, x_scale=x_scale,
+    arrivals = arrivals_for(num_tokens, hidden, cfg, x.device)
+    h = moe_gate_up(a, blocks, gate_up, top_k, cfg, arrivals=arrivals, swiglu_limit=swiglu_limit, x_scale=x_scale,
                     gate_up_scale=gate_up_scale, out_dtype=x.dtype)
     h, h_scale = quantize(h) if quantize else (h, None)
-    y = moe_down(h, blocks, down, topk_weights, cfg, h_scale=h_scale, down_scale=down_scale, out_dtype=x.dtype)
-    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return moe_down(h, blocks, down, topk_weights, cfg, arrivals=arrivals, h_scale=h_scale, down_scale=down_scale,
+                    out=out)

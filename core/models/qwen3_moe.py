@@ -26,8 +26,9 @@ class SparseMoE(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up = empty_param(experts, 2 * inter, hidden, dtype=dtype, device=device)
         self.experts.down = empty_param(experts, hidden, inter, dtype=dtype, device=device)
+        # HF rounds the routing weights to the activation dtype before combining: the route does
         self.routing = RoutingConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], scoring="softmax",
-                                     renormalize=bool(hf.get("norm_topk_prob", True)))
+                                     renormalize=bool(hf.get("norm_topk_prob", True)), weight_dtype=dtype)
         self.intermediate = inter
         self.backend = backends.moe
 
@@ -39,8 +40,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, ids = self.backend.route(self.gate(x), self.routing, batch.input_ids)
-        # HF rounds the routing weights to the activation dtype before combining
-        weights = weights.to(x.dtype).float()
         return self.backend.experts(x, weights, ids, ExpertWeights(self.experts.gate_up, self.experts.down))
 
 
