@@ -97,6 +97,7 @@ class EngineConfig:
     moe_backend: str | None = None
     linear_backend: str | None = None
     norm_backend: str | None = None
+    sampling_backend: str | None = None
     graph_backend: str | None = None
     enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
@@ -137,5 +138,6 @@ class EngineConfig:
     def requested_backends(self) -> dict[str, str]:
         named = {"attention": self.attention_backend, "v4_attention": self.v4_attention_backend,
                  "mhc": self.mhc_backend, "moe": self.moe_backend,
-                 "linear": self.linear_backend, "norm": self.norm_backend, "graphs": self.graph_backend}
+                 "linear": self.linear_backend, "norm": self.norm_backend, "sampling": self.sampling_backend,
+                 "graphs": self.graph_backend}
         return {k: v for k, v in named.items() if v}

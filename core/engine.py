@@ -90,7 +90,7 @@ class EngineCore:
         self.token_table = TokenTable(config.max_num_seqs, c.device)
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table, c.max_model_len)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, config.page_size, c.device, c.graphs)
-        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table)
+        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()

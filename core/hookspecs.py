@@ -65,6 +65,12 @@ def engine_register_norm_backends() -> Any:
 
 
 @hookspec
+def engine_register_sampling_backends() -> Any:
+    """Collecting. Return a list of sampling ``Descriptor``s: ``create`` returns a
+    ``core.families.sampling.SamplingBackend`` (temperature, top-k, top-p, min-p and the draw)."""
+
+
+@hookspec
 def engine_register_graph_backends() -> Any:
     """Collecting. Return a list of graph ``Descriptor``s (capture and replay of forward steps)."""
 
@@ -106,6 +112,7 @@ FAMILIES: dict[str, str] = {
     "moe": "engine_register_moe_backends",
     "linear": "engine_register_linear_backends",
     "norm": "engine_register_norm_backends",
+    "sampling": "engine_register_sampling_backends",
     "graphs": "engine_register_graph_backends",
     "spec": "engine_register_spec_proposers",
     "kv_transport": "engine_register_kv_transports",

@@ -2,7 +2,7 @@
 
 Logit bias, min_tokens masking, repetition penalty, then frequency and presence penalties; greedy
 rows take the argmax of that, the others go through temperature, top-k, top-p and min-p before a
-draw. Reported logprobs are those of the raw model logits (vLLM's default), so they say what the
+draw, both on the sampling family's backend (core/families/sampling.py). Reported logprobs are those of the raw model logits (vLLM's default), so they say what the
 model thought, not what the sampling settings made of it.
 
 Nothing waits for the device: the draws are written into the token table (core/token_table.py),
@@ -26,7 +26,9 @@ from typing import Protocol
 
 import torch
 
+from .families.sampling import SamplingBackend
 from .host_copy import HostCopy
+from .native.sampling import NativeSampling
 from .sampling_params import SamplingParams
 from .to_device import to_device
 from .token_table import TokenTable
@@ -114,34 +116,6 @@ class PromptLogprobs:
         return out
 
 
-def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """Set to -inf every token that top-k, then top-p, then min-p leaves out, row by row.
-
-    ``top_k`` 0 is off; top-p keeps the smallest set of most likely tokens whose probability
-    reaches ``top_p``; min-p drops tokens less likely than ``min_p`` times the most likely one.
-    """
-    vocab = logits.shape[-1]
-    dev = logits.device
-    use_k = any(0 < k < vocab for k in top_k)
-    use_p = any(p < 1 for p in top_p)
-    if use_k or use_p:
-        ordered, order = logits.sort(dim=-1, descending=True)
-        if use_k:
-            k = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, dev)
-            ordered.masked_fill_(torch.arange(vocab, device=dev)[None, :] >= k[:, None], float("-inf"))
-        if use_p:
-            probs = ordered.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-            p = to_device([p if p < 1 else float("inf") for p in top_p], torch.float32, dev)
-            ordered.masked_fill_(before >= p[:, None], float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, ordered)
-    if any(m > 0 for m in min_p):
-        probs = logits.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * to_device(min_p, torch.float32, dev)[:, None]
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
-
-
 def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column index tensors for per-row token lists of different lengths."""
     rows = [i for i, toks in pairs for _ in toks]
@@ -150,8 +124,11 @@ def _ragged_index(pairs: list[tuple[int, list[int]]], device: torch.device) -> t
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], table: TokenTable, seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], table: TokenTable,
+                 backend: SamplingBackend | None = None, seed: int | None = None) -> None:
+        """``backend``: what filters and draws (the native oracle where none is given)."""
         self.vocab_size = vocab_size
+        self.backend = backend or NativeSampling(None)
         self.eos_token_ids = sorted(eos_token_ids)
         self.table = table
         self.device = table.device
@@ -245,18 +222,19 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
-        x = x / to_device([p.temperature for p in params], x.dtype, x.device)[:, None]
-        x = filter_logits(x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-        probs = x.softmax(dim=-1)
-        q = torch.empty_like(probs)
+        return self.backend.draw(x, self._noise(x, rows), [p.temperature for p in params], [p.top_k for p in params],
+                                 [p.top_p for p in params], [p.min_p for p in params])
+
+    def _noise(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Exp(1) per token: a seeded row's from its own generator, the others' from the shared one."""
+        q = torch.empty_like(x)
         shared = [j for j, r in enumerate(rows) if r.generator is None]
         if len(shared) == len(rows):  # the same draws as the scatter below, without it
             q.exponential_(generator=self.generator)
         elif shared:
-            noise = torch.empty((len(shared), probs.shape[1]), device=probs.device).exponential_(generator=self.generator)
-            q[to_device(shared, torch.int64, probs.device)] = noise
+            noise = torch.empty((len(shared), x.shape[1]), device=x.device).exponential_(generator=self.generator)
+            q[to_device(shared, torch.int64, x.device)] = noise
         for j, r in enumerate(rows):
             if r.generator is not None:
                 q[j].exponential_(generator=r.generator)
-        # q == 0 would turn an excluded token's 0/0 into NaN, which argmax prefers
-        return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        return q

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .families.sampling import SamplingBackend
 from .graph_runner import DecodeGraphs
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
@@ -35,6 +36,7 @@ class Components:
     kv: KVCache
     kv_manager: KVManager
     max_model_len: int
+    sampling: SamplingBackend
     graphs: DecodeGraphs | None = None
 
 
@@ -149,6 +151,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
+    selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     logger.info("platform %s; %s", platform.summary(),
                 ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
 
@@ -181,4 +184,5 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if graph_selection is not None:
         selections["graphs"] = graph_selection
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
-    return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len, graphs)
+    return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
+                      selections["sampling"].create(ctx), graphs)

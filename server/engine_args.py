@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["none"],
                    help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
                         "them in their stored formats, FP8 / FP4, where the backends run them)")
-    for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "graph"):
+    for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
 
@@ -78,7 +78,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size or None, enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend, v4_attention_backend=args.v4_attention_backend,
         mhc_backend=args.mhc_backend, moe_backend=args.moe_backend,
-        linear_backend=args.linear_backend, norm_backend=args.norm_backend, graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
+        linear_backend=args.linear_backend, norm_backend=args.norm_backend, sampling_backend=args.sampling_backend,
+        graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         quantization=args.quantization,
     )

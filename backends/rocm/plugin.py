@@ -45,5 +45,10 @@ def engine_register_norm_backends() -> list[Descriptor]:
 
 
 @hookimpl
+def engine_register_sampling_backends() -> list[Descriptor]:
+    return triton_descriptors("sampling", "amd")
+
+
+@hookimpl
 def engine_register_mhc_backends() -> list[Descriptor]:
     return triton_descriptors("mhc", "amd")

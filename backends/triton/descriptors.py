@@ -62,6 +62,7 @@ def triton_descriptors(family: str, vendor: str) -> list[Descriptor]:
             "moe": "engine.backends.triton.moe:TritonMoE",
             "linear": "engine.backends.triton.linear:TritonLinear",
             "norm": "engine.backends.triton.norm:TritonNorm",
+            "sampling": "engine.backends.triton.sampling:TritonSampling",
             "mhc": "engine.backends.triton.mhc:TritonMHC"}[family]
     model_reasons = MODEL_REASONS.get(family, _no_model_reasons)
     return [Descriptor(family, "triton", _create(impl), priority=TRITON_PRIORITY,

@@ -47,3 +47,9 @@ def engine_register_linear_backends() -> list[Descriptor]:
 @hookimpl
 def engine_register_norm_backends() -> list[Descriptor]:
     return [Descriptor("norm", "native", _instance("engine.core.native.norm:NativeNorm"), priority=NATIVE_PRIORITY)]
+
+
+@hookimpl
+def engine_register_sampling_backends() -> list[Descriptor]:
+    return [Descriptor("sampling", "native", _instance("engine.core.native.sampling:NativeSampling"),
+                       priority=NATIVE_PRIORITY)]

@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from engine.backends.triton.sampling import TritonSampling
+from engine.core.native.sampling import NativeSampling
 from engine.core.sampler import Sampler
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
@@ -33,9 +35,10 @@ def _rows(table: TokenTable) -> list[Sequence]:
     return rows
 
 
-def test_sampling_never_synchronises(seed):
+@pytest.mark.parametrize("backend", [NativeSampling, TritonSampling])
+def test_sampling_never_synchronises(seed, backend):
     table = TokenTable(8, "cuda")
-    sampler = Sampler(V, {1}, table, seed=seed)
+    sampler = Sampler(V, {1}, table, backend(None), seed=seed)
     rows = _rows(table)
     logits = torch.randn(len(rows), V, device="cuda") * 3
     sampler(logits, rows)  # first use: allocations and kernels loaded outside the check

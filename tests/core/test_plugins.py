@@ -388,6 +388,7 @@ def test_report_names_every_family_and_the_platform(dummy):
     assert "graphs: selects cuda_graphs (plugin cuda)" in text  # the platform is an H200
     assert "linear: selects triton (plugin cuda)" in text
     assert "norm: selects triton (plugin cuda)" in text
+    assert "sampling: selects triton (plugin cuda)" in text
     assert "spec: no candidates registered" in text
     assert "DummyForCausalLM" in text
 

@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from engine.core.sampler import PromptLogprobs, Sampler, SamplingRow, filter_logits
+from engine.core.native.sampling import filter_logits
+from engine.core.sampler import PromptLogprobs, Sampler, SamplingRow
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.core.token_table import TokenTable

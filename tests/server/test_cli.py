@@ -37,7 +37,7 @@ def test_plugins_reports_families_and_refusals(tiny_qwen3):
     res = run_engine("plugins", "--model", str(tiny_qwen3))
     assert res.returncode == 0, res.stderr
     assert "Platform: cpu" in res.stdout
-    for family in ("attention", "moe", "linear", "norm", "model"):
+    for family in ("attention", "moe", "linear", "norm", "sampling", "model"):
         assert f"\n{family}" in res.stdout
     assert "selects Qwen3ForCausalLM" in res.stdout
     assert "Blocks of Qwen3ForCausalLM" in res.stdout
