@@ -4,7 +4,8 @@ A "layer" here is one component of the cache. Most keep a slot per token; a comp
 (``rate`` > 1, DeepSeek-V4's pooled entries) keeps a slot per ``rate`` tokens, so its page
 holds ``ceil(page_size / rate)`` slots and is paged, shared and freed with the tokens it covers.
 A windowed one lives in the smaller pool of window pages (window.py): page ``p``'s tokens are in
-window page ``window_table()[p]``.
+window page ``window_table()[p]``. A layer may keep its K and V in element types of its own (E4M3
+keys beside their fp32 scales, say); the others keep the cache's.
 """
 
 from __future__ import annotations
@@ -27,13 +28,20 @@ class KVLayerSpec:
     v_head_dim: int
     rate: int = 1
     windowed: bool = False  # read only near a sequence's end: kept in window pages
+    k_dtype: torch.dtype | None = None  # K's element type; None: the cache's
+    v_dtype: torch.dtype | None = None  # V's element type; None: the cache's
 
     def slots_per_page(self, page_size: int) -> int:
         return -(-page_size // self.rate)
 
+    def dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """K's and V's element types in a cache of ``dtype``."""
+        return self.k_dtype or dtype, self.v_dtype or dtype
+
     def slot_bytes(self, dtype: torch.dtype) -> int:
-        """K and V bytes of one slot."""
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * dtype.itemsize
+        """K and V bytes of one slot in a cache of ``dtype``."""
+        k, v = self.dtypes(dtype)
+        return self.num_kv_heads * (self.head_dim * k.itemsize + self.v_head_dim * v.itemsize)
 
 
 class KVCache:
@@ -51,17 +59,15 @@ class KVCache:
         if any(s.windowed for s in self.specs) and num_window_pages < 2:
             raise ValueError(f"windowed layers need at least 2 window pages, got {num_window_pages}")
         self.num_window_pages = num_window_pages
-        self._layers = [
-            LayerKV(
-                k=torch.zeros(num_window_pages if s.windowed else num_pages, s.slots_per_page(page_size),
-                              s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device),
-                v=torch.zeros(num_window_pages if s.windowed else num_pages, s.slots_per_page(page_size),
-                              s.num_kv_heads, s.v_head_dim, dtype=dtype, device=self.device),
-            )
-            for s in self.specs
-        ]
+        self._layers = [self._allocate(s, num_window_pages if s.windowed else num_pages) for s in self.specs]
         self._window_table = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._staged: dict[int, int] = {}
+
+    def _allocate(self, spec: KVLayerSpec, pages: int) -> LayerKV:
+        k, v = spec.dtypes(self.dtype)
+        shape = (pages, spec.slots_per_page(self.page_size), spec.num_kv_heads)
+        return LayerKV(k=torch.zeros(*shape, spec.head_dim, dtype=k, device=self.device),
+                       v=torch.zeros(*shape, spec.v_head_dim, dtype=v, device=self.device))
 
     @property
     def num_layers(self) -> int:
@@ -84,7 +90,8 @@ class KVCache:
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy page ``src[j]`` onto ``dst[j]`` in every layer (a forked sequence's partial last page);
-        windowed layers copy between the pages' window pages."""
+        windowed layers copy between the pages' window pages. Pages move as bytes, whatever a
+        layer's element types (the CPU has no index_copy_ for E4M3)."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source pages but {len(dst)} destinations")
         if len(set(dst)) != len(dst):
@@ -97,7 +104,7 @@ class KVCache:
             windows = (table[src_idx].long(), table[dst_idx].long())
         for spec, kv in zip(self.specs, self._layers):
             s, d = windows if spec.windowed else (src_idx, dst_idx)
-            for t in (kv.k, kv.v):
+            for t in (kv.k.view(torch.uint8), kv.v.view(torch.uint8)):
                 t.index_copy_(0, d, t.index_select(0, s))
 
     @staticmethod
