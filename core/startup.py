@@ -175,11 +175,11 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
     kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
                            model.window_reach())
-    mib = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) * n / 2**20
-           for w, n in ((False, num_pages), (True, window_pages))]
-    logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB), %d window pages (%.1f MiB)",
-                model_config.architecture, model_config.dtype, device, time.monotonic() - started,
-                num_pages, config.page_size, mib[0], window_pages, mib[1])
+    per_page = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) for w in (False, True)]
+    logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB, %.1f bytes a token), "
+                "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,
+                time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
+                per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
     graphs = None
     if graph_selection is not None:
         selections["graphs"] = graph_selection

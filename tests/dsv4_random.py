@@ -7,12 +7,14 @@ import transformers
 
 
 def random_checkpoint(path, seed: int, layer_types: list[str], mlp_layer_types: list[str], hc_mult: int,
-                      window: int, csa_rate: int = 4, hca_rate: int = 16, yarn: bool = False):
+                      window: int, csa_rate: int = 4, hca_rate: int = 16, yarn: bool = False,
+                      moe_intermediate_size: int = 16):
     """A tiny random V4 written by HF's save_pretrained, every parameter perturbed away from its
-    init (sinks, biases, position biases, gates are zeros or ones there) and a random hash table."""
+    init (sinks, biases, position biases, gates are zeros or ones there) and a random hash table.
+    Publishing it (FP4 experts, one scale per 32 along K) wants ``moe_intermediate_size`` 32."""
     torch.manual_seed(seed)
     cfg = transformers.DeepseekV4Config(
-        vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=len(layer_types),
+        vocab_size=128, hidden_size=32, moe_intermediate_size=moe_intermediate_size, num_hidden_layers=len(layer_types),
         num_attention_heads=2, head_dim=16, q_lora_rank=16, n_routed_experts=6, num_experts_per_tok=2,
         layer_types=layer_types, mlp_layer_types=mlp_layer_types, hc_mult=hc_mult, o_groups=2, o_lora_rank=8,
         index_n_heads=16, index_head_dim=8, index_topk=8, sliding_window=window, partial_rotary_factor=0.5,

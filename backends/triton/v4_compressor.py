@@ -17,7 +17,9 @@ in a first pass over the slots, online where the window takes several tiles), ea
 to the cache dtype, each product rounded to it, their sum taken in fp32 and rounded once; the
 RMSNorm's statistics in fp32 with the fp32 weight, rounded once; the rotation of the entry's rope
 tail (interleaved pairs, cos/sin of the window's first position rounded to the cache dtype) in
-fp32, rounded once.
+fp32, rounded once. Where the entries layer keeps E4M3 (the indexer's keys beside FP8 weights) that
+rounded entry is quantized in the same program as fp8_quant.py quantizes a group of 128: one fp32
+scale per entry, amax / 448, kept beside it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import triton.language as tl
 from engine.core.families.v4_attention import Compression, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import flat
+from engine.core.models.deepseek_v4.cache import entries_of, flat
 
+from .fp8_quant import FP8_MAX, e4m3_rne
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
@@ -88,12 +91,13 @@ def _gate_tile(gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride
 
 @triton.jit
 def compress_kernel(
-    kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr,
+    kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr,
     positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr, eps,
-    stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_ape, stride_cos, stride_pt,
+    stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_entry_scale, stride_ape, stride_cos,
+    stride_pt,
     WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
     OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dt = kv_cache_ptr.dtype.element_ty
@@ -156,7 +160,15 @@ def compress_kernel(
         page_index = p // PAGE_SIZE  # the page of the window's last token keeps its entry
         page = tl.load(pages + page_index).to(tl.int64)
         entry_slot = page * ENTRIES_PER_PAGE + w - (page_index * PAGE_SIZE) // RATE
-        tl.store(entry_ptr + entry_slot * stride_entry + ch, entry.to(entry_ptr.dtype.element_ty), mask=ch_mask)
+        if QUANTIZE:  # E4M3 with one scale: amax / 448 (1 for a zero entry), divisions correctly rounded
+            x = tl.where(ch_mask, entry.to(tl.float32), 0.0)
+            amax = tl.max(tl.abs(x), axis=0)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+            tl.store(entry_ptr + entry_slot * stride_entry + ch, e4m3_rne(y), mask=ch_mask)
+            tl.store(entry_scale_ptr + entry_slot * stride_entry_scale, scale)
+        else:
+            tl.store(entry_ptr + entry_slot * stride_entry + ch, entry.to(entry_ptr.dtype.element_ty), mask=ch_mask)
 
 
 def tiles(head_dim: int, num_slots: int, cfg: CompressConfig) -> tuple[int, int, int]:
@@ -198,7 +210,7 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, 
     (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
     page table (``window_table``); nothing is read back to the host."""
     projections = flat(kv, comp.projections)
-    entries = flat(kv, comp.entries)[0]
+    entries, scales = entries_of(kv, comp.entries)
     _check(kv_proj, gate_proj, comp, layer, projections, entries)
     tokens, width = kv_proj.shape
     if tokens == 0:
@@ -209,13 +221,14 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, 
     num_slots = 2 * rate if comp.overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, config_for(COMPRESS, kv_proj.device))
     compress_kernel[(tokens,)](
-        kv_proj, gate_proj, projections[0], projections[1], entries, comp.ape, comp.norm_weight, cos, sin,
-        batch.positions, meta.token_seq, meta.window_slots, meta.window_table, batch.page_table,
-        batch.query_start_loc, comp.eps,
+        kv_proj, gate_proj, projections[0], projections[1], entries, entries if scales is None else scales, comp.ape,
+        comp.norm_weight, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
+        batch.page_table, batch.query_start_loc, comp.eps,
         kv_proj.stride(0), gate_proj.stride(0), projections[0].stride(0), projections[1].stride(0), entries.stride(0),
-        comp.ape.stride(0), cos.stride(0), batch.page_table.stride(0),
+        0 if scales is None else scales.stride(0), comp.ape.stride(0), cos.stride(0), batch.page_table.stride(0),
         WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
         NUM_SLOTS=num_slots, PAGE_SIZE=batch.page_size, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
+        QUANTIZE=scales is not None,
         BLOCK_W=triton.next_power_of_2(width), BLOCK_S=block_s, BLOCK_D=block_d,
         num_warps=num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
         **launch_options(kv_proj.device),

@@ -31,7 +31,7 @@ import triton.language as tl
 from engine.core.families.v4_attention import V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import flat
+from engine.core.models.deepseek_v4.cache import entries_of
 
 from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
@@ -227,11 +227,12 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
 def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
            meta) -> torch.Tensor:
     """``V4AttentionBackend.select`` for the whole step: the index keys as the cache keeps them
-    (``layer.indexer.compression.entries``), the rotation of ``layer.rope``."""
+    (``layer.indexer.compression.entries``: the model's dtype, or E4M3 with their scales), the
+    rotation of ``layer.rope``."""
     indexer = layer.indexer
     if q.shape[1:] != (indexer.num_heads, indexer.head_dim):
         raise ValueError(f"q {tuple(q.shape)} must be [tokens, {indexer.num_heads}, {indexer.head_dim}] "
                          f"(the indexer's heads and head dim)")
-    keys = flat(kv, indexer.compression.entries)[0]
-    return index_topk(q, weights, keys, None, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
+    keys, scales = entries_of(kv, indexer.compression.entries)
+    return index_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
                       batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries)

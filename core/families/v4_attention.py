@@ -42,7 +42,7 @@ class Compression:
     norm_weight: torch.Tensor  # [head_dim] fp32
     eps: float
     projections: int  # cache layer: per token, k = the kv projection, v = the gate projection [width]
-    entries: int  # cache layer: per entry, k = the pooled entry [head_dim]
+    entries: int  # cache layer: per entry, k = the pooled entry [head_dim]; if k is E4M3, v = its fp32 scale [1]
 
     @property
     def head_dim(self) -> int:
@@ -101,7 +101,8 @@ class V4AttentionBackend(ABC):
         """Store the step's projections [T, width] at their tokens' window slots, then pool every
         window whose last token the step brings into its entry (gate + ape softmax over the window's
         slots per channel in fp32; RMSNorm; rotation by ``layer.rope`` at the window's first
-        position), stored in ``comp.entries``."""
+        position), stored in ``comp.entries``: rounded to the projections' dtype, then, where that
+        layer keeps E4M3, quantized with one fp32 scale per entry (amax / 448; 1 for a zero entry)."""
 
     @abstractmethod
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
@@ -109,7 +110,8 @@ class V4AttentionBackend(ABC):
         """The indexer's choice: q [T, Hi, di] (unrotated), weights [T, Hi] fp32 (already scaled by
         Hi^-0.5) -> int32 [T, top_k]: the entries of the ``top_k`` highest scores among those
         visible, score(s) = sum_h weights_h * relu(rope(q_h) . key_s) * di^-0.5, ties to the lowest
-        index; -1 fills the rest of a row. The order within a row is unspecified."""
+        index; -1 fills the rest of a row. The order within a row is unspecified. E4M3 keys count
+        as key * scale."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: Any,

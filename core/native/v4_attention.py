@@ -15,10 +15,10 @@ from ..families.attention import AttentionLayer
 from ..families.v4_attention import Compression, V4AttentionBackend, V4AttentionLayer
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache
-from ..models.deepseek_v4.cache import SeqView, flat, sequences, window_slots
+from ..models.deepseek_v4.cache import SeqView, entries_of, flat, sequences, window_slots
 from .attention import CHUNK_ELEMENTS, attend
 from .compressor import entry_positions, pool_windows, visible_entries
-from .indexer import index_scores, top_entries
+from .indexer import fp8_index_scores, index_scores, quantize_keys, top_entries
 from .norm import rms_norm
 from .tail_rope import rotate_tail
 
@@ -51,14 +51,16 @@ class NativeV4Attention(V4AttentionBackend):
         projections = flat(kv, comp.projections)
         for dst, src in zip(projections, (kv_proj, gate_proj)):
             dst.index_copy_(0, meta.window_slots, src.to(dst.dtype))
-        entries = flat(kv, comp.entries)[0]
+        entries = entries_of(kv, comp.entries)
         for seq in meta.seqs:
             self._close_windows(seq, projections, entries, comp, layer)
 
     @staticmethod
-    def _close_windows(seq: SeqView, projections: tuple[torch.Tensor, torch.Tensor], entries: torch.Tensor,
-                       comp: Compression, layer: V4AttentionLayer) -> None:
-        """Pool every window of ``seq`` whose last token the step brings and keep its entry.
+    def _close_windows(seq: SeqView, projections: tuple[torch.Tensor, torch.Tensor],
+                       entries: tuple[torch.Tensor, torch.Tensor | None], comp: Compression,
+                       layer: V4AttentionLayer) -> None:
+        """Pool every window of ``seq`` whose last token the step brings and keep its entry (in the
+        projections' dtype; E4M3 with its scale where the entries layer keeps E4M3).
 
         An overlapping window pools its predecessor's first half too, so that window's tokens are
         pooled along with it (window 0 has none) and its own entry, already kept, is dropped.
@@ -72,8 +74,14 @@ class NativeV4Attention(V4AttentionBackend):
         kv_p, gate = (p[slots] for p in projections)
         pooled = rms_norm(pool_windows(kv_p, gate, comp.ape, rate, comp.overlap)[lead:], comp.norm_weight, comp.eps)
         pos = entry_positions(end, rate, pooled.device)[first:]
-        entries.index_copy_(0, seq.entry_slots(first, end, rate),
-                            rotate_tail(pooled, layer.rope.cos[pos], layer.rope.sin[pos]).to(entries.dtype))
+        entry = rotate_tail(pooled, layer.rope.cos[pos], layer.rope.sin[pos])
+        slots, (keys, scales) = seq.entry_slots(first, end, rate), entries
+        if scales is not None:
+            data, scale = quantize_keys(entry)
+            keys.view(torch.uint8).index_copy_(0, slots, data.view(torch.uint8))  # no E4M3 index_copy_ on the CPU
+            scales.index_copy_(0, slots, scale)
+        else:
+            keys.index_copy_(0, slots, entry.to(keys.dtype))
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: NativeV4Metadata) -> torch.Tensor:
@@ -81,16 +89,19 @@ class NativeV4Attention(V4AttentionBackend):
         rate = indexer.compression.rate
         cos, sin = layer.rope.cos[batch.positions][:, None], layer.rope.sin[batch.positions][:, None]
         q = rotate_tail(q, cos, sin)
-        keys_kv = flat(kv, indexer.compression.entries)[0]
+        keys_kv, scales_kv = entries_of(kv, indexer.compression.entries)
         picks = torch.full((q.shape[0], indexer.top_k), -1, dtype=torch.int32, device=q.device)
         for seq in meta.seqs:
-            keys = keys_kv[seq.entry_slots(0, seq.end // rate, rate)]
+            slots = seq.entry_slots(0, seq.end // rate, rate)
+            keys = keys_kv[slots]
+            scales = None if scales_kv is None else scales_kv[slots]
             rows = slice(seq.start, seq.start + seq.new)
             positions = batch.positions[rows]
             step = _rows_per_chunk(indexer.num_heads * keys.shape[0])
             for a in range(0, seq.new, step):
                 r = slice(seq.start + a, seq.start + min(a + step, seq.new))
-                scores = index_scores(q[r], keys, weights[r])
+                scores = (index_scores(q[r], keys, weights[r]) if scales is None
+                          else fp8_index_scores(q[r], keys, scales, weights[r]))
                 chosen = top_entries(scores, visible_entries(positions[a:a + step], rate), indexer.top_k)
                 picks[r, :chosen.shape[1]] = chosen
         return picks

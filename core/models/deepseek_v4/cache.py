@@ -4,7 +4,9 @@ Per layer, per token: the sliding-window KV (normalised, rotated), and in compre
 compressor's kv and gate projections, so a window that closes in a later chunk pools exactly
 what a full pass pools. Per compressed entry (one per ``rate`` tokens): the pooled entry and,
 in CSA layers, the indexer's key, kept in the page of the window's last token, which the sequence
-that closed the window owns (a shared prefix page is never written).
+that closed the window owns (a shared prefix page is never written). Beside weights in DeepSeek's
+published FP8 format the indexer's keys are E4M3 with one fp32 scale each (amax / 448 of the
+rotated key), as DeepSeek keeps them: 132 bytes a key at V4-Flash's 128 channels instead of 256.
 
 Being paged like any KV, every component follows the sequence through a prefix hit at any page
 boundary (inside a compression window too), a fork's page copy, preemption and abort. The
@@ -21,6 +23,7 @@ import torch
 
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache, KVLayerSpec
+from ...native.quant import FP8
 
 
 @dataclass(frozen=True)
@@ -31,16 +34,18 @@ class LayerCache:
     projections: int | None = None  # per token: k, v = the compressor's kv and gate projections
     entries: int | None = None  # per entry: k = the pooled, normalised, rotated entry
     index_projections: int | None = None  # CSA, per token: the indexer compressor's kv and gate
-    index_keys: int | None = None  # CSA, per entry: the indexer's key
+    index_keys: int | None = None  # CSA, per entry: k = the indexer's key; v = its fp32 scale if k is E4M3
 
 
-def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool],
-                 index_head_dim: int) -> tuple[list[KVLayerSpec], list[LayerCache]]:
+def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool], index_head_dim: int,
+                 fp8_index_keys: bool = False) -> tuple[list[KVLayerSpec], list[LayerCache]]:
     """The KV layer specs of every component and, per decoder layer, where its components are.
 
     ``layer_rates[i]`` is 0 for a sliding-only layer; ``overlaps[i]`` marks CSA (overlapping
-    windows, twice the projection width, and an indexer).
+    windows, twice the projection width, and an indexer). ``fp8_index_keys``: the indexer's keys
+    in E4M3 with an fp32 scale each; otherwise in the cache's dtype.
     """
+    key_format = dict(v_head_dim=1, k_dtype=FP8, v_dtype=torch.float32) if fp8_index_keys else dict(v_head_dim=0)
     specs: list[KVLayerSpec] = []
 
     def add(spec: KVLayerSpec) -> int:
@@ -58,7 +63,7 @@ def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool],
                      entries=add(KVLayerSpec(1, head_dim, 0, rate)))
         if overlap:
             parts.update(index_projections=add(KVLayerSpec(1, 2 * index_head_dim, 2 * index_head_dim, windowed=True)),
-                         index_keys=add(KVLayerSpec(1, index_head_dim, 0, rate)))
+                         index_keys=add(KVLayerSpec(1, index_head_dim, rate=rate, **key_format)))
         layers.append(LayerCache(window, **parts))
     return specs, layers
 
@@ -129,3 +134,15 @@ def flat(kv: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K and V with their slots on one axis: [slots, width]."""
     layer = kv.layer(index)
     return tuple(t.view(t.shape[0] * t.shape[1], t.shape[-1]) for t in (layer.k, layer.v))
+
+
+def entries_of(kv: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A compressed layer's entries [slots, d] as it keeps them, and their fp32 scales [slots] (a view
+    of its V) where the entries are E4M3 (None otherwise)."""
+    entries, v = flat(kv, index)
+    if entries.dtype != FP8:
+        return entries, None
+    if v.dtype != torch.float32 or v.shape[1] != 1:
+        raise ValueError(f"cache layer {index} keeps E4M3 entries, so its V must be one float32 scale per entry, "
+                         f"not {v.shape[1]} {v.dtype}")
+    return entries, v[:, 0]

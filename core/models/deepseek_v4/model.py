@@ -120,12 +120,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         check_quantization_config(hf)
         types = hf["layer_types"][:hf["num_hidden_layers"]]
         rates, overlaps = [0 if t == SLIDING else hf["compress_rates"][t] for t in types], [t == CSA for t in types]
-        self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128))
-        self.reach = window_reach(hf["sliding_window"], rates, overlaps)
         # quantized checkpoint weights stay as stored where a layer and its backend run the format;
-        # the published layout's routed (FP4) and shared (FP8) experts then cannot share a launch
+        # served so (DeepSeek's published FP8 layout), the indexer's keys are E4M3 as DeepSeek keeps
+        # them, and the routed (FP4) and shared (FP8) experts cannot share a launch
         self.resident = config.quantization != "none"
-        fold = moe.FOLD_SHARED and not (self.resident and hf.get("quantization_config"))
+        published = self.resident and bool(hf.get("quantization_config"))
+        self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128),
+                                                fp8_index_keys=published)
+        self.reach = window_reach(hf["sliding_window"], rates, overlaps)
+        fold = moe.FOLD_SHARED and not published
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold)
         self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's compressors in one Triton launch against NativeV4Attention.compress."""
+"""DeepSeek-V4's compressors in one Triton launch against NativeV4Attention.compress, and the
+indexer's keys quantized to E4M3 where the compressor writes them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from engine.backends.triton.v4_compressor import compress, compress_kernel, tile
 from engine.core.families.v4_attention import Compression, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, entries_of, flat
+from engine.core.native.indexer import quantize_keys
+from engine.core.native.quant import FP8
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.v4_attention import NativeV4Attention
 
@@ -39,14 +42,15 @@ class Case:
     """A batch on shuffled pages, each with a window page; the projections of every cached position
     are random and every other projection slot and every entry slot is NaN. ``indexer``: the CSA
     indexer's compressor (its own cache layers) instead of the layer's. ``capacity``: positions each
-    sequence's pages hold (a later ``fill`` may bring other lengths onto the same pages)."""
+    sequence's pages hold (a later ``fill`` may bring other lengths onto the same pages). ``fp8``: the
+    indexer's keys in E4M3 with their scales, as beside FP8 weights."""
 
     def __init__(self, lens, head_dim, rope_dim, rate, overlap, page_size, dtype, device, act_dtype=None,
-                 indexer=False, capacity=None):
+                 indexer=False, capacity=None, fp8=False):
         self.rate, self.page_size, self.dtype, self.device = rate, page_size, dtype, device
         self.act_dtype = act_dtype or dtype
         main_dim, index_dim = (64, head_dim) if indexer else (head_dim, 16)
-        self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim)
+        self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim, fp8_index_keys=fp8)
         projections, entries = ((parts.index_projections, parts.index_keys) if indexer
                                 else (parts.projections, parts.entries))
         self.width = 2 * head_dim if overlap else head_dim
@@ -75,7 +79,7 @@ class Case:
         self.gate_proj = (2 * torch.randn(sum(new), self.width, device=self.device)).to(self.act_dtype)
         kv = self.cache(None)
         table = kv.window_table()
-        for t in (*flat(kv, self.comp.projections), flat(kv, self.comp.entries)[0]):
+        for t in (*flat(kv, self.comp.projections), *flat(kv, self.comp.entries)):
             t.fill_(float("nan"))
         for c, pages in zip(ctx, self.tables):
             seq = SeqView(0, c, 0, torch.tensor(pages, dtype=torch.int32, device=self.device), table, self.page_size)
@@ -121,13 +125,24 @@ class Case:
         got = self.triton() if got is None else got
         for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
-        entries, want_entries = flat(got, self.comp.entries)[0], flat(want, self.comp.entries)[0]
-        written = ~want_entries.isnan().any(-1)
+        (entries, scales), (want_entries, want_scales) = entries_of(got, self.comp.entries), entries_of(
+            want, self.comp.entries)
+        written = ~want_entries.float().isnan().any(-1)
         assert int(written.sum()) == self.closed() > 0
+        if want_scales is not None:  # E4M3: nearly every code agrees, and the values they stand for
+            assert want_scales[~written].isnan().all(), "a scale written beside no entry"
+            torch.testing.assert_close(scales, want_scales, equal_nan=True, **TOL[self.dtype])
+            assert (entries[written].view(torch.uint8) == want_entries[written].view(torch.uint8)).float().mean() > 0.98
+            entries, want_entries = (e.float() * s[:, None]
+                                     for e, s in ((entries, scales), (want_entries, want_scales)))
+            # an entry an ulp off in the cache dtype may round to the neighbouring E4M3 value
+            tol = dict(rtol=2 ** -3, atol=want_scales.nan_to_num().amax().item() * 2 ** -9)
+        else:
+            tol = TOL[self.dtype]
+            if self.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
+                assert (entries[written] == want_entries[written]).float().mean() > 0.98
         # every closed window's entry matches; every other slot is still NaN
-        torch.testing.assert_close(entries, want_entries, equal_nan=True, **TOL[self.dtype])
-        if self.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
-            assert (entries[written] == want_entries[written]).float().mean() > 0.98
+        torch.testing.assert_close(entries, want_entries, equal_nan=True, **tol)
 
 
 @pytest.mark.interpret
@@ -164,6 +179,37 @@ def test_indexer_compressor_interpreted(seed):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_index_keys_interpreted(seed, dtype):
+    """The indexer's keys in E4M3 with one fp32 scale each: quantized where the entry is written, in
+    prefill, in a chunk that starts inside a window, and in decode rows that close a window."""
+    Case(mixed_lens(4), 16, 8, 4, True, 4, dtype, "cpu", indexer=True, fp8=True).check()
+
+
+@pytest.mark.parametrize("page_size", [4, 6])
+def test_native_quantizes_each_key_as_written(seed, page_size):
+    """The native compressor with E4M3 index keys writes, for every window that closes (prefill,
+    a chunk inside a window, decode), exactly quantize_keys of the key the model-dtype layout keeps
+    for the same step: its amax / 448 scale in V and the rotated key / scale in E4M3."""
+
+    def case(fp8: bool) -> Case:  # the same draws for both layouts
+        torch.manual_seed(seed)
+        random.seed(seed)
+        return Case(mixed_lens(4), 32, 16, 4, True, page_size, torch.bfloat16, "cpu", indexer=True, fp8=fp8)
+
+    fp8, dense = case(True), case(False)
+    assert torch.equal(fp8.kv_proj, dense.kv_proj) and fp8.lens == dense.lens
+    keys, scales = entries_of(fp8.native(), fp8.comp.entries)
+    dense_keys, none = entries_of(dense.native(), dense.comp.entries)
+    assert keys.dtype == FP8 and scales.dtype == torch.float32 and dense_keys.dtype == torch.bfloat16 and none is None
+    written = ~scales.isnan()
+    assert int(written.sum()) == fp8.closed() and torch.equal(written, ~dense_keys.isnan().any(-1))
+    data, scale = quantize_keys(dense_keys[written])
+    assert torch.equal(scales[written], scale)
+    assert torch.equal(keys[written].view(torch.uint8), data.view(torch.uint8))
+
+
+@pytest.mark.interpret
 def test_bad_projection_width_is_refused(seed):
     case = Case([(0, 4)], 16, 8, 4, True, 4, torch.float32, "cpu")
     kv = case.cache(case.state)
@@ -172,7 +218,8 @@ def test_bad_projection_width_is_refused(seed):
 
 
 FLASH = {"csa": dict(head_dim=512, rate=4, overlap=True), "hca": dict(head_dim=512, rate=128, overlap=False),
-         "indexer": dict(head_dim=128, rate=4, overlap=True, indexer=True)}
+         "indexer": dict(head_dim=128, rate=4, overlap=True, indexer=True),
+         "indexer-fp8": dict(head_dim=128, rate=4, overlap=True, indexer=True, fp8=True)}
 
 
 def flash_case(kind: str, lens, capacity=None) -> Case:
@@ -227,21 +274,23 @@ def test_flash_decode_graph_gpu(seed, kind):
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("kind", sorted(FLASH))
 def test_compress_compiles(target, kind):
-    """V4-Flash's three compressors in bf16: 16-byte loads of the window tiles, and (as launched,
-    without FP fusion) no fused multiply-add that would skip one of the oracle's roundings."""
+    """V4-Flash's three compressors in bf16 (the indexer's also with E4M3 keys): 16-byte loads of the
+    window tiles, and (as launched, without FP fusion) no fused multiply-add that would skip one of
+    the oracle's roundings."""
     shape = FLASH[kind]
-    head_dim, rate, overlap = shape["head_dim"], shape["rate"], shape["overlap"]
+    head_dim, rate, overlap, fp8 = shape["head_dim"], shape["rate"], shape["overlap"], shape.get("fp8", False)
     width = 2 * head_dim if overlap else head_dim
     strides = [name for name in compress_kernel.arg_names if name.startswith("stride_")]
-    signature = {**{p: "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr", "entry_ptr")},
-                 **{p: "*fp32" for p in ("ape_ptr", "norm_ptr", "cos_ptr", "sin_ptr")},
+    signature = {**{p: "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr")},
+                 "entry_ptr": "*fp8e4nv" if fp8 else "*bf16",
+                 **{p: "*fp32" for p in ("entry_scale_ptr", "ape_ptr", "norm_ptr", "cos_ptr", "sin_ptr")},
                  "positions_ptr": "*i64", "window_slots_ptr": "*i64",
                  **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
                  "eps": "fp32", **{s: "i32" for s in strides}}
     num_slots = 2 * rate if overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, pick(v4_compressor.COMPRESS, target))
     constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
-                      NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), BLOCK_W=width,
+                      NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), QUANTIZE=fp8, BLOCK_W=width,
                       BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target))
     asm = compile_asm(compress_kernel, signature, constexprs, target, num_warps=num_warps, divisible_by_16=strides,
                       enable_fp_fusion=False)

@@ -1,4 +1,5 @@
-"""The lightning indexer kernel (scores over paged index keys + stable top-k) against the native select."""
+"""The lightning indexer kernel (scores over paged index keys + stable top-k) against the native select,
+over keys in the model's dtype and over E4M3 keys with their scales, as the cache keeps either."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, s
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache, KVLayerSpec
-from engine.core.models.deepseek_v4.cache import flat, sequences
+from engine.core.models.deepseek_v4.cache import entries_of, flat, sequences
 from engine.core.native.compressor import visible_entries
-from engine.core.native.indexer import fp8_index_scores, index_scores, quantize_keys, top_entries
+from engine.core.native.indexer import fp8_index_scores, index_scores, quantize_keys
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.tail_rope import rotate_tail
 from engine.core.native.v4_attention import NativeV4Attention
@@ -37,7 +38,8 @@ class Case:
     ``kind``: "random" (normal data), "ties" (small integers, keys from a small pool with a zero
     rope tail, so scores are exact whatever the order of the sums: many equal scores, many exact
     zeros through ReLU), "fp8" (E4M3 keys with amax scales), "fp8-ties" (integer E4M3 keys with
-    power-of-two scales: exact too).
+    power-of-two scales: exact too). E4M3 keys live in the cache layer the model gives them, their
+    scales in its V.
     """
 
     def __init__(self, lens, heads, head_dim, rope_dim, top_k, page_size, dtype, device, kind="random",
@@ -53,10 +55,13 @@ class Case:
                                         page_tables=tables, page_size=page_size, logits_indices=[], device=device)
         tokens = sum(qlens)
         fp8 = kind.startswith("fp8")
-        self.kv = KVCache([KVLayerSpec(1, head_dim, 0, rate)], num_pages, page_size, FP8 if fp8 else dtype, device)
-        keys = flat(self.kv, 0)[0]
+        key_format = dict(v_head_dim=1, k_dtype=FP8, v_dtype=torch.float32) if fp8 else dict(v_head_dim=0)
+        self.kv = KVCache([KVLayerSpec(1, head_dim, rate=rate, **key_format)], num_pages, page_size, dtype, device)
+        keys, self.scales = entries_of(self.kv, 0)
         keys.fill_(float("nan"))
-        self.scales = torch.full(keys.shape[:1], float("nan"), device=device) if fp8 else None
+        if fp8:
+            self.scales.fill_(float("nan"))
+            self.plain = torch.full(keys.shape, float("nan"), device=device)  # "fp8": the keys before quantizing
         self.seqs = sequences(self.batch, self.kv.window_table())
         self.dims = (tokens, heads, head_dim, rope_dim, dtype)
         self.q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
@@ -91,7 +96,8 @@ class Case:
     def _write_keys(self, slots, head_dim, rope_dim, dtype):
         keys, n = flat(self.kv, 0)[0], slots.shape[0]
         if self.kind == "fp8":
-            keys[slots], self.scales[slots] = quantize_keys(torch.randn(n, head_dim, device=self.device) * 3)
+            self.plain[slots] = torch.randn(n, head_dim, device=self.device) * 3
+            keys[slots], self.scales[slots] = quantize_keys(self.plain[slots])
             return
         if self.kind.endswith("ties"):
             pool = torch.randint(-2, 3, (3, head_dim), device=self.device).float()
@@ -106,19 +112,24 @@ class Case:
             return
         keys[slots] = torch.randn(n, head_dim, device=self.device).to(dtype)
 
-    def scores(self) -> torch.Tensor:
-        """[T, max_entries] fp32 reference scores: core/native/indexer.py over each sequence's keys,
-        -inf for entries a token does not see."""
+    def rotated_q(self) -> torch.Tensor:
         positions = self.batch.positions
-        cos, sin = self.rope.cos[positions][:, None], self.rope.sin[positions][:, None]
-        q = rotate_tail(self.q, cos, sin)
+        return rotate_tail(self.q, self.rope.cos[positions][:, None], self.rope.sin[positions][:, None])
+
+    def scores(self, plain: bool = False) -> torch.Tensor:
+        """[T, max_entries] fp32 reference scores: core/native/indexer.py over each sequence's keys
+        (``plain``: over the "fp8" keys before they were quantized), -inf for entries a token does
+        not see."""
+        positions, q = self.batch.positions, self.rotated_q()
         keys = flat(self.kv, 0)[0]
         out = torch.full((q.shape[0], self.meta.max_entries), float("-inf"), device=self.device)
         for seq in self.seqs:
             n = seq.end // self.rate
             slots = seq.entry_slots(0, n, self.rate)
             rows = slice(seq.start, seq.start + seq.new)
-            if self.scales is None:
+            if plain:
+                s = index_scores(q[rows], self.plain[slots], self.weights[rows])
+            elif self.scales is None:
                 s = index_scores(q[rows], keys[slots], self.weights[rows])
             else:
                 s = fp8_index_scores(q[rows], keys[slots], self.scales[slots], self.weights[rows])
@@ -126,24 +137,13 @@ class Case:
             out[rows, :n] = s.masked_fill(hidden, float("-inf"))
         return out
 
-    def want(self, scores: torch.Tensor) -> torch.Tensor:
-        """The native choice: NativeV4Attention.select itself, or (FP8 keys) top_entries over the
-        reference scores."""
-        if self.scales is None:
-            native = NativeV4Attention(ctx=None)
-            return native.select(self.q, self.weights, self.layer, self.kv, self.batch,
-                                 native.prepare(self.batch, self.kv))
-        picks = torch.full((scores.shape[0], self.top_k), -1, dtype=torch.int32, device=self.device)
-        chosen = top_entries(scores, visible_entries(self.batch.positions, self.rate), self.top_k)
-        picks[:, :chosen.shape[1]] = chosen
-        return picks
+    def want(self) -> torch.Tensor:
+        """The native choice: NativeV4Attention.select itself, on the keys as the cache keeps them."""
+        native = NativeV4Attention(ctx=None)
+        return native.select(self.q, self.weights, self.layer, self.kv, self.batch, native.prepare(self.batch, self.kv))
 
     def run(self) -> torch.Tensor:
-        if self.scales is None:
-            return select(self.q, self.weights, self.layer, self.kv, self.batch, self.meta)
-        return index_topk(self.q, self.weights, flat(self.kv, 0)[0], self.scales, self.rope.cos, self.rope.sin,
-                          self.batch.positions, self.meta.token_seq, self.batch.page_table, self.batch.page_size,
-                          self.rate, self.top_k, self.meta.max_entries)
+        return select(self.q, self.weights, self.layer, self.kv, self.batch, self.meta)
 
     def check(self, got: torch.Tensor | None = None, rtol: float = 1e-5):
         """Each row's picks as a set against the native one: equal where the data makes every score
@@ -151,7 +151,7 @@ class Case:
         native picks' scores within ``rtol`` of the row's largest (only near-ties may swap)."""
         got = self.run() if got is None else got
         scores = self.scores()
-        want = self.want(scores)
+        want = self.want()
         assert got.shape == want.shape == (self.q.shape[0], self.top_k) and got.dtype == torch.int32
         got_sorted, want_sorted = got.sort(dim=1).values, want.sort(dim=1).values
         if self.kind.endswith("ties") and self.exact:
@@ -198,8 +198,34 @@ def test_ties_go_to_the_lowest_entry_interpreted(seed, poisoned_scratch, monkeyp
 
 
 @pytest.mark.interpret
-def test_fp8_keys_interpreted(seed, poisoned_scratch):
-    Case(LENS, 4, 32, 16, 4, 8, torch.float16, "cpu", kind="fp8").check(rtol=1e-3)
+@pytest.mark.parametrize("page_size", [8, 6])
+def test_fp8_keys_interpreted(seed, poisoned_scratch, page_size):
+    """E4M3 keys with their scales in the cache layer's V: the picks equal the native select's but
+    where near-tied scores may swap."""
+    Case(LENS, 4, 32, 16, 4, page_size, torch.float16, "cpu", kind="fp8").check(rtol=1e-3)
+
+
+def test_fp8_scores_stay_within_e4m3_of_the_exact_keys(seed):
+    """Scores over E4M3 keys differ from those over the keys before quantizing by no more than E4M3
+    allows: each channel off by half a step (2^-4 of it, or 2^-10 of the scale below the normal
+    range), through the ReLU (1-Lipschitz) and the weighted head sum; plus fp32's own roundings."""
+    case = Case(LENS, 16, 32, 16, 4, 8, torch.float32, "cpu", kind="fp8")
+    exact, quantized = case.scores(plain=True), case.scores()
+    q, w, d = case.rotated_q().abs(), case.weights.abs(), case.dims[2]
+    bound = torch.zeros_like(exact)
+    for seq in case.seqs:
+        n = seq.end // case.rate
+        slots = seq.entry_slots(0, n, case.rate)
+        k, scale = case.plain[slots].abs(), case.scales[slots]
+        rows = slice(seq.start, seq.start + seq.new)
+        step = (2 ** -4 + 2 ** -20) * k + 2 ** -10 * scale[:, None]  # [n, d]: the most each channel moves
+        per_head = torch.einsum("thd,nd->thn", q[rows], step) + 1e-5 * torch.einsum("thd,nd->thn", q[rows], k)
+        bound[rows, :n] = (w[rows, :, None] * per_head).sum(1) * d ** -0.5
+    seen = exact.isfinite()
+    assert torch.equal(seen, quantized.isfinite()) and seen.any()
+    diff = (quantized - exact)[seen]
+    assert (diff.abs() <= bound[seen]).all(), f"worst excess {(diff.abs() - bound[seen]).max():.3g}"
+    assert diff.abs().max() > 0  # the keys really were quantized
 
 
 @pytest.mark.interpret

@@ -1,6 +1,7 @@
 """A DeepSeek-V4 model on the Triton V4 attention family in the interpreter, through the engine:
 greedy-identical to the native family over a batch with chunked prefill inside compression
-windows, decodes beside prefills, and prefix hits.
+windows, decodes beside prefills, and prefix hits; in the model's dtype and in DeepSeek's published
+FP8 layout, where the indexer's keys are E4M3 with their scales in both families.
 
 The Triton descriptors refuse a CPU, so a test plugin offers the same backend under the same name
 on the CPU, where its kernels run in the interpreter; ``v4_attention_backend="triton"`` then
@@ -14,6 +15,7 @@ import shutil
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -23,6 +25,9 @@ from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.hookspecs import hookimpl
+from engine.core.models.deepseek_v4.cache import entries_of
+from engine.core.models.deepseek_v4.publish import write_published
+from engine.core.native.quant import FP8
 from engine.core.plugins import load_plugins
 from engine.core.registry import Descriptor
 from engine.core.sampling_params import SamplingParams
@@ -52,12 +57,16 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> li
 
 
 @pytest.mark.interpret
-def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_path, shared_dir):
+@pytest.mark.parametrize("published", [False, True])
+def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_path, shared_dir, published):
     path = random_checkpoint(tmp_path / "v4", seed, ["heavily_compressed_attention", "compressed_sparse_attention",
                                                      "sliding_attention"], ["moe", "hash_moe", "moe"], hc_mult=2,
-                             window=8, csa_rate=4, hca_rate=8)
+                             window=8, csa_rate=4, hca_rate=8, moe_intermediate_size=32)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the engine reads one; the ids stay below 128
         shutil.copy(shared_dir / "models" / "tiny-dsv4-py" / f, path / f)
+    if published:
+        write_published(path, tmp_path / "published")
+        path = tmp_path / "published"
     rng = random.Random(seed)
     base = [rng.randrange(128) for _ in range(rng.randint(18, 30))]
     batch = [base + [rng.randrange(128) for _ in range(rng.randint(5, 20))],
@@ -72,8 +81,13 @@ def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_pa
         assert chosen.name == name
         assert type(engine.components.model.model.attention).__name__ == (
             "TritonV4Attention" if name == "triton" else "NativeV4Attention")
+        index_keys = engine.components.model.model.layers[1].attn.cache.index_keys
+        keys, scales = entries_of(engine.components.kv, index_keys)
+        assert keys.dtype == (FP8 if published else torch.float32) and (scales is not None) == published
         outs = generate(engine, [base], 5) + generate(engine, batch, 6)
         # base's pages serve a prefix hit: its page-aligned part, which may end inside a compression window
         assert outs[1].num_cached_tokens == len(base) // 4 * 4
         tokens.append([o.outputs[0].token_ids for o in outs])
+        if published:  # the keys really were written: E4M3 codes and a scale per closed window
+            assert (scales > 0).any() and keys.view(torch.uint8).any()
     assert tokens[1] == tokens[0]

@@ -38,10 +38,12 @@ def test_token_slots_follow_the_page_table_into_the_window_pages(seed):
     assert torch.equal(window_slots(slots, windows, 4), seq.token_slots(0, 40))
 
 
-def test_bytes_per_token_per_component_add_up_to_the_pages(seed):
+@pytest.mark.parametrize("fp8_index_keys", [False, True])
+def test_bytes_per_token_per_component_add_up_to_the_pages(seed, fp8_index_keys):
+    """Beside FP8 weights an index key costs 32 E4M3 bytes and a 4-byte scale, not 32 bf16 values."""
     rng = random.Random(seed)
     rates = [rng.choice([0, 4, 16]) for _ in range(7)]
-    specs, layers = cache_layout(64, rates, [r == 4 for r in rates], 32)
+    specs, layers = cache_layout(64, rates, [r == 4 for r in rates], 32, fp8_index_keys=fp8_index_keys)
     per_token = component_bytes_per_token(specs, layers, torch.bfloat16)
     assert per_token["window"] == 7 * 64 * 2
     windowed = ("window", "projections", "index_projections")
@@ -51,4 +53,4 @@ def test_bytes_per_token_per_component_add_up_to_the_pages(seed):
         specs, 16, torch.bfloat16)
     csa, hca = rates.count(4), rates.count(16)
     assert per_token.get("entries", 0) == (csa * 64 / 4 + hca * 64 / 16) * 2
-    assert per_token.get("index_keys", 0) == csa * 32 / 4 * 2
+    assert per_token.get("index_keys", 0) == csa * ((32 + 4) if fp8_index_keys else 32 * 2) / 4

@@ -6,9 +6,11 @@ tiny-dsv4-py is quantized into that layout (published names, scales under ``.sca
 shards in shuffled order: all drawn fresh each run). The reference dequantizes it with HF
 transformers' own FP8/FP4 dequantization and is written as a plain fp32 checkpoint. By default the
 engine keeps the weights as stored (FP8 linears with fp32 block scales, FP4 routed experts with
-E8M0 scales, the native backends dequantizing on the fly): its logits must match the engine's on
-the reference within RESIDENT_BOUND, and HF's on it; with ``quantization="none"`` its parameters
-must equal the reference's. The bytes per parameter resident are checked against the checkpoint's
+E8M0 scales, the native backends dequantizing on the fly) and the indexer's keys in E4M3: its
+logits must match the engine's on the reference, served as FP8 weights are (its config naming the
+published quantization, so its indexer keys are E4M3 too), within RESIDENT_BOUND, and HF's on it
+where the indexer keeps every entry; with ``quantization="none"`` its parameters must equal the
+reference's and its keys stay fp32. The bytes per parameter resident are checked against the checkpoint's
 own, and the quantizers against brute force.
 """
 
@@ -26,6 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.core.config import EngineConfig
+from engine.core.kv.storage import KVCache
+from engine.core.models.deepseek_v4.cache import component_bytes_per_token
 from engine.core.models.deepseek_v4.publish import FP8_LINEARS, ROUTED, publish, published_config, weight_format
 from engine.core.models.weights import resident_bytes
 from engine.core.native.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8_block_e8m0, quantize_fp4,
@@ -140,13 +144,21 @@ def checkpoints(tiny, tmp_path_factory, run_seed):
     root = tmp_path_factory.mktemp("dsv4q")
     write(root / "quantized", tiny, quantized, run_seed, config, shards=2)
     write(root / "reference", tiny, reference, run_seed)
+    write(root / "reference-fp8-index-keys", tiny, reference, run_seed, config)
     print(f"layout: scales in .{scale_suffix} as {scale_dtype}, FP4 packed as {packed_dtype}")
-    return root / "quantized", root / "reference", quantized
+    return root / "quantized", root / "reference", quantized, root / "reference-fp8-index-keys"
 
 
 def engine(path, quantization=None):
     return build(EngineConfig(model=str(path), dtype="float32", page_size=PAGE, num_pages=120,
                               quantization=quantization), progress=False)
+
+
+def index_key_dtypes(c) -> set[torch.dtype]:
+    """The element types of an engine's indexer keys and (where E4M3) of their scales."""
+    layers = [layer.attn.cache.index_keys for layer in c.model.model.layers if layer.attn.cache.index_keys is not None]
+    assert layers
+    return {t.dtype for i in layers for t in (c.kv.layer(i).k, c.kv.layer(i).v) if t.numel()}
 
 
 def check_logits(q, r, bound):
@@ -170,6 +182,7 @@ def test_dequantized_at_load_equals_reference(checkpoints, reference_engine, see
     for name, p in q_params.items():
         assert torch.equal(p, r_params[name]), f"{name} differs from the dequantized reference"
     assert all(len(layer.attn.x_proj.groups) == 1 for layer in q.model.model.layers)  # one GEMM of the input
+    assert index_key_dtypes(q) == index_key_dtypes(r) == {torch.float32}
     check_logits(q, r, 1e-6)
 
 
@@ -178,11 +191,19 @@ def test_dequantized_at_load_equals_reference(checkpoints, reference_engine, see
 RESIDENT_BOUND = 1e-5
 
 
-def test_resident_formats_match_dequantized_reference(checkpoints, quantized_engine, reference_engine, seed):
+@pytest.fixture(scope="module")
+def fp8_keys_reference_engine(checkpoints):
+    return engine(checkpoints[3])
+
+
+def test_resident_formats_match_dequantized_reference(checkpoints, quantized_engine, fp8_keys_reference_engine,
+                                                      seed):
     """FP8 linears and shared experts keep E4M3 with the E8M0 scales as fp32, routed experts packed FP4
     with E8M0 scales; the grouped output projection (wo_a, not a Linear) is dequantized at load. The
     projections of the attention input run as one GEMM per format: the compressors' and the
-    indexer's (bf16 as published) as one."""
+    indexer's (bf16 as published) as one. The indexer's keys are E4M3 with fp32 scales, in both."""
+    assert index_key_dtypes(quantized_engine) == index_key_dtypes(fp8_keys_reference_engine) == {
+        torch.float8_e4m3fn, torch.float32}
     params = dict(quantized_engine.model.named_parameters())
     fp8 = [n for n in checkpoints[2] if FP8_LINEARS.search(n) and ".shared_experts." not in n]
     for name in fp8:
@@ -200,7 +221,25 @@ def test_resident_formats_match_dequantized_reference(checkpoints, quantized_eng
         stack = f"model.layers.{layer}.ffn.experts"
         assert params[stack + ".gate_up"].dtype == params[stack + ".gate_up_scale"].dtype == torch.uint8
         assert params[stack + ".down"].shape[-1] * 2 == params[f"model.layers.{layer}.ffn.shared_experts.down"].shape[-1]
-    check_logits(quantized_engine, reference_engine, RESIDENT_BOUND)
+    check_logits(quantized_engine, fp8_keys_reference_engine, RESIDENT_BOUND)
+
+
+def test_index_keys_cost_their_e4m3_bytes(quantized_engine, reference_engine):
+    """Beside FP8 weights a token costs its CSA layers' indexer keys at a byte a channel and 4 bytes a
+    key for the scale (per rate tokens), where the dequantized model spends 4 a channel (fp32); every
+    other component is unchanged, and the KV pages add up to it."""
+    def per_token(c):
+        return component_bytes_per_token(c.kv.specs, [layer.attn.cache for layer in c.model.model.layers], c.kv.dtype)
+
+    hf = quantized_engine.model_config.hf
+    csa, rate, d = (hf["layer_types"].count("compressed_sparse_attention"),
+                    hf["compress_rates"]["compressed_sparse_attention"], hf["index_head_dim"])
+    fp8, dense = per_token(quantized_engine), per_token(reference_engine)
+    kv = quantized_engine.kv
+    paged = sum(v for k, v in fp8.items() if k not in ("window", "projections", "index_projections"))
+    assert paged * kv.page_size == KVCache.bytes_per_page(kv.specs, kv.page_size, kv.dtype)
+    assert fp8.pop("index_keys") == csa * (d + 4) / rate and dense.pop("index_keys") == csa * d * 4 / rate
+    assert fp8 == dense
 
 
 def test_bytes_per_parameter_resident(checkpoints, quantized_engine, reference_engine):
