@@ -56,7 +56,11 @@ def _on_an_edge(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def _check(logits: torch.Tensor, settings: list[list], chunk: int | None) -> None:
-    """Equal draws, but for a row whose two tokens differ on a cut's rounding (at most one a check)."""
+    """Equal draws, but for rows whose two tokens differ on a cut's rounding. Under Exp noise such a
+    token is drawn with its own small probability (at most one row a check); under the edge noise
+    it is drawn wherever the two cuts differ by a token: over a 152K vocabulary, in a tenth of the
+    rows (the fp32 sums before the cut, one way or the other, are off by 1e-6 of the mass, the mass
+    of a token or more there; H200, 608e1c5: 2 of 64)."""
     poisoned = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
     edge = _edge_noise(logits, settings[0])
     kept_edge = ORACLE.draw(logits, edge, *settings)  # each row's least likely token kept
@@ -69,7 +73,7 @@ def _check(logits: torch.Tensor, settings: list[list], chunk: int | None) -> Non
             edge_x = row[kept_edge[i]].double() / settings[0][i]
             s = [column[i] for column in settings]
             assert any(_on_an_edge(row, *s, edge_x, int(t)) for t in (got[i], want[i])), (i, s, int(got[i]), int(want[i]))
-        assert len(differ) <= 1, differ
+        assert noise is edge or len(differ) <= 1, differ
 
 
 @pytest.mark.interpret
