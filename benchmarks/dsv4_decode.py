@@ -28,8 +28,9 @@ runs only when DSV4_VARIANTS names it.
 - Roofline: the bytes a step must read over the copy bandwidth measured in the same run: every
   weight as the engine holds it (its parameters, FP8/FP4 where kept so) except the embedding, the
   routed experts at the fraction a batch is expected to pick, and per sequence the window's KV,
-  in CSA layers the indexer's keys and the top-k entries, in HCA layers every entry (an open
-  compression window's few projections are left out). Each row has its fraction of the roofline and
+  in CSA layers the indexer's keys (as the variant's cache keeps them: E4M3 and a scale beside the
+  published FP8 weights) and the top-k entries, in HCA layers every entry (an open compression
+  window's few projections are left out). Each row has its fraction of the roofline and
   engine/HF.
 
 Every part records its error in the JSON instead of ending the run. Parts that would start past the
@@ -158,25 +159,35 @@ def resident_parts(named_parameters, n_routed: int, layers: int) -> dict:
     return parts
 
 
-def kv_read_per_sequence(config: dict, context: int, dtype_bytes: int = 2) -> int:
-    """Bytes of KV cache one sequence's decode step reads at ``context`` tokens, over all layers."""
-    head, index_head = config["head_dim"], config["index_head_dim"]
+def kv_read_per_sequence(config: dict, context: int, dtype_bytes: int = 2, index_key_bytes: int | None = None) -> int:
+    """Bytes of KV cache one sequence's decode step reads at ``context`` tokens, over all layers;
+    ``index_key_bytes``: one indexer key as the cache keeps it (default: index_head_dim values)."""
+    head = config["head_dim"]
+    key = config["index_head_dim"] * dtype_bytes if index_key_bytes is None else index_key_bytes
     total = 0
     for kind in config["layer_types"]:
-        total += min(context, config["sliding_window"]) * head
+        total += min(context, config["sliding_window"]) * head * dtype_bytes
         if kind == CSA:
             entries = context // config["compress_rates"][CSA]
-            total += entries * index_head + min(entries, config["index_topk"]) * head
+            total += entries * key + min(entries, config["index_topk"]) * head * dtype_bytes
         elif kind == HCA:
-            total += context // config["compress_rates"][HCA] * head
-    return total * dtype_bytes
+            total += context // config["compress_rates"][HCA] * head * dtype_bytes
+    return total
 
 
-def step_bytes(parts: dict, config: dict, batch: int, context: int) -> int:
-    """Weights as resident (routed experts at the share a batch of ``batch`` tokens picks) plus the KV."""
+def index_key_bytes(components) -> int | None:
+    """Bytes of one indexer key (and its scale) in an engine's KV cache; None without a CSA layer."""
+    layers = [layer.attn.cache.index_keys for layer in components.model.model.layers]
+    index = next((i for i in layers if i is not None), None)
+    return None if index is None else components.kv.specs[index].slot_bytes(components.kv.dtype)
+
+
+def step_bytes(parts: dict, config: dict, batch: int, context: int, key_bytes: int | None = None) -> int:
+    """Weights as resident (routed experts at the share a batch of ``batch`` tokens picks) plus the KV
+    (indexer keys of ``key_bytes`` each, see kv_read_per_sequence)."""
     picked = 1 - (1 - config["num_experts_per_tok"] / config["n_routed_experts"]) ** batch
     weights = parts["rest"] + sum(parts["dense"]) + picked * sum(parts["experts"])
-    return round(weights + batch * kv_read_per_sequence(config, context))
+    return round(weights + batch * kv_read_per_sequence(config, context, index_key_bytes=key_bytes))
 
 
 def roofline_ms(nbytes: int, copy_gb_s: float) -> float:
@@ -404,14 +415,17 @@ def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path
     model = llm.engine.components.model
     held, weights = resident_bytes(model)
     parts = resident_parts(model.named_parameters(), config["n_routed_experts"], len(config["layer_types"]))
+    key_bytes = index_key_bytes(llm.engine.components)
     result["variants"][name] = {
         "backends": {f: s.chosen.name for f, s in llm.engine.components.selections.items()},
         "resident_bytes": held, "parameters": weights, "bytes_per_parameter": round(held / weights, 4),
-        "resident_parts": {k: v if isinstance(v, int) else sum(v) for k, v in parts.items()}}
+        "resident_parts": {k: v if isinstance(v, int) else sum(v) for k, v in parts.items()},
+        "index_key_bytes": key_bytes}
     print(f"{name}: {held / weights:.3f} bytes per parameter resident", flush=True)
     copy = result["limits"].get("copy_gb_s")
     for (batch, context), row in rows["decode"].items():
-        row["roofline"][name] = round(roofline_ms(step_bytes(parts, config, batch, context), copy), 3) if copy else None
+        row["roofline"][name] = (round(roofline_ms(step_bytes(parts, config, batch, context, key_bytes), copy), 3)
+                                 if copy else None)
     Side(name, partial(_engine_prefill, llm), partial(_engine_decode, llm)).measure(budget, rows)
     del llm, model
 

@@ -54,6 +54,9 @@ def test_kv_a_step_reads(bench, seed):
     hca = window + context // 128 * 512
     assert bench.kv_read_per_sequence(c, context) == 2 * (window + csa + hca)
     assert bench.kv_read_per_sequence(c, 100) == 2 * 100 * 512 * 3 + 2 * 25 * (128 + 512)
+    # E4M3 indexer keys with their fp32 scales, as kept beside the published FP8 weights
+    assert bench.kv_read_per_sequence(c, context, index_key_bytes=132) == 2 * (window + csa + hca) - (
+        context // 4 * (2 * 128 - 132))
 
 
 def test_step_bytes_pick_experts_by_batch(bench, seed):
@@ -86,7 +89,8 @@ def test_resident_parts_of_the_published_layout(bench, published):
     from engine import LLM
     from engine.core.models.weights import resident_bytes
 
-    model = LLM(str(published), device="cpu", dtype="float32", progress=False).engine.components.model
+    model_components = LLM(str(published), device="cpu", dtype="float32", progress=False).engine.components
+    model = model_components.model
     hf = model.config.hf
     parts = bench.resident_parts(model.named_parameters(), hf["n_routed_experts"], hf["num_hidden_layers"])
     held, _ = resident_bytes(model)
@@ -97,6 +101,7 @@ def test_resident_parts_of_the_published_layout(bench, published):
                      if n.startswith("model.layers.0.ffn.experts."))
     assert parts["experts"][0] == per_expert * hf["n_routed_experts"] > 0
     assert parts["embedding"] == hf["vocab_size"] * hf["hidden_size"] * 4
+    assert bench.index_key_bytes(model_components) == hf["index_head_dim"] + 4  # E4M3 and an fp32 scale
 
 
 def test_budget_records_errors_and_skips(bench):
@@ -164,4 +169,6 @@ def test_whole_run_on_a_tiny_shape(bench, shared_dir):
     for v in ("fp8_fp4", "bf16"):
         assert decode[v, 2]["roofline_step_ms"] > decode[v, 1]["roofline_step_ms"]
     assert decode["fp8_fp4", 1]["roofline_step_ms"] < decode["bf16", 1]["roofline_step_ms"]
+    assert result["variants"]["fp8_fp4"]["index_key_bytes"] == shape["index_head_dim"] + 4
+    assert result["variants"]["bf16"]["index_key_bytes"] in (2 * shape["index_head_dim"], 4 * shape["index_head_dim"])
     assert not list(Path(result["checkpoint_folder"]).glob("engine-dsv4-*"))  # the checkpoints are removed
