@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -31,6 +30,11 @@ import torch
 
 from engine.core.families.moe import ExpertWeights
 from engine.core.native.moe import NativeMoE, _swiglu
+
+try:
+    from common import commit
+except ImportError:
+    from benchmarks.common import commit
 
 SHAPES = {
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, inner=768, swiglu_limit=None),
@@ -237,21 +241,13 @@ def run(device, shapes: dict | None = None, tokens=TOKENS, repeats: int = 20) ->
     return result
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
-    result = {**run(args.device, repeats=args.repeats), "commit": _commit()}
+    result = {**run(args.device, repeats=args.repeats), "commit": commit()}
     result["deepseek_v4_flash"] = run_v4(args.device, repeats=args.repeats)
     for part, rows in result["deepseek_v4_flash"].items():
         for row in rows:
