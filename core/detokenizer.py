@@ -44,7 +44,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self._skip = params.skip_special_tokens
-        self._ending_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids)
+        self._ending_ids = params.ending_ids(tokenizer.eos_token_ids)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -82,21 +82,20 @@ class IncrementalDetokenizer:
         self._done = True
         return self._release(self._decode_new(final=True), final=True)
 
-    def _decode(self, lo: int, hi: int | None = None) -> str:
-        return self.tokenizer.decode(self._ids[lo:hi], skip_special_tokens=self._skip)
-
     def _decode_new(self, final: bool) -> str:
+        ids, skip, decode = self._ids, self._skip, self.tokenizer.decode
         prefix = self._prefix_text
         if prefix is None:
-            prefix = self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        text = self._decode(self._prefix_offset)
+            prefix = self._prefix_text = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        text = decode(ids[self._prefix_offset:], skip_special_tokens=skip)
         # text extends prefix, except where the prompt ended inside a character this token completes
         n = len(prefix) if text.startswith(prefix) else _common_prefix_len(prefix, text)
         if text.endswith("\ufffd") and not final:
             return self._settled(text, n)
         if len(text) <= n:
             return ""
-        self._advance(len(self._ids))
+        # emitted up to the end: the window starts where this new text did
+        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, len(ids), None
         return text[n:]
 
     def _settled(self, text: str, n: int) -> str:
@@ -114,15 +113,11 @@ class IncrementalDetokenizer:
             kept += ids[cut] not in skipped
         if cut <= self._read_offset:
             return ""
-        settled = self._decode(self._prefix_offset, cut)
+        settled = self.tokenizer.decode(ids[self._prefix_offset:cut], skip_special_tokens=self._skip)
         if len(settled) <= n or not text.startswith(settled):
             return ""
-        self._advance(cut)
+        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, cut, None
         return settled[n:]
-
-    def _advance(self, read_offset: int) -> None:
-        """The text of ids up to ``read_offset`` is emitted: the window starts where the last new text did."""
-        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, read_offset, None
 
     def _release(self, piece: str, final: bool) -> str:
         if not self.params.stop:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -88,7 +89,7 @@ class EngineCore:
         self.vocab_size = c.model_config.vocab_size
         self.kv_manager = c.kv_manager
         self.token_table = TokenTable(config.max_num_seqs, c.device)
-        self.scheduler = Scheduler(config, c.kv_manager, self.token_table, c.max_model_len)
+        self.scheduler = Scheduler(config, c.kv_manager, self.token_table)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, config.page_size, c.device, c.graphs)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
@@ -113,11 +114,14 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         self.validate(ids, params)
+        max_output = min(params.max_tokens or sys.maxsize, self.max_model_len - len(ids) + 1)
+        ending = params.ending_ids(self.tokenizer.eos_token_ids)
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, ids, params,
                      generator=_seed_generator(params.seed, i, self.device) if params.seed is not None else None,
                      logprobs=[] if params.logprobs is not None else None,
-                     prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None)
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                     max_output=max_output, ending_ids=ending)
             for i in range(params.n)
         ]
         req = Request(request_id, ids, params, seqs)
@@ -192,18 +196,20 @@ class EngineCore:
         seqs: list[Sequence] = []  # those that draw a token, and their logits rows
         rows: list[int] = []
         prompt: list[tuple[Sequence, PromptLogprobs]] = []
+        computed, fork_pending = self.scheduler.computed, self.scheduler.fork_pending
         for i, s in enumerate(sched.scheduled):
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = now
-            self.scheduler.computed(s)
+            seq = s.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            computed(s)
             if s.needs_all_logits and (lps := self._prompt_logprobs(s, step_logits, i)) is not None:
-                prompt.append((s.seq, lps))
+                prompt.append((seq, lps))
             if s.samples:
                 row = step_logits.last_row(i)
-                seqs.append(s.seq)
+                seqs.append(seq)
                 rows.append(row)
-                if s.seq.index == 0 and s.seq.request_id in self.scheduler.fork_pending:
-                    siblings = self.scheduler.fork(s.seq)
+                if fork_pending and seq.index == 0 and seq.request_id in fork_pending:
+                    siblings = self.scheduler.fork(seq)
                     seqs += siblings
                     rows += [row] * len(siblings)
         return _StepTokens(seqs, self._sample(seqs, rows, step_logits.logits), prompt)
@@ -227,25 +233,33 @@ class EngineCore:
         out = done.tokens
         tokens = out.token_ids  # waits for the step
         now = time.monotonic()
+        finish = self.scheduler.finish
         touched: dict[str, None] = {}
         ended: set[str] = set()  # requests with a sequence that ended here: only they can be finished
+        dropped = 0
         for k, seq in enumerate(done.seqs):
             seq.num_pending -= 1
-            if seq.is_finished:  # stopped or aborted while this step ran: its token is dropped
+            if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this step ran: its token is dropped
+                dropped += 1
                 continue
             token = tokens[k]
-            seq.output_token_ids.append(token)
+            output = seq.output_token_ids
+            output.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None:
                 entry = dict(out.top_logprobs[k] or [])
                 entry[token] = out.logprobs[k]
                 seq.logprobs.append(entry)
-            self.counters.generation_tokens += 1
-            self._check_stop(seq, token)
-            touched[seq.request_id] = None
-            if seq.is_finished:
+            # the endings by token (stop strings are the reader's: output_processor.py)
+            if token in seq.ending_ids and len(output) >= seq.params.min_tokens:
+                finish(seq, "stop", token if token in seq.params.stop_token_ids else None)
                 ended.add(seq.request_id)
+            elif len(output) >= seq.max_output:
+                finish(seq, "length", None)
+                ended.add(seq.request_id)
+            touched[seq.request_id] = None
+        self.counters.generation_tokens += len(done.seqs) - dropped
         changed = []
         for rid in touched:
             req = self.requests[rid]
@@ -280,17 +294,6 @@ class EngineCore:
         seq.prompt_logprobs_requested = last
         rows = step_logits.logits[start + first - s.context_len: start + last - s.context_len]
         return PromptLogprobs(rows, prompt[first + 1: last + 1], seq.params.prompt_logprobs)
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        """The endings by token (stop strings are the reader's: output_processor.py)."""
-        p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
-            if p.stop_token_ids and token in p.stop_token_ids:
-                return self.scheduler.finish(seq, "stop", token)
-            if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-                return self.scheduler.finish(seq, "stop", None)
-        if seq.reaches_length(self.max_model_len):
-            return self.scheduler.finish(seq, "length", None)
 
     def _count_finish(self, req: Request) -> None:
         for s in req.seqs:

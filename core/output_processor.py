@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionDelta, CompletionOutput, EngineCoreOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -33,26 +35,33 @@ class Completion:
         """All text handed out so far (the detokenizer keeps it)."""
         return self.detok.output_text
 
-    def apply(self, d: CompletionDelta) -> tuple[str, int]:
-        """Take a delta of this unfinished completion; return the new text and how many tokens it
-        consumed (none after a stop string)."""
-        new, used = "", 0
+    def apply(self, d: CompletionDelta) -> Update | None:
+        """Take a delta of this completion; what it changed (None: nothing, or it had ended). After a
+        stop string the rest of the delta is not taken."""
+        if self.finish_reason is not None:  # ended already (here, on a stop string): nothing more to take
+            return None
+        detok, text, used = self.detok, "", 0
         for tok in d.token_ids:
-            new += self.detok.add(tok)
+            text += detok.add(tok)
             used += 1
-            if self.detok.finished_by_stop is not None:
-                self.finish_reason, self.stop_reason = "stop", self.detok.finished_by_stop
+            if detok.finished_by_stop is not None:
+                self.finish_reason, self.stop_reason = "stop", detok.finished_by_stop
                 break
         else:
             if d.finish_reason is not None:
-                new += self.detok.flush()
+                text += detok.flush()
                 self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
-                if self.detok.finished_by_stop is not None:  # text held back until the end held a stop string
-                    self.finish_reason, self.stop_reason = "stop", self.detok.finished_by_stop
-        self.token_ids += d.token_ids[:used]
-        if self.logprobs is not None and d.logprobs is not None:
-            self.logprobs += d.logprobs[:used]
-        return new, used
+                if detok.finished_by_stop is not None:  # text held back until the end held a stop string
+                    self.finish_reason, self.stop_reason = "stop", detok.finished_by_stop
+        start = len(self.token_ids)
+        if used:
+            self.token_ids += d.token_ids[:used] if used < len(d.token_ids) else d.token_ids
+            if self.logprobs is not None and d.logprobs is not None:
+                self.logprobs += d.logprobs[:used]
+        done = self.finish_reason is not None
+        if not (used or done or text):
+            return None
+        return Update(self, text, start, used, done, done and d.finish_reason is None)
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.token_ids),
@@ -60,9 +69,9 @@ class Completion:
                                 self.finish_reason, self.stop_reason)
 
 
-@dataclass
-class Update:
-    """What one core output changed for one completion."""
+class Update(msgspec.Struct):
+    """What one core output changed for one completion (a Struct: one is made per completion per
+    step, and its constructor runs in C)."""
 
     completion: Completion
     text: str
@@ -97,17 +106,8 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens
-        updates = []
-        for d in out.completions:
-            c = self.completions[d.index]
-            if c.finish_reason is not None:  # ended already (here, on a stop string): nothing more to take
-                continue
-            start = len(c.token_ids)
-            text, used = c.apply(d)
-            done = c.finish_reason is not None
-            if used or done or text:
-                updates.append(Update(c, text, start, used, done, done and d.finish_reason is None))
-        return updates
+        completions = self.completions
+        return [u for d in out.completions if (u := completions[d.index].apply(d)) is not None]
 
     def output(self) -> RequestOutput:
         """The cumulative state so far (what ``LLM.generate`` returns once finished)."""
@@ -143,9 +143,10 @@ class OutputProcessor:
             state, stream = entry
             ended = False  # an unfinished state only finishes by an update that ends a completion
             for u in state.apply(out):
-                ended = ended or u.finished
-                if u.stop_string:
-                    stops.append((out.request_id, u.completion.index, u.completion.stop_reason))
+                if u.finished:
+                    ended = True
+                    if u.stop_string:
+                        stops.append((out.request_id, u.completion.index, u.completion.stop_reason))
             if ended and state.finished:
                 del self._states[out.request_id]
                 results.append(state.output())

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .outputs import CompletionDelta, EngineCoreOutput
 from .sampling_params import SamplingParams
-from .sequence import Sequence
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass(eq=False)
@@ -18,10 +18,13 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
     reported: list[int] = field(init=False)  # per sequence: tokens reported, -1 once its end was
-    prompt_logprobs_reported: bool = False
+    num_open: int = field(init=False)  # sequences whose end is not reported yet
+    prompt_logprobs_pending: bool = field(init=False)  # asked for, not reported yet
 
     def __post_init__(self) -> None:
         self.reported = [0] * len(self.seqs)
+        self.num_open = len(self.seqs)
+        self.prompt_logprobs_pending = self.seqs[0].prompt_logprobs is not None
 
     @property
     def finished(self) -> bool:
@@ -30,25 +33,28 @@ class Request:
     def take_output(self) -> EngineCoreOutput | None:
         """What changed since the last report (None: nothing): new tokens and logprobs per sequence,
         each end once, the prompt logprobs once with the first tokens."""
-        deltas, finished = [], True
+        deltas = []
+        reported = self.reported
         for s in self.seqs:
-            k = self.reported[s.index]
+            k = reported[s.index]
             if k < 0:  # its end is reported
                 continue
-            done = s.is_finished
-            finished = finished and done
             new = s.output_token_ids[k:]
-            if not new and not done:
+            if s.status is SeqStatus.FINISHED:
+                reported[s.index] = -1
+                self.num_open -= 1
+            elif new:
+                reported[s.index] = k + len(new)
+            else:
                 continue
-            lps = s.logprobs[k:] if s.logprobs is not None else None
-            deltas.append(CompletionDelta(s.index, new, lps, s.finish_reason, s.stop_reason))
-            self.reported[s.index] = -1 if done else k + len(new)
+            deltas.append(CompletionDelta(s.index, new, s.logprobs[k:] if s.logprobs is not None else None,
+                                          s.finish_reason, s.stop_reason))
         first = self.seqs[0]
         prompt_lps = None
-        if first.prompt_logprobs is not None and not self.prompt_logprobs_reported and (
-                first.output_token_ids or first.is_finished):
+        if self.prompt_logprobs_pending and (first.output_token_ids or first.is_finished):
             prompt_lps = list(first.prompt_logprobs)
-            self.prompt_logprobs_reported = True
+            self.prompt_logprobs_pending = False
+        finished = self.num_open == 0
         if not deltas and not finished:
             return None
         queue_time = None

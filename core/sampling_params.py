@@ -108,6 +108,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def ending_ids(self, eos_token_ids: set[int]) -> frozenset[int]:
+        """The ids that end a completion once ``min_tokens`` are out: the stop token ids, and EOS
+        unless ``ignore_eos`` (the core ends it there, the detokenizer stops its text there)."""
+        return frozenset(self.stop_token_ids).union(() if self.ignore_eos else eos_token_ids)
+
     def validate_against(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist in its vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]

@@ -67,11 +67,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable) -> None:
         self.config = config
         self.kv = kv
         self.table = table
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fork_pending: dict[str, list[Sequence]] = {}  # request id -> siblings of n > 1
@@ -139,7 +138,7 @@ class Scheduler:
 
     def _drawn_out(self, seq: Sequence) -> bool:
         """Its token still in flight is its last (it ends by length): nothing is left to compute."""
-        return seq.num_pending > 0 and seq.reaches_length(self.max_model_len, seq.num_pending)
+        return seq.num_pending > 0 and seq.reaches_length(seq.num_pending)
 
     def computed(self, s: ScheduledSeq) -> None:
         """A scheduled step's tokens are computed (their KV written): the sequence moves past them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class Sequence:
     prompt_logprobs_requested: int = 0  # prompt positions whose logprobs are computed (maybe still in flight)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    max_output: int = sys.maxsize  # output tokens that end it by length (max_tokens, or a full context)
+    ending_ids: frozenset[int] = frozenset()  # ids that end it once min_tokens are out: stop ids, EOS unless ignored
 
     @property
     def num_tokens(self) -> int:
@@ -66,11 +69,9 @@ class Sequence:
             return self.prompt_token_ids[lo:hi]
         return self.prompt_token_ids[lo:] + self.output_token_ids[: hi - n]
 
-    def reaches_length(self, max_model_len: int, num_more: int = 0) -> bool:
-        """Its tokens and ``num_more`` drawn after them end it by length: max_tokens, or a full context."""
-        n_out = len(self.output_token_ids) + num_more
-        return (self.params.max_tokens is not None and n_out >= self.params.max_tokens) \
-            or len(self.prompt_token_ids) + n_out > max_model_len
+    def reaches_length(self, num_more: int = 0) -> bool:
+        """Its tokens and ``num_more`` drawn after them end it by length."""
+        return len(self.output_token_ids) + num_more >= self.max_output
 
     @property
     def is_finished(self) -> bool:
