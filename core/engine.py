@@ -90,7 +90,8 @@ class EngineCore:
         self.kv_manager = c.kv_manager
         self.token_table = TokenTable(config.max_num_seqs, c.device)
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table)
-        self.runner = ModelRunner(c.model, c.kv, self.token_table, config.page_size, c.device, c.graphs)
+        self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
+                                  c.device, c.graphs)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -73,25 +73,53 @@ def batch_layout(num_tokens: int, num_seqs: int, num_logits: int, width: int) ->
     return BatchLayout(num_seqs, width, c64, c32, 8 * sum(c64), 8 * sum(c64) + 4 * sum(c32))
 
 
+PageTables = Union[list[list[int]], np.ndarray]  # per sequence its pages, or rows of an [n, width] int32 array
+
+
+def page_table_array(page_tables: PageTables) -> np.ndarray:
+    """Page tables as an [n, width] int32 array, padded with 0 (a list's width: its longest table, at least 1)."""
+    if isinstance(page_tables, np.ndarray):
+        return page_tables
+    table = np.zeros((len(page_tables), max(map(len, page_tables), default=0) or 1), dtype=np.int32)
+    for row, pages in zip(table, page_tables):
+        row[:len(pages)] = pages
+    return table
+
+
+NUMPY_DECODE_SLOTS = 32  # from this many sequences on, decode slots are computed by numpy
+
+
+def _decode_slots(out: np.ndarray, table: np.ndarray, ctx: np.ndarray, context_lens: list[int], page_size: int) -> None:
+    """Where each sequence's one new token goes: its page (``table`` row, column ctx // page_size)
+    times the page size, plus its offset in the page. numpy does it in a few calls whatever the
+    batch, but each costs microseconds between a step's other work; Python's loop costs a fraction
+    of a microsecond a row, so it is the cheaper below ``NUMPY_DECODE_SLOTS`` rows."""
+    if len(context_lens) < NUMPY_DECODE_SLOTS:
+        out[:] = [row[c // page_size] * page_size + c % page_size for row, c in zip(table.tolist(), context_lens)]
+        return
+    page, offset = np.divmod(ctx, page_size)
+    np.multiply(table[np.arange(len(context_lens)), page], page_size, out=out)
+    out += offset
+
+
 def pack_batch(v: dict[str, np.ndarray], input_ids: list[int], query_lens: list[int], context_lens: list[int],
-               page_tables: list[list[int]], page_size: int, logits_indices) -> None:
-    """Fill the host views ``v`` of a layout with a batch (page-table padding is 0 and never read)."""
+               page_table: np.ndarray, page_size: int, logits_indices) -> None:
+    """Fill the host views ``v`` of a layout with a batch; ``page_table`` is [num_seqs, width] (its
+    padding is 0 and never read), or fewer rows, the rest padding rows of zeros."""
     num_seqs, num_tokens = len(query_lens), len(input_ids)
     ctx, starts, pos, slots = v["context_lens"], v["query_start_loc"], v["positions"], v["slot_mapping"]
     v["input_ids"][:] = input_ids
     v["logits_indices"][:] = logits_indices
     ctx[:] = context_lens
     table = v["page_table"]
-    flat, zeros = [], [0] * table.shape[1]
-    for pages in page_tables:
-        flat += pages
-        flat += zeros[len(pages):]
-    table.reshape(-1)[:] = flat
-    if num_tokens == num_seqs and all(q == 1 for q in query_lens):  # decode: one token each, at its context length
+    table[:len(page_table)] = page_table
+    if len(page_table) < num_seqs:
+        table[len(page_table):] = 0
+    if num_tokens == num_seqs and query_lens.count(1) == num_seqs:  # decode: one token each, at its context length
         starts[:] = np.arange(num_seqs + 1)
         np.add(ctx, 1, out=v["seq_lens"])
         pos[:] = ctx
-        slots[:] = [p[c // page_size] * page_size + c % page_size for p, c in zip(page_tables, context_lens)]
+        _decode_slots(slots, table, ctx, context_lens, page_size)
         return
     starts[0] = 0
     np.cumsum(query_lens, out=starts[1:])
@@ -179,7 +207,7 @@ class ForwardBatch:
         input_ids: list[int],
         query_lens: list[int],
         context_lens: list[int],
-        page_tables: list[list[int]],
+        page_tables: PageTables,
         page_size: int,
         logits_indices: list[int],
         device: torch.device | str = "cpu",
@@ -187,10 +215,10 @@ class ForwardBatch:
     ) -> "ForwardBatch":
         """Build a batch from host lists (the runner's path, with its reused ``staging``; tests too)."""
         staging = staging or HostStaging(device)
-        width = max(map(len, page_tables), default=0) or 1
-        layout = batch_layout(len(input_ids), len(query_lens), len(logits_indices), width)
+        table = page_table_array(page_tables)
+        layout = batch_layout(len(input_ids), len(query_lens), len(logits_indices), table.shape[1])
         host = staging.take(layout.nbytes)
-        pack_batch(layout.views(host.numpy()), input_ids, query_lens, context_lens, page_tables, page_size,
+        pack_batch(layout.views(host.numpy()), input_ids, query_lens, context_lens, table, page_size,
                    logits_indices)
         v = layout.views(staging.send(host))
         return cls(**v, page_size=page_size, query_lens_cpu=list(query_lens),

@@ -25,7 +25,9 @@ import torch
 from tqdm import tqdm
 
 from .families.graphs import GraphBackend
-from .forward import ForwardBatch, HostStaging, batch_layout, pack_batch
+import numpy as np
+
+from .forward import ForwardBatch, HostStaging, PageTables, batch_layout, pack_batch, page_table_array
 from .kv.storage import KVCache
 from .models.base import CausalLM
 
@@ -62,7 +64,7 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _batch(self, b: int) -> ForwardBatch:
-        self._stage(b, [], [], [])  # all padding, so the warm-up runs of the capture read sane lengths
+        self._stage(b, [], [], np.zeros((0, 1), dtype=np.int32))  # all padding, so the warm-up runs of the capture read sane lengths
         v = batch_layout(b, b, b, 0).views(self.packed)
         v["page_table"] = self.page_table[:b]
         batch = ForwardBatch(**v, page_size=self.page_size, query_lens_cpu=[1] * b,
@@ -90,31 +92,29 @@ class DecodeGraphs:
         logger.info("captured %d decode graphs (batch %d to %d) in %.0f MiB", len(self.buckets), self.buckets[0],
                     self.buckets[-1], (self.backend.memory_in_use() - start) / 2**20)
 
-    def can_run(self, query_lens: list[int], page_tables: list[list[int]], num_logits: int) -> bool:
+    def can_run(self, query_lens: list[int], page_tables: PageTables, num_logits: int) -> bool:
         """A decode step that a graph holds: one token and one logits row per sequence."""
         n = len(query_lens)
         return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n \
-            and all(q == 1 for q in query_lens) and max(map(len, page_tables)) <= self.page_table.shape[1]
+            and query_lens.count(1) == n and page_table_array(page_tables).shape[1] <= self.page_table.shape[1]
 
-    def run(self, input_ids: list[int], context_lens: list[int], page_tables: list[list[int]],
+    def run(self, input_ids: list[int], context_lens: list[int], page_tables: PageTables,
             fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n;
         ``fill`` writes, on the device, the input ids the host does not have yet into the staged ones."""
         n = len(input_ids)
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        staged_ids = self._stage(b, input_ids, context_lens, page_tables)
+        staged_ids = self._stage(b, input_ids, context_lens, page_table_array(page_tables))
         if fill is not None:
             fill(staged_ids)
         self.kv.window_table()  # the replay reads the window table as it is: apply the staged changes first
         return self._replays[b]()[:n]
 
-    def _stage(self, b: int, input_ids: list[int], context_lens: list[int],
-               page_tables: list[list[int]]) -> torch.Tensor:
+    def _stage(self, b: int, input_ids: list[int], context_lens: list[int], page_table: np.ndarray) -> torch.Tensor:
         """Fill bucket ``b``'s static buffers with these rows, padding rows after them (one key on
         page 0); returns the bucket's input ids on the device."""
         pad = b - len(input_ids)
-        tables = page_tables + [[0]] * pad
-        layout = batch_layout(b, b, b, max(map(len, tables)))
+        layout = batch_layout(b, b, b, page_table.shape[1])
         host = self.staging.take(layout.nbytes)
         key = (layout, host.data_ptr())
         if self._views[0] != key:  # steps repeat a layout until the table widens: views made once for it
@@ -122,7 +122,8 @@ class DecodeGraphs:
             self._views = key, (layout.views(host.numpy()), self.packed[:layout.nbytes], device["page_table"],
                                 self.page_table[:b, :layout.width], device["input_ids"])
         fields, packed, table, static_table, staged_ids = self._views[1]
-        pack_batch(fields, input_ids + [0] * pad, [1] * b, context_lens + [0] * pad, tables, self.page_size, range(b))
+        pack_batch(fields, input_ids + [0] * pad, [1] * b, context_lens + [0] * pad, page_table, self.page_size,
+                   range(b))  # the rows past the table's are padding
         self.staging.send(host, packed)
         static_table.copy_(table)
         return staged_ids

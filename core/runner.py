@@ -1,15 +1,18 @@
 """The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
 graph that holds it, and returns its logits. Input tokens the host has not seen yet (the draws of
-the step still in flight) are read from the token table on the device."""
+the step still in flight) are read from the token table on the device; the page tables are the
+rows the KV manager keeps (core/kv/page_table.py), gathered in one call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 
 import torch
 
 from .forward import ForwardBatch, HostStaging
 from .graph_runner import DecodeGraphs
+from .kv.page_table import PageTable
 from .kv.storage import KVCache
 from .models.base import CausalLM
 from .scheduler import SchedulerOutput
@@ -27,11 +30,12 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, page_size: int, device: torch.device,
-                 graphs: DecodeGraphs | None = None) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, page_table: PageTable, page_size: int,
+                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
         self.table = table
+        self.page_table = page_table
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
@@ -56,13 +60,14 @@ class ModelRunner:
             return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)
         return StepLogits(self.model.compute_logits(hidden[batch.logits_indices]), rows)
 
-    @staticmethod
-    def _gather(step: SchedulerOutput):
-        """The step's batch as host lists, each sequence's (first logits row, number of rows), and the
-        packed rows whose input is read from the token table with the slots they read."""
+    def _gather(self, step: SchedulerOutput):
+        """The step's batch as host lists and its page table, each sequence's (first logits row,
+        number of rows), and the packed rows whose input is read from the token table with the slots
+        they read."""
         query_lens = [s.num_new for s in step.scheduled]
         context_lens = [s.context_len for s in step.scheduled]
-        tables = [s.pages for s in step.scheduled]
+        longest = max(map(add, context_lens, query_lens))
+        tables = self.page_table.gather([s.kv.row for s in step.scheduled], -(-longest // self.page_size))
         input_ids: list[int] = []
         logits_indices: list[int] = []
         rows: list[tuple[int, int]] = []

@@ -21,29 +21,34 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from .config import EngineConfig
-from .kv.manager import KVManager
+from .kv.manager import KVManager, SeqKV
 from .sequence import SeqStatus, Sequence
 from .token_table import TokenTable
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledSeq:
+class ScheduledSeq(msgspec.Struct):
+    """One sequence's part of a step (a Struct: one is made per sequence per step, in C). What it
+    draws is decided once, when scheduled: the runner and the engine both read it."""
+
     seq: Sequence
     num_new: int  # tokens computed this step, starting at seq.num_computed
     context_len: int  # seq.num_computed when scheduled
-    pages: list[int]  # the sequence's page table
-    in_flight: bool = False  # a decode whose input token is still on the device only (in the token table)
-    samples: bool = field(init=False)  # the step reaches the last token (on the host or in flight): one is drawn
-    needs_all_logits: bool = field(init=False)  # prompt logprobs: a logits row for every prompt position of the chunk
+    kv: SeqKV  # its KV state: the page list and its row of the page table
+    in_flight: bool  # a decode whose input token is still on the device only (in the token table)
+    samples: bool  # the step reaches the last token (on the host or in flight): one is drawn
+    needs_all_logits: bool  # prompt logprobs: a logits row for every prompt position of the chunk
 
-    def __post_init__(self) -> None:
-        """Decided once when scheduled: the runner and the engine both read them."""
-        seq = self.seq
-        self.samples = self.context_len + self.num_new >= seq.num_tokens
-        self.needs_all_logits = seq.wants_prompt_logprobs and self.context_len < len(seq.prompt_token_ids) - 1
+    @classmethod
+    def of(cls, seq: Sequence, num_new: int, kv: SeqKV) -> ScheduledSeq:
+        """``num_new`` tokens of ``seq`` from where it is."""
+        ctx = seq.num_computed
+        return cls(seq, num_new, ctx, kv, seq.num_pending > 0, ctx + num_new >= seq.num_tokens,
+                   seq.wants_prompt_logprobs and ctx < len(seq.prompt_token_ids) - 1)
 
 
 @dataclass
@@ -136,10 +141,6 @@ class Scheduler:
         seq.slot = self.table.assign()
         self.running.append(seq)
 
-    def _drawn_out(self, seq: Sequence) -> bool:
-        """Its token still in flight is its last (it ends by length): nothing is left to compute."""
-        return seq.num_pending > 0 and seq.reaches_length(seq.num_pending)
-
     def computed(self, s: ScheduledSeq) -> None:
         """A scheduled step's tokens are computed (their KV written): the sequence moves past them."""
         s.seq.num_computed = s.context_len + s.num_new
@@ -177,17 +178,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         cfg = self.config
-        # per running sequence, once: whether its token in flight ends it (nothing to schedule), whether
-        # it prefills. A preemption below removes only later sequences, so kinds[i] stays running[i]'s.
-        kinds = [(self._drawn_out(s), s.in_prefill) for s in self.running]
+        running, scheduled = self.running, out.scheduled
+        # per running sequence, once: whether its token in flight is its last (it ends by length:
+        # nothing to compute), whether it prefills. A preemption below removes only later
+        # sequences, so kinds[i] stays running[i]'s.
+        kinds = [(s.num_pending > 0 and s.reaches_length(s.num_pending), s.in_prefill) for s in running]
         num_decodes = kinds.count((False, False))
         prefill_budget = max(cfg.max_num_batched_tokens - num_decodes, 0)
         if cfg.chunk_size:
             prefill_budget = min(prefill_budget, cfg.chunk_size)
 
         i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        while i < len(running):
+            seq = running[i]
             drawn_out, prefilling = kinds[i]
             if drawn_out:
                 i += 1
@@ -200,17 +203,19 @@ class Scheduler:
                 num_new = min(remaining, prefill_budget) if cfg.chunk_size else remaining
             else:
                 num_new = 1
-            while not self.kv.allocate(seq, num_new):
-                victim = self.running[-1]
+            while (kv := self.kv.allocate(seq, num_new)) is None:
+                victim = running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
+            if kv is None:
                 continue  # preempted itself; ``i`` now points at the next sequence
             if prefilling:
                 prefill_budget -= num_new
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq), seq.in_flight))
+                scheduled.append(ScheduledSeq.of(seq, num_new, kv))
+            else:  # a decode reaches its last token and no prompt position: it draws one, from one logits row
+                scheduled.append(ScheduledSeq(seq, 1, seq.num_computed, kv, seq.num_pending > 0, True, False))
             i += 1
 
         if not out.preempted:
@@ -233,14 +238,15 @@ class Scheduler:
                 num_new = remaining  # chunking off: whole prompts, one may exceed the budget alone
             else:
                 break
-            if not self.kv.allocate(seq, num_new):
+            kv = self.kv.allocate(seq, num_new)
+            if kv is None:
                 self._release(seq, cache=False)
                 break
             self.waiting.popleft()
             # a lookup counts once, when admitted, however many steps the sequence waited
             self.kv.record_lookup(seq.num_tokens - 1, seq.num_cached)
             self._run(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, self.kv.pages(seq)))
+            out.scheduled.append(ScheduledSeq.of(seq, num_new, kv))
             budget -= num_new
 
     def _match_prefix(self, seq: Sequence) -> None:

@@ -80,7 +80,7 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         """Still computing tokens it already knows (its prompt, or everything after a preemption)."""
-        return self.num_computed < self.num_tokens - 1
+        return self.num_computed < len(self.prompt_token_ids) + len(self.output_token_ids) - 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:

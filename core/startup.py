@@ -174,7 +174,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     specs = model.kv_layer_specs()
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
     kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
-                           model.window_reach())
+                           model.window_reach(), max_seq_len=max_model_len)
     per_page = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) for w in (False, True)]
     logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB, %.1f bytes a token), "
                 "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,

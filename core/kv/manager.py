@@ -6,7 +6,8 @@ what a step computed, roll back, free, fork, evict, export and import pages. Not
 the pools, so the invariants (every reference accounted for, no locked prefix evicted, a window
 held exactly where someone reads it) are kept and checked in one place.
 
-A sequence's state is its page table, the tokens committed to it (written and confirmed: only
+A sequence's state is its page table (a list, and a row of the host page table that batches
+gather, page_table.py), the tokens committed to it (written and confirmed: only
 those ever reach the prefix cache), the radix node locked on its behalf, and the page indices
 whose windows it holds. The manager reads a sequence's ``seq_id`` and tokens; it never writes it.
 
@@ -26,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .page_table import PageTable
 from .pages import PagePool
 from .radix import RadixCache, Tier
 from .storage import KVCache
@@ -45,6 +47,7 @@ class SeqKV:
     node: _Node | None = field(default=None, repr=False)  # radix node locked on its behalf
     window: tuple[int, int] = (0, 0)  # page indices [a, b) whose windows it holds
     published: bool = False  # its prompt's full pages are in the prefix cache
+    row: int = 0  # its row of the host page table
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,12 @@ class KVStats:
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
                  kv: KVCache | None = None, num_window_pages: int = 0, window_reach: int = 0,
-                 max_rollback: int = 0) -> None:
+                 max_rollback: int = 0, max_seq_len: int | None = None) -> None:
         """``num_window_pages`` > 0 keeps windows (the windowed layers of ``kv``, ``window_reach`` tokens).
         ``max_rollback``: how many committed tokens back from its end a sequence keeps the windows a
-        rollback returns to, over any number of steps (a rollback within the last step needs none)."""
+        rollback returns to, over any number of steps (a rollback within the last step needs none).
+        ``max_seq_len``: the most tokens a sequence holds, which sizes the page table's rows (by
+        default a sequence may hold every page)."""
         if num_window_pages and kv is None:
             raise ValueError("window pages need the KV cache whose window table they fill (kv)")
         if max_rollback < 0:
@@ -85,6 +90,7 @@ class KVManager:
         self.pool = PagePool(num_pages)
         self.window = WindowPool(num_window_pages, kv, window_reach) if num_window_pages else None
         self.radix = RadixCache(self.pool, page_size, enabled=enable_prefix_caching, window=self.window)
+        self.page_table = PageTable(self._pages_for(max_seq_len) if max_seq_len else num_pages - 1)
         self._seqs: dict[int, SeqKV] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
 
@@ -119,7 +125,7 @@ class KVManager:
             return 0
         self.radix.lock(match.node)
         self.pool.incref(match.pages)
-        st = self._seqs[seq.seq_id] = SeqKV(list(match.pages), match.num_tokens, match.node)
+        st = self._start(seq, list(match.pages), match.num_tokens, match.node)
         if self.window is not None:  # a match keeps every window within reach of its end
             st.window = self.window.span(match.num_tokens, match.num_tokens, self.page_size)
             self.window.hold(st.pages[slice(*st.window)])
@@ -129,20 +135,25 @@ class KVManager:
         """Count one prefix-cache lookup (once per admitted request, however often it was matched)."""
         self.radix.record(num_queried, num_hit)
 
-    def allocate(self, seq: Sequence, num_new: int) -> bool:
+    def allocate(self, seq: Sequence, num_new: int) -> SeqKV | None:
         """Pages for ``num_new`` tokens after the committed ones and the windows a step over them
-        reads, evicting cached prefixes (then their windows) as needed. False where the pool cannot
-        give that much; pages taken so far stay (the next attempt needs them too)."""
+        reads, evicting cached prefixes (then their windows) as needed; the sequence's state. None
+        where the pool cannot give that much; pages taken so far stay (the next attempt needs them
+        too). A decode inside its last page (most steps) takes nothing and changes nothing."""
         st = self._seqs.get(seq.seq_id)
         if st is None:
-            st = self._seqs[seq.seq_id] = SeqKV()
+            st = self._start(seq, [], 0)
         end = st.num_tokens + num_new
         need = -(-end // self.page_size) - len(st.pages)
         if need > 0:
             if not self._reserve(need):
-                return False
-            st.pages.extend(self.pool.alloc(need))
-        return self.window is None or self._move_windows(st, st.num_tokens, end, retain=True)
+                return None
+            new = self.pool.alloc(need)
+            self.page_table.write(st.row, len(st.pages), new)
+            st.pages += new
+        if self.window is not None and not self._move_windows(st, st.num_tokens, end, retain=True):
+            return None
+        return st
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of the first ``num_tokens`` tokens is written. Once the prompt is, its full pages
@@ -178,6 +189,7 @@ class KVManager:
                                  f"is no longer held (held from page {st.window[0]})")
             self._move_windows(st, num_tokens, num_tokens, retain=True)
         self.pool.decref(st.pages[keep:])
+        self.page_table.clear(st.row, keep, len(st.pages))
         del st.pages[keep:]
         st.num_tokens = num_tokens
 
@@ -187,6 +199,7 @@ class KVManager:
         st = self._seqs.pop(seq.seq_id, None)
         if st is None:
             return
+        self.page_table.release(st.row, len(st.pages))
         if st.pages:
             if cache and self.radix.enabled:
                 self.radix.insert(seq.tokens[:st.num_tokens], st.pages)
@@ -204,7 +217,7 @@ class KVManager:
         self._check_new(child)
         p = self._seqs[parent.seq_id]
         full = num_tokens // self.page_size
-        st = self._seqs[child.seq_id] = SeqKV(p.pages[:full], num_tokens)
+        st = self._start(child, p.pages[:full], num_tokens)
         self.pool.incref(st.pages)
         copy = None
         if num_tokens % self.page_size:
@@ -212,6 +225,7 @@ class KVManager:
                 self.free(child, cache=False)
                 return False
             copy = (p.pages[full], self.pool.alloc(1)[0])
+            self.page_table.write(st.row, full, [copy[1]])
             st.pages.append(copy[1])
         if not self._move_windows(st, num_tokens, num_tokens):  # the copy reaches the window page too
             self.free(child, cache=False)
@@ -248,7 +262,7 @@ class KVManager:
         n = self._pages_for(num_tokens)
         if not self._reserve(n):
             return None
-        st = self._seqs[seq.seq_id] = SeqKV(self.pool.alloc(n), num_tokens)
+        st = self._start(seq, self.pool.alloc(n), num_tokens)
         if not self._move_windows(st, num_tokens, num_tokens):
             self.free(seq, cache=False)
             return None
@@ -276,7 +290,12 @@ class KVManager:
         refs: Counter[int] = Counter()
         locks: Counter[int] = Counter()
         windows: Counter[int] = Counter()
+        rows = set()
         for st in self._seqs.values():
+            row = self.page_table.array[st.row]
+            if st.row == 0 or st.row in rows or row[:len(st.pages)].tolist() != st.pages or row[len(st.pages):].any():
+                raise AssertionError(f"page table row {st.row} is not the page list {st.pages}")
+            rows.add(st.row)
             refs.update(st.pages)
             windows.update(st.pages[slice(*st.window)])
             if len(st.pages) < self._pages_for(st.num_tokens):
@@ -304,6 +323,11 @@ class KVManager:
                                      f" time(s) but have {[windows[p] for p in wrong[:10]]} holder(s)")
 
     # -- inside -------------------------------------------------------------------------------
+
+    def _start(self, seq: Sequence, pages: list[int], num_tokens: int, node: _Node | None = None) -> SeqKV:
+        """The state of a sequence that held nothing, now holding ``pages`` (references already taken)."""
+        st = self._seqs[seq.seq_id] = SeqKV(pages, num_tokens, node, row=self.page_table.assign(pages))
+        return st
 
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:

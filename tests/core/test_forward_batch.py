@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.core.forward import ALIGN, ForwardBatch, HostStaging
+from engine.core.forward import ALIGN, NUMPY_DECODE_SLOTS, ForwardBatch, HostStaging
 
 FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "context_lens", "page_table", "slot_mapping",
           "logits_indices")
@@ -32,12 +32,14 @@ def reference(input_ids, query_lens, context_lens, tables, page_size, logits_ind
 
 
 def random_batch(rng: random.Random):
-    """Decode-only steps, prefills, chunks after a cached prefix; spare pages; any logits rows."""
-    b, page = rng.randint(1, 9), rng.choice([1, 4, 16])
+    """Decode-only steps, prefills, chunks after a cached prefix; spare pages; any logits rows. Some
+    decodes are NUMPY_DECODE_SLOTS or more sequences, whose slots numpy computes."""
+    b = rng.choice([rng.randint(1, 9), rng.randint(NUMPY_DECODE_SLOTS - 2, NUMPY_DECODE_SLOTS + 20)])
+    page = rng.choice([1, 4, 16])
     decode = rng.random() < 0.4
     query_lens = [1 if decode else rng.randint(1, 40) for _ in range(b)]
     context_lens = [rng.randint(0, 90) for _ in range(b)]
-    pages = rng.sample(range(1, 5000), 1000)
+    pages = rng.sample(range(1, 50000), 10000)
     tables = [[pages.pop() for _ in range(-(-(c + q) // page) + rng.randint(0, 3))]
               for c, q in zip(context_lens, query_lens)]
     t = sum(query_lens)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.core.families.graphs import GraphBackend
 from engine.core.forward import ForwardBatch
 from engine.core.graph_runner import DecodeGraphs
+from engine.core.kv.manager import KVManager
 from engine.core.kv.storage import KVCache, KVLayerSpec
 from engine.core.runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
@@ -110,18 +111,20 @@ def test_graphs_refuse_what_they_do_not_hold(seed):
     assert not graphs.can_run([1, 1], [[1], [2]], 1)  # a sequence that draws no token has no logits row
 
 
-def _scheduled(rng: random.Random, i: int, prompt_len: int, outputs: int, page: int, context_len=None,
+def _scheduled(rng: random.Random, kv: KVManager, i: int, prompt_len: int, outputs: int, context_len=None,
                table: TokenTable | None = None) -> ScheduledSeq:
-    """One token of a sequence on random pages, after ``context_len`` tokens (default: its last token).
-    With ``table``, the token is one drawn on the device only: in the table at the sequence's slot."""
+    """One token of a sequence after ``context_len`` tokens (default: its last token), on pages of
+    ``kv`` for all of them. With ``table``, the token is one drawn on the device only: in the table at
+    the sequence's slot."""
     seq = Sequence(i, f"r{i}", 0, [rng.randrange(50000) for _ in range(prompt_len)], SamplingParams())
     seq.output_token_ids = [rng.randrange(50000) for _ in range(outputs)]
     if table is not None:
         seq.slot, seq.num_pending = table.assign(), 1
         table.write([seq.slot], torch.tensor([rng.randrange(50000)]))
         context_len = seq.num_tokens
-    pages = rng.sample(range(1, 10000), -(-(seq.num_tokens + seq.num_pending) // page))
-    return ScheduledSeq(seq, 1, seq.num_tokens - 1 if context_len is None else context_len, pages, table is not None)
+    state = kv.allocate(seq, seq.num_tokens + seq.num_pending)
+    seq.num_computed = seq.num_tokens - 1 if context_len is None else context_len
+    return ScheduledSeq.of(seq, 1, state)
 
 
 def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
@@ -133,22 +136,23 @@ def test_runner_sends_decode_steps_through_graphs_and_others_eagerly(seed):
     page = graphs.page_size
     for chunk in (False, True):
         table = TokenTable(2, CPU)  # grows as slots are taken
-        runner = ModelRunner(echo, graphs.kv, table, page, CPU, graphs)
+        kv = KVManager(1024, page)
+        runner = ModelRunner(echo, graphs.kv, table, kv.page_table, page, CPU, graphs)
         step = SchedulerOutput()
         for i in range(rng.randint(2, graphs.max_batch)):
-            step.scheduled.append(_scheduled(rng, i, rng.randint(2, 30), rng.randint(1, 20), page,
+            step.scheduled.append(_scheduled(rng, kv, i, rng.randint(2, 30), rng.randint(1, 20),
                                              table=table if rng.random() < 0.6 else None))
         if chunk:
             prompt_len = rng.randint(3, 30)
             step.scheduled.insert(rng.randrange(len(step.scheduled)),
-                                  _scheduled(rng, 99, prompt_len, 0, page, rng.randrange(prompt_len - 2)))
+                                  _scheduled(rng, kv, 99, prompt_len, 0, rng.randrange(prompt_len - 2)))
         echo.batches.clear()
         out = runner.execute(step)
         through_graph = echo.batches[0].seq_lens_cpu[0] == graphs.max_model_len  # a captured batch's placeholder
         assert through_graph != chunk
         s = step.scheduled
         ids = [int(table.tokens[x.seq.slot]) if x.in_flight else x.seq.tokens[x.context_len] for x in s]
-        want = echo(ForwardBatch.build(ids, [1] * len(s), [x.context_len for x in s], [x.pages for x in s], page,
+        want = echo(ForwardBatch.build(ids, [1] * len(s), [x.context_len for x in s], [x.kv.pages for x in s], page,
                                        list(range(len(s)))), None)
         for i, x in enumerate(s):
             if x.samples:
