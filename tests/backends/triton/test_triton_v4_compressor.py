@@ -135,8 +135,12 @@ class Case:
             assert (entries[written].view(torch.uint8) == want_entries[written].view(torch.uint8)).float().mean() > 0.98
             entries, want_entries = (e.float() * s[:, None]
                                      for e, s in ((entries, scales), (want_entries, want_scales)))
-            # an entry an ulp off in the cache dtype may round to the neighbouring E4M3 value
-            tol = dict(rtol=2 ** -3, atol=want_scales.nan_to_num().amax().item() * 2 ** -9)
+            # an entry an ulp off in the cache dtype may round to the neighbouring E4M3 value; and the
+            # rotation of two such entries can cancel to a small value that ulp moves far (H200,
+            # 6e24b41, prefill 4096: 1 of 137,216 values 0.006 off at 0.005), so the cache dtype's
+            # bound holds too
+            tol = dict(rtol=2 ** -3, atol=max(want_scales.nan_to_num().amax().item() * 2 ** -9,
+                                              TOL[self.dtype]["atol"]))
         else:
             tol = TOL[self.dtype]
             if self.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
