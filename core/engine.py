@@ -168,11 +168,7 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------------
 
     def step_outputs(self) -> list[EngineCoreOutput]:
-        """Run one step; what it changed, per request."""
-        return [out for req in self.step_requests() if (out := req.take_output()) is not None]
-
-    def step_requests(self) -> list[Request]:
-        """Run one step; return every request it changed.
+        """Run one step; what it changed, per request.
 
         A call schedules and launches step N+1, then applies the tokens and prompt logprobs of step
         N (stop checks, outputs) while the device computes: whatever the sampling, the inputs of step N+1 that the
@@ -197,7 +193,7 @@ class EngineCore:
         seqs: list[Sequence] = []  # those that draw a token, and their logits rows
         rows: list[int] = []
         prompt: list[tuple[Sequence, PromptLogprobs]] = []
-        computed, fork_pending = self.scheduler.computed, self.scheduler.fork_pending
+        computed, fork_pending, logit_rows = self.scheduler.computed, self.scheduler.fork_pending, step_logits.rows
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
             if seq.first_scheduled_time is None:
@@ -206,7 +202,8 @@ class EngineCore:
             if s.needs_all_logits and (lps := self._prompt_logprobs(s, step_logits, i)) is not None:
                 prompt.append((seq, lps))
             if s.samples:
-                row = step_logits.last_row(i)
+                start, count = logit_rows[i]
+                row = start + count - 1  # its last row
                 seqs.append(seq)
                 rows.append(row)
                 if fork_pending and seq.index == 0 and seq.request_id in fork_pending:
@@ -225,9 +222,10 @@ class EngineCore:
             s.num_pending += 1
         return out
 
-    def _apply(self, done: _StepTokens) -> list[Request]:
-        """Append a step's prompt logprobs, then its tokens, and apply the stop rules; the requests
-        it changed or finished (prompt logprobs alone change no output: they go with the first token)."""
+    def _apply(self, done: _StepTokens) -> list[EngineCoreOutput]:
+        """Append a step's prompt logprobs, then its tokens, and apply the stop rules; the outputs of
+        the requests it changed or finished (prompt logprobs alone change no output: they go with the
+        first token)."""
         self._apply_prompt_logprobs(done)
         if not done.seqs:
             return []
@@ -261,15 +259,15 @@ class EngineCore:
                 ended.add(seq.request_id)
             touched[seq.request_id] = None
         self.counters.generation_tokens += len(done.seqs) - dropped
-        changed = []
+        outputs = []
         for rid in touched:
             req = self.requests[rid]
             if rid in ended and req.finished:
                 self._count_finish(req)
-                changed.append(self.requests.pop(rid))
-            else:
-                changed.append(req)
-        return changed
+                del self.requests[rid]
+            if (update := req.take_output()) is not None:
+                outputs.append(update)
+        return outputs
 
     @staticmethod
     def _apply_prompt_logprobs(step: _StepTokens, request_id: str | None = None) -> None:

@@ -24,10 +24,6 @@ class StepLogits:
     logits: torch.Tensor  # [N, vocab] fp32
     rows: list[tuple[int, int]]  # per scheduled sequence: (first logits row, number of rows)
 
-    def last_row(self, i: int) -> int:
-        start, count = self.rows[i]
-        return start + count - 1
-
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, page_table: PageTable, page_size: int,
