@@ -6,9 +6,12 @@ building the batch, sampling, detokenizing and stop checks. Measured in steady d
 ways: sampled (temperature 0.8, top-p 0.95) eager steps; greedy eager steps; and greedy steps
 through the decode graphs, as on a GPU, with each replay re-running the stand-in (the host work
 of staging a step's buffers is all there; the launch and the device copy are not), with decode
-steps launched ahead (``overlap_decode``, the default) and without.
+steps launched ahead (``overlap_decode``, the default) and without. With ``--bytecodes``, also the
+Python bytecodes executed per sequence per step over 10 more steps (``sys.settrace`` opcode events;
+the work inside torch, numpy and the tokenizer is not counted): a figure a shared machine's load
+does not move.
 
-    python benchmarks/scheduler_overhead.py [--json benchmarks/results/scheduler_overhead-cpu.json]
+    python benchmarks/scheduler_overhead.py [--bytecodes] [--json benchmarks/results/scheduler_overhead-cpu.json]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,7 +72,30 @@ class ReplayByRerun(GraphBackend):
         return fn
 
 
-def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int) -> dict:
+def count_bytecodes(engine: LLMEngine, steps: int) -> int:
+    """Python bytecodes executed over ``steps`` steps."""
+    n = 0
+
+    def local(frame, event, arg):
+        nonlocal n
+        n += event == "opcode"
+        return local
+
+    def call(frame, event, arg):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return local
+
+    before = sys.gettrace()
+    sys.settrace(call)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.settrace(before)
+    return n
+
+
+def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int, bytecodes: bool = False) -> dict:
     """Medians over ``steps`` split into ``windows`` runs (a shared machine's noise hits some of them)."""
     sampling, graphs, overlap = MODES[mode]
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=batch, page_size=16,
@@ -79,7 +106,7 @@ def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int) -> 
                                             batch, engine.device)
         engine.runner.graphs.capture(progress=False)
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=steps + 64, ignore_eos=True)
+                            max_tokens=steps + 64 + (10 if bytecodes else 0), ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(3, 131)), params, stream=False)
     while engine.scheduler.waiting or any(s.in_prefill for s in engine.scheduler.running):
@@ -95,25 +122,31 @@ def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int) -> 
         walls.append((time.perf_counter() - wall0) / per)
     assert engine.scheduler.num_running == batch
     cpu = statistics.median(cpus)
-    return {"mode": mode, "batch": batch, "steps": steps, "windows": windows, "cpu_ms_per_step": round(cpu * 1e3, 3),
-            "cpu_ms_per_step_min": round(min(cpus) * 1e3, 3), "wall_ms_per_step": round(statistics.median(walls) * 1e3, 3),
-            "cpu_us_per_seq_step": round(cpu / batch * 1e6, 2)}
+    row = {"mode": mode, "batch": batch, "steps": steps, "windows": windows, "cpu_ms_per_step": round(cpu * 1e3, 3),
+           "cpu_ms_per_step_min": round(min(cpus) * 1e3, 3), "wall_ms_per_step": round(statistics.median(walls) * 1e3, 3),
+           "cpu_us_per_seq_step": round(cpu / batch * 1e6, 2)}
+    if bytecodes:
+        row["bytecodes_per_seq_step"] = round(count_bytecodes(engine, 10) / 10 / batch)
+        assert engine.scheduler.num_running == batch
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--bytecodes", action="store_true", help="also count Python bytecodes per sequence per step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_checkpoint(Path(tmp) / "m", "tiny-llama", dtype=torch.float32, progress=False))
-        rows = [measure(model, mode, b, args.steps, args.windows) for mode in MODES for b in (1, 64, 256)]
+        rows = [measure(model, mode, b, args.steps, args.windows, args.bytecodes) for mode in MODES for b in (1, 64, 256)]
     for r in rows:
         print(f"{r['mode']:>13} batch {r['batch']:>3}: {r['cpu_ms_per_step']:8.3f} ms CPU per step "
               f"(min {r['cpu_ms_per_step_min']:.3f}; {r['cpu_us_per_seq_step']:.1f} us per sequence), "
-              f"wall {r['wall_ms_per_step']:.3f} ms")
+              f"wall {r['wall_ms_per_step']:.3f} ms" + (f", {r['bytecodes_per_seq_step']} bytecodes per sequence"
+                                                          if args.bytecodes else ""))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "scheduler_overhead", "device": f"CPU ({platform.processor() or platform.machine()}, "
               "1 torch thread)", "commit": commit, "command": "python benchmarks/scheduler_overhead.py",
