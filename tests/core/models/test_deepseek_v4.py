@@ -74,8 +74,10 @@ def indexer_near_ties():
 
 
 def check(path, draw: Callable[[], list[list[int]]], split: float | None = None, page_size: int = PAGE) -> None:
-    """HF's logits for the prompts ``draw`` makes; a draw whose indexer top-k meets a near tie is
-    drawn again (either pick would be right there)."""
+    """HF's logits for the prompts ``draw`` makes. A draw that misses them and whose indexer top-k
+    met a near tie is drawn again (either pick would be right there); a near tie alone is no reason:
+    at these sizes half the draws meet one (1e-6 to 1e-5 apart) and most do not flip."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for _ in range(DRAWS):
         prompts = draw()
         pages = sum(-(-len(p) // page_size) for p in prompts) + 1
@@ -83,14 +85,12 @@ def check(path, draw: Callable[[], list[list[int]]], split: float | None = None,
                   progress=False)
         with indexer_near_ties() as ties:
             logits = engine_logits(c, prompts, page_size, split)
-        if not ties:
-            break
-    else:
-        pytest.fail(f"each of {DRAWS} draws met an indexer near tie")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for p, got in zip(prompts, logits):
-        err = rel_err(got, hf_logits(hf, p))
-        assert err < 1e-4, f"length {len(p)}, split {split}: relative error {err:.2e}"
+        errors = [(len(p), rel_err(got, hf_logits(hf, p))) for p, got in zip(prompts, logits)]
+        worst = max(errors, key=lambda e: e[1])
+        if worst[1] < 1e-4:
+            return
+        assert ties, f"length {worst[0]}, split {split}: relative error {worst[1]:.2e}"
+    pytest.fail(f"each of {DRAWS} draws met an indexer near tie that moved the logits")
 
 
 def prompts_for(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
