@@ -164,7 +164,7 @@ class KVManager:
         st.num_tokens = num_tokens
         if not st.published and self.radix.enabled and num_tokens >= len(seq.prompt_token_ids):
             prompt = seq.prompt_token_ids
-            self.radix.insert(prompt, st.pages)
+            self._cache(prompt, st.pages)
             node = self.radix.lock_prefix(prompt)
             if st.node is not None:
                 self.radix.unlock(st.node)
@@ -202,7 +202,7 @@ class KVManager:
         self.page_table.release(st.row, len(st.pages))
         if st.pages:
             if cache and self.radix.enabled:
-                self.radix.insert(seq.tokens[:st.num_tokens], st.pages)
+                self._cache(seq.tokens[:st.num_tokens], st.pages)
             if self.window is not None:
                 self.window.let_go(st.pages[slice(*st.window)])
             self.pool.decref(st.pages)
@@ -332,6 +332,14 @@ class KVManager:
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already holds KV state")
+
+    def _cache(self, tokens: list[int], pages: list[int]) -> None:
+        """Store ``tokens`` in the prefix cache. The same tokens sent again match all but the last
+        (a step computes at least one), which for a page-aligned end is one page short: the
+        windows within reach of that shorter end are kept too, or such a hit would find none."""
+        self.radix.insert(tokens, pages)
+        if self.window is not None and tokens and len(tokens) % self.page_size == 0:
+            self.radix.insert(tokens[:-1], pages)
 
     def _reserve(self, num_pages: int) -> bool:
         """Make ``num_pages`` pages free, evicting cached prefixes if need be."""

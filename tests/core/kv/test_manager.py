@@ -310,6 +310,35 @@ def test_rollback_over_several_steps_keeps_the_windows_it_returns_to():
     assert m.stats().num_used == 0 and m.stats().num_window_used == 0
 
 
+@pytest.mark.parametrize("outputs", [0, 3, 4])
+def test_a_page_aligned_prompt_sent_again_hits_all_but_its_last_page(seed, outputs):
+    """A step computes at least one token, so the same tokens sent again match one page short of
+    a page-aligned end: the prefix cache keeps the windows of that shorter end too (else the hit
+    needs a window nobody kept and falls back to nothing). Also for a finished sequence's tokens."""
+    rng = random.Random(seed)
+    ps, pages = 4, rng.randint(3, 6)
+    m = make(ps, windowed=True, reach=5)
+    prompt = [rng.randrange(1000) for _ in range(pages * ps)]
+    first = new_seq(1, prompt, [rng.randrange(1000) for _ in range(outputs)])
+    assert m.allocate(first, len(prompt))
+    m.commit(first, len(prompt))
+    for end in range(len(prompt) + 1, len(first.tokens) + 1):
+        assert m.allocate(first, 1)
+        m.commit(first, end)
+    m.free(first)
+    m.check_consistency()
+    for i, tokens in enumerate([prompt, first.tokens], start=2):
+        again = new_seq(i, tokens)
+        expected = (len(tokens) - 1) // ps * ps
+        assert m.match_prefix(again, tokens[:-1]) == expected
+        a, b = m.state(again).window
+        assert b == expected // ps and all(m.window.has(p) for p in m.pages(again)[a:b])
+        m.check_consistency()
+        m.free(again, cache=False)
+    m.reset_prefix_cache()
+    assert m.stats().num_used == 0 and m.stats().num_window_used == 0
+
+
 def test_a_sequence_holds_one_state_and_every_page_comes_back():
     m = make(4, windowed=False)
     a, b = new_seq(1, list(range(10))), new_seq(2, list(range(10)))
