@@ -144,9 +144,10 @@ def test_hf_skips_what_its_attention_cannot_hold(bench):
 
 @pytest.mark.slow
 def test_whole_run_on_a_tiny_shape(bench, shared_dir):
-    """run() end to end on the CPU at tiny-dsv4-py's shape, four layers (two sliding, CSA, HCA): HF
-    builds, saves and measures, the published copy is written, both variants load and measure, and
-    HF's rows past its attention's reach carry their reason."""
+    """run() end to end on the CPU at tiny-dsv4-py's widths with V4-Flash's window and compress
+    rates, four layers (two sliding, CSA, HCA), at the device run's 1024-token prompts: HF builds,
+    saves and measures, the published copy is written, both variants load and measure, and every
+    decode row's page-aligned prompts hit the prefix cache the warm-up left (all but the last page)."""
     import json
     import signal
 
@@ -154,7 +155,8 @@ def test_whole_run_on_a_tiny_shape(bench, shared_dir):
 
     tiny = json.loads((shared_dir / "models" / "tiny-dsv4-py" / "config.json").read_text())
     shape = {k: tiny[k] for k in [*bench.FLASH, "partial_rotary_factor", "qk_rope_head_dim", "rope_parameters"]}
-    env = {"DSV4_BATCHES": "1,2", "DSV4_CONTEXTS": "40", "DSV4_PREFILLS": "24"}
+    shape.update(sliding_window=bench.FLASH["sliding_window"], compress_rates=bench.FLASH["compress_rates"])
+    env = {"DSV4_BATCHES": "1,2", "DSV4_CONTEXTS": "1024", "DSV4_PREFILLS": "1024"}
     handler = signal.getsignal(signal.SIGTERM)
     result = bench.run(torch.device("cpu"), {"copy_gb_s": 0.1}, shape, layers=4, env=env)
     assert signal.getsignal(signal.SIGTERM) == handler
