@@ -21,9 +21,11 @@ FP4 weights (DeepSeek-V4's routed experts: E2M1 packed two per byte along K, one
 32) stay packed in memory, a quarter of bf16's bytes. On sm_100 and gfx950 the activations are
 quantized to MXFP8 and both operands go to ``tl.dot_scaled``, the native block-scaled MMA
 (``tcgen05.mma ... block_scale``, ``v_mfma_scale_f32``). Elsewhere (sm_90, gfx942) each weight
-tile is unpacked in registers (five integer operations make a byte's two codes exact fp16 values,
-see ``_e2m1_halves``), multiplied by its power-of-two scale (exact) and converted to x's dtype for
-an ordinary dot: the product is the native one on the dequantized weights, up to summation order.
+tile is unpacked in registers to exact values (fp4.py: on CUDA with bf16 activations a few integer
+instructions and two packed multiplies per two weights) and multiplied as the dot's first operand,
+the block's tokens its second, so on sm_90 the unpacked tile stays in registers for wgmma and a
+decode block of 16 tokens still takes the 64-row wgmma: the product is the native one on the
+dequantized weights, up to summation order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
+from .fp4 import fp4_rows, fp4_rows_ptx
 from .fp8_quant import GROUP, quantize_fp8_token_group
 from .moe_align import ExpertBlocks, align_by_expert
 from .mxfp8 import MX_BLOCK, e8m0_to_float, quantize_mxfp8
@@ -45,6 +48,8 @@ ACTIVATIONS = ("silu",)
 # targets whose block-scaled MMA takes E2M1 weights with MXFP8 activations (tl.dot_scaled lowers to it);
 # elsewhere triton would only emulate it, so FP4 tiles are dequantized in registers for an ordinary dot
 FP4_SCALED_MMA = {"sm_100": True, "gfx950": True, "default": False}
+# targets that unpack bf16 FP4 rows with inline PTX (fp4.py); the others with portable operations
+FP4_PTX_UNPACK = {"cuda": True, "default": False}
 
 # small: decode, a few rows per expert, so narrow N tiles spread each expert's weights over every
 # SM; large: prefill, full matrix-unit tiles. ``small_m`` counts rows per expert (T * top_k / E).
@@ -66,28 +71,6 @@ MOE_FP4_GEMM = {**MOE_GEMM,
                 "sm_90": GemmTuning(GemmConfig(16, 64, 128, 1, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3), small_m=16),
                 "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 4, 4), GemmConfig(128, 128, 128, 8, 4, 3),
                                      small_m=16)}
-
-
-@triton.jit
-def _e2m1_halves(packed):
-    """Packed E2M1 bytes -> (low nibbles, high nibbles) as fp16 holding each code's value times 2**-14.
-
-    Three code bits under fp16's sign land on its two low exponent bits and its top mantissa bit:
-    exponent e > 0 reads (1 + m/2) * 2**(e-15), and e = 0 is fp16's subnormal m/2 * 2**-14, which is
-    E2M1's own subnormal, so the value is exact with no branch and no table."""
-    b = packed.to(tl.int16)
-    low = ((b & 7) << 9) | ((b & 8) << 12)
-    high = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    return low.to(tl.float16, bitcast=True), high.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _fp4_tile(packed, scale, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Packed E2M1 [BLOCK_K/2, BLOCK_N] (element 2j in the low nibble) and E8M0 [BLOCK_K/32, BLOCK_N]
-    -> fp32 [BLOCK_K, BLOCK_N]: unpacked, interleaved back along K, times each 32's scale (exact)."""
-    low, high = _e2m1_halves(packed)
-    values = tl.join(low, high).permute(0, 2, 1).reshape(BLOCK_K // 32, 32, BLOCK_N).to(tl.float32)
-    return (values * (e8m0_to_float(scale.to(tl.int32)) * 16384.0)[:, None, :]).reshape(BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -130,6 +113,53 @@ def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N,
 
 
 @triton.jit
+def _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, up_scale_offset, K, GATED: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      PTX_UNPACK: tl.constexpr):
+    """The K loop of FP4 weights unpacked in registers -> (gate or down, up) products [BLOCK_M, BLOCK_N].
+
+    The weights are the dot's first operand (rows of the expert against the block's tokens, the
+    products transposed once at the end), so on sm_90 the unpacked tile stays in registers and only
+    the activations pass through shared memory. Bytes past K are 0 and their scales 2**0 (a NaN
+    scale would poison the sum)."""
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    rs = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            b_scale = tl.load(b_scale_ptrs)
+        else:
+            k_left = K - k0
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=2 * rb[None, :] < k_left, other=0)
+            b_scale = tl.load(b_scale_ptrs, mask=rs[None, :] * 32 < k_left, other=127)
+        tokens = tl.trans(a)
+        if PTX_UNPACK:
+            acc = tl.dot(fp4_rows_ptx(b, b_scale, BLOCK_N, BLOCK_K), tokens, acc)
+        else:
+            acc = tl.dot(fp4_rows(b, b_scale, a.dtype, BLOCK_N, BLOCK_K), tokens, acc)
+        if GATED:
+            if EVEN_K:
+                up = tl.load(b_ptrs + up_offset)
+                up_scale = tl.load(b_scale_ptrs + up_scale_offset)
+            else:
+                up = tl.load(b_ptrs + up_offset, mask=2 * rb[None, :] < k_left, other=0)
+                up_scale = tl.load(b_scale_ptrs + up_scale_offset, mask=rs[None, :] * 32 < k_left, other=127)
+            if PTX_UNPACK:
+                acc_up = tl.dot(fp4_rows_ptx(up, up_scale, BLOCK_N, BLOCK_K), tokens, acc_up)
+            else:
+                acc_up = tl.dot(fp4_rows(up, up_scale, a.dtype, BLOCK_N, BLOCK_K), tokens, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // 2
+        b_scale_ptrs += BLOCK_K // 32
+    return tl.trans(acc), tl.trans(acc_up)
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
                      sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                      M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
@@ -138,7 +168,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     FP4: tl.constexpr, SCALED_MMA: tl.constexpr):
+                     FP4: tl.constexpr, SCALED_MMA: tl.constexpr, EVEN_K: tl.constexpr,
+                     PTX_UNPACK: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED (gate/up): b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two
@@ -147,7 +178,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     ``_combine``) with the routing weights [T, top_k] (row stride stride_wt: a column slice of a
     wider routing reads in place).
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
-    to ``tl.dot_scaled``, otherwise each tile is dequantized in registers to a's dtype.
+    to ``tl.dot_scaled``, otherwise ``_fp4_row_products`` unpacks the weights in registers (with
+    PTX_UNPACK through ``fp4_rows_ptx``). EVEN_K: K is a multiple of BLOCK_K (no masks in that loop).
     """
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -169,10 +201,13 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
         B_STEP: tl.constexpr = BLOCK_K // 2
         rb = tl.arange(0, B_STEP)  # packed bytes along K
         rs = tl.arange(0, BLOCK_K // SCALE_BLOCK)  # scales along K
-        b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rb[:, None]
-        b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[None, :] * stride_bsn + rs[:, None]
         if SCALED_MMA:
+            b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rb[:, None]
+            b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[None, :] * stride_bsn + rs[:, None]
             a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
+        else:  # weight rows, the dot's first operand
+            b_ptrs = b_ptr + expert * stride_be + bn[:, None] * stride_bn + rb[None, :]
+            b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[:, None] * stride_bsn + rs[None, :]
     else:
         B_STEP: tl.constexpr = BLOCK_K
         b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rk[:, None]
@@ -184,44 +219,43 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_left = K - k0
-        a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-        if FP4:
-            # bytes and scales past K are 0 and 2**0 (a NaN scale would poison the sum)
-            b = tl.load(b_ptrs, mask=2 * rb[:, None] < k_left, other=0)
-            b_scale = tl.load(b_scale_ptrs, mask=rs[:, None] * SCALE_BLOCK < k_left, other=127)
-            if GATED:
-                up = tl.load(b_ptrs + up_offset, mask=2 * rb[:, None] < k_left, other=0)
-                up_scale = tl.load(b_scale_ptrs + N * stride_bsn, mask=rs[:, None] * SCALE_BLOCK < k_left,
-                                   other=127)
-            if SCALED_MMA:
+    if FP4 and not SCALED_MMA:
+        acc, acc_up = _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, N * stride_bsn, K, GATED,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PTX_UNPACK)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k_left = K - k0
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            if FP4:
+                # bytes and scales past K are 0 and 2**0 (a NaN scale would poison the sum)
+                b = tl.load(b_ptrs, mask=2 * rb[:, None] < k_left, other=0)
+                b_scale = tl.load(b_scale_ptrs, mask=rs[:, None] * SCALE_BLOCK < k_left, other=127)
+                if GATED:
+                    up = tl.load(b_ptrs + up_offset, mask=2 * rb[:, None] < k_left, other=0)
+                    up_scale = tl.load(b_scale_ptrs + N * stride_bsn, mask=rs[:, None] * SCALE_BLOCK < k_left,
+                                       other=127)
                 a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * SCALE_BLOCK < k_left, other=127)
                 acc = tl.dot_scaled(a, a_scale, "e4m3", b, tl.trans(b_scale), "e2m1", acc)
                 if GATED:
                     acc_up = tl.dot_scaled(a, a_scale, "e4m3", up, tl.trans(up_scale), "e2m1", acc_up)
                 a_scale_ptrs += BLOCK_K // SCALE_BLOCK
+                b_scale_ptrs += BLOCK_K // SCALE_BLOCK
             else:
-                acc = tl.dot(a, _fp4_tile(b, b_scale, BLOCK_K, BLOCK_N).to(a.dtype), acc)
+                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
                 if GATED:
-                    acc_up = tl.dot(a, _fp4_tile(up, up_scale, BLOCK_K, BLOCK_N).to(a.dtype), acc_up)
-            b_scale_ptrs += BLOCK_K // SCALE_BLOCK
-        else:
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-            if GATED:
-                up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
-            if FP8:
-                group = k0 // SCALE_BLOCK
-                a_scale = tl.load(a_scale_ptrs + group)
-                acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
-                if GATED:
-                    acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
-            else:
-                acc = tl.dot(a, b, acc)
-                if GATED:
-                    acc_up = tl.dot(a, up, acc_up)
-        a_ptrs += BLOCK_K
-        b_ptrs += B_STEP
+                    up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
+                if FP8:
+                    group = k0 // SCALE_BLOCK
+                    a_scale = tl.load(a_scale_ptrs + group)
+                    acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
+                    if GATED:
+                        acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
+                else:
+                    acc = tl.dot(a, b, acc)
+                    if GATED:
+                        acc_up = tl.dot(a, up, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += B_STEP
     dtype = c_ptr.dtype.element_ty
     out = acc.to(dtype).to(tl.float32)
     if GATED:
@@ -298,7 +332,8 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         0 if out is None else out.stride(0), stride_wt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, FP8=fmt == "fp8_block",
-        SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
+        SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
+        PTX_UNPACK=fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device),
         num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.backends.triton.fused_moe import (FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel, arrivals_for,
-                                              fused_moe, moe_config, moe_down, moe_gate_up)
+from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel,
+                                              arrivals_for, fused_moe, moe_config, moe_down, moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.moe_align import (ALIGN, _align_one_chunk_kernel, _count_kernel, _place_kernel,
                                               _scan_kernel, align_by_expert, max_padded_rows)
@@ -486,7 +486,7 @@ def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[st
     signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=128,
-                      PDL=pdl(target), FP4=False, SCALED_MMA=False)
+                      PDL=pdl(target), FP4=False, SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"])
 
@@ -515,9 +515,10 @@ def test_fp8_moe_gemm_reaches_the_matrix_units(target):
 
 
 # FP4 experts: the block-scaled MMA where FP4_SCALED_MMA says the target has one (E2M1 weights with
-# MXFP8 activations), elsewhere the dequantized tiles' bf16 MMA
+# MXFP8 activations), elsewhere the unpacked weight rows' bf16 MMA: on sm_90 wgmma for decode blocks
+# too, the weight rows being its 64-row operand
 FP4_MMA = {
-    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ("sm_90", "small"): r"mma\.sync\S*\.bf16\.bf16",
+    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ("sm_90", "small"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16",
     ("sm_100", "large"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
     ("sm_100", "small"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
     ("gfx942", "large"): r"v_mfma_f32_\w+_bf16", ("gfx942", "small"): r"v_mfma_f32_\w+_bf16",
@@ -538,7 +539,7 @@ def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
                  "a_ptr": "*fp8e4nv" if scaled else "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=False, SCALE_BLOCK=32, PDL=pdl(target),
-                      FP4=True, SCALED_MMA=scaled)
+                      FP4=True, SCALED_MMA=scaled, EVEN_K=True, PTX_UNPACK=pick(FP4_PTX_UNPACK, target))
     asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, sass=target == "sm_90",
                       divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bsn", "stride_cm", "stride_om"])
