@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .spec.config import SpecConfigError, SpeculativeConfig
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -106,6 +108,8 @@ class EngineConfig:
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load
     quantization: str | None = None
+    # speculative decoding (core/spec/): a SpeculativeConfig, or its fields as a mapping or a JSON object
+    speculative_config: SpeculativeConfig | None = None
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -129,6 +133,12 @@ class EngineConfig:
             raise ValueError(f"window_pages must be >= 2, got {self.window_pages}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.of(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
+            if spec.num_speculative_tokens >= self.max_num_batched_tokens:
+                raise SpecConfigError("num_speculative_tokens", f"{spec.num_speculative_tokens} drafts and the token "
+                                      f"they follow exceed max_num_batched_tokens {self.max_num_batched_tokens}")
 
     @property
     def chunk_size(self) -> int | None:
@@ -139,5 +149,6 @@ class EngineConfig:
         named = {"attention": self.attention_backend, "v4_attention": self.v4_attention_backend,
                  "mhc": self.mhc_backend, "moe": self.moe_backend,
                  "linear": self.linear_backend, "norm": self.norm_backend, "sampling": self.sampling_backend,
-                 "graphs": self.graph_backend}
+                 "graphs": self.graph_backend,
+                 "spec": self.speculative_config.method if self.speculative_config is not None else None}
         return {k: v for k, v in named.items() if v}

@@ -10,13 +10,15 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .families.sampling import SamplingBackend
+from .families.spec import SpecProposer
 from .graph_runner import DecodeGraphs
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
 from .models.base import Backends, CausalLM
 from .plugins import Plugins, load_plugins
 from .platform import PlatformSpec
-from .registry import Selection, SelectionContext, SelectionError
+from .registry import Selection, SelectionContext, SelectionError, describe_candidates
+from .spec.config import SpecConfigError
 from .loader import iter_checkpoint
 from .models.weights import resident_bytes
 
@@ -38,6 +40,7 @@ class Components:
     max_model_len: int
     sampling: SamplingBackend
     graphs: DecodeGraphs | None = None
+    proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -81,6 +84,20 @@ def select_graphs(plugins: Plugins, ctx: SelectionContext, config: EngineConfig)
         if requested:
             raise
         return None
+
+
+def select_proposer(plugins: Plugins, ctx: SelectionContext, config: EngineConfig) -> Selection | None:
+    """The proposer ``speculative_config.method`` names (None without speculation), or an error
+    naming that field with every registered proposer and its reasons."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    try:
+        return plugins.select("spec", ctx, spec.method)
+    except SelectionError as exc:
+        named = [c for c in exc.candidates if c.descriptor.name == spec.method]
+        why = f"{spec.method!r} cannot run here" if named else f"no proposer {spec.method!r} is registered"
+        raise SpecConfigError("method", f"{why}; proposers:\n{describe_candidates(exc.candidates)}") from None
 
 
 def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selection, model: CausalLM, kv: KVCache,
@@ -150,8 +167,11 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     model_cls = select_model_class(plugins, ctx, model_config.architecture)
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
+    proposer_selection = select_proposer(plugins, ctx, config)
     backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
+    if proposer_selection is not None:
+        selections["spec"] = proposer_selection
     logger.info("platform %s; %s", platform.summary(),
                 ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
 
@@ -184,5 +204,6 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if graph_selection is not None:
         selections["graphs"] = graph_selection
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
+    proposer = proposer_selection.create(ctx) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs)
+                      selections["sampling"].create(ctx), graphs, proposer)

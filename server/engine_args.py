@@ -7,6 +7,7 @@ import logging
 import re
 
 from ..core.config import EngineConfig
+from ..core.spec.config import SpecConfigError, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,14 @@ def parse_size(text: str) -> int:
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1073741824)")
     return int(float(m[1]) * _UNITS[unit])
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """'{"method": "ngram", "num_speculative_tokens": 4}' -> its config, or the field at fault."""
+    try:
+        return SpeculativeConfig.of(text)
+    except SpecConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["none"],
                    help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
                         "them in their stored formats, FP8 / FP4, where the backends run them)")
+    g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (methods: `engine plugins`, family spec)')
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -81,5 +93,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         linear_backend=args.linear_backend, norm_backend=args.norm_backend, sampling_backend=args.sampling_backend,
         graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
-        quantization=args.quantization,
+        quantization=args.quantization, speculative_config=args.speculative_config,
     )
