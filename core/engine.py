@@ -82,6 +82,8 @@ class EngineCore:
         self.config = config
         c = build(config, plugins, progress=progress)
         self.components = c
+        if c.proposer is not None:  # until drafts are verified in the step, a proposer would go unused
+            raise NotImplementedError("speculative decoding: verifying drafts in the engine step is not built yet")
         self.model_config = c.model_config
         self.max_model_len = c.max_model_len
         self.device = c.device

@@ -45,6 +45,10 @@ def _candidates(candidates: tuple[Candidate, ...], chosen: str | None) -> list[s
     return _table(rows, ["  * " if c.descriptor.name == chosen else "    " for c in candidates])
 
 
+_CHOSEN_BY = {"model": "chosen by the checkpoint's architecture (pass --model)",
+              "spec": "off (--speculative-config names a proposer as its method)"}
+
+
 def _family(plugins: Plugins, ctx: SelectionContext, family: str, requested: str | None) -> list[str]:
     try:
         descriptors = plugins.descriptors(family)
@@ -52,9 +56,9 @@ def _family(plugins: Plugins, ctx: SelectionContext, family: str, requested: str
         return [f"{family}: cannot collect candidates: {type(exc).__name__}: {exc}"]
     if not descriptors:
         return [f"{family}: no candidates registered"]
-    if family == "model" and requested is None:  # chosen by the checkpoint, not by priority
+    if family in _CHOSEN_BY and requested is None:  # chosen by what is served, not by priority
         names = ", ".join(sorted({d.name for d in descriptors}))
-        return [f"model: chosen by the checkpoint's architecture (pass --model); registered: {names}"]
+        return [f"{family}: {_CHOSEN_BY[family]}; registered: {names}"]
     asked = f" (requested {requested!r})" if requested else ""
     try:
         selection = select(family, descriptors, ctx, requested)

@@ -53,3 +53,16 @@ def engine_register_norm_backends() -> list[Descriptor]:
 def engine_register_sampling_backends() -> list[Descriptor]:
     return [Descriptor("sampling", "native", _instance("engine.core.native.sampling:NativeSampling"),
                        priority=NATIVE_PRIORITY)]
+
+
+def _ngram_reasons(ctx) -> list[str]:
+    spec = getattr(ctx.engine_config, "speculative_config", None)
+    if spec is not None and spec.model is not None:
+        return ["speculative_config.model: n-gram drafts from the request's own tokens and loads no model"]
+    return []
+
+
+@hookimpl
+def engine_register_spec_proposers() -> list[Descriptor]:
+    return [Descriptor("spec", "ngram", _instance("engine.core.spec.ngram:NgramProposer"), priority=NATIVE_PRIORITY,
+                       check=_ngram_reasons)]
