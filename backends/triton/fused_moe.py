@@ -391,7 +391,8 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, *, activation: str = "silu", swiglu_limit: float | None = None,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, scaled_mma: bool | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, scaled_mma: bool | None = None,
+              config: GemmConfig | None = None) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
     The weights and ids may be column slices of a wider routing: they are read through their row
@@ -402,7 +403,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     channels on the way into each GEMM. FP4 weights (packed uint8, gate_up [E, 2I, H/2] and down
     [E, H, I/2]) come with uint8 E8M0 scales [E, N, K/32]; where the target has a block-scaled MMA
     (``scaled_mma``, by default from ``FP4_SCALED_MMA``) the activations are quantized to MXFP8 for
-    it, elsewhere the weights are dequantized in registers and meet x as it is.
+    it, elsewhere the weights are dequantized in registers and meet x as it is. ``config``: the launch
+    parameters of both GEMMs instead of the tuning table's (a sweep's candidates).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
@@ -416,7 +418,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     out = output_for(num_tokens, hidden, x.dtype, x.device, out)
     if num_tokens == 0:
         return out
-    cfg = moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2)
+    cfg = config or moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2)
     blocks = align_by_expert(ids, num_experts, cfg.block_m)
     quantize = None
     if gate_up.dtype == FP8:

@@ -518,7 +518,8 @@ def test_fp8_moe_gemm_reaches_the_matrix_units(target):
 # MXFP8 activations), elsewhere the unpacked weight rows' bf16 MMA: on sm_90 wgmma for decode blocks
 # too, the weight rows being its 64-row operand
 FP4_MMA = {
-    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ("sm_90", "small"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16",
+    ("sm_90", "large"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16",
+    ("sm_90", "small"): r"wgmma\.mma_async\S*\.f32\.bf16\.bf16",
     ("sm_100", "large"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
     ("sm_100", "small"): r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale",
     ("gfx942", "large"): r"v_mfma_f32_\w+_bf16", ("gfx942", "small"): r"v_mfma_f32_\w+_bf16",
