@@ -3,8 +3,9 @@
 Every byte value (two codes, the subnormal and both zeros among them) under random E8M0 scales
 from the whole range whose products stay normal numbers (2**-125 to 2**127, both included): an
 unpacked weight is a power of two times an E2M1 value, so anything but equality is a wrong bit. ``fp4_rows`` runs in the
-interpreter; ``fp4_rows_ptx`` (inline PTX) only on an NVIDIA GPU; both compile for sm_90 ahead of
-time with the unpacking in the packed bf16 multiply the PTX names.
+interpreter; ``fp4_rows_ptx`` (inline PTX) only on an NVIDIA GPU, and its PTX text here, run
+instruction by instruction on 32-bit integers; both compile for sm_90 ahead of time with the
+unpacking in the packed bf16 multiply the PTX names.
 """
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.backends.triton.fp4 import fp4_rows, fp4_rows_ptx
+from engine.backends.triton.fp4 import _UNPACK, fp4_rows, fp4_rows_ptx
 from engine.core.native import quant
 
 ROWS, K = 16, 128  # a weight tile: 16 rows of 4 scale groups
@@ -65,3 +66,53 @@ def test_fp4_rows_ptx_compiles_to_packed_bf16_multiplies():
     asm = compile_asm(_unpack_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*bf16"},
                       dict(ROWS=ROWS, K=K, PTX=True), "sm_90", sass=True)
     assert "mul.rn.bf16x2" in asm["ptx"] and "HMUL2.BF16" in asm["sass"]
+
+
+def _bf16_pair_mul(a: int, b: int) -> int:
+    """mul.rn.bf16x2 on two registers (round to nearest even, as torch's bf16 cast does)."""
+    halves = torch.tensor([[a & 0xFFFF, a >> 16], [b & 0xFFFF, b >> 16]], dtype=torch.int32)
+    x = (halves << 16).view(torch.float32)
+    bits = (x[0] * x[1]).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """prmt.b32's default mode: result byte i is byte s of {b, a} (s = selector nibble i, low 3 bits),
+    or with the nibble's top bit that byte's sign bit copied through it."""
+    source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = selector >> 4 * i & 0xF
+        byte = source[nibble & 7]
+        out |= (0xFF if nibble & 8 and byte & 0x80 else 0 if nibble & 8 else byte) << 8 * i
+    return out
+
+
+def run_unpack_ptx(word: int, scale_pair: int) -> list[int]:
+    """``_UNPACK`` run on one packed word and one register of two bf16 scales -> its four outputs."""
+    regs = {"$4": word, "$5": scale_pair}
+    value = lambda x: regs[x] if x in regs else int(x, 0)  # noqa: E731
+    ops = {"mov.b32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.b32": lambda a, b: a >> b,
+           "mul.lo.u32": lambda a, b: a * b & 0xFFFFFFFF, "prmt.b32": _prmt, "mul.rn.bf16x2": _bf16_pair_mul}
+    for statement in str(_UNPACK.value).replace("{", "").replace("}", "").split(";"):
+        statement = statement.strip()
+        if not statement or statement.startswith(".reg"):
+            continue
+        op, args = statement.split(None, 1)
+        dst, *srcs = [a.strip() for a in args.split(",")]
+        regs[dst] = ops[op](*map(value, srcs))
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def test_unpack_ptx_text_decodes_every_byte_exactly(seed):
+    """The PTX's integer steps and its output order: the first output's two registers hold a word's
+    codes 0-3, the second's 4-7, each low half first, as ``fp4_rows_ptx`` arranges them."""
+    for scale in torch.randint(2, 255, (8,)).tolist():
+        bf16_scale = scale << 7
+        for word in torch.randint(0, 2**32, (64,), dtype=torch.int64).tolist() + [0x76543210, 0xFEDCBA98]:
+            out = run_unpack_ptx(word, bf16_scale | bf16_scale << 16)
+            halves = torch.tensor([h for r in out for h in (r & 0xFFFF, r >> 16)], dtype=torch.int32)
+            got = (halves << 16).view(torch.float32)
+            packed = torch.tensor([word >> 8 * i & 0xFF for i in range(4)], dtype=torch.uint8)
+            want = quant.dequantize_fp4(packed[None], torch.tensor([[scale]], dtype=torch.uint8))[0]
+            assert torch.equal(got, want), (hex(word), scale)
