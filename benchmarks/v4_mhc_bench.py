@@ -1,10 +1,14 @@
-"""The Triton mHC kernels (pre, post, head) at the DeepSeek-V4-Flash shape (n 4 streams of hidden 4096)
-beside the native torch composition they replace (core/native/mhc.py), at 1, 32 and 128 decode
-tokens and a 4K prefill, bf16 streams and fp32 mixing weights. Each is judged against the bytes it
-must move over the copy bandwidth measured in the same run: pre and head read the streams and
-their fn once and write the collapse; post reads block_out and the streams and writes the new
-streams. Times are device times inside a CUDA graph, each call on its own copy of the inputs
-(more than the L2 holds in all), as a decode step's layers read distinct weights.
+"""The Triton mHC kernels (pre, post, head, and a sublayer boundary) at the DeepSeek-V4-Flash shape
+(n 4 streams of hidden 4096) beside the native torch composition they replace (core/native/mhc.py),
+at 1, 32 and 128 decode tokens and a 4K prefill, bf16 streams and fp32 mixing weights. Each is
+judged against the bytes it must move over the copy bandwidth measured in the same run: pre and
+head read the streams and their fn once and write the collapse; post reads block_out and the
+streams and writes the new streams; the boundary (post, the next pre, the RMSNorm of its collapse:
+what the model runs between two sublayers) does both, the collapse reading the new streams again.
+The boundary is also timed as the unfused launches one after another (post, pre's two, the norm
+kernel), the figure before post wrote the pre's partials. Times are device times inside a CUDA
+graph, each call on its own copy of the inputs (more than the L2 holds in all), as a decode step's
+layers read distinct weights.
 
     python benchmarks/v4_mhc_bench.py --json benchmarks/results/v4-mhc-h200.json
 """
@@ -13,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.backends.triton.mhc import mhc_head, mhc_post, mhc_pre
+from engine.backends.triton.mhc import mhc_head, mhc_post, mhc_post_pre, mhc_pre
+from engine.backends.triton.norm import rms_norm
 from engine.core.families.mhc import MixWeights
-from engine.core.native.mhc import hc_head, hc_post, hc_pre
+from engine.core.native.mhc import NativeMHC, hc_head, hc_post, hc_pre
+from engine.core.native.norm import NativeNorm
 
 try:
     from common import bench_main, graph_ms, measure_limits
@@ -44,6 +50,13 @@ def _case(t: int, device, gen, copy_gb_s: float) -> dict:
         w, head = weights((2 + N) * N, 3), weights(N, 1)
         _, post, comb = hc_pre(streams, w.fn, w.base, w.scale, 1e-6, 1e-6, ITERS)
         inputs.append((streams, block_out, w, head, post, comb))
+    g, ops = torch.ones(D, device=device), NativeNorm(None)
+
+    def unfused(s, b, w, post, comb):
+        new = mhc_post(b, s, post, comb)
+        x, post, comb = mhc_pre(new, w)
+        return new, rms_norm(x, g, 1e-6), post, comb
+
     calls = {
         "pre": (lambda s, b, w, h, p, c: mhc_pre(s, w),
                 lambda s, b, w, h, p, c: hc_pre(s, w.fn, w.base, w.scale, 1e-6, 1e-6, ITERS),
@@ -53,6 +66,9 @@ def _case(t: int, device, gen, copy_gb_s: float) -> dict:
         "head": (lambda s, b, w, h, p, c: mhc_head(s, h),
                  lambda s, b, w, h, p, c: hc_head(s, h.fn, h.base, h.scale, 1e-6, 1e-6),
                  t * k * es + N * k * 4 + t * D * es),
+        "boundary": (lambda s, b, w, h, p, c: mhc_post_pre(b, s, p, c, w, (g, 1e-6)),
+                     lambda s, b, w, h, p, c: NativeMHC(None).post_pre_norm(b, s, p, c, w, g, 1e-6, ops),
+                     2 * t * D * es + 3 * t * k * es + (2 + N) * N * k * 4),
     }
     row = {"tokens": t}
     for name, (triton_call, native_call, nbytes) in calls.items():
@@ -62,6 +78,8 @@ def _case(t: int, device, gen, copy_gb_s: float) -> dict:
         row[name] = {"triton_ms": round(fast, 4), "native_ms": round(slow, 4), "mb": round(nbytes / 1e6, 2),
                      "triton_of_bandwidth": round(ideal / fast, 3), "native_of_bandwidth": round(ideal / slow, 3),
                      "speedup": round(slow / fast, 2)}
+    apart = graph_ms([lambda a=a: unfused(a[0], a[1], a[2], a[4], a[5]) for a in inputs])
+    row["boundary"].update(unfused_ms=round(apart, 4), fused_over_unfused=round(apart / row["boundary"]["triton_ms"], 2))
     return row
 
 
@@ -81,11 +99,14 @@ def run(device: torch.device) -> dict:
 def _lines(result: dict) -> list[str]:
     out = [f"copy bandwidth {result['limits']['copy_gb_s']} GB/s"]
     for case in result["cases"]:
-        for name in ("pre", "post", "head"):
+        for name in ("pre", "post", "head", "boundary"):
             r = case[name]
-            out.append(f"T {case['tokens']:5d} {name:4s}: triton {r['triton_ms']:.4f} ms "
+            out.append(f"T {case['tokens']:5d} {name:8s}: triton {r['triton_ms']:.4f} ms "
                        f"({r['triton_of_bandwidth']:.2f} of bandwidth), native {r['native_ms']:.4f} ms "
                        f"({r['native_of_bandwidth']:.2f}), {r['speedup']}x")
+        r = case["boundary"]
+        out.append(f"T {case['tokens']:5d} boundary unfused (4 launches): {r['unfused_ms']:.4f} ms, "
+                   f"fused {r['fused_over_unfused']}x faster")
     return out
 
 

@@ -10,12 +10,6 @@ the group. A group is the parts in one format: dense, or FP8 with 128x128 block 
 part fills whole blocks of rows (its scale rows then concatenate too); any other part runs alone.
 Which parts a checkpoint quantizes is known only once it is read (DeepSeek's published layout
 keeps some of these projections in FP8 and others in bf16), hence after loading, not before.
-
-Given the norm whose output is its input (DeepSeek-V4's attention-input RMSNorm), a projection of
-one group hands norm and GEMM to the linear backend's ``norm_linear``, which may compute the norm
-in the GEMM's prologue (Triton's: a dense GEMV on a GPU, rows up to gemv.NORM_MAX_K), rounded as
-the norm family rounds it, so the norm costs no launch of its own. With several groups the norm
-runs once and each group reads its output.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..families.linear import LinearWeight
-from .layers import Linear, RMSNorm
+from .layers import Linear
 
 FP8_BLOCK = 128  # rows a block scale covers
 
@@ -73,16 +67,10 @@ class FusedProjection:
                 offset += n
             self.groups.append((LinearWeight(data, parts[0].scheme, scale), names, sizes))
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
-        """Each part's product with x, or with ``norm(x)``."""
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each part's product with x."""
         if not self.groups:
             raise RuntimeError("a FusedProjection runs once fuse() made its groups (the model calls it after loading)")
-        if norm is not None and len(self.groups) == 1:
-            ((weight, names, sizes),) = self.groups
-            y, _ = self.backend.norm_linear(x, None, norm.weight, norm.eps, weight, norm.ops)
-            return dict(zip(names, y.split(sizes, dim=-1)))
-        if norm is not None:
-            x = norm(x)
         out = {}
         for weight, names, sizes in self.groups:
             out.update(zip(names, self.backend.apply(x, weight).split(sizes, dim=-1)))

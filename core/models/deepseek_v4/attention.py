@@ -2,11 +2,12 @@
 over raw tokens, and in compressed layers the pooled entries of a CSA or HCA compressor.
 
 The projections are here, those of the attention input (the low-rank q, the KV, each compressor's,
-the indexer's weights) as one GEMM per weight format, the input's RMSNorm in its prologue where
-that is one GEMM and the linear backend can; everything that reads or writes the cache (the window
-store, the compressors' pooling, the lightning indexer's top-k, the attention itself, the
-rotations) is the V4 attention family's (core/families/v4_attention.py), called for the whole
-step at once.
+the indexer's weights) as one GEMM per weight format, fed the input already normalised (the mHC
+family runs the attention's input RMSNorm in its pre's last launch, at every batch size and weight
+format, where a GEMM's prologue could take it only for one dense group of a few rows); everything
+that reads or writes the cache (the window store, the compressors' pooling, the lightning
+indexer's top-k, the attention itself, the rotations) is the V4 attention family's
+(core/families/v4_attention.py), called for the whole step at once.
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ class Attention(nn.Module):
                 None if self.compressor is None else self.compressor.spec(c.projections, c.entries), indexer)
         return self._spec
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
-        """x [T, hidden], the batch's new tokens packed, before ``norm``, the attention's input norm,
-        which only the input's projections read (and may fold into their GEMM) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
+        """x [T, hidden], the batch's new tokens packed, through the attention's input norm (which the
+        mHC pre before runs) -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
-        p = self.x_proj(x, norm)
+        p = self.x_proj(x)
         q_low = self.q_norm(p["wq_a"])
         q = self.norm_backend.unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
         backend.store(self.norm(p["wkv"]), layer, kv, batch, meta)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,17 @@ _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
               "hc_head_scale": "model.hc_head.hc_scale"}
 
 
+class Streams(NamedTuple):
+    """The residual streams [T, n, D] between two sublayers, and the output of the sublayer before
+    with its post and comb, not yet mixed into them (None before the first sublayer): the next
+    boundary mixes it in, so that the mHC backend may fuse that post with the next collapse."""
+
+    streams: torch.Tensor
+    block_out: torch.Tensor | None = None
+    post: torch.Tensor | None = None
+    comb: torch.Tensor | None = None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
                  ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device, fold_shared: bool) -> None:
@@ -64,11 +75,22 @@ class DecoderLayer(nn.Module):
         return MixWeights(getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
                           getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
-        x, post, comb = self.mhc.pre(streams, self._mix("attn"))
-        streams = self.mhc.post(self.attn(x, self.attn_norm, batch, kv, meta), streams, post, comb)
-        x, post, comb = self.mhc.pre(streams, self._mix("ffn"))
-        return self.mhc.post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
+    def _enter(self, state: Streams, name: str, norm: RMSNorm) -> tuple[torch.Tensor, Streams]:
+        """A sublayer boundary: the output left pending mixed into the streams, then the sublayer's
+        collapse through its input norm -> (the sublayer's input, the streams it leaves pending)."""
+        w = self._mix(name)
+        if state.block_out is None:
+            x, post, comb = self.mhc.pre_norm(state.streams, w, norm.weight, norm.eps, norm.ops)
+            return x, Streams(state.streams, None, post, comb)
+        streams, x, post, comb = self.mhc.post_pre_norm(state.block_out, state.streams, state.post, state.comb, w,
+                                                        norm.weight, norm.eps, norm.ops)
+        return x, Streams(streams, None, post, comb)
+
+    def forward(self, state: Streams, batch: ForwardBatch, kv: KVCache, meta: Any) -> Streams:
+        x, state = self._enter(state, "attn", self.attn_norm)
+        state = state._replace(block_out=self.attn(x, batch, kv, meta))
+        x, state = self._enter(state, "ffn", self.ffn_norm)
+        return state._replace(block_out=self.ffn(x, batch.input_ids))
 
 
 class HyperHead(nn.Module):
@@ -81,8 +103,11 @@ class HyperHead(nn.Module):
         self.eps, self.hc_eps = hf.get("rms_norm_eps", 1e-6), hf.get("hc_eps", 1e-6)
         self.mhc = backends.mhc
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.mhc.head(streams, MixWeights(self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps))
+    def forward(self, state: Streams, norm: RMSNorm) -> torch.Tensor:
+        """The last sublayer's output mixed in, the collapse, and the final norm."""
+        w = MixWeights(self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.hc_eps)
+        return self.mhc.post_head_norm(state.block_out, state.streams, state.post, state.comb, w, norm.weight,
+                                       norm.eps, norm.ops)
 
 
 class Decoder(nn.Module):
@@ -101,11 +126,11 @@ class Decoder(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous())
         meta = self.attention.prepare(batch, kv)
         for layer in self.layers:
-            streams = layer(streams, batch, kv, meta)
-        return self.norm(self.hc_head(streams))
+            state = layer(state, batch, kv, meta)
+        return self.hc_head(state, self.norm)
 
 
 class DeepseekV4ForCausalLM(CausalLM):

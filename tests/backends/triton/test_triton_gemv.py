@@ -16,8 +16,6 @@ from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.norm import TritonNorm
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
-from engine.core.models.fused_projection import FusedProjection
-from engine.core.models.layers import Linear, RMSNorm
 from engine.core.native import activation as native
 from engine.core.native import norm as native_norm
 from engine.core.native.linear import NativeLinear
@@ -187,25 +185,6 @@ def test_triton_linear_matches_native_at_decode_rows(seed, m):
         got, got_sum = triton_linear.norm_linear(x, residual, g, 1e-6, weight, triton_norm, silu_mul=silu_mul)
         want, want_sum = native_linear.norm_linear(x, residual, g, 1e-6, weight, native_norm, silu_mul=silu_mul)
         assert _rel(got, want) < TOL[torch.bfloat16] and torch.equal(got_sum, want_sum)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
-def test_fused_projection_folds_its_input_norm_gpu(seed, m):
-    """DeepSeek-V4's attention input: the parts' one GEMV computes the fp32-weighted norm in its
-    prologue, as the norm kernel and then the GEMV would."""
-    k, linear = 256, TritonLinear(None)
-    parts = {f"p{n}": Linear(k, n, linear, dtype=torch.bfloat16, device="cuda") for n in (128, 64, 96)}
-    for part in parts.values():
-        part.weight.data.copy_(torch.randn_like(part.weight) / k**0.5)
-    proj = FusedProjection(parts)
-    proj.fuse()
-    norm = RMSNorm(k, 1e-6, dtype=torch.float32, device="cuda", ops=TritonNorm(None))
-    norm.weight.data.copy_(1 + 0.5 * torch.randn(k, device="cuda"))
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    got, want = proj(x, norm), proj(norm(x))
-    for name in parts:
-        assert _rel(got[name], want[name]) < TOL[torch.bfloat16], name
 
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",

@@ -1,4 +1,5 @@
-"""mHC kernels (pre, post, head) against core/native/mhc.py: interpreter, GPU, and compiled for every target."""
+"""mHC kernels (pre, post, head, and the sublayer boundaries that fuse them with the norm after)
+against core/native/mhc.py: interpreter, GPU, and compiled for every target."""
 
 from __future__ import annotations
 
@@ -7,25 +8,32 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm, pdl
+from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
 
-from engine.backends.triton import mhc
+from engine.backends.triton import mhc, mhc_partials
 from engine.backends.triton.descriptors import triton_descriptors
+from engine.backends.triton.norm import rms_norm
+from engine.backends.triton.target import pick
 from engine.core.families.mhc import MixWeights
 from engine.core.native import mhc as native
+from engine.core.native.norm import NativeNorm
 from engine.core.platform import PlatformSpec
 from engine.core.registry import SelectionContext
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 MIX_TOL = dict(rtol=1e-4, atol=2e-5)  # the fp32 gates and comb: K-long fp32 sums in another order
+SPLIT_TOL = dict(rtol=1e-5, atol=1e-7)  # the same sums split over D instead of K: 84 fp32 ulps
+ROW_TOL = dict(rtol=1e-5, atol=2e-6)  # a collapse from those weights (its cancellations), normalised to O(1)
+ORACLE = native.NativeMHC(None)  # the boundaries' defaults: post, pre or head, then the norm
 
 
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the launches allocate (outputs and split-K partials) starts as NaN."""
-    monkeypatch.setattr(mhc, "_empty", lambda *shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                device=device))
+    for module in (mhc, mhc_partials):
+        monkeypatch.setattr(module, "buffer", lambda *shape, dtype, device: torch.full(shape, float("nan"),
+                                                                                       dtype=dtype, device=device))
 
 
 def _weights(n: int, d: int, mixes: int, scales: int, device, iters: int = 20) -> MixWeights:
@@ -67,6 +75,75 @@ def _check_head(streams: torch.Tensor, w: MixWeights):
                                **TOL[streams.dtype])
 
 
+def _norm_weight(d: int, dtype, device) -> torch.Tensor:
+    return (1 + 0.5 * torch.randn(d, device=device)).to(dtype)
+
+
+def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor):
+    """Two roundings of collapses whose fp32 weights are a few ulps apart: 16-bit results equal to
+    the bit but where a value straddles a rounding boundary (and the norm after carries the flip),
+    fp32 ones within ROW_TOL."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, **ROW_TOL)
+        return
+    torch.testing.assert_close(got, want, **TOL[got.dtype])
+    assert (got == want).float().mean() > 0.99
+
+
+def _check_boundary(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, w: MixWeights, head: MixWeights,
+                    g: torch.Tensor):
+    """post + the next pre + its norm, and post + the head + the final norm, in two launches each:
+    against the native composition, and against the Triton launches one by one (the new streams
+    equal to the bit; the mixes from the same partial sums split another way)."""
+    block_out = torch.randn(streams.shape[0], streams.shape[2], device=streams.device).to(streams.dtype)
+    ops = NativeNorm(None)
+    got = mhc.TritonMHC(None).post_pre_norm(block_out, streams, post, comb, w, g, 1e-6, ops)
+    want = ORACLE.post_pre_norm(block_out, streams, post, comb, w, g, 1e-6, ops)
+    torch.testing.assert_close(got[0], want[0], **TOL[streams.dtype])
+    torch.testing.assert_close(got[1], want[1], **TOL[streams.dtype])
+    torch.testing.assert_close(got[2], want[2], **MIX_TOL)
+    torch.testing.assert_close(got[3], want[3], **MIX_TOL)
+    new = mhc.mhc_post(block_out, streams, post, comb)
+    x, new_post, new_comb = mhc.mhc_pre(new, w)
+    assert torch.equal(got[0], new)
+    torch.testing.assert_close(got[2], new_post, **SPLIT_TOL)
+    torch.testing.assert_close(got[3], new_comb, **SPLIT_TOL)
+    _assert_rounded_alike(got[1], rms_norm(x, g, 1e-6))
+    got = mhc.TritonMHC(None).post_head_norm(block_out, streams, post, comb, head, g, 1e-6, ops)
+    torch.testing.assert_close(got, ORACLE.post_head_norm(block_out, streams, post, comb, head, g, 1e-6, ops),
+                               **TOL[streams.dtype])
+    _assert_rounded_alike(got, rms_norm(mhc.mhc_head(new, head), g, 1e-6))
+
+
+def _check_pre_norm(streams: torch.Tensor, w: MixWeights, g: torch.Tensor):
+    """A model's first collapse, through the attention's input norm."""
+    ops = NativeNorm(None)
+    got = mhc.TritonMHC(None).pre_norm(streams, w, g, 1e-6, ops)
+    want = ORACLE.pre_norm(streams, w, g, 1e-6, ops)
+    torch.testing.assert_close(got[0], want[0], **TOL[streams.dtype])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, **MIX_TOL)
+    x, post, comb = mhc.mhc_pre(streams, w)
+    assert torch.equal(got[1], post) and torch.equal(got[2], comb)  # the same partials and sums
+    _assert_rounded_alike(got[0], rms_norm(x, g, 1e-6))  # the norm kernel's steps, its sum in another order
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,t,n,d", [(torch.float32, 5, 4, 64), (torch.float16, 5, 4, 64),
+                                         (torch.float32, 3, 4, 256), (torch.float16, 3, 4, 256),  # tiny-dsv4-py
+                                         (torch.float16, 18, 3, 40)])
+@pytest.mark.parametrize("norm_dtype", ["fp32", "streams'"])
+def test_mhc_boundary_interpreted(seed, poisoned, dtype, t, n, d, norm_dtype):
+    """Several splits of D and token blocks, a stream count and a hidden size that are not powers
+    of two; the norm weight in fp32 (DeepSeek-V4's) or in the streams' dtype (rounded before it)."""
+    streams = _streams(t, n, d, dtype, "cpu")
+    w = _weights(n, d, (2 + n) * n, 3, "cpu")
+    g = _norm_weight(d, torch.float32 if norm_dtype == "fp32" else dtype, "cpu")
+    post, comb = _check_pre(streams, w)
+    _check_pre_norm(streams, w, g)
+    _check_boundary(streams, post, comb, _weights(n, d, (2 + n) * n, 3, "cpu"), _weights(n, d, n, 1, "cpu"), g)
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype,t,n,d", [(torch.float32, 5, 4, 64), (torch.float16, 5, 4, 64),
                                          (torch.float32, 3, 4, 256), (torch.float16, 3, 4, 256),  # tiny-dsv4-py
@@ -100,6 +177,11 @@ def test_mhc_names_the_field_of_bad_input():
         mhc.mhc_post(torch.zeros(2, 32), streams, torch.zeros(2, 4), torch.zeros(2, 4, 3))
     with pytest.raises(ValueError, match="streams"):
         mhc.mhc_pre(torch.zeros(2, 128), _weights(4, 32, 24, 3, "cpu"))
+    with pytest.raises(ValueError, match="norm weight"):
+        mhc.mhc_pre(streams, _weights(4, 32, 24, 3, "cpu"), (torch.ones(31), 1e-6))
+    with pytest.raises(ValueError, match="MixWeights.fn"):
+        mhc.mhc_post_head(torch.zeros(2, 32), streams, torch.zeros(2, 4), torch.zeros(2, 4, 4),
+                          _weights(4, 32, 24, 3, "cpu"))
 
 
 @pytest.mark.parametrize("vendor,arch", [("nvidia", "sm_90"), ("amd", "gfx942")])
@@ -131,6 +213,12 @@ def test_mhc_gpu_flash_shape(seed, poisoned, t):
     _check_head(streams, _weights(n, d, n, 1, "cuda"))
     again = mhc.mhc_pre(streams, w)  # the split-K sums run in a fixed order: bit-identical reruns
     assert torch.equal(again[1], post) and torch.equal(again[2], comb)
+    g = _norm_weight(d, torch.float32, "cuda")
+    _check_pre_norm(streams, w, g)
+    _check_boundary(streams, post, comb, _weights(n, d, (2 + n) * n, 3, "cuda"), _weights(n, d, n, 1, "cuda"), g)
+    block_out = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+    once, twice = (mhc.mhc_post_pre(block_out, streams, post, comb, w, (g, 1e-6)) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(once, twice))  # the post's partials too
 
 
 @pytest.mark.gpu
@@ -139,10 +227,12 @@ def test_mhc_gpu_graph_replays_on_new_contents(seed):
     streams = _streams(t, n, d, torch.bfloat16, "cuda")
     block_out = torch.randn(t, d, device="cuda").to(torch.bfloat16)
     w, head = _weights(n, d, (2 + n) * n, 3, "cuda"), _weights(n, d, n, 1, "cuda")
+    g = _norm_weight(d, torch.float32, "cuda")
 
     def step():
-        x, post, comb = mhc.mhc_pre(streams, w)
-        return x, mhc.mhc_head(mhc.mhc_post(block_out, streams, post, comb), head)
+        x, post, comb = mhc.mhc_pre(streams, w, (g, 1e-6))
+        new, y, post, comb = mhc.mhc_post_pre(block_out, streams, post, comb, w, (g, 1e-6))
+        return x, new, y, mhc.mhc_post_head(block_out, new, post, comb, head, (g, 1e-6))
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -184,48 +274,69 @@ def test_tiny_dsv4_logits_with_the_triton_mhc(seed, shared_dir):
 
 
 def _signature(x: str) -> dict:
+    per_token = {"mix_ptr": "*fp32", "ss_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+                 "streams_ptr": f"*{x}", "out_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                 "norm_ptr": "*fp32", "T": "i32", "D": "i32", "splits": "i32", "stride_st": "i32", "stride_si": "i32",
+                 "stride_ot": "i32", "norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32", "eps": "fp32"}
     return {
         "partials": {"x_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32",
                      "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32"},
-        "pre": {"mix_ptr": "*fp32", "ss_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
-                "streams_ptr": f"*{x}", "out_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32",
-                "D": "i32", "splits": "i32", "stride_st": "i32", "stride_si": "i32", "stride_ot": "i32",
-                "norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32"},
+        "pre": per_token,
+        "head": {k: v for k, v in per_token.items() if k not in ("post_ptr", "comb_ptr", "iters")},
         "post": {"block_out_ptr": f"*{x}", "streams_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
-                 "out_ptr": f"*{x}", "D": "i32", "stride_bt": "i32", "stride_st": "i32", "stride_si": "i32",
-                 "stride_pt": "i32", "stride_ct": "i32", "stride_ot": "i32", "stride_oi": "i32"},
+                 "out_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32", "D": "i32",
+                 "M": "i32", "d_per_split": "i32", "stride_bt": "i32", "stride_st": "i32", "stride_si": "i32",
+                 "stride_pt": "i32", "stride_ct": "i32", "stride_ot": "i32", "stride_oi": "i32", "stride_fn": "i32"},
     }
 
 
-ALIGNED = ["K", "k_per_split", "stride_x", "stride_fn", "D", "stride_st", "stride_si", "stride_ot", "stride_bt",
-           "stride_oi"]  # as the JIT specializes the V4-Flash sizes
+ALIGNED = ["K", "k_per_split", "stride_x", "stride_fn", "D", "d_per_split", "stride_st", "stride_si", "stride_ot",
+           "stride_bt", "stride_oi"]  # as the JIT specializes the V4-Flash sizes
 
 
-def _compile(kernel, signature, constexprs, target, **options):
-    return compile_asm(kernel, signature, {**constexprs, "PDL": pdl(target)}, target, num_warps=4,
-                       divisible_by_16=[a for a in ALIGNED if a in signature], **options)
+def _compile(kernel, signature, constexprs, target, cfg=None, **options):
+    cfg = cfg or SimpleNamespace(num_warps=4, num_stages=None)
+    return compile_asm(kernel, signature, {**constexprs, "PDL": pdl(target)}, target, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, divisible_by_16=[a for a in ALIGNED if a in signature], **options)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_mhc_compiles(target):
-    """bf16 streams at V4-Flash: the product on the matrix units, 16-byte accesses to the streams."""
-    sig = _signature("bf16")
-    asm = {"partials": _compile(mhc.mix_partials_kernel, sig["partials"],
-                                {"BLOCK_T": 64, "BLOCK_K": 128, "MP": 32}, target),
-           "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {"N": 4, "NP": 4, "MP": 32, "SPLITS": 128, "BLOCK_D": 1024},
-                           target),
-           "head": _compile(mhc.head_mix_kernel, {k: v for k, v in sig["pre"].items()
-                                                  if k not in ("post_ptr", "comb_ptr", "iters")},
-                            {"N": 4, "NP": 4, "MP": 16, "SPLITS": 128, "BLOCK_D": 1024}, target),
-           "post": _compile(mhc.post_mix_kernel, sig["post"], {"N": 4, "NP": 4, "BLOCK_D": 1024}, target,
-                            enable_fp_fusion=False)}
+    """bf16 streams at V4-Flash, each kernel as its launch compiles it there: the products on the
+    matrix units, the norm's reciprocal root, post * block_out rounded before the sum, and the post
+    that writes the next pre's partials (at a decode step's 16-token block and at the table's block)
+    in registers alone where the table was chosen (sm_90; AMD: no scratch), with 16-byte stores of
+    the new streams at the table's block."""
+    sig, cfg = _signature("bf16"), pick(mhc.MIX, target)
+    token = dict(N=4, NP=4, SPLITS=128, BLOCK_D=cfg.block_d)
+    post = dict(N=4, NP=4, MP=32, BLOCK_D=cfg.post.block_k // 4)
+    asm = {"partials": _compile(mhc_partials.mix_partials_kernel, sig["partials"],
+                                {"BLOCK_T": cfg.partials.block_t, "BLOCK_K": cfg.partials.block_k, "MP": 32}, target,
+                                cfg.partials),
+           "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {**token, "MP": 32, "NORM": False,
+                                                            "ROUND_BEFORE_WEIGHT": False}, target),
+           "pre_norm": _compile(mhc.pre_mix_kernel, sig["pre"], {**token, "MP": 32, "NORM": True,
+                                                                 "ROUND_BEFORE_WEIGHT": False}, target),
+           "head_norm": _compile(mhc.head_mix_kernel, sig["head"], {**token, "MP": 16, "NORM": True,
+                                                                    "ROUND_BEFORE_WEIGHT": False}, target),
+           "post": _compile(mhc_partials.post_mix_kernel, sig["post"],
+                            {**post, "BLOCK_T": 16, "PARTIALS": False}, target, cfg.post, enable_fp_fusion=False),
+           "post_pre": _compile(mhc_partials.post_mix_kernel, sig["post"], {**post, "BLOCK_T": 16, "PARTIALS": True},
+                                target, cfg.post, enable_fp_fusion=False, sass=target.startswith("sm_")),
+           "post_pre_prefill": _compile(mhc_partials.post_mix_kernel, sig["post"],
+                                        {**post, "BLOCK_T": cfg.post.block_t, "PARTIALS": True}, target, cfg.post,
+                                        enable_fp_fusion=False, sass=target.startswith("sm_"))}
     if target.startswith("sm_"):
         assert all(f".target {target}a" in a["ptx"] for a in asm.values())
-        assert "mma" in asm["partials"]["ptx"]
-        assert "ld.global.v4.b32" in asm["post"]["ptx"] and "st.global.v4.b32" in asm["post"]["ptx"]
-        assert "fma.rn.bf16" not in asm["post"]["ptx"]  # post * block_out is rounded before the sum
+        assert all("mma" in asm[k]["ptx"] for k in ("partials", "post_pre", "post_pre_prefill"))
+        assert "rsqrt" in asm["pre_norm"]["ptx"] and "rsqrt" in asm["head_norm"]["ptx"]
+        assert "st.global.v4.b32" in asm["post_pre_prefill"]["ptx"]  # 16 bytes of a stream a thread
+        for k in ("post", "post_pre", "post_pre_prefill"):
+            assert "fma.rn.bf16" not in asm[k]["ptx"], k  # post * block_out is rounded before the sum
+        if target == "sm_90":  # the table's arch
+            assert local_memory_ops(asm["post_pre"]["sass"]) == local_memory_ops(asm["post_pre_prefill"]["sass"]) == 0
     else:
         assert all(target in amdgcn_target(a["amdgcn"]) for a in asm.values())
-        assert "mfma" in asm["partials"]["amdgcn"]
-        assert "load_dwordx4" in asm["post"]["amdgcn"] and "store_dwordx4" in asm["post"]["amdgcn"]
+        assert all("mfma" in asm[k]["amdgcn"] for k in ("partials", "post_pre", "post_pre_prefill"))
+        assert all("ScratchSize: 0" in asm[k]["amdgcn"] for k in ("post", "post_pre", "post_pre_prefill"))

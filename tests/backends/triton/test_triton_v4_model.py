@@ -1,11 +1,14 @@
-"""A DeepSeek-V4 model on the Triton V4 attention family in the interpreter, through the engine:
-greedy-identical to the native family over a batch with chunked prefill inside compression
-windows, decodes beside prefills, and prefix hits; in the model's dtype and in DeepSeek's published
-FP8 layout, where the indexer's keys are E4M3 with their scales in both families.
+"""A DeepSeek-V4 model on the Triton V4 attention and mHC families in the interpreter, through the
+engine: greedy-identical to the native families over a batch with chunked prefill inside
+compression windows, decodes beside prefills, and prefix hits; in the model's dtype and in
+DeepSeek's published FP8 layout, where the indexer's keys are E4M3 with their scales in both
+families; and tiny-dsv4-py on the Triton mHC (its sublayer boundaries fused: each post writes the
+next mix's partials, each pre and the head run the norm after them).
 
-The Triton descriptors refuse a CPU, so a test plugin offers the same backend under the same name
-on the CPU, where its kernels run in the interpreter; ``v4_attention_backend="triton"`` then
-selects it as the CUDA and ROCm plugins' descriptors would on their devices.
+The Triton descriptors refuse a CPU, so a test plugin offers the same backends under the same
+names on the CPU, where their kernels run in the interpreter; ``v4_attention_backend="triton"``
+and ``mhc_backend="triton"`` then select them as the CUDA and ROCm plugins' descriptors would on
+their devices.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ pytest.importorskip("transformers")
 
 from dsv4_random import random_checkpoint
 
+from engine.backends.triton.mhc import TritonMHC
 from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
@@ -40,7 +44,12 @@ def interpreted_triton() -> types.ModuleType:
     def engine_register_v4_attention_backends():
         return [Descriptor("v4_attention", "triton", TritonV4Attention)]
 
+    @hookimpl
+    def engine_register_mhc_backends():
+        return [Descriptor("mhc", "triton", TritonMHC)]
+
     module.engine_register_v4_attention_backends = engine_register_v4_attention_backends
+    module.engine_register_mhc_backends = engine_register_mhc_backends
     return module
 
 
@@ -58,7 +67,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> li
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("published", [False, True])
-def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_path, shared_dir, published):
+def test_v4_model_on_triton_attention_and_mhc_is_greedy_identical_to_native(seed, tmp_path, shared_dir, published):
     path = random_checkpoint(tmp_path / "v4", seed, ["heavily_compressed_attention", "compressed_sparse_attention",
                                                      "sliding_attention"], ["moe", "hash_moe", "moe"], hc_mult=2,
                              window=8, csa_rate=4, hca_rate=8, moe_intermediate_size=32)
@@ -75,10 +84,10 @@ def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_pa
     tokens = []
     for name in ("native", "triton"):
         config = EngineConfig(model=str(path), dtype="float32", device="cpu", page_size=4, chunked_prefill_size=6,
-                              max_num_batched_tokens=16, num_pages=96, v4_attention_backend=name)
+                              max_num_batched_tokens=16, num_pages=96, v4_attention_backend=name, mhc_backend=name)
         engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
-        chosen = engine.components.selections["v4_attention"].chosen
-        assert chosen.name == name
+        selections = engine.components.selections
+        assert selections["v4_attention"].chosen.name == selections["mhc"].chosen.name == name
         assert type(engine.components.model.model.attention).__name__ == (
             "TritonV4Attention" if name == "triton" else "NativeV4Attention")
         index_keys = engine.components.model.model.layers[1].attn.cache.index_keys
@@ -90,4 +99,20 @@ def test_v4_model_on_triton_attention_is_greedy_identical_to_native(seed, tmp_pa
         tokens.append([o.outputs[0].token_ids for o in outs])
         if published:  # the keys really were written: E4M3 codes and a scale per closed window
             assert (scales > 0).any() and keys.view(torch.uint8).any()
+    assert tokens[1] == tokens[0]
+
+
+@pytest.mark.interpret
+def test_tiny_dsv4_on_the_triton_mhc_is_greedy_identical_to_native(seed, shared_dir):
+    """The trained checkpoint (4 streams of 256) in fp32, prompts of random lengths decoded together."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 4096) for _ in range(rng.randint(1, 24))] for _ in range(2)]
+    tokens = []
+    for name in ("native", "triton"):
+        config = EngineConfig(model=str(shared_dir / "models" / "tiny-dsv4-py"), dtype="float32", device="cpu",
+                              page_size=16, num_pages=16, mhc_backend=name)
+        engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
+        assert type(engine.components.model.model.layers[0].mhc).__name__ == (
+            "TritonMHC" if name == "triton" else "NativeMHC")
+        tokens.append([o.outputs[0].token_ids for o in generate(engine, prompts, 5)])
     assert tokens[1] == tokens[0]

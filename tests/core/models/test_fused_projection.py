@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.core.models.fused_projection import FusedProjection
-from engine.core.models.layers import Linear, RMSNorm
+from engine.core.models.layers import Linear
 from engine.core.native.linear import NativeLinear
 from engine.core.native.quant import FP8
 
@@ -88,28 +88,6 @@ def test_each_format_is_one_gemm(seed):
     assert groups == [["biased"], ["dense", "dense_too"], ["fp8", "fp8_too"], ["fp8_partial"]]
     schemes = {tuple(sorted(names)): weight.scheme for weight, names, _ in proj.groups}
     assert schemes[("fp8", "fp8_too")] == "fp8_block" and schemes[("dense", "dense_too")] == "dense"
-
-
-@pytest.mark.parametrize("formats", [("dense",), ("dense", "fp8_block")])
-def test_the_input_norm_of_one_group_or_several(seed, formats):
-    """Given its input's norm (fp32 weights on bf16 rows, as DeepSeek-V4's), the projection is that
-    of the norm's output: one group hands both to the backend's norm_linear, several read the norm
-    run once."""
-    k = 128 * random.randint(1, 2)
-    make = {"dense": lambda: dense(k, random.randint(1, 300), torch.bfloat16),
-            "fp8_block": lambda: fp8_block(k, 128)}
-    parts = {f"{f}{i}": make[f]() for f in formats for i in range(2)}
-    norm = RMSNorm(k, 1e-6, dtype=torch.float32, device="cpu")
-    norm.weight.data.copy_(1 + 0.5 * torch.randn(k))
-    proj = FusedProjection(parts)
-    proj.fuse()
-    assert len(proj.groups) == len(formats)
-    x = torch.randn(random.randint(1, 9), k).to(torch.bfloat16)
-    want = proj(norm(x))
-    got = proj(x, norm)
-    assert got.keys() == want.keys()
-    for name in parts:
-        assert torch.equal(got[name], want[name]), name
 
 
 def test_one_backend_and_fused_before_use():
