@@ -104,6 +104,9 @@ class EngineConfig:
     enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
     graph_memory: int | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
+    # run the step shapes a server meets once at start-up, so no request waits for a kernel to
+    # compile (core/warmup.py); None: where kernels compile just in time (CUDA and HIP devices)
+    warmup: bool | None = None
     overlap_decode: bool = True  # launch each step before the last one's tokens reach the host (core/engine.py)
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load

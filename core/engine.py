@@ -27,11 +27,12 @@ from .request import Request
 from .runner import ModelRunner, StepLogits
 from .sampler import PromptLogprobs, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import SeqStatus, Sequence
 from .startup import build
 from .to_device import to_device
 from .token_table import TokenTable
+from .warmup import WarmupReport, warm_up
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class EngineCore:
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()
         self._in_flight: _StepTokens | None = None  # the step launched last, its tokens not yet applied
+        self.warmup: WarmupReport | None = None
+        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+            self.warmup = warm_up(self, progress)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -163,6 +167,12 @@ class EngineCore:
         s, kv = self.scheduler, self.kv_manager.stats()
         return EngineStats(s.num_running, s.num_waiting, kv.usage, kv.prefix_queries, kv.prefix_hits,
                            s.stats.num_preemptions)
+
+    def reset_counters(self) -> None:
+        """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits."""
+        self.counters = EngineCounters()
+        self.scheduler.stats = SchedulerStats()
+        self.kv_manager.reset_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

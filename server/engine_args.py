@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-graph-batch", type=int, default=256, help="capture decode graphs up to this batch size")
     g.add_argument("--graph-memory", type=parse_size, default=None,
                    help="bytes decode graphs may take (default: half of what the KV cache leaves)")
+    g.add_argument("--skip-warmup", dest="warmup", action="store_false", default=None,
+                   help="serve without first running the step shapes a server meets (on a GPU the first "
+                        "requests of each new shape then wait for their kernels to compile)")
     g.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every step's tokens before launching the next step")
     g.add_argument("--quantization", default=None, choices=["none"],
@@ -93,5 +96,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         linear_backend=args.linear_backend, norm_backend=args.norm_backend, sampling_backend=args.sampling_backend,
         graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
+        warmup=args.warmup,
         quantization=args.quantization, speculative_config=args.speculative_config,
     )

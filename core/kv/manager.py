@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from .page_table import PageTable
 from .pages import PagePool
-from .radix import RadixCache, Tier
+from .radix import RadixCache, RadixStats, Tier
 from .storage import KVCache
 from .window import WindowPool
 
@@ -277,6 +277,10 @@ class KVManager:
     def reset_prefix_cache(self) -> int:
         """Drop every unlocked cached prefix; the pages freed."""
         return self.radix.reset()
+
+    def reset_stats(self) -> None:
+        """Zero the prefix-cache counters (after the start-up warm-up, which is no one's traffic)."""
+        self.radix.stats = RadixStats()
 
     def stats(self) -> KVStats:
         window_used = self.window.pool.num_used if self.window is not None else 0
