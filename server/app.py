@@ -21,6 +21,7 @@ from .native_routes import GenerateRequest, generate
 from .openai_serving import Serving, create_chat_completion, create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, pydantic_error_to_api
 from .request_body import parse_json_object
+from .worker_info import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
         return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": int(state.started),
                                             "owned_by": "engine", "root": s.model_name,
                                             "max_model_len": s.max_model_len, "vocab_size": s.vocab_size}]}
+
+    add_worker_routes(app, state)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

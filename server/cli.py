@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from ..benchmarks.serve import add_bench_serve_args
 from .engine_args import add_engine_args, engine_config
+from .gateway import add_gateway_args
 from .serve import add_serve_args
 
 
@@ -65,6 +66,12 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from .gateway import run_gateway
+
+    return run_gateway(args, args.passthrough)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine")
     p.add_argument("--log-level", default="INFO")
@@ -89,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(sv)
     sv.set_defaults(func=_serve)
 
+    gw = sub.add_parser("gateway", help="run the gateway (smg) in front of engine workers; other flags go to it",
+                        allow_abbrev=False)
+    add_gateway_args(gw)
+    gw.set_defaults(func=_gateway)
+
     pl = sub.add_parser("plugins", help="what was discovered and what each family would select")
     add_engine_args(pl)
     pl.set_defaults(func=_plugins)
@@ -110,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "gateway":
+        args.passthrough = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .errors import APIError, error_body
 from .openai_serving import Serving
+from .worker_info import WorkerInfo
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 PUBLIC_PATHS = frozenset({"/health"})
@@ -31,6 +32,7 @@ class ServerState:
     max_body_bytes: int = 32 * 2**20
     body_timeout: float = 30.0
     serving: Serving | None = None
+    worker: WorkerInfo | None = None  # what a gateway asks of this worker (worker_info.py)
     draining: bool = False
     in_flight: int = 0
     started: float = field(default_factory=time.time)

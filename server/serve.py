@@ -31,6 +31,7 @@ from .limits import Limits
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
 from .openai_serving import Serving
+from .worker_info import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,10 @@ def run_server(args: argparse.Namespace) -> int:
             template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
                                     limits, name, info.max_model_len, info.vocab_size)
+            state.worker = WorkerInfo.of(config.model, name, max_model_len=info.max_model_len,
+                                         page_size=info.page_size, num_pages=info.num_pages,
+                                         max_running_requests=config.max_num_seqs,
+                                         max_prefill_tokens=config.max_num_batched_tokens)
             logger.info("serving %r on http://%s:%d (max context %d)", name, args.host, args.port, info.max_model_len)
             yield
         finally:

@@ -10,6 +10,11 @@ from engine.server.gate import _authorized
 ROUTES = [
     ("GET", "/v1/models", None),
     ("GET", "/metrics", None),
+    ("GET", "/server_info", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/get_model_info", None),
+    ("GET", "/v1/loads", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
     ("POST", "/generate", {"text": "x", "sampling_params": {"max_tokens": 1}}),

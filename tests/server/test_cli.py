@@ -73,3 +73,23 @@ def test_bench_offline_reports_throughput(tiny_qwen3, tmp_path):
     result = json.loads(out.read_text())
     assert result["num_seqs"] == 6 and result["output_tokens_per_s"] > 0
     assert 60 <= result["output_tokens"] <= 180  # ignore_eos: every sequence runs its drawn length
+
+
+def test_gateway_keeps_its_defaults_and_passes_every_other_flag_through(monkeypatch, capsys):
+    from engine.server import gateway
+    from engine.server.cli import build_parser
+
+    argv = ["gateway", "--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--cache-threshold", "0.5",
+            "--prefill", "http://127.0.0.1:3", "8998", "--policy", "round_robin"]
+    args, unknown = build_parser().parse_known_args(argv)
+    cmd = gateway.smg_argv(args, unknown)
+    assert cmd[1:4] == ["-m", "smg", "launch"]
+    flags = dict(zip(cmd[4:], cmd[5:]))
+    assert flags["--host"] == flags["--prometheus-host"] == "127.0.0.1"
+    assert flags["--policy"] == "round_robin"
+    assert cmd[-5:] == ["--cache-threshold", "0.5", "--prefill", "http://127.0.0.1:3", "8998"]
+
+    monkeypatch.setattr(gateway.importlib.util, "find_spec", lambda name: None)
+    assert gateway.run_gateway(args, unknown) == 2  # smg missing: no exec, a hint instead
+    assert "pip install 'engine[gateway]'" in capsys.readouterr().err
+
