@@ -113,6 +113,9 @@ class EngineConfig:
     quantization: str | None = None
     # speculative decoding (core/spec/): a SpeculativeConfig, or its fields as a mapping or a JSON object
     speculative_config: SpeculativeConfig | None = None
+    # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
+    tensor_parallel_size: int = 1
+    distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +137,10 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.window_pages is not None and self.window_pages < 2:
             raise ValueError(f"window_pages must be >= 2, got {self.window_pages}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.speculative_config is not None:

@@ -19,6 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .context import check_context
+from .distributed.workers import Workers
 from .errors import InvalidRequest
 from .output_processor import OutputProcessor
 from .outputs import EngineCoreOutput, RequestOutput
@@ -81,10 +82,19 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
         self.config = config
-        c = build(config, plugins, progress=progress)
+        # under tensor parallelism this process is rank 0 and spawns the others (core/distributed)
+        self.workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            c = build(config, plugins, progress=progress,
+                      rendezvous=self.workers.rendezvous if self.workers is not None else None)
+            if c.proposer is not None:  # until drafts are verified in the step, a proposer would go unused
+                raise NotImplementedError("speculative decoding: verifying drafts in the engine step is not built yet")
+            if self.workers is not None:
+                self.workers.ready(c.group)
+        except BaseException:
+            self.shutdown()
+            raise
         self.components = c
-        if c.proposer is not None:  # until drafts are verified in the step, a proposer would go unused
-            raise NotImplementedError("speculative decoding: verifying drafts in the engine step is not built yet")
         self.model_config = c.model_config
         self.max_model_len = c.max_model_len
         self.device = c.device
@@ -94,7 +104,7 @@ class EngineCore:
         self.token_table = TokenTable(config.max_num_seqs, c.device)
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
-                                  c.device, c.graphs)
+                                  c.device, c.graphs, c.group, self.workers)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
@@ -176,6 +186,16 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if a tensor-parallel rank has died (between steps: a step fails itself)."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; the engine serves no more steps."""
+        if self.workers is not None:
+            self.workers.close()
 
     # -- the step -----------------------------------------------------------------------------
 

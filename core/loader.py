@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -31,8 +31,11 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor; tensors are views of the memory-mapped files."""
+def iter_checkpoint(path: str | Path, progress: bool = True,
+                    part: Callable[[str], tuple[int, int, int] | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor, read from the memory-mapped files. ``part(name)``:
+    (dim, index, count) to read only chunk ``index`` of ``count`` along ``dim`` (a tensor-parallel
+    rank's slice), or None for the whole tensor."""
     files = checkpoint_files(path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
@@ -40,8 +43,20 @@ def iter_checkpoint(path: str | Path, progress: bool = True) -> Iterator[tuple[s
     try:
         for f, h in zip(files, handles):
             for name in h.keys():
-                yield name, h.get_tensor(name)
+                yield name, _read(h, name, part(name) if part is not None else None)
                 bar.update(1)
     finally:
         bar.close()
     logger.info("read %d tensors from %d file(s) in %s", total, len(files), path)
+
+
+def _read(handle, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    if part is None or part[2] == 1:
+        return handle.get_tensor(name)
+    dim, index, count = part
+    view = handle.get_slice(name)
+    shape = view.get_shape()
+    if dim >= len(shape) or shape[dim] % count:
+        return handle.get_tensor(name)  # not this part's shape: the loader names the mismatch
+    size = shape[dim] // count
+    return view[(slice(None),) * dim + (slice(index * size, (index + 1) * size),)]

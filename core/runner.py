@@ -1,15 +1,24 @@
 """The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
 graph that holds it, and returns its logits. Input tokens the host has not seen yet (the draws of
 the step still in flight) are read from the token table on the device; the page tables are the
-rows the KV manager keeps (core/kv/page_table.py), gathered in one call."""
+rows the KV manager keeps (core/kv/page_table.py), gathered in one call.
+
+A step's batch is first its host data (``StepInputs``), then a forward. Under tensor parallelism
+rank 0's runner sends that data to the other ranks (``peers``, core/distributed/workers.py), whose
+runners run the same forward; the tokens only rank 0's device holds are broadcast from there into
+every rank's batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import add
+from typing import Callable, Protocol
 
+import msgspec
+import numpy as np
 import torch
 
+from .distributed.group import SINGLE, ParallelGroup
 from .forward import ForwardBatch, HostStaging
 from .graph_runner import DecodeGraphs
 from .kv.page_table import PageTable
@@ -25,9 +34,33 @@ class StepLogits:
     rows: list[tuple[int, int]]  # per scheduled sequence: (first logits row, number of rows)
 
 
+class StepInputs(msgspec.Struct, array_like=True, gc=False):
+    """One step's batch as host data: all a rank needs to run it."""
+
+    input_ids: list[int]  # packed; 0 where the token is still on the device (``in_flight``)
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: np.ndarray  # [sequences, pages] page table rows
+    logits_indices: list[int]
+    in_flight: list[int]  # packed rows whose input token is on rank 0's device only (ascending)
+    page_copies: list[tuple[int, int]]  # KV pages to copy (src, dst) before the forward
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel group, seen from rank 0."""
+
+    def send_step(self, inputs: StepInputs) -> None: ...
+
+    def explain(self, exc: BaseException) -> None:
+        """Raise the failure of a rank that made a step fail with ``exc``, if one failed."""
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, page_table: PageTable, page_size: int,
-                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable | None, page_table: PageTable | None,
+                 page_size: int, device: torch.device, graphs: DecodeGraphs | None = None,
+                 group: ParallelGroup = SINGLE, peers: Peers | None = None) -> None:
+        """``table`` and ``page_table`` belong to the rank that schedules (None on the others);
+        ``group`` is the tensor-parallel group, ``peers`` what rank 0 sends every step to."""
         self.model = model
         self.kv = kv
         self.table = table
@@ -35,31 +68,56 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
+        self.group = group
+        self.peers = peers
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepLogits:
-        if step.page_copies:
-            src, dst = zip(*step.page_copies)
+        inputs, rows, slots = self._gather(step)
+        if self.peers is None:
+            return StepLogits(self.run(inputs, slots), rows)
+        self.peers.send_step(inputs)
+        try:
+            return StepLogits(self.run(inputs, slots), rows)
+        except Exception as exc:  # a collective failed: because a rank died, if one did
+            self.peers.explain(exc)
+            raise
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, slots: list[int] | None = None) -> torch.Tensor:
+        """The logits [len(logits_indices), vocab] of one step; ``slots``: the token table slots
+        that ``inputs.in_flight`` read (on rank 0; the other ranks get those tokens from it)."""
+        if inputs.page_copies:
+            src, dst = zip(*inputs.page_copies)
             self.kv.copy_pages(list(src), list(dst))
-        input_ids, query_lens, context_lens, tables, logits_indices, rows, (table_rows, slots) = self._gather(step)
-        fill = (lambda ids: self.table.fill(ids, table_rows, slots)) if slots else None
-        if self.graphs is not None and self.graphs.can_run(query_lens, tables, len(logits_indices)):
-            return StepLogits(self.graphs.run(input_ids, context_lens, tables, fill), rows)
-        batch = ForwardBatch.build(input_ids, query_lens, context_lens, tables, self.page_size, logits_indices,
-                                   device=self.device, staging=self.staging)
+        fill = self._fill(inputs.in_flight, slots)
+        if self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
+                                                           len(inputs.logits_indices)):
+            return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill)
+        batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
+                                   self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:
             fill(batch.input_ids)
         batch.attn_metadata = self.model.prepare(batch)
         hidden = self.model(batch, self.kv)
         if batch.logits_indices.numel() == 0:
-            return StepLogits(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), rows)
-        return StepLogits(self.model.compute_logits(hidden[batch.logits_indices]), rows)
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
-    def _gather(self, step: SchedulerOutput):
-        """The step's batch as host lists and its page table, each sequence's (first logits row,
-        number of rows), and the packed rows whose input is read from the token table with the slots
-        they read."""
+    def _fill(self, rows: list[int], slots: list[int] | None) -> Callable[[torch.Tensor], None] | None:
+        """What writes the input ids the host lacks into a staged batch's ids: read from the token
+        table, and broadcast from rank 0 to the other ranks."""
+        if not rows:
+            return None
+        if self.group.size == 1:
+            return lambda ids: self.table.fill(ids, rows, slots)
+        if slots is None:
+            return lambda ids: self.group.broadcast(ids, src=0)
+        return lambda ids: (self.table.fill(ids, rows, slots), self.group.broadcast(ids, src=0))
+
+    def _gather(self, step: SchedulerOutput) -> tuple[StepInputs, list[tuple[int, int]], list[int]]:
+        """The step's batch as host data, each sequence's (first logits row, number of rows), and the
+        token table slots its in-flight rows read."""
         query_lens = [s.num_new for s in step.scheduled]
         context_lens = [s.context_len for s in step.scheduled]
         longest = max(map(add, context_lens, query_lens))
@@ -85,4 +143,6 @@ class ModelRunner:
                 logits_indices.append(start + s.num_new - 1)
             else:
                 rows.append((len(logits_indices), 0))
-        return input_ids, query_lens, context_lens, tables, logits_indices, rows, (table_rows, slots)
+        inputs = StepInputs(input_ids, query_lens, context_lens, tables, logits_indices, table_rows,
+                            step.page_copies)
+        return inputs, rows, slots

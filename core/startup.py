@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .distributed.group import SINGLE, ParallelGroup, Rendezvous, rank_device
 from .families.sampling import SamplingBackend
 from .families.spec import SpecProposer
 from .graph_runner import DecodeGraphs
@@ -41,6 +43,7 @@ class Components:
     sampling: SamplingBackend
     graphs: DecodeGraphs | None = None
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
+    group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -155,12 +158,21 @@ def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype
     return min(pages, useful)
 
 
-def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> Components:
+def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
+          rendezvous: Rendezvous | None = None) -> Components:
+    """Everything one rank runs; ``rendezvous``: where this rank meets the others of its
+    tensor-parallel group (None: one process)."""
     started = time.monotonic()
     plugins = plugins or load_plugins()
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
     platform = plugins.detect_platform()
     device = torch.device(config.device or platform.torch_device)
+    group = SINGLE
+    if rendezvous is not None:
+        device = rank_device(device, rendezvous.rank)
+        group = rendezvous.connect(device)
+        if device.type == "cpu":  # the ranks share the host's cores: threads that spin on a busy core stall all
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len,
                                         config.quantization)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
@@ -168,7 +180,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     proposer_selection = select_proposer(plugins, ctx, config)
-    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()})
+    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()}, tp=group)
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     if proposer_selection is not None:
         selections["spec"] = proposer_selection
@@ -176,7 +188,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
 
     model = model_cls(model_config, backends, device=device)
-    model.load_weights(iter_checkpoint(model_config.path, progress=progress))
+    model.load_weights(iter_checkpoint(model_config.path, progress=progress, part=model.checkpoint_part))
     model.eval()
     held, weights = resident_bytes(model)
     logger.info("weights: %.1f MiB resident for %d parameters, %.3f bytes per parameter",
@@ -185,6 +197,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     max_model_len = model_config.max_model_len
     window_pages = _window_pages(config, model, max_model_len)
     num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len, window_pages)
+    if group.size > 1:  # every rank holds the pages rank 0's KV manager hands out
+        num_pages = int(group.all_reduce(torch.tensor([num_pages], device=device), op="min").item())
     window_pages = min(window_pages, num_pages)  # one per page never runs short
     capacity = (num_pages - 1) * config.page_size
     if capacity < max_model_len:
@@ -206,4 +220,4 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
     proposer = proposer_selection.create(ctx) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, proposer)
+                      selections["sampling"].create(ctx), graphs, proposer, group)

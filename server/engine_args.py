@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (methods: `engine plugins`, family spec)')
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (one per GPU) that split the model's weights, attention heads and KV cache")
+    g.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds a collective or a rank's start-up may take before the engine fails")
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -98,4 +102,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
         quantization=args.quantization, speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
     )

@@ -104,6 +104,7 @@ class EngineLoop:
         last_beat = 0.0
         while not self._stop:
             self.liveness.iteration()
+            self.engine.check_alive()  # a tensor-parallel rank that died ends the loop, busy or idle
             busy = self.engine.has_unfinished_requests()
             self._receive(0 if busy else int(HEARTBEAT_S * 1000))
             if self._stop:
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         with Liveness(ctx, args.output, args.stall_timeout) as liveness:
             loop = EngineLoop(engine, pull, push, parent, liveness)
             loop.run()
+        engine.shutdown()
         if loop.orphaned and args.ipc_dir:
             shutil.rmtree(args.ipc_dir, ignore_errors=True)
     except BaseException as exc:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.group import SINGLE, ParallelGroup
 from ..families.attention import AttentionBackend
 from ..families.linear import LinearBackend
 from ..families.mhc import MHCBackend
@@ -23,7 +24,8 @@ from ..kv.storage import KVCache, KVLayerSpec
 @dataclass(frozen=True)
 class Backends:
     """The implementations selected at start-up; layers hold them as plain objects. A family the
-    model's ``blocks`` do not name is not selected (None)."""
+    model's ``blocks`` do not name is not selected (None). ``tp``: the tensor-parallel group the
+    parallel layers split their weights over and run their collectives on (core/distributed)."""
 
     attention: AttentionBackend | None = None
     linear: LinearBackend | None = None
@@ -31,6 +33,7 @@ class Backends:
     moe: MoEBackend | None = None
     v4_attention: V4AttentionBackend | None = None
     mhc: MHCBackend | None = None
+    tp: ParallelGroup = SINGLE
 
 
 class CausalLM(nn.Module, ABC):
@@ -73,6 +76,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
+
+    def checkpoint_part(self, name: str) -> tuple[int, int, int] | None:
+        """The part of checkpoint tensor ``name`` this rank holds, for the loader to read only that
+        (core/loader.py); None: the whole tensor."""
+        return None
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

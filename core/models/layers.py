@@ -57,15 +57,6 @@ class Linear(nn.Module):
         return self.backend.apply(x, self.linear_weight)
 
 
-def stacked_shards(**sizes: int) -> dict[str, tuple[int, int]]:
-    """Row ranges of fused projections, in the order given: q=..., k=..., v=..."""
-    out, offset = {}, 0
-    for name, rows in sizes.items():
-        out[name] = (offset, rows)
-        offset += rows
-    return out
-
-
 class RMSNorm(nn.Module):
     """``ops``: the norm backend that runs it; None: the native one."""
 

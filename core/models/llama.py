@@ -13,14 +13,16 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                  head_chunks, split)
 from ..families.attention import AttentionLayer, QKNorm
 from ..families.norm import NormBackend
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
 from ..native.rope import RotaryEmbedding, rope_from_hf
 from .base import Backends, CausalLM
-from .layers import Embedding, Linear, RMSNorm, stacked_shards
-from .weights import Target, load_into
+from .layers import RMSNorm
+from .weights import Target, checkpoint_part, load_into
 
 
 class Attention(nn.Module):
@@ -28,15 +30,19 @@ class Attention(nn.Module):
                  qk_norm: bool, sliding_window: int | None, *, dtype: torch.dtype, device) -> None:
         super().__init__()
         hf = config.hf
-        hidden = hf["hidden_size"]
-        self.num_heads = hf["num_attention_heads"]
-        self.num_kv_heads = hf.get("num_key_value_heads") or self.num_heads
-        self.head_dim = hf.get("head_dim") or hidden // self.num_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, tp = hf["hidden_size"], backends.tp
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        self.head_dim = hf.get("head_dim") or hidden // heads
+        # heads split over the tensor-parallel ranks; KV heads replicated where there are fewer than ranks
+        kv_chunks = head_chunks(kv_heads, tp, "num_key_value_heads")
+        self.num_heads = split(heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = kv_heads // kv_chunks
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim
         bias = bool(hf.get("attention_bias", False))
-        self.qkv_proj = Linear(hidden, q + 2 * kv, backends.linear, bias=bias, dtype=dtype, device=device,
-                               shards=stacked_shards(q=q, k=kv, v=kv))
-        self.o_proj = Linear(q, hidden, backends.linear, bias=bias, dtype=dtype, device=device)
+        self.qkv_proj = ColumnParallelLinear(hidden, {"q": (q, tp.size), "k": (kv, kv_chunks), "v": (kv, kv_chunks)},
+                                             backends.linear, tp, bias=bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(q, hidden, backends.linear, tp, bias=bias, dtype=dtype, device=device)
         eps = hf.get("rms_norm_eps", 1e-6)
         # the per-head q/k norms hold their checkpoint weights; the attention backend applies them
         self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device) if qk_norm else None
@@ -45,7 +51,7 @@ class Attention(nn.Module):
         self.backend = backends.attention
         self.spec = AttentionLayer(layer_id=layer_id, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=self.head_dim, scale=self.head_dim**-0.5, sliding_window=sliding_window)
-        self.sizes = (q, kv, kv)
+        self.sizes = tuple(rows for _, rows in self.qkv_proj.shards.values())
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
                      kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +70,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, backends: Backends, *, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, backends.linear, dtype=dtype, device=device,
-                                   shards=stacked_shards(gate=intermediate, up=intermediate))
-        self.down_proj = Linear(intermediate, hidden, backends.linear, dtype=dtype, device=device)
+        tp = backends.tp
+        self.gate_up_proj = ColumnParallelLinear(hidden, {"gate": (intermediate, tp.size), "up": (intermediate, tp.size)},
+                                                 backends.linear, tp, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(intermediate, hidden, backends.linear, tp, dtype=dtype, device=device)
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                      batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +98,11 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, ops: NormBackend, *,
+    def __init__(self, layers: list[DecoderLayer], vocab: int, hidden: int, eps: float, backends: Backends, *,
                  dtype, device) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(vocab, hidden, dtype=dtype, device=device)
+        ops = backends.norm
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden, backends.tp, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, eps, dtype=dtype, device=device, ops=ops)
 
@@ -125,8 +133,9 @@ class LlamaForCausalLM(CausalLM):
             )
             for i in range(hf["num_hidden_layers"])
         ]
-        self.model = Decoder(layers, config.vocab_size, hidden, eps, backends.norm, dtype=dtype, device=device)
-        self.lm_head = Linear(hidden, config.vocab_size, backends.linear, dtype=dtype, device=device)
+        self.model = Decoder(layers, config.vocab_size, hidden, eps, backends, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(hidden, config.vocab_size, backends.linear, backends.tp, dtype=dtype,
+                                      device=device)
         self.tied = bool(hf.get("tie_word_embeddings", False))
 
     def sliding_window(self, layer_id: int) -> int | None:
@@ -153,14 +162,15 @@ class LlamaForCausalLM(CausalLM):
         if name == "lm_head.weight" and self.tied:
             return None
         if m := _QKV.match(name):
-            return Target(f"{m[1]}.self_attn.qkv_proj.{m[3]}", self.qkv_rows(m[1], m[2]))
+            proj = self.get_submodule(f"{m[1]}.self_attn.qkv_proj")
+            return Target(f"{m[1]}.self_attn.qkv_proj.{m[3]}", proj.shards[m[2]], part=proj.parts[m[2]])
         if m := _GATE_UP.match(name):
-            mlp = self.get_submodule(f"{m[1]}.mlp")
-            return Target(f"{m[1]}.mlp.gate_up_proj.weight", mlp.gate_up_proj.shards[m[2]])
+            proj = self.get_submodule(f"{m[1]}.mlp.gate_up_proj")
+            return Target(f"{m[1]}.mlp.gate_up_proj.weight", proj.shards[m[2]], part=proj.parts[m[2]])
         return Target(name)
 
-    def qkv_rows(self, layer_prefix: str, which: str) -> tuple[int, int]:
-        return self.get_submodule(f"{layer_prefix}.self_attn").qkv_proj.shards[which]
+    def checkpoint_part(self, name: str) -> tuple[int, int, int] | None:
+        return checkpoint_part(self, self.resolve, name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         shared = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else None

@@ -21,6 +21,7 @@ class Target:
     param: str
     rows: tuple[int, int] | None = None  # (offset, count) along the rows (of one expert's slice)
     expert: int | None = None
+    part: tuple[int, int, int] | None = None  # (dim, index, count) of the checkpoint tensor; None: the parameter's
 
 
 Resolver = Callable[[str], "Target | None"]  # None: a tensor the model deliberately ignores
@@ -45,11 +46,14 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], res
             raise WeightLoadError(f"checkpoint tensor {name!r} maps to {target.param!r}, "
                                   f"which the model lacks") from None
         dest = param.data
+        part = target.part or getattr(param, "partition", None)
         if target.expert is not None:
             dest = dest[target.expert]
         if target.rows is not None:
             offset, count = target.rows
             dest = dest.narrow(0, offset, count)
+        if part is not None:
+            tensor = take_part(tensor, part, dest.shape)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightLoadError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -67,6 +71,29 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], res
         detail = ", ".join(f"{n} ({written.get(n, 0)}/{params[n].numel()} elements)" for n in incomplete[:8])
         more = f" and {len(incomplete) - 8} more" if len(incomplete) > 8 else ""
         raise WeightLoadError(f"checkpoint does not fill every parameter: {detail}{more}")
+
+
+def take_part(tensor: torch.Tensor, part: tuple[int, int, int], shape: torch.Size) -> torch.Tensor:
+    """Chunk ``index`` of ``count`` along ``dim`` of a whole checkpoint tensor; a tensor of the part's
+    size already is that chunk."""
+    dim, index, count = part
+    size = shape[dim] if dim < len(shape) else 0
+    if count > 1 and tensor.dim() == len(shape) and tensor.shape[dim] == size * count:
+        return tensor.narrow(dim, index * size, size)
+    return tensor
+
+
+def checkpoint_part(model: nn.Module, resolve: Resolver, name: str) -> tuple[int, int, int] | None:
+    """The part of checkpoint tensor ``name`` that ``model`` holds (None: all of it, or nothing)."""
+    target = resolve(name)
+    if target is None:
+        return None
+    if target.part is not None:
+        return target.part
+    try:
+        return getattr(model.get_parameter(target.param), "partition", None)
+    except AttributeError:
+        return None
 
 
 def resident_bytes(model: nn.Module) -> tuple[int, int]:

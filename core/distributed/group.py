@@ -1,0 +1,113 @@
+"""A process group of one parallel dimension and the collectives the model runs on it.
+
+The group is built without ``torch.distributed.init_process_group``: a TCP store on loopback and a
+backend process group made directly (NCCL on CUDA and ROCm devices, gloo on the host), so an
+engine leaves no global state behind in the caller's process and several engines can live in one.
+Every collective has the group's timeout: a rank that stops answering fails the step, it never
+hangs it. ``SINGLE`` is the group of one process, whose collectives are the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+class ParallelGroup:
+    """``rank`` of ``size`` processes; ``pg`` the backend process group (None for one process)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, pg=None) -> None:
+        self.rank = rank
+        self.size = size
+        self.pg = pg
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """x reduced over the group, in place."""
+        if self.size > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _OPS[op]
+            self.pg.allreduce([x], opts).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x, concatenated along ``dim`` in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s x written into every rank's x, in place."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            self.pg.broadcast([x], opts).wait()
+        return x
+
+    def close(self, abort: bool = False) -> None:
+        """Release the backend group; ``abort`` also fails any collective in flight (a peer died)."""
+        if self.pg is not None:
+            (self.pg.abort if abort else self.pg.shutdown)()
+            self.pg = None
+
+    def __repr__(self) -> str:
+        return f"ParallelGroup(rank={self.rank}, size={self.size})"
+
+
+SINGLE = ParallelGroup()
+
+
+def master_store(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store on a free loopback port (``store.port``), which the other ranks join."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A rank's device: on GPUs the one ``rank`` places after ``device`` (made current), else ``device``."""
+    if device.type != "cuda":
+        return device
+    device = torch.device("cuda", (device.index or 0) + rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+@dataclass
+class Rendezvous:
+    """Where one rank meets the others: its rank, their number and the store they share."""
+
+    rank: int
+    size: int
+    store: dist.Store
+    timeout_s: float
+
+    def connect(self, device: torch.device, name: str = "tp") -> ParallelGroup:
+        return connect(self.store, self.rank, self.size, device, self.timeout_s, name)
+
+
+def connect(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+            name: str = "tp") -> ParallelGroup:
+    """This rank's group over ``store``: NCCL (RCCL) on a CUDA device, gloo on the host."""
+    store = dist.PrefixStore(name, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(store, rank, size, opts)
+    return ParallelGroup(rank, size, pg)
