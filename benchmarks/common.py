@@ -63,6 +63,35 @@ def graph_ms(calls: list, replays: int = 20) -> float:
     return start.elapsed_time(end) / replays / len(calls)
 
 
+def device_kernels(fn, runs: int = 1, top: int | None = 40) -> dict:
+    """The device kernels ``fn`` launches (graph replays included), by name: how many a run and
+    their device ms a run, the largest first (torch.profiler's CUDA activity)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.count / runs, e.self_device_time_total / runs / 1e3)
+                      for e in prof.key_averages() if e.device_type == DeviceType.CUDA), key=lambda k: -k[2])
+    return {"per_run": round(sum(k[1] for k in kernels), 1),
+            "device_ms_per_run": round(sum(k[2] for k in kernels), 4),
+            "top": [{"kernel": name[:90], "per_run": round(n, 1), "ms_per_run": round(ms, 4)}
+                    for name, n, ms in kernels[:top]]}
+
+
+def kernels_beyond(longer: dict, shorter: dict, n: int) -> dict:
+    """Per unit of what ``longer`` ran n more of than ``shorter`` (two ``device_kernels`` with
+    top=None): each kernel's launches and ms beyond, the largest first."""
+    base = {k["kernel"]: k for k in shorter["top"]}
+    rows = [(k["kernel"], (k["per_run"] - base.get(k["kernel"], {}).get("per_run", 0)) / n,
+             (k["ms_per_run"] - base.get(k["kernel"], {}).get("ms_per_run", 0)) / n) for k in longer["top"]]
+    rows = sorted((r for r in rows if r[1] > 0 or r[2] > 0), key=lambda r: -r[2])
+    return {"per_run": round(sum(r[1] for r in rows), 1), "device_ms_per_run": round(sum(r[2] for r in rows), 4),
+            "top": [{"kernel": name, "per_run": round(c, 1), "ms_per_run": round(ms, 4)} for name, c, ms in rows]}
+
+
 def device_info(device: torch.device) -> dict:
     p = torch.cuda.get_device_properties(device)
     return {"name": p.name, "sm": f"{p.major}{p.minor}", "sm_count": p.multi_processor_count,

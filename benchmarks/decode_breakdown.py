@@ -46,10 +46,10 @@ from engine.checkpoints import write_checkpoint
 from engine.core.sampler import SamplerOutput
 
 try:
-    from common import bench_main, measure_limits
+    from common import bench_main, device_kernels, measure_limits
     from e2e_decode import TOP_P, _prompts, _roofline
 except ImportError:
-    from benchmarks.common import bench_main, measure_limits
+    from benchmarks.common import bench_main, device_kernels, measure_limits
     from benchmarks.e2e_decode import TOP_P, _prompts, _roofline
 
 PRESETS = {"qwen3-0.6b": 300, "llama-3.1-8b": 100}  # preset: decode steps timed
@@ -127,20 +127,7 @@ def _replay_ms(graphs, token: int, position: int, pages: list[int]) -> float:
 
 def kernel_profile(graphs, token: int, position: int, pages: list[int]) -> dict:
     """The kernels of one replay by name: how many, their device time, the largest first."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_REPLAYS):
-            graphs.run([token], [position], [pages])
-        torch.cuda.synchronize()
-    kernels = [(e.key, e.count / PROFILED_REPLAYS, e.self_device_time_total / PROFILED_REPLAYS / 1e3)
-               for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    kernels.sort(key=lambda k: -k[2])
-    return {"per_replay": round(sum(k[1] for k in kernels), 1),
-            "device_ms_per_replay": round(sum(k[2] for k in kernels), 4),
-            "top": [{"kernel": name[:90], "per_replay": round(n, 1), "ms_per_replay": round(ms, 4)}
-                    for name, n, ms in kernels[:40]]}
+    return device_kernels(lambda: graphs.run([token], [position], [pages]), PROFILED_REPLAYS)
 
 
 def host_profile(engine, steps: int) -> list[dict]:
@@ -242,8 +229,8 @@ def _case_lines(case: dict) -> list[str]:
             f"  host parts: schedule {p['schedule']:.3f}, execute {p['execute']:.3f} (graph inputs staged"
             f" {p['stage']:.3f}, launched {p['graph_run'] - p['stage']:.3f}), sample {p['sample']:.3f},"
             f" wait for the tokens {p['wait']:.3f}, rest {p['rest']:.3f} ms",
-            f"  replay: {case['kernels']['per_replay']:.0f} kernels, {case['kernels']['device_ms_per_replay']:.3f} ms"
-            " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_replay']:.0f} {k['ms_per_replay']:.3f} ms"
+            f"  replay: {case['kernels']['per_run']:.0f} kernels, {case['kernels']['device_ms_per_run']:.3f} ms"
+            " of kernel time; largest: " + "; ".join(f"{k['kernel'][:40]} x{k['per_run']:.0f} {k['ms_per_run']:.3f} ms"
                                                    for k in case["kernels"]["top"][:6]),
             "  host, by own time per step (cProfile): " + "; ".join(f"{h['function']} {h['us_per_step']:.0f} us"
                                                                      for h in case.get("host_profile", [])[:8])]

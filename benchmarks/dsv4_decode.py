@@ -37,7 +37,9 @@ Every part records its error in the JSON instead of ending the run. Parts that w
 time budget are skipped, as are decode rows whose prefill (at the prefill rate just measured) would
 end past it; the JSON says which and why. Environment: DSV4_LAYERS (layer count), DSV4_FIRST_LAYER
 (start at V4-Flash's layer K: 2 is a CSA layer, so a short stack still compresses), DSV4_VARIANTS,
-DSV4_BATCHES, DSV4_CONTEXTS, DSV4_PREFILLS (comma-separated), DSV4_HF=0 (no HF), DSV4_BUDGET_S.
+DSV4_BATCHES, DSV4_CONTEXTS, DSV4_PREFILLS (comma-separated), DSV4_HF=0 (no HF), DSV4_BUDGET_S,
+DSV4_PROFILE=1 (each variant's kernels by device time in its shortest prefill and in a decode step
+at the smallest and largest batch: where the step goes).
 
     python benchmarks/dsv4_decode.py --json benchmarks/results/dsv4-decode-h200.json
     bash benchmarks/device_run.sh dsv4_decode   # on the device: installs .whl/'s transformers first
@@ -64,10 +66,10 @@ from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.models.weights import resident_bytes
 
 try:
-    from common import bench_main, measure_limits, sync
+    from common import bench_main, device_kernels, kernels_beyond, measure_limits, sync
     from e2e_decode import _hf_decode, _prompts
 except ImportError:
-    from benchmarks.common import bench_main, measure_limits, sync
+    from benchmarks.common import bench_main, device_kernels, kernels_beyond, measure_limits, sync
     from benchmarks.e2e_decode import _hf_decode, _prompts
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -404,7 +406,7 @@ def _hf_side(budget: Budget, result: dict, rows: dict, shape: dict, layers: int,
     return bool(saved)
 
 
-def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path) -> None:
+def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path, profile: bool = False) -> None:
     """Loads the variant as served, records its resident bytes and backends, and measures it."""
     config, longest = rows["config"], max([c for _, c in rows["decode_cases"]] + rows["prefills"], default=1024)
     llm = budget.attempt(f"{name} load", lambda: LLM(
@@ -427,7 +429,27 @@ def _engine_side(budget: Budget, result: dict, rows: dict, name: str, path: Path
         row["roofline"][name] = (round(roofline_ms(step_bytes(parts, config, batch, context, key_bytes), copy), 3)
                                  if copy else None)
     Side(name, partial(_engine_prefill, llm), partial(_engine_decode, llm)).measure(budget, rows)
+    if profile:
+        result["profiles"][name] = budget.attempt(f"{name} profile", lambda: _profile(llm, rows))
     del llm, model
+
+
+def _profile(llm: LLM, rows: dict) -> dict:
+    """Device kernels by name: of the shortest prefill (a fresh prompt), and of a decode step at the
+    smallest and the largest batch of the shortest context (the kernels of 1 + n greedy tokens beyond
+    those of one, over n, on prompts the measurement left in the prefix cache)."""
+    vocab, out = rows["config"]["vocab_size"], {}
+    seeds = iter(range(10**6, 10**7))
+    for length in rows["prefills"][:1]:
+        out[f"prefill {length}"] = device_kernels(
+            lambda: llm.generate(_prompts(1, length, vocab, next(seeds)), greedy(1)), top=25)
+    cases = [c for c in rows["decode_cases"] if c[1] == min(c[1] for c in rows["decode_cases"])]
+    for batch, context in sorted({cases[0], cases[-1]}) if cases else []:
+        prompts, n = _prompts(batch, context, vocab, batch), decode_tokens(batch)
+        one, more = (device_kernels(lambda t=t: llm.generate(prompts, greedy(t)), top=None) for t in (1, 1 + n))
+        step = kernels_beyond(more, one, n)
+        out[f"decode {batch}x{context}"] = {**step, "top": step["top"][:25]}
+    return out
 
 
 def _rows(batches: list[int], contexts: list[int], prefills: list[int], config: dict) -> dict:
@@ -475,8 +497,9 @@ def run(device: torch.device, limits: dict | None = None, shape: dict = FLASH, l
     """Prints each figure as it is measured; writing the checkpoints takes the longest."""
     variants = env_list("DSV4_VARIANTS", env, VARIANTS)
     batches, contexts, prefills = (env_list(k, env) for k in ("DSV4_BATCHES", "DSV4_CONTEXTS", "DSV4_PREFILLS"))
-    with_hf = env.get("DSV4_HF", "1") != "0"
-    result = {"benchmark": "dsv4_decode", "variants": {}, "checkpoint_bytes": {}, "errors": {}, "seconds": {}}
+    with_hf, profile = env.get("DSV4_HF", "1") != "0", env.get("DSV4_PROFILE", "0") != "0"
+    result = {"benchmark": "dsv4_decode", "variants": {}, "checkpoint_bytes": {}, "errors": {}, "seconds": {},
+              "profiles": {}}
     budget = Budget(result, float(env.get("DSV4_BUDGET_S", BUDGET_S)))
     result["limits"] = limits if limits is not None else budget.attempt("limits", lambda: measure_limits(device)) or {}
     sizes = budget.attempt("sizes", lambda: _sizes(shape))
@@ -507,7 +530,7 @@ def run(device: torch.device, limits: dict | None = None, shape: dict = FLASH, l
                     "write published layout", lambda: write_published(paths["bf16"], paths["fp8_fp4"], device))
             for name in variants:
                 if VARIANTS[name].checkpoint == "bf16" or result.get("published"):
-                    _engine_side(budget, result, rows, name, paths[VARIANTS[name].checkpoint])
+                    _engine_side(budget, result, rows, name, paths[VARIANTS[name].checkpoint], profile)
                     _free()  # the variant's engine, before the next one loads
     except Stopped:
         result["errors"]["run"] = "stopped by SIGTERM (the call's timeout): the figures measured before it"
@@ -526,6 +549,9 @@ def _lines(result: dict) -> list[str]:
          f"roofline {r['roofline_step_ms']} ms" for r in result.get("decode", [])] + \
         [f"{r['variant']} prefill {r['prompt_len']}: {r['tok_s']} tok/s, HF {r['hf_tok_s']}"
          for r in result.get("prefill", [])] + \
+        [f"{name} {case}: {p['per_run']:.0f} kernels, {p['device_ms_per_run']:.3f} ms; " + "; ".join(
+            f"{k['kernel'][:40]} x{k['per_run']:.0f} {k['ms_per_run']:.3f}" for k in p["top"][:8])
+         for name, cases in result.get("profiles", {}).items() for case, p in (cases or {}).items()] + \
         [f"{part}: {error}" for part, error in result["errors"].items()]
 
 

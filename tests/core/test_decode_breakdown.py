@@ -38,8 +38,7 @@ def test_summary_splits_the_step(breakdown, seed):
     outer = ("schedule", "execute", "sample", "wait", "rest")  # stage and graph_run are inside execute
     assert sum(s["parts_ms"][p] for p in outer) == pytest.approx(step, abs=1e-3)  # "rest" is what the parts leave
     assert s["roofline_tok_s"] == 4000.0
-    kernels = {"per_replay": 3.0, "device_ms_per_replay": 0.2, "top": [{"kernel": "k", "per_replay": 3.0,
-                                                                     "ms_per_replay": 0.2}]}
+    kernels = {"per_run": 3.0, "device_ms_per_run": 0.2, "top": [{"kernel": "k", "per_run": 3.0, "ms_per_run": 0.2}]}
     assert all(line for line in breakdown._case_lines({"preset": "p", **s, "kernels": kernels}))
 
 

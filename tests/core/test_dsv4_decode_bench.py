@@ -105,6 +105,30 @@ def test_resident_parts_of_the_published_layout(bench, published):
     assert bench.index_key_bytes(model_components) == hf["index_head_dim"] + 4  # E4M3 and an fp32 scale
 
 
+def test_a_decode_step_s_kernels_are_those_beyond_one_token(bench, seed):
+    rng = random.Random(seed)
+    names = [f"k{i}" for i in range(12)]
+    prefill = {k: (rng.randint(1, 5), rng.uniform(0.01, 2)) for k in rng.sample(names, 8)}
+    step = {k: (rng.randint(1, 4), rng.uniform(0.001, 0.1)) for k in rng.sample(names, 6)}
+    n = rng.randint(1, 40)
+
+    def profile(steps: int) -> dict:
+        rows = {k: [0, 0.0] for k in {**prefill, **step}}
+        for part, times in ((prefill, 1), (step, steps)):
+            for k, (count, ms) in part.items():
+                rows[k][0] += count * times
+                rows[k][1] += ms * times
+        return {"top": [{"kernel": k, "per_run": c, "ms_per_run": ms} for k, (c, ms) in rows.items() if c]}
+
+    got = bench.kernels_beyond(profile(1 + n), profile(1), n)
+    assert {k["kernel"] for k in got["top"]} == set(step)
+    for k in got["top"]:
+        count, ms = step[k["kernel"]]
+        assert k["per_run"] == pytest.approx(count, abs=0.1) and k["ms_per_run"] == pytest.approx(ms, abs=2e-4)
+    assert [k["ms_per_run"] for k in got["top"]] == sorted((k["ms_per_run"] for k in got["top"]), reverse=True)
+    assert got["per_run"] == pytest.approx(sum(c for c, _ in step.values()), abs=0.1)
+
+
 def test_budget_records_errors_and_skips(bench):
     result = {"errors": {}, "seconds": {}}
     budget = bench.Budget(result, 60)
