@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .disagg.config import DisaggConfig
 from .spec.config import SpecConfigError, SpeculativeConfig
 
 DTYPES = {
@@ -116,6 +117,8 @@ class EngineConfig:
     # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
     tensor_parallel_size: int = 1
     distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
+    # prefill/decode disaggregation (core/disagg/): a DisaggConfig or its fields as a mapping; None: neither
+    disaggregation: DisaggConfig | None = None
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -143,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.disaggregation is not None:
+            object.__setattr__(self, "disaggregation", DisaggConfig.of(self.disaggregation))
         if self.speculative_config is not None:
             spec = SpeculativeConfig.of(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)

@@ -20,7 +20,7 @@ import torch
 from .config import EngineConfig
 from .context import check_context
 from .distributed.workers import Workers
-from .errors import InvalidRequest
+from .errors import EngineError, InvalidRequest
 from .output_processor import OutputProcessor
 from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
@@ -107,6 +107,7 @@ class EngineCore:
                                   c.device, c.graphs, c.group, self.workers)
         self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
+        self.failures: list[tuple[str, EngineError]] = []  # requests that failed after admission (take_failures)
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()
         self._in_flight: _StepTokens | None = None  # the step launched last, its tokens not yet applied
@@ -143,9 +144,19 @@ class EngineCore:
         ]
         req = Request(request_id, ids, params, seqs)
         self.requests[request_id] = req
-        self.scheduler.add(seqs)
+        self._queue(req)
         self.counters.prompt_tokens += len(ids)
         return req
+
+    def _queue(self, req: Request) -> None:
+        """Hand a new request's sequences to the scheduler."""
+        self.scheduler.add(req.seqs)
+
+    def take_failures(self) -> list[tuple[str, EngineError]]:
+        """(request id, error) of the requests that failed after admission since the last call; they
+        are gone from the engine, and their callers get the error instead of an output."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """End a request; its last output, or None if it is not here."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InvalidRequest
+from .families.kv_transport import KVPeer
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (as vLLM treats it)
 _MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
@@ -49,6 +50,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # prefill/decode disaggregation: the prefill engine and room of this request's KV (core/disagg/)
+    kv_transfer: KVPeer | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -85,9 +85,20 @@ class Scheduler:
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences; for n > 1 only the first computes the prompt."""
+        seqs[0].status = SeqStatus.WAITING
+        self.waiting.append(seqs[0])
+        self._pend_siblings(seqs)
+
+    def add_computed(self, seqs: list[Sequence], num_computed: int) -> None:
+        """Run a request whose first sequence already holds the KV of ``num_computed`` tokens
+        (imported from another engine: core/disagg/decode.py) from the next step; a slot must be free."""
+        seqs[0].num_computed = num_computed
+        self._run(seqs[0])
+        self._pend_siblings(seqs)
+
+    def _pend_siblings(self, seqs: list[Sequence]) -> None:
+        """n > 1: the siblings wait for the first sequence's prompt, then fork from it."""
         first, rest = seqs[0], seqs[1:]
-        first.status = SeqStatus.WAITING
-        self.waiting.append(first)
         if rest:
             for s in rest:
                 s.status = SeqStatus.FORK_PENDING

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from ..core.config import EngineConfig
+from ..core.disagg import engine_class
 from ..core.engine import EngineCore
 from ..core.errors import EngineError, InvalidRequest
 from ..core.outputs import EngineCoreOutput
@@ -111,6 +112,8 @@ class EngineLoop:
                 break
             if self.engine.has_unfinished_requests():
                 self._pending += self.engine.step_outputs()
+                for request_id, exc in self.engine.take_failures():
+                    self._reject(request_id, exc)
             if self._pending:
                 self._send(wire.Outputs(self._pending, _stats(self.engine)))
                 self._pending = []
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     push.connect(args.output)
     try:
         config = EngineConfig(**json.loads(sys.stdin.read()))
-        engine = EngineCore(config)
+        engine = engine_class(config)(config)
         push.send(wire.encoder.encode(wire.Ready(engine.max_model_len, engine.vocab_size, engine.kv_manager.num_pages,
                                                  config.page_size)))
         logger.info("serving: max_model_len %d, %d KV pages of %d tokens", engine.max_model_len,

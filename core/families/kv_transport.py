@@ -1,16 +1,24 @@
-"""KV-transport family: moves KV pages between engines (prefill/decode disaggregation).
+"""KV-transport family: moves a request's prompt KV between engines (prefill/decode disaggregation).
 
-The interface issue 19 implements (tcp, cuda_ipc, nixl, mooncake, mori). Pages are named by id
-lists on both sides: the decode side allocates destination pages through the KV manager and
-sends their ids; the prefill side exports its pages and sends them. A transfer is asynchronous:
-it returns a handle whose status the scheduler polls each step, so no step waits on the network.
-Payloads carry checksums (``cache_tier.page_checksum``); a failed or corrupt transfer makes the
-decode side recompute, never serve wrong KV.
+Shaped by SGLang's bootstrap protocol: the gateway sends each request to a prefill and a decode
+server with the same bootstrap host, port and room (a random id); the prefill server listens on
+the bootstrap port. The prefill side *offers* a room when the request arrives and *publishes* its
+pages once the prompt is computed (core/disagg/prefill.py); the decode side, holding pages for
+them through the KV manager, *fetches* the room from the peer (core/disagg/decode.py). Either may
+come first. Handles are polled once a step, so no step waits on the network.
+
+Pages move as bytes, one blob per page with every KV component of it (``KVCache.read_pages``),
+each with its checksum (``cache_tier.page_checksum``); the fetcher states what it expects (token
+count, a digest of the token ids, the page layout, each page's size) and anything else (a foreign
+room, another prompt, a short or corrupt page) fails the transfer: the decode side never serves
+KV it did not get whole. Nothing read from a socket is unpickled; peers authenticate with a
+shared secret; listeners bind loopback unless configured otherwise.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -19,17 +27,38 @@ from typing import Any
 class TransferStatus(enum.Enum):
     PENDING = "pending"
     DONE = "done"
-    FAILED = "failed"  # the pages are not usable: recompute
+    FAILED = "failed"  # the pages are not usable
 
 
 @dataclass(frozen=True)
 class KVPeer:
-    """The other engine of a transfer, as SGLang's bootstrap protocol names it: host, port and the
-    room (one request's transfer slot on that peer)."""
+    """The prefill engine of a transfer, as SGLang's bootstrap protocol names it: host, bootstrap
+    port and the room (one request's transfer slot there)."""
 
     host: str
     port: int
     room: int
+
+
+@dataclass(frozen=True)
+class KVPayload:
+    """One request's prompt KV: the first ``num_tokens`` tokens' pages, in order."""
+
+    num_tokens: int
+    token_digest: bytes  # of the token ids those pages hold (payload.token_digest)
+    layout: bytes  # digest of the page layout (layers, element types, page size, window reach)
+    pages: list[bytes]  # one blob per page: every KV component of it
+    checksums: list[bytes]  # one per page (cache_tier.page_checksum, 16 bytes)
+
+
+@dataclass(frozen=True)
+class KVExpectation:
+    """What a fetcher accepts: anything else fails the transfer."""
+
+    num_tokens: int
+    token_digest: bytes
+    layout: bytes
+    page_sizes: list[int]  # bytes of each page's blob
 
 
 class TransferHandle(ABC):
@@ -37,19 +66,36 @@ class TransferHandle(ABC):
 
     @abstractmethod
     def status(self) -> TransferStatus:
-        """Non-blocking; the scheduler polls it once a step."""
+        """Non-blocking; polled once a step."""
 
     @property
     def error(self) -> str | None:
-        """Why a FAILED transfer failed (logged and counted by the caller)."""
+        """Why a FAILED transfer failed."""
         return None
 
     def cancel(self) -> None:
-        """The request was aborted: stop, and let go of the pages on both sides."""
+        """The request was aborted: stop, and drop what was staged for it."""
+
+
+class Offer(TransferHandle):
+    """Prefill side: a room announced when its request arrives."""
+
+    @abstractmethod
+    def publish(self, payload: KVPayload) -> None:
+        """The room's pages are computed: hand them to the decode engine that fetches the room."""
+
+
+class Fetch(TransferHandle):
+    """Decode side: a room being fetched."""
+
+    @abstractmethod
+    def payload(self) -> KVPayload:
+        """The pages, checked against the expectation; only once DONE."""
 
 
 class KVTransport(ABC):
-    """One transport; ``create(ctx)`` of an ``engine_register_kv_transports`` descriptor builds it."""
+    """One transport; ``create(ctx)`` of an ``engine_register_kv_transports`` descriptor builds it.
+    ``ctx.engine_config.disaggregation`` (core/disagg/config.py) says where to listen and the secret."""
 
     name: str = "?"
 
@@ -57,13 +103,22 @@ class KVTransport(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def send(self, peer: KVPeer, page_ids: list[int], dst_page_ids: list[int]) -> TransferHandle:
-        """Prefill side: copy these local pages (every KV component of each) into the peer's ``dst_page_ids``."""
+    def offer(self, room: int) -> Offer:
+        """Prefill side: a decode engine may fetch ``room`` from now on (it waits for the pages)."""
 
     @abstractmethod
-    def receive(self, peer: KVPeer, page_ids: list[int]) -> TransferHandle:
-        """Decode side: these local pages, allocated for the request, await the peer's KV; DONE when
-        all arrived and their checksums matched."""
+    def fetch(self, peer: KVPeer, expect: KVExpectation) -> Fetch:
+        """Decode side: fetch ``peer.room``'s pages from the prefill engine at ``peer``."""
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """The port a prefill engine listens on (None on the decode side)."""
+        return None
+
+    def wait(self, timeout: float) -> None:
+        """Block until a transfer may have changed state, or for ``timeout`` seconds (an engine with
+        nothing to compute waits here instead of spinning)."""
+        time.sleep(timeout)
 
     def close(self) -> None:
         """Shut down listeners and connections."""

@@ -107,6 +107,66 @@ class KVCache:
             for t in (kv.k.view(torch.uint8), kv.v.view(torch.uint8)):
                 t.index_copy_(0, d, t.index_select(0, s))
 
+    def _byte_rows(self):
+        """(spec, [pages, bytes] uint8 view) for the K and the V of every layer that keeps bytes."""
+        for spec, kv in zip(self.specs, self._layers):
+            for t in (kv.k, kv.v):
+                width = t[0].numel() * t.element_size()
+                if width:
+                    yield spec, t.view(torch.uint8).view(t.shape[0], width)
+
+    def page_size_bytes(self, with_window: bool) -> int:
+        """Bytes of one page's blob (``read_pages``), with or without its windowed layers' part."""
+        return sum(rows.shape[1] for spec, rows in self._byte_rows() if with_window or not spec.windowed)
+
+    def read_pages(self, pages: list[int], with_window: list[bool]) -> list[torch.Tensor]:
+        """One uint8 host tensor per page: every layer's K then V bytes in order; a windowed layer's
+        (through the window table) only where ``with_window``, whose pages must have a window page.
+        For another engine (prefill/decode disaggregation): the layout is what ``write_pages`` reads."""
+        if len(pages) != len(with_window):
+            raise ValueError(f"{len(pages)} pages but {len(with_window)} window flags")
+        idx = to_device(pages, torch.int64, self.device)
+        windows = self._windows(pages, with_window, idx)
+        parts = []
+        for spec, rows in self._byte_rows():
+            got = rows.index_select(0, windows if spec.windowed else idx).cpu()
+            parts.append((spec.windowed, got))
+        return [torch.cat([p[i] for w, p in parts if with_window[i] or not w]) for i in range(len(pages))]
+
+    def write_pages(self, pages: list[int], with_window: list[bool], blobs: list[torch.Tensor]) -> None:
+        """Write blobs ``read_pages`` made (of an engine with this layout) into ``pages``."""
+        if not len(pages) == len(with_window) == len(blobs):
+            raise ValueError(f"{len(pages)} pages, {len(with_window)} window flags, {len(blobs)} blobs")
+        for blob, w in zip(blobs, with_window):
+            if blob.dtype != torch.uint8 or blob.numel() != self.page_size_bytes(w):
+                raise ValueError(f"a page blob of {blob.numel()} bytes ({blob.dtype}); this layout's is "
+                                 f"{self.page_size_bytes(w)}")
+        if not pages:
+            return
+        idx = to_device(pages, torch.int64, self.device)
+        windows = self._windows(pages, with_window, idx)
+        offsets = [0] * len(pages)
+        for spec, rows in self._byte_rows():
+            take = [i for i in range(len(pages)) if with_window[i] or not spec.windowed]
+            if not take:
+                continue
+            width = rows.shape[1]
+            src = torch.stack([blobs[i][offsets[i]:offsets[i] + width] for i in take]).to(self.device)
+            for i in take:
+                offsets[i] += width
+            dst = windows if spec.windowed else idx
+            rows.index_copy_(0, dst[to_device(take, torch.int64, self.device)], src)
+
+    def _windows(self, pages: list[int], with_window: list[bool], idx: torch.Tensor) -> torch.Tensor:
+        """The window page of each page (0 where not ``with_window``); a flagged page without one is an error."""
+        if not self.num_window_pages:
+            return idx
+        windows = self.window_table()[idx].long() * to_device(with_window, torch.int64, self.device)
+        missing = [p for p, w, win in zip(pages, with_window, windows.tolist()) if w and win == 0]
+        if missing:
+            raise ValueError(f"pages {missing[:8]} have no window page")
+        return windows
+
     @staticmethod
     def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype, windowed: bool = False) -> int:
         """K and V bytes one page (or one window page) takes across its layers."""

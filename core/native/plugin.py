@@ -55,6 +55,12 @@ def engine_register_sampling_backends() -> list[Descriptor]:
                        priority=NATIVE_PRIORITY)]
 
 
+@hookimpl
+def engine_register_kv_transports() -> list[Descriptor]:
+    return [Descriptor("kv_transport", "tcp", _instance("engine.core.native.kv_tcp:TcpTransport"),
+                       priority=NATIVE_PRIORITY)]
+
+
 def _ngram_reasons(ctx) -> list[str]:
     spec = getattr(ctx.engine_config, "speculative_config", None)
     if spec is not None and spec.model is not None:

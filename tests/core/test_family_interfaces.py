@@ -1,5 +1,6 @@
-"""The interfaces of the speculative-decoding, KV-transport and cache-tier families, through the
-smallest implementations that exercise them (the real ones come with their features)."""
+"""The interfaces of the speculative-decoding and cache-tier families, through the smallest
+implementations that exercise them (the real ones come with their features; the KV transport's
+real one is tested in tests/core/disagg)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 from engine.core.families.cache_tier import CacheTier, TierPage
-from engine.core.families.kv_transport import KVPeer, KVTransport, TransferHandle, TransferStatus
 from engine.core.families.spec import DraftRequest, Drafts, SpecProposer
 
 
@@ -70,53 +70,3 @@ def test_a_cache_tier_returns_pages_by_key_and_a_corrupt_one_fails_its_checksum(
     got[0].data.view(-1)[random.randrange(64)] += 1.0  # a flipped value in storage
     assert not tier.get([pages[0].key])[0].intact()
 
-
-class Done(TransferHandle):
-    def __init__(self, status, error=None):
-        self._status, self._error = status, error
-
-    def status(self):
-        return self._status
-
-    @property
-    def error(self):
-        return self._error
-
-
-class Loopback(KVTransport):
-    """Two ends in one process: pages are rows of each end's tensor, rooms a dict."""
-
-    name = "loopback"
-    rooms: dict[int, list[TierPage]] = {}
-
-    def __init__(self, ctx, kv):
-        super().__init__(ctx)
-        self.kv = kv
-
-    def send(self, peer, page_ids, dst_page_ids):
-        self.rooms[peer.room] = [TierPage.of(str(d), self.kv[s].clone()) for s, d in zip(page_ids, dst_page_ids)]
-        return Done(TransferStatus.DONE)
-
-    def receive(self, peer, page_ids):
-        pages = self.rooms.pop(peer.room, None)
-        if pages is None:
-            return Done(TransferStatus.PENDING)
-        if [p.key for p in pages] != [str(i) for i in page_ids] or not all(p.intact() for p in pages):
-            return Done(TransferStatus.FAILED, "a page failed its checksum")
-        for i, p in zip(page_ids, pages):
-            self.kv[i] = p.data
-        return Done(TransferStatus.DONE)
-
-
-def test_a_transport_moves_pages_by_id_list_and_a_corrupt_payload_fails(seed):
-    prefill, decode = Loopback(None, torch.randn(8, 4)), Loopback(None, torch.zeros(8, 4))
-    peer = KVPeer("127.0.0.1", 0, room=7)
-    assert decode.receive(peer, [5, 6]).status() is TransferStatus.PENDING
-    assert prefill.send(peer, [1, 3], [5, 6]).status() is TransferStatus.DONE
-    assert decode.receive(peer, [5, 6]).status() is TransferStatus.DONE
-    assert torch.equal(decode.kv[[5, 6]], prefill.kv[[1, 3]])
-    prefill.send(peer, [2], [4])
-    Loopback.rooms[7][0].data.add_(1.0)
-    handle = decode.receive(peer, [4])
-    assert handle.status() is TransferStatus.FAILED and "checksum" in handle.error
-    assert not decode.kv[4].any()

@@ -1,0 +1,86 @@
+"""A request's prompt KV as pages to move: exported on the prefill engine, checked and imported on
+the decode engine, always through the KV manager (it says which pages hold the tokens and holds
+the window pages of those within reach of the end).
+
+What moves is the KV of all prompt tokens but the last: the decode engine computes the last one
+itself, in its first step, so the first token is drawn where the rest are and the request joins
+the decode batch like any sequence whose prefix was cached. For DeepSeek-V4 the pages carry every
+component (compressed entries and indexer keys in their pages; the sliding-window KV and the
+compressors' open windows in the window pages of the pages within reach of the end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from ..families.cache_tier import page_checksum
+from ..families.kv_transport import KVExpectation, KVPayload
+from ..kv.manager import KVManager
+from ..kv.storage import KVCache
+from ..sequence import Sequence
+
+
+def tokens_to_move(prompt_token_ids: list[int]) -> int:
+    return len(prompt_token_ids) - 1
+
+
+def token_digest(token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=16).digest()
+
+
+def layout_digest(kv: KVCache, window_reach: int) -> bytes:
+    """Both engines must lay pages out alike: the same layers, element types, page size and reach."""
+    specs = [(s.num_kv_heads, s.head_dim, s.v_head_dim, s.rate, s.windowed, str(s.k_dtype), str(s.v_dtype))
+             for s in kv.specs]
+    text = repr((specs, kv.page_size, str(kv.dtype), window_reach))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def window_flags(kvm: KVManager, num_tokens: int) -> list[bool]:
+    """Per page holding ``num_tokens`` tokens: whether its windowed components move too (those
+    within reach of the end, the ones the next step reads)."""
+    count = -(-num_tokens // kvm.page_size)
+    if kvm.window is None:
+        return [False] * count
+    first, _ = kvm.window.span(num_tokens, num_tokens, kvm.page_size)
+    return [i >= first for i in range(count)]
+
+
+def export_payload(kvm: KVManager, kv: KVCache, seq: Sequence) -> KVPayload:
+    """Prefill side, once the prompt is computed: its pages' bytes and checksums."""
+    prompt = seq.prompt_token_ids
+    n = tokens_to_move(prompt)
+    flags = window_flags(kvm, n)
+    blobs = kv.read_pages(kvm.export_pages(seq)[:len(flags)], flags)
+    return KVPayload(n, token_digest(prompt[:n]), layout_digest(kv, kvm.window_reach),
+                     [b.numpy().tobytes() for b in blobs], [bytes.fromhex(page_checksum(b)) for b in blobs])
+
+
+def expectation(kvm: KVManager, kv: KVCache, prompt_token_ids: list[int]) -> KVExpectation:
+    """Decode side: what the prefill engine must send for this prompt."""
+    n = tokens_to_move(prompt_token_ids)
+    return KVExpectation(n, token_digest(prompt_token_ids[:n]), layout_digest(kv, kvm.window_reach),
+                         [kv.page_size_bytes(w) for w in window_flags(kvm, n)])
+
+
+def checked(payload: KVPayload, expect: KVExpectation) -> str | None:
+    """Why a payload is not what was expected, or None: count, digests, sizes and every checksum."""
+    if (payload.num_tokens, payload.token_digest, payload.layout) != (expect.num_tokens, expect.token_digest,
+                                                                      expect.layout):
+        return "the pages are of another prompt or page layout"
+    if [len(p) for p in payload.pages] != expect.page_sizes or len(payload.checksums) != len(payload.pages):
+        return "the pages' number or sizes differ from this engine's"
+    for i, (page, checksum) in enumerate(zip(payload.pages, payload.checksums)):
+        if bytes.fromhex(page_checksum(torch.frombuffer(bytearray(page), dtype=torch.uint8))) != checksum:
+            return f"page {i} failed its checksum"
+    return None
+
+
+def import_payload(kvm: KVManager, kv: KVCache, seq: Sequence, payload: KVPayload) -> None:
+    """Decode side: write a checked payload into the pages ``KVManager.import_pages`` gave ``seq``."""
+    flags = window_flags(kvm, payload.num_tokens)
+    blobs = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payload.pages]
+    kv.write_pages(kvm.export_pages(seq)[:len(flags)], flags, blobs)

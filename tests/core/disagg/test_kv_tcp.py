@@ -1,0 +1,113 @@
+"""The tcp KV transport on its own: pages move whole, and what is forged, stale or withdrawn is
+refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
+
+from __future__ import annotations
+
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.core.disagg.config import DisaggConfig
+from engine.core.families.cache_tier import page_checksum
+from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
+from engine.core.native.kv_tcp import TcpTransport
+
+TIMEOUT = 1.5
+
+
+def _transport(mode: str, secret: str = "s3cret") -> TcpTransport:
+    cfg = DisaggConfig(mode=mode, bootstrap_port=0, secret=secret, timeout=TIMEOUT)
+    return TcpTransport(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg)))
+
+
+def _payload() -> KVPayload:
+    pages = [random.randbytes(random.randint(1, 5000)) for _ in range(random.randint(1, 6))]
+    checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
+    return KVPayload(random.randint(1, 500), random.randbytes(16), random.randbytes(16), pages, checksums)
+
+
+def _expect(p: KVPayload, **change) -> KVExpectation:
+    fields = dict(num_tokens=p.num_tokens, token_digest=p.token_digest, layout=p.layout,
+                  page_sizes=[len(x) for x in p.pages])
+    return KVExpectation(**{**fields, **change})
+
+
+def _wait(handle, timeout: float = 10.0) -> TransferStatus:
+    deadline = time.monotonic() + timeout
+    while (status := handle.status()) is TransferStatus.PENDING:
+        assert time.monotonic() < deadline, "the transfer never ended"
+        time.sleep(0.01)
+    return status
+
+
+@pytest.fixture(scope="module")
+def ends():
+    prefill, decode = _transport("prefill"), _transport("decode")
+    yield prefill, decode
+    prefill.close()
+
+
+def _peer(prefill: TcpTransport, room: int) -> KVPeer:
+    return KVPeer("127.0.0.1", prefill.bootstrap_port, room)
+
+
+def test_pages_fetched_before_they_are_published_arrive_whole(ends, seed):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    fetch = decode.fetch(_peer(prefill, room), _expect(payload))  # the decode engine asks first
+    offer = prefill.offer(room)
+    time.sleep(0.1)
+    assert fetch.status() is TransferStatus.PENDING
+    offer.publish(payload)
+    assert _wait(fetch) is TransferStatus.DONE
+    assert fetch.payload() == payload
+    assert _wait(offer) is TransferStatus.DONE
+
+
+@pytest.mark.parametrize("forgery", ["secret", "prompt", "layout", "page count", "page size", "room"])
+def test_forged_or_foreign_fetches_are_refused(ends, forgery, seed):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    sizes = [len(x) for x in payload.pages]
+    change = {"prompt": {"token_digest": bytes(16)}, "layout": {"layout": bytes(16)},
+              "page count": {"page_sizes": sizes + [10]},
+              "page size": {"page_sizes": [s + 1 for s in sizes]}}.get(forgery, {})
+    asker = _transport("decode", secret="guess") if forgery == "secret" else decode
+    peer = _peer(prefill, room + 1 if forgery == "room" else room)
+    fetch = asker.fetch(peer, _expect(payload, **change))
+    assert _wait(fetch) is TransferStatus.FAILED
+    want = {"secret": "not authenticated", "room": "no request in room", "page size": "this engine's pages are"}
+    assert want.get(forgery, "another prompt or page layout") in fetch.error
+    if forgery == "room":  # another room's wait (the whole timeout) says nothing of this one
+        return
+    honest = decode.fetch(_peer(prefill, room), _expect(payload))
+    if forgery == "page size":  # refused by the reader mid-transfer: the room is spent
+        assert _wait(honest) is TransferStatus.FAILED
+    else:  # refused before a byte of it was sent: the room still serves its own decode engine
+        assert _wait(honest) is TransferStatus.DONE and honest.payload() == payload
+
+
+def test_an_aborted_room_is_refused_at_once(ends):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    prefill.offer(room).cancel()
+    started = time.monotonic()
+    fetch = decode.fetch(_peer(prefill, room), _expect(payload))
+    assert _wait(fetch) is TransferStatus.FAILED and "aborted" in fetch.error
+    assert time.monotonic() - started < TIMEOUT
+
+
+def test_pages_nobody_fetches_are_dropped_after_the_timeout(ends):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    assert _wait(offer, timeout=TIMEOUT + 3) is TransferStatus.FAILED
+    assert "in time" in offer.error and offer.payload is None
+    late = decode.fetch(_peer(prefill, room), _expect(payload))
+    assert _wait(late) is TransferStatus.FAILED

@@ -1,0 +1,137 @@
+"""Prefill/decode disaggregation between two engines in this process over the tcp transport
+(loopback): greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
+page back afterwards; an aborted request gives its pages back on both sides; a prefill engine that
+dies mid-transfer, or sends a corrupt page, fails the request with KVTransferError and the decode
+engine holds no page for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.disagg import engine_class
+from engine.core.disagg.payload import expectation
+from engine.core.engine import EngineCore
+from engine.core.errors import KVTransferError
+from engine.core.families.cache_tier import page_checksum
+from engine.core.families.kv_transport import KVPeer
+from engine.core.sampling_params import SamplingParams
+from fake_prefill import FakePrefill
+
+MAX_TOKENS = 8
+
+
+def _engine(model, **disagg) -> EngineCore:
+    config = EngineConfig(model=str(model), max_model_len=512, num_pages=160, page_size=16, warmup=False,
+                          disaggregation=disagg or None)
+    return engine_class(config)(config, progress=False)
+
+
+class Pair:
+    """A prefill and a decode engine, stepped in turn as their two processes would run."""
+
+    def __init__(self, model) -> None:
+        self.prefill = _engine(model, mode="prefill", bootstrap_port=0, timeout=5.0)
+        self.decode = _engine(model, mode="decode", timeout=5.0)
+        self.rooms = iter(range(random.randrange(2**40), 2**62))
+
+    def peer(self) -> KVPeer:
+        return KVPeer("127.0.0.1", self.prefill.transport.bootstrap_port, next(self.rooms))
+
+    def run(self, requests: dict[str, tuple[list[int], SamplingParams]], timeout: float = 120.0):
+        """Every request to both engines; the decode side's token ids per (request, index), and failures."""
+        for rid, (ids, params) in requests.items():
+            params = dataclasses.replace(params, kv_transfer=self.peer())
+            self.prefill.add_request(rid, ids, params)
+            self.decode.add_request(rid, ids, params)
+        return drive(self.prefill, self.decode, timeout)
+
+
+def drive(prefill: EngineCore | None, decode: EngineCore, timeout: float):
+    out, failures, deadline = {}, {}, time.monotonic() + timeout
+    engines = [e for e in (prefill, decode) if e is not None]
+    while any(e.has_unfinished_requests() for e in engines):
+        assert time.monotonic() < deadline, "the engines did not finish"
+        for e in engines:
+            if e.has_unfinished_requests():
+                outputs = e.step_outputs()
+                if e is decode:
+                    for o in outputs:
+                        for c in o.completions:
+                            out.setdefault((o.request_id, c.index), []).extend(c.token_ids)
+        failures.update((rid, exc) for rid, exc in decode.take_failures())
+    return out, failures
+
+
+def colocated(engine: EngineCore, requests) -> dict:
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    return drive(None, engine, 120)[0]
+
+
+def assert_idle(engine: EngineCore) -> None:
+    """No page held by a request (cached prefixes may stay), and every reference accounted for."""
+    engine.kv_manager.check_consistency()
+    assert engine.kv_manager.stats().usage == 0.0
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-py", "tiny-dsv4-py"])
+def engines(request, shared_dir):
+    model = shared_dir / "models" / request.param
+    return Pair(model), _engine(model)
+
+
+def test_greedy_through_prefill_and_decode_equals_colocated(engines, seed):
+    pair, reference = engines
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lengths = [1, 2, 16, 17, random.randint(3, 200), random.randint(3, 200)]  # page-aligned ends too
+    requests = {f"r{i}": ([random.randrange(5, 4000) for _ in range(n)], greedy) for i, n in enumerate(lengths)}
+    requests["n2"] = ([random.randrange(5, 4000) for _ in range(40)], dataclasses.replace(greedy, n=2))
+    want = colocated(reference, requests)
+    got, failures = pair.run(requests)
+    assert not failures
+    assert got == want
+    assert len(got) == len(lengths) + 2
+    for e in (pair.prefill, pair.decode):
+        assert_idle(e)
+
+
+def test_an_aborted_request_gives_its_pages_back_on_both_sides(engines):
+    pair, _ = engines
+    ids = [random.randrange(5, 4000) for _ in range(90)]
+    params = dataclasses.replace(SamplingParams(temperature=0, max_tokens=4), kv_transfer=pair.peer())
+    pair.decode.add_request("gone", ids, params)  # its prefill engine never hears of it: the fetch waits
+    pair.decode.step_outputs()
+    assert pair.decode.kv_manager.stats().usage > 0  # pages taken for the prompt
+    assert pair.decode.abort_request("gone").finished
+    pair.prefill.add_request("gone-too", ids, params)
+    pair.prefill.abort_request("gone-too")
+    for e in (pair.prefill, pair.decode):
+        assert_idle(e)
+
+
+@pytest.mark.parametrize("fault", ["dies mid-page", "corrupt page"])
+def test_a_failed_transfer_fails_the_request_and_leaks_no_page(engines, fault):
+    pair, _ = engines
+    dec = pair.decode
+    ids = [random.randrange(5, 4000) for _ in range(70)]
+    expect = expectation(dec.kv_manager, dec.components.kv, ids)
+    pages = [random.randbytes(size) for size in expect.page_sizes]
+    checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
+    if fault == "corrupt page":
+        pages[-1] = bytes([pages[-1][0] ^ 1]) + pages[-1][1:]
+    fake = FakePrefill(dec.config.disaggregation.secret.encode(), pages, checksums,
+                       cut=len(pages[0]) // 2 if fault == "dies mid-page" else None)
+    params = SamplingParams(temperature=0, max_tokens=4, kv_transfer=KVPeer("127.0.0.1", fake.port, 7))
+    dec.add_request("doomed", ids, params)
+    got, failures = drive(None, dec, 60)
+    assert not got and set(failures) == {"doomed"}
+    exc = failures["doomed"]
+    assert isinstance(exc, KVTransferError)
+    assert ("closed the connection" if fault == "dies mid-page" else "failed its checksum") in str(exc)
+    assert_idle(dec)
