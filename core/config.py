@@ -148,6 +148,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.disaggregation is not None:
             object.__setattr__(self, "disaggregation", DisaggConfig.of(self.disaggregation))
+            if self.tensor_parallel_size > 1:
+                raise ValueError("prefill/decode disaggregation moves one process's KV pages: tensor_parallel_size "
+                                 f"must be 1, got {self.tensor_parallel_size}")
         if self.speculative_config is not None:
             spec = SpeculativeConfig.of(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
