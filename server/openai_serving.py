@@ -9,6 +9,7 @@ the engine and frees their pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.context import check_context
+from ..core.disagg.config import DisaggConfig
 from ..core.errors import EngineError, InvalidRequest
 from ..core.output_processor import Completion, Update
 from ..core.sampling_params import SamplingParams
 from ..core.tokenizer import Tokenizer
+from .bootstrap import kv_peers
 from .chat_template import ChatTemplate
 from .engine_client import EngineClient
 from .errors import APIError, engine_error, error_body, invalid
@@ -50,6 +53,7 @@ class Serving:
     model_name: str
     max_model_len: int
     vocab_size: int
+    disagg: DisaggConfig | None = None  # a prefill or decode server's (server/bootstrap.py)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -202,11 +206,13 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
     params = to_sampling_params(req, s.limits, s.vocab_size)
     prompts = prompt_token_lists(req, s.vocab_size)
     check_sequences(len(prompts), params.n, s.limits)
+    peers = kv_peers(req, len(prompts), s.disagg)
     runs = []
-    for p, ids in zip(prompts, await s.encode_prompts(prompts)):
+    for p, ids, peer in zip(prompts, await s.encode_prompts(prompts), peers):
         if not ids:
             raise invalid("prompt", "prompt must not be empty")
-        runs.append(s.new_run(ids, params, p if isinstance(p, str) else None, client_field_names(req)))
+        runs.append(s.new_run(ids, dataclasses.replace(params, kv_transfer=peer), p if isinstance(p, str) else None,
+                              client_field_names(req)))
     n = params.n
     want_logprobs = req.logprobs is not None
     check_logprob_entries("logprobs", [len(r.prompt_token_ids) * req.echo + _room(s, r) for r in runs], n,
@@ -273,7 +279,8 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     s.check_model(req.model)
-    params = to_sampling_params(req, s.limits, s.vocab_size)
+    params = dataclasses.replace(to_sampling_params(req, s.limits, s.vocab_size),
+                                 kv_transfer=kv_peers(req, 1, s.disagg)[0])
     messages = [{"role": m.role, "content": m.text} for m in req.messages]
     text = await asyncio.to_thread(s.chat_template.render, messages, True)  # up to its deadline: not on the loop
     ids = await s.encode(text, add_special_tokens=False)

@@ -63,6 +63,10 @@ class _SamplingRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # prefill/decode disaggregation: what the gateway adds (server/bootstrap.py checks them)
+    bootstrap_host: Annotated[str, Field(max_length=255)] | list[Annotated[str, Field(max_length=255)]] | None = None
+    bootstrap_port: Int64 | list[Int64] | None = None
+    bootstrap_room: Int64 | list[Int64] | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -222,7 +226,7 @@ def prompt_token_lists(req: CompletionRequest, vocab_size: int) -> list[list[int
 
 # Pydantic labels a union member's error with the member's type ("str", "list[int]", "TextPart");
 # those are not fields, so the param leaves them out.
-_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-int", "constrained-str"}
 
 
 def _is_type_label(x: str) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ import uvicorn
 
 from ..core.tokenizer import Tokenizer
 from .app import build_app
+from .bootstrap import add_disagg_args, disagg_config
 from .chat_template import ChatTemplate
 from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
@@ -31,7 +33,7 @@ from .limits import Limits
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
 from .openai_serving import Serving
-from .worker_info import WorkerInfo
+from .worker_info import WorkerInfo, worker_disagg
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one engine step may run before /health turns 503 (a stopped or dead engine "
                         f"turns it 503 after {SILENCE_S:g} s of silence whatever this is)")
     g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
+    add_disagg_args(p)
 
 
 class DrainingServer(uvicorn.Server):
@@ -119,7 +122,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(args: argparse.Namespace) -> int:
-    config = engine_config(args)
+    config = dataclasses.replace(engine_config(args), disaggregation=disagg_config(args))
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
                     max_seqs_per_request=args.max_seqs_per_request, max_logprob_entries=args.max_logprob_entries)
     state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None,
@@ -159,11 +162,12 @@ def run_server(args: argparse.Namespace) -> int:
             token = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
             template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
-                                    limits, name, info.max_model_len, info.vocab_size)
+                                    limits, name, info.max_model_len, info.vocab_size, config.disaggregation)
             state.worker = WorkerInfo.of(config.model, name, max_model_len=info.max_model_len,
                                          page_size=info.page_size, num_pages=info.num_pages,
                                          max_running_requests=config.max_num_seqs,
-                                         max_prefill_tokens=config.max_num_batched_tokens)
+                                         max_prefill_tokens=config.max_num_batched_tokens,
+                                         **worker_disagg(config.disaggregation))
             logger.info("serving %r on http://%s:%d (max context %d)", name, args.host, args.port, info.max_model_len)
             yield
         finally:

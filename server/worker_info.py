@@ -19,6 +19,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from .. import __version__
+from ..core.disagg.config import DisaggConfig
 from .wire import Stats
 
 
@@ -69,6 +70,14 @@ class WorkerInfo:
                 "disagg_mode": self.disaggregation_mode}
         now = datetime.datetime.now(datetime.timezone.utc).isoformat()
         return {"timestamp": now, "version": __version__, "dp_rank_count": 1, "loads": [rank]}
+
+
+def worker_disagg(disagg: DisaggConfig | None) -> dict:
+    """WorkerInfo's disaggregation fields for a server's settings."""
+    if disagg is None:
+        return {}
+    return {"disaggregation_mode": disagg.mode,
+            "bootstrap_port": disagg.bootstrap_port if disagg.mode == "prefill" else None}
 
 
 def add_worker_routes(app: FastAPI, state) -> None:

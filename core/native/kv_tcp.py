@@ -249,6 +249,8 @@ class TcpTransport(KVTransport):
         offer = None
         try:
             conn.settimeout(IO_TIMEOUT_S)
+            if not conn.recv(1, socket.MSG_PEEK):
+                return  # connected and closed: a probe of the port (the gateway's, at registration)
             head = _recv_exact(conn, FETCH.size)
             tag = _recv_exact(conn, TAG_BYTES)
             magic, kind, room, num_tokens, num_pages, digest, layout = FETCH.unpack(head)

@@ -1,0 +1,115 @@
+"""Prefill/decode disaggregation served: a prefill and a decode `engine serve` behind
+`engine gateway --pd-disaggregation` (SGLang's smg drives SGLang's bootstrap protocol), on
+tiny-qwen3-py and tiny-dsv4-py. Greedy answers equal a single engine's; bootstrap fields are
+checked at the edge; a decode whose prefill never sends, and a killed prefill, fail their requests
+with a clear error while the decode server holds no page and keeps serving."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("smg", reason="engine gateway needs the gateway extra: pip install 'engine[gateway]'")
+import openai  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from live_gateway import LiveGateway  # noqa: E402
+from live_server import API_KEY, LiveServer, free_port  # noqa: E402
+
+MAX_TOKENS = 6
+TIMEOUT_S = 4  # --disaggregation-timeout: how long a room waits for its other side
+PROMPTS = ["def fibonacci(n):", "import os\nimport"]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-py", "tiny-dsv4-py"])
+def pd(request, shared_dir, tmp_path_factory):
+    model = str(shared_dir / "models" / request.param)
+    logs = tmp_path_factory.mktemp("pd")
+    port = free_port()
+    common = ("--max-model-len", "512", "--disaggregation-timeout", str(TIMEOUT_S))
+    prefill = LiveServer(model, *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                         str(port), log=logs / "prefill.log")
+    decode = LiveServer(model, *common, "--disaggregation-mode", "decode", log=logs / "decode.log")
+    servers = [prefill.wait_ready(), decode.wait_ready()]
+    gateway = LiveGateway("--pd-disaggregation", "--prefill", prefill.url, str(port), "--decode", decode.url,
+                          "--policy", "round_robin", log=logs / "gateway.log")
+    gateway.wait_ready(2)
+    llm = LLM(model, max_model_len=512, warmup=False, progress=False)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
+    yield prefill, decode, gateway, port, want
+    gateway.stop()
+    for s in servers:
+        s.stop()
+
+
+def _used_tokens(server: LiveServer, within: float = 3.0) -> int:
+    """KV tokens the server's requests hold, once it reports none or ``within`` seconds passed
+    (the engine reports its gauges with each step's outputs and every 0.5 s)."""
+    deadline = time.monotonic() + within
+    while True:
+        r = httpx.get(server.url + "/v1/loads", headers=server.headers, timeout=5)
+        used = r.json()["loads"][0]["num_used_tokens"]
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)
+
+
+def test_answers_through_prefill_and_decode_equal_a_single_engine(pd):
+    prefill, decode, gateway, _, want = pd
+    assert {w["worker_type"] for w in gateway.workers()} == {"prefill", "decode"}
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = decode.model_name
+    both = client.completions.create(model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == want
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want[0]
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert _used_tokens(decode) == 0 and _used_tokens(prefill) == 0
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({}, "bootstrap_host"),
+    ({"bootstrap_host": "10.9.8.7"}, "bootstrap_host"),
+    ({"bootstrap_port": 0}, "bootstrap_port"),
+    ({"bootstrap_room": -1}, "bootstrap_room"),
+    ({"bootstrap_room": "7"}, "bootstrap_room"),
+    ({"bootstrap_room": [1, 2]}, "bootstrap_room"),
+])
+def test_bootstrap_fields_are_checked_before_the_engine(pd, fields, param):
+    _, decode, _, port, _ = pd
+    body = {"prompt": "x", "max_tokens": 1}
+    if fields:
+        body |= {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5} | fields
+    r = httpx.post(decode.url + "/v1/completions", json=body, headers=decode.headers, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_decode_whose_prefill_never_sends_fails_and_holds_nothing(pd):
+    _, decode, _, port, _ = pd
+    body = {"prompt": "def main():\n    return 1", "max_tokens": 2, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": port, "bootstrap_room": random.randrange(2**63)}
+    r = httpx.post(decode.url + "/v1/completions", json=body, headers=decode.headers, timeout=60)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "kv_transfer_failed" and "no request in room" in r.json()["error"]["message"]
+    assert _used_tokens(decode) == 0
+
+
+def test_a_killed_prefill_fails_requests_and_the_decode_serves_on(pd):
+    """Runs last in this module: it kills the prefill server."""
+    prefill, decode, gateway, _, _ = pd
+    prefill.proc.kill()
+    prefill.proc.wait()
+    r = httpx.post(gateway.url + "/v1/completions", headers=gateway.headers, timeout=60,
+                   json={"model": decode.model_name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    assert r.status_code >= 500 and "error" in r.json()
+    assert _used_tokens(decode) == 0
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
