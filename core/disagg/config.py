@@ -18,7 +18,8 @@ class DisaggConfig:
     # decode: the bootstrap hosts a request may name (the engine connects there on a client's word)
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
     secret: str = ""  # shared by the prefill and decode engines: authenticates every transfer
-    timeout: float = 300.0  # seconds a room waits for its other side (pages unfetched are dropped)
+    # seconds published pages wait to be fetched (then dropped), and a fetch waits for its room to be published
+    timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

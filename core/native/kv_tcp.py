@@ -63,8 +63,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 class _Offer(Offer):
     def __init__(self, room: int, timeout: float, cond: threading.Condition, rooms: dict) -> None:
-        self.room, self._cond, self._rooms = room, cond, rooms
-        self.deadline = time.monotonic() + timeout
+        self.room, self._cond, self._rooms, self.timeout = room, cond, rooms, timeout
+        self.deadline = float("inf")  # set when its pages are published (or it is withdrawn)
         self.payload: KVPayload | None = None
         self.taken = False  # a decode engine is reading it
         self._status, self._error = TransferStatus.PENDING, None
@@ -73,6 +73,7 @@ class _Offer(Offer):
         with self._cond:
             if self._status is TransferStatus.PENDING:
                 self.payload = payload
+                self.deadline = time.monotonic() + self.timeout
                 self._cond.notify_all()
 
     def status(self) -> TransferStatus:
@@ -89,6 +90,7 @@ class _Offer(Offer):
         """The room stays known until its deadline, so a decode engine asking for it hears at once."""
         with self._cond:
             if self._status is TransferStatus.PENDING and not self.taken:
+                self.deadline = time.monotonic() + self.timeout
                 self._end(TransferStatus.FAILED, "the request was aborted", forget=False)
 
     def _end(self, status: TransferStatus, error: str | None = None, forget: bool = True) -> None:

@@ -97,6 +97,10 @@ def test_greedy_through_prefill_and_decode_equals_colocated(engines, seed):
     assert not failures
     assert got == want
     assert len(got) == len(lengths) + 2
+    hits = pair.prefill.kv_manager.stats().prefix_hits
+    again, failures = pair.run({f"{rid}'": r for rid, r in requests.items()})  # the prefill engine's prefix hits
+    assert not failures and pair.prefill.kv_manager.stats().prefix_hits > hits
+    assert again == {(f"{rid}'", i): tokens for (rid, i), tokens in want.items()}
     for e in (pair.prefill, pair.decode):
         assert_idle(e)
 
