@@ -3,7 +3,8 @@
 #   bash benchmarks/device_run.sh [tests|attention|gemm|moe|e2e ...]   (default: all of them)
 # Python packages the machine lacks travel as wheels in .whl/ (carried with the call): msgspec, the
 # engine's wire format, is one (pip download msgspec --only-binary :all: --python-version 3.12
-# --platform manylinux_2_17_x86_64 --no-deps -d .whl), transformers for dsv4_decode another.
+# --platform manylinux_2_17_x86_64 --no-deps -d .whl), transformers for dsv4_decode another, and
+# xgrammar with apache-tvm-ffi for structured outputs (core/structured/, tests that constrain output).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/engine-out}
 mkdir -p "$OUT"

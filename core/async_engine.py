@@ -8,6 +8,7 @@ iterating aborts its request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -95,6 +96,7 @@ class AsyncLLM:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes; a refusal raises its ``EngineError``."""
         ids = self.core.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        await asyncio.to_thread(self.core.check_grammar, params)  # a grammar that fails is refused here
         state = RequestState(request_id, self.core.tokenizer, ids, params, prompt if isinstance(prompt, str) else None)
         async for out in self.front.generate(request_id, ids, params):
             updates = state.apply(out)

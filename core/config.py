@@ -119,6 +119,10 @@ class EngineConfig:
     distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
     # prefill/decode disaggregation (core/disagg/): a DisaggConfig or its fields as a mapping; None: neither
     disaggregation: DisaggConfig | None = None
+    # structured outputs (core/structured/): a grammar must compile within this many seconds, and the
+    # compiled grammars kept for reuse take at most this many bytes
+    grammar_compile_timeout: float = 10.0
+    grammar_cache_memory: int = 256 * 2**20
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -151,6 +155,8 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("prefill/decode disaggregation moves one process's KV pages: tensor_parallel_size "
                                  f"must be 1, got {self.tensor_parallel_size}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.speculative_config is not None:
             spec = SpeculativeConfig.of(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)

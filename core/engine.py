@@ -31,6 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import SeqStatus, Sequence
 from .startup import build
+from .structured.compiler import GrammarCompiler, GrammarHandle
 from .to_device import to_device
 from .token_table import TokenTable
 from .warmup import WarmupReport, warm_up
@@ -111,6 +112,9 @@ class EngineCore:
         self.counters = EngineCounters()
         self._seq_ids = itertools.count()
         self._in_flight: _StepTokens | None = None  # the step launched last, its tokens not yet applied
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, config.grammar_compile_timeout,
+                                        config.grammar_cache_memory)  # structured outputs: nothing loads until used
+        self._awaiting_grammar: dict[str, GrammarHandle] = {}  # requests whose grammar still compiles
         self.warmup: WarmupReport | None = None
         if config.warmup if config.warmup is not None else self.device.type == "cuda":
             self.warmup = warm_up(self, progress)
@@ -144,7 +148,10 @@ class EngineCore:
         ]
         req = Request(request_id, ids, params, seqs)
         self.requests[request_id] = req
-        self._queue(req)
+        if params.structured_outputs is not None:  # queued once its grammar compiled, off this loop
+            self._awaiting_grammar[request_id] = self.grammars.request(params.structured_outputs)
+        else:
+            self._queue(req)
         self.counters.prompt_tokens += len(ids)
         return req
 
@@ -158,11 +165,41 @@ class EngineCore:
         failures, self.failures = self.failures, []
         return failures
 
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the grammar ``params`` ask for, blocking the caller (never the engine loop), so a
+        grammar that does not compile in time is refused as the request is made (``InvalidRequest``
+        naming the field); the engine then finds it in the cache."""
+        if params.structured_outputs is not None:
+            self.grammars.request(params.structured_outputs).wait()
+
+    def _admit_grammars(self) -> None:
+        """Schedule the requests whose grammar compiled, each sequence with its own matcher; end those
+        whose grammar failed, to ``failures`` (``check_grammar`` and the API process refuse them first,
+        so only a compile past its time limit here, on a busy host, fails so). With nothing else to run, wait a moment for a compile."""
+        if not self.scheduler.has_work() and self._in_flight is None:
+            next(iter(self._awaiting_grammar.values())).settle(0.01)
+        for rid, handle in list(self._awaiting_grammar.items()):
+            try:
+                compiled = handle.poll()
+            except InvalidRequest as exc:
+                logger.warning("request %s failed: its grammar in the engine: %s", rid, exc)
+                del self._awaiting_grammar[rid]
+                del self.requests[rid]
+                self.failures.append((rid, exc))
+                continue
+            if compiled is not None:
+                del self._awaiting_grammar[rid]
+                req = self.requests[rid]
+                for s in req.seqs:
+                    s.grammar = self.grammars.matcher(compiled)
+                self._queue(req)
+
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """End a request; its last output, or None if it is not here."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._awaiting_grammar.pop(request_id, None)
         if self._in_flight is not None:  # its prompt logprobs in flight are read now: an abort is rare
             self._apply_prompt_logprobs(self._in_flight, request_id)
         self.scheduler.abort(request_id)
@@ -186,7 +223,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager.stats()
-        return EngineStats(s.num_running, s.num_waiting, kv.usage, kv.prefix_queries, kv.prefix_hits,
+        compiling = sum(len(self.requests[rid].seqs) for rid in self._awaiting_grammar)  # waiting for their grammar
+        return EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
                            s.stats.num_preemptions)
 
     def reset_counters(self) -> None:
@@ -220,11 +258,22 @@ class EngineCore:
         length is not scheduled in step N+1; one that step N's token stops (or that is aborted, or
         that its reader ends at a stop string) has its token of step N+1 dropped, and its pages went
         back when it ended. Without ``overlap_decode`` a call applies its own step's tokens before
-        it returns."""
+        it returns.
+
+        A grammar (structured outputs) masks a row's next draw by the state its last token leads
+        to, so a step in flight with constrained rows is applied before the next is launched: those
+        steps do not overlap (the rows of other requests in them are sampled as ever)."""
+        if self._awaiting_grammar:
+            self._admit_grammars()
+        outputs = []
+        flying = self._in_flight
+        if flying is not None and flying.tokens is not None and flying.tokens.constrained:
+            outputs += self._apply(flying)
+            self._in_flight = None
         step = self._launch()
         if self.config.overlap_decode:
             step, self._in_flight = self._in_flight, step
-        return self._apply(step) if step is not None else []
+        return outputs + self._apply(step) if step is not None else outputs
 
     def _launch(self) -> _StepTokens | None:
         """Schedule a step, run its forward and sample it, waiting for nothing on the device."""
@@ -294,7 +343,11 @@ class EngineCore:
                 entry[token] = out.logprobs[k]
                 seq.logprobs.append(entry)
             # the endings by token (stop strings are the reader's: output_processor.py)
-            if token in seq.ending_ids and len(output) >= seq.params.min_tokens:
+            if seq.grammar is not None and not seq.grammar.accept_token(token):  # it allowed only what it accepts
+                logger.error("request %s: its grammar refused the token %d it allowed; ended", seq.request_id, token)
+                finish(seq, "abort", None)
+                ended.add(seq.request_id)
+            elif token in seq.ending_ids and len(output) >= seq.params.min_tokens:
                 finish(seq, "stop", token if token in seq.params.stop_token_ids else None)
                 ended.add(seq.request_id)
             elif len(output) >= seq.max_output:
@@ -355,6 +408,7 @@ class LLMEngine(EngineCore):
         """Queue a request. With ``stream`` every step that changes it returns it; else only its end."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_grammar(params)
         req = super().add_request(request_id, ids, params)
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, stream)
         return req

@@ -10,6 +10,10 @@ where the next step reads its inputs, and come to the host behind the step, read
 processes it. So a row's last token may still be in flight when it is sampled again; it is in the
 table at the row's slot, and the penalties and the min_tokens count take it from there.
 
+Rows with a grammar (structured outputs) have every token it forbids set to -inf first, before
+anything else reads the logits (core/structured/bitmask.py), so their draws, greedy or sampled,
+and their logprobs are those of the allowed tokens; the other rows of the batch are untouched.
+
 A batch of plain greedy rows (nothing that changes the logits, no logprobs: the common decode)
 takes a fast path: one argmax. Otherwise nothing a batch does not need runs either: no copy of the
 logits where nothing changes them in place, no logprobs where no row asks for them.
@@ -22,7 +26,7 @@ do not depend on what else is in the batch; unseeded rows share the sampler's ge
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +34,7 @@ from .families.sampling import SamplingBackend
 from .host_copy import HostCopy
 from .native.sampling import NativeSampling
 from .sampling_params import SamplingParams
+from .structured.bitmask import mask_logits
 from .to_device import to_device
 from .token_table import TokenTable
 
@@ -43,6 +48,7 @@ class SamplingRow(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # those on the host
     slot: int  # its token table slot, where the draw goes; 0: scratch
+    grammar: Any  # its grammar matcher (structured outputs), at the state after its host tokens; None: free
 
     @property
     def in_flight(self) -> bool:
@@ -62,6 +68,7 @@ class SamplerOutput:
         """``chosen``: the raw logprob of each draw; ``top``: (logprobs, ids) of the rows whose ``top_n`` > 0
         (in row order), ``top_n`` each row's params.logprobs."""
         self.device_token_ids = token_ids
+        self.constrained = False  # some row drew under a grammar
         self._top_n = top_n
         self._host = HostCopy([t for t in (token_ids, chosen, *(top or ())) if t is not None])
 
@@ -142,7 +149,11 @@ class Sampler:
         """The draws of ``rows``, written into their table slots; nothing here waits for the device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(rows)}, {self.vocab_size}], got {list(logits.shape)}")
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            logits = mask_logits(logits, constrained, [rows[i].grammar for i in constrained])
         out = SamplerOutput(logits.argmax(dim=-1)) if all(map(self._plain_greedy, rows)) else self.sample(logits, rows)
+        out.constrained = bool(constrained)
         self.table.write([r.slot for r in rows], out.device_token_ids)
         return out
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidRequest
 from .families.kv_transport import KVPeer
+from .structured.params import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (as vLLM treats it)
 _MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
@@ -52,6 +53,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # prefill/decode disaggregation: the prefill engine and room of this request's KV (core/disagg/)
     kv_transfer: KVPeer | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +108,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _require(v is None or (_is_int(v) and v >= 0), name, "be an integer >= 0 or None", v)
+        if self.structured_outputs is not None:
+            _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                     "be a StructuredOutputsParams", self.structured_outputs)
+            # the grammar decides where the output ends: it allows EOS exactly where the output is complete
+            _require(not self.ignore_eos, "ignore_eos", "be false with structured outputs", self.ignore_eos)
+            _require(self.min_tokens == 0, "min_tokens", "be 0 with structured outputs", self.min_tokens)
 
     @property
     def greedy(self) -> bool:

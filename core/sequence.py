@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class Sequence:
     first_token_time: float | None = None
     max_output: int = sys.maxsize  # output tokens that end it by length (max_tokens, or a full context)
     ending_ids: frozenset[int] = frozenset()  # ids that end it once min_tokens are out: stop ids, EOS unless ignored
+    grammar: Any = None  # structured outputs: its grammar matcher, fed the tokens on the host (core/structured/)
 
     @property
     def num_tokens(self) -> int:

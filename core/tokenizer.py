@@ -82,6 +82,11 @@ class Tokenizer:
         return self._token_id(_content(self.config.get(field)), field)
 
     @property
+    def backend(self) -> _Backend:
+        """The ``tokenizers`` pipeline itself (the grammar compiler reads its vocabulary)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Every id the tokenizer knows, added tokens included (HF's ``len(tokenizer)``)."""
         return self._backend.get_vocab_size(with_added_tokens=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 
@@ -71,6 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="processes (one per GPU) that split the model's weights, attention heads and KV cache")
     g.add_argument("--distributed-timeout", type=float, default=300.0,
                    help="seconds a collective or a rank's start-up may take before the engine fails")
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    g.add_argument("--grammar-compile-timeout", type=float, default=defaults["grammar_compile_timeout"],
+                   help="seconds a structured-output grammar may take to compile; longer is a 400 (default %(default)s)")
+    g.add_argument("--grammar-cache-memory", type=parse_size, default=defaults["grammar_cache_memory"],
+                   help="bytes of compiled grammars kept for reuse, least recently used dropped (default %(default)s)")
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -103,4 +109,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup=args.warmup,
         quantization=args.quantization, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
     )

@@ -17,11 +17,12 @@ from pydantic import ConfigDict
 
 from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
+from ..core.structured.params import StructuredOutputsParams
 from .errors import APIError, engine_error, invalid
 from .generation import PromptRun
 from .limits import Limits, check_range, check_stops, check_token_maps
 from .openai_serving import Serving, _respond, _stream
-from .protocol import Float32, Int64, RepetitionPenalty, StrictRequest
+from .protocol import Float32, Int64, RepetitionPenalty, StrictRequest, StructuredOutputs
 
 PARAMS = "sampling_params."
 
@@ -51,6 +52,7 @@ class NativeSamplingParams(StrictRequest):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, Float32] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class GenerateRequest(StrictRequest):
@@ -80,6 +82,8 @@ def _params(req: GenerateRequest, limits: Limits, vocab_size: int) -> tuple[Samp
         e.param = PARAMS + e.param
         raise
     try:
+        if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:
+            raw["structured_outputs"] = StructuredOutputsParams(**req.sampling_params.structured_outputs.kinds())
         params = SamplingParams(**raw)
         params.validate_against(vocab_size)
     except InvalidRequest as e:
@@ -112,6 +116,7 @@ def _meta(run: PromptRun, c) -> dict:
 async def generate(s: Serving, req: GenerateRequest, request: Request) -> Response:
     arrival = time.monotonic()
     params, names = _params(req, s.limits, s.vocab_size)
+    await s.check_grammar(params, PARAMS)
     ids, text = await _prompt(req, s)
     run = s.new_run(ids, params, text, names, PARAMS)
 

@@ -23,6 +23,7 @@ from ..core.disagg.config import DisaggConfig
 from ..core.errors import EngineError, InvalidRequest
 from ..core.output_processor import Completion, Update
 from ..core.sampling_params import SamplingParams
+from ..core.structured.compiler import GrammarCompiler
 from ..core.tokenizer import Tokenizer
 from .bootstrap import kv_peers
 from .chat_template import ChatTemplate
@@ -53,6 +54,7 @@ class Serving:
     model_name: str
     max_model_len: int
     vocab_size: int
+    grammars: GrammarCompiler  # compiles each request's grammar before it runs, to refuse a bad one with a 400
     disagg: DisaggConfig | None = None  # a prefill or decode server's (server/bootstrap.py)
 
     def check_model(self, model: str | None) -> None:
@@ -69,6 +71,15 @@ class Serving:
         except InvalidRequest as e:
             raise engine_error(e, names, prefix) from None
         return PromptRun(self.tokenizer, ids, params, text)
+
+    async def check_grammar(self, params: SamplingParams, prefix: str = "") -> None:
+        """A 400 naming the field if the request's grammar does not compile within its time limit
+        (in a worker thread; the engine compiles it again in its own process, off its loop)."""
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(self.grammars.request(params.structured_outputs).wait)
+            except InvalidRequest as e:
+                raise engine_error(e, prefix=prefix) from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize; long texts in a worker thread, so one huge prompt does not stall every stream."""
@@ -206,6 +217,7 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
     params = to_sampling_params(req, s.limits, s.vocab_size)
     prompts = prompt_token_lists(req, s.vocab_size)
     check_sequences(len(prompts), params.n, s.limits)
+    await s.check_grammar(params)
     peers = kv_peers(req, len(prompts), s.disagg)
     runs = []
     for p, ids, peer in zip(prompts, await s.encode_prompts(prompts), peers):
@@ -281,6 +293,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     s.check_model(req.model)
     params = dataclasses.replace(to_sampling_params(req, s.limits, s.vocab_size),
                                  kv_transfer=kv_peers(req, 1, s.disagg)[0])
+    await s.check_grammar(params)
     messages = [{"role": m.role, "content": m.text} for m in req.messages]
     text = await asyncio.to_thread(s.chat_template.render, messages, True)  # up to its deadline: not on the loop
     ids = await s.encode(text, add_special_tokens=False)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
+from ..core.structured.params import StructuredOutputsParams
 from .errors import APIError, engine_error, invalid
 from .limits import Limits, check_range, check_stops, check_token_maps
 
@@ -39,6 +40,38 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictRequest):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # schemas compile in strict mode either way (no properties beyond those named)
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's ``structured_outputs`` extra field: exactly one of these."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    def kinds(self) -> dict[str, Any]:
+        """The kinds set, as ``StructuredOutputsParams`` takes them (which refuses none or several)."""
+        kinds = {"json": self.json_, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar}
+        return {k: v for k, v in kinds.items() if v is not None and v is not False}
 
 
 class _SamplingRequest(StrictRequest):
@@ -67,6 +100,13 @@ class _SamplingRequest(StrictRequest):
     bootstrap_host: Annotated[str, Field(max_length=255)] | list[Annotated[str, Field(max_length=255)]] | None = None
     bootstrap_port: Int64 | list[Int64] | None = None
     bootstrap_room: Int64 | list[Int64] | None = None
+    # structured outputs: OpenAI's response_format, and vLLM's extra fields; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -120,7 +160,6 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Any = None
     chat_template_kwargs: Any = None
     # Declared only to refuse what this server does not do, rather than ignore it.
-    response_format: Any = None
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
@@ -131,13 +170,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _refuse_client_templates(cls, v, info):
         if v is not None:
             raise ValueError(f"{info.field_name} may not be set by the request")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is supported: this server does not constrain output')
         return v
 
     @field_validator("tools", "functions")
@@ -178,6 +210,31 @@ def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict
     return {"max_tokens": max_tokens, "logprobs": ((req.top_logprobs or 0) if req.logprobs else None, top)}
 
 
+def structured_outputs_of(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The grammar a request asks for, from whichever field it came, that field its ``source``; a 400
+    where it sets several, or sets one badly."""
+    asked: list[tuple[str, dict]] = []  # (the field, StructuredOutputsParams' arguments)
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", {"json_object": True, "source": "response_format"}))
+    elif rf is not None and rf.type == "json_schema":
+        field = "response_format.json_schema.schema"
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise invalid(field, "a json_schema response format needs its schema")
+        asked.append((field, {"json": rf.json_schema.schema_, "source": field}))
+    if req.structured_outputs is not None:
+        asked.append(("structured_outputs", req.structured_outputs.kinds()))
+    for kind in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(req, f"guided_{kind}")) is not None:
+            asked.append((f"guided_{kind}", {kind: value, "source": f"guided_{kind}"}))
+    if len(asked) > 1:
+        raise invalid(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output: set one")
+    try:
+        return StructuredOutputsParams(**asked[0][1]) if asked else None
+    except InvalidRequest as e:
+        raise engine_error(e) from None
+
+
 def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
     """Engine field -> the request field it came from, where they differ."""
     return {name: param for name, (_, param) in _length_and_logprobs(req).items() if name != param}
@@ -198,6 +255,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, limits: L
             check_range(param, value, 0, limits.max_logprobs)
     kwargs = {f: getattr(req, f) for f in _SHARED_FIELDS if getattr(req, f) is not None}
     kwargs.update({name: value for name, (value, _) in special.items()})
+    kwargs["structured_outputs"] = structured_outputs_of(req)
     try:
         params = SamplingParams(**kwargs)
         params.validate_against(vocab_size)

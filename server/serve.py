@@ -25,6 +25,7 @@ from ..core.tokenizer import Tokenizer
 from .app import build_app
 from .bootstrap import add_disagg_args, disagg_config
 from .chat_template import ChatTemplate
+from ..core.structured.compiler import GrammarCompiler
 from .engine_args import engine_config, parse_size
 from .engine_client import EngineClient
 from .gate import ServerState
@@ -161,8 +162,10 @@ def run_server(args: argparse.Namespace) -> int:
             tokenizer = Tokenizer.from_dir(config.model)
             token = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
             template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
+            grammars = GrammarCompiler(tokenizer, info.vocab_size, config.grammar_compile_timeout,
+                                       config.grammar_cache_memory)
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
-                                    limits, name, info.max_model_len, info.vocab_size, config.disaggregation)
+                                    limits, name, info.max_model_len, info.vocab_size, grammars, config.disaggregation)
             state.worker = WorkerInfo.of(config.model, name, max_model_len=info.max_model_len,
                                          page_size=info.page_size, num_pages=info.num_pages,
                                          max_running_requests=config.max_num_seqs,

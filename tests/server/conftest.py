@@ -12,7 +12,8 @@ LIMIT_ARGS = ("--max-n", "4", "--max-logprobs", "5", "--max-stop-sequences", "4"
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_qwen3, tmp_path_factory):
-    server = LiveServer(str(tiny_qwen3), *LIMIT_ARGS, "--max-model-len", "512",
+    # a short grammar time limit, so a test can send a grammar that takes longer (test_structured_outputs.py)
+    server = LiveServer(str(tiny_qwen3), *LIMIT_ARGS, "--max-model-len", "512", "--grammar-compile-timeout", "1",
                         log=tmp_path_factory.mktemp("logs") / "tiny-server.log").wait_ready()
     yield server
     server.stop()
