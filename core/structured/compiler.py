@@ -33,12 +33,25 @@ from ..tokenizer import Tokenizer
 from .params import StructuredOutputsParams
 
 DEFAULT_CACHE_ENTRIES = 1024
-# JSON may have whitespace between its tokens, but no more than this in one place: a run of whitespace
-# is always allowed, so without a bound a model can loop in it until max_tokens and never close the JSON
-JSON_MAX_WHITESPACE = 16
-LOAD_TIMEOUT_S = 300.0
-MESSAGE_CHARS = 300  # of xgrammar's error message (it may quote the whole schema)  # importing xgrammar and reading the vocabulary, once
+# JSON is written on one line, as Python's json.dumps writes it ({"a": [1, 2], "b": "x"}), as with
+# vLLM's disable_any_whitespace: where whitespace may run between any two tokens, a model can loop in
+# it (tiny-qwen3-py fills every gap with tabs) and reach max_tokens before the JSON closes
+JSON_ANY_WHITESPACE = False
+LOAD_TIMEOUT_S = 300.0  # importing xgrammar and reading the vocabulary, once
+MESSAGE_CHARS = 300  # of xgrammar's error message (it may quote the whole schema)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:07:52] /project/cpp/x.cc:94: " before its messages
+
+
+# xgrammar 0.2.9 writes a string with minLength/maxLength as characters of [^"\\\r\n], which admits the
+# other control characters (a raw tab) that JSON forbids in strings (json.loads refuses them); its
+# unbounded strings use the right class, and the bounded ones get it here
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def json_strings_without_control_characters(ebnf: str) -> str:
+    """xgrammar's grammar of a JSON schema, its bounded strings' characters those JSON allows."""
+    return ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
 
 
 class _Entry:
@@ -166,10 +179,10 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> Any:
         self._start_loading().result()
         c, kind, value = self._compiler, params.kind, params.value
-        if kind == "json":
-            return c.compile_json_schema(value, max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if kind in ("json", "json_object"):
+            schema, strict = (value, True) if kind == "json" else ('{"type": "object"}', False)
+            grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=strict)
+            return c.compile_grammar(json_strings_without_control_characters(str(grammar)))
         if kind == "regex":
             return c.compile_regex(value)
         if kind == "choice":

@@ -78,6 +78,12 @@ def test_each_kind_accepts_what_it_should_and_only_that(compiler, tokenizer, see
                                       "required": ["k"], "additionalProperties": False})).wait()
     assert _matches(compiler, schema, tokenizer, '{"k": %d}' % rng.randint(0, 9))
     assert not _matches(compiler, schema, tokenizer, '{"k": 10}')
+    bounded = compiler.request(S(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 6}},
+                                       "required": ["s"]})).wait()
+    assert _matches(compiler, bounded, tokenizer, '{"s": "ab c"}')
+    assert not _matches(compiler, bounded, tokenizer, '{"s": "a\tb"}')  # JSON has no raw control characters
+    assert not _matches(compiler, bounded, tokenizer, '{"s": "abcdefg"}')
+    assert not _matches(compiler, schema, tokenizer, '{\n"k": 1}')  # JSON comes on one line
     obj = compiler.request(S(json_object=True)).wait()
     assert _matches(compiler, obj, tokenizer, '{"a": [1, {"b": null}]}')
     assert not _matches(compiler, obj, tokenizer, "[1]")
