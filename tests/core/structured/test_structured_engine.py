@@ -92,6 +92,25 @@ def test_a_bad_grammar_is_refused_naming_the_field_and_the_engine_serves_on(llm)
     assert out.text in ("a", "ab")
 
 
+def test_a_grammar_that_fails_in_the_engine_is_a_failure_of_its_request(llm):
+    """The engine process hands such a request back as an error (take_failures): compiled past its
+    limit there on a busy host, after the API process had compiled it in time."""
+    from engine.core.engine import EngineCore
+
+    core = llm.engine
+    EngineCore.add_request(core, "bad-in-engine", [5, 6], SamplingParams(max_tokens=4, structured_outputs=S(
+        regex="((", source="guided_regex")))
+    failures = []
+    for _ in range(200):
+        core.step_outputs()
+        failures += core.take_failures()
+        if failures:
+            break
+    assert [(rid, e.field) for rid, e in failures] == [("bad-in-engine", "guided_regex")]
+    assert not core.has_unfinished_requests()
+    core.kv_manager.check_consistency()
+
+
 def test_an_abort_while_the_grammar_compiles_leaves_nothing_behind(llm):
     core = llm.engine
     core.add_request("waiting", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs=S(regex="[0-9]{1,500}q")),
