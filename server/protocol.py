@@ -21,6 +21,7 @@ from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
 from ..core.structured.params import StructuredOutputsParams
 from .errors import APIError, engine_error, invalid
+from .unsupported import CHAT_UNSUPPORTED, refuse_unsupported
 from .limits import Limits, check_range, check_stops, check_token_maps
 
 
@@ -164,6 +165,28 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
+    # OpenAI's fields that this server does not do (server/unsupported.py), refused with the reason
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    # identifiers for the caller's own use; they change nothing here (the prefix cache is automatic)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+
+    @field_validator(*CHAT_UNSUPPORTED)
+    @classmethod
+    def _refuse_unsupported(cls, v, info):
+        return refuse_unsupported(CHAT_UNSUPPORTED, info.field_name, v)
 
     @field_validator("chat_template", "chat_template_kwargs")
     @classmethod
