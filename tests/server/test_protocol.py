@@ -187,8 +187,8 @@ def test_completion_type_errors_name_the_field(body, param):
 
 @pytest.mark.parametrize("request_model, body, param", [
     (CompletionRequest, {"prompt": "x", "logprob": 2}, "logprob"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": True},
-     "parallel_tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_token": 3},
+     "max_completion_token"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"usage": True}},
      "stream_options.usage"),
