@@ -25,6 +25,8 @@ DTYPES = {
 
 
 QUANTIZATIONS = (None, "none")  # None: as the checkpoint stores the weights
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -112,6 +114,12 @@ class EngineConfig:
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load
     quantization: str | None = None
+    # the hierarchical KV cache (core/kv/hierarchy.py): the prefix cache's pages kept in host memory too
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host records per device page (and window page)
+    hicache_size: float = 0.0  # GiB of host memory for them; 0: by hicache_ratio
+    hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
+    hicache_mem_layout: str = "layer_first"  # layer_first | page_first
     # speculative decoding (core/spec/): a SpeculativeConfig, or its fields as a mapping or a JSON object
     speculative_config: SpeculativeConfig | None = None
     # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
@@ -157,6 +165,17 @@ class EngineConfig:
                                  f"must be 1, got {self.tensor_parallel_size}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                             f"got {self.hicache_write_policy!r}")
+        if self.hicache_mem_layout not in HICACHE_MEM_LAYOUTS:
+            raise ValueError(f"hicache_mem_layout must be one of {', '.join(HICACHE_MEM_LAYOUTS)}, "
+                             f"got {self.hicache_mem_layout!r}")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} "
+                             f"and {self.hicache_size}")
+        if self.enable_hierarchical_cache and not self.enable_prefix_caching:
+            raise ValueError("enable_hierarchical_cache keeps the prefix cache's pages: it needs prefix caching")
         if self.speculative_config is not None:
             spec = SpeculativeConfig.of(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -13,7 +14,9 @@ from .config import EngineConfig, ModelConfig
 from .distributed.group import SINGLE, ParallelGroup, Rendezvous, rank_device
 from .families.sampling import SamplingBackend
 from .families.spec import SpecProposer
+from .families.cache_tier import TierContext
 from .graph_runner import DecodeGraphs
+from .kv.hierarchy import host_capacity, tier_layout
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
 from .models.base import Backends, CausalLM
@@ -158,6 +161,26 @@ def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype
     return min(pages, useful)
 
 
+def model_key(model_config: ModelConfig, page_size: int) -> str:
+    """The model as content keys of KV pages name it: its config, element type, quantization and
+    the page size (``tier_layout`` adds the record layout)."""
+    return json.dumps([model_config.architecture, model_config.hf, str(model_config.dtype), model_config.quantization,
+                       page_size], sort_keys=True, default=str)
+
+
+def attach_host_tier(plugins: Plugins, ctx: SelectionContext, kv: KVCache, kv_manager: KVManager) -> None:
+    """The hierarchical cache's host tier (L2, the cache-tier family's ``host``), sized and attached."""
+    config = ctx.engine_config
+    layout = tier_layout(kv, model_key(ctx.model_config, config.page_size))
+    capacity = host_capacity(kv, layout, config.hicache_ratio, int(config.hicache_size * 2**30))
+    tier_ctx = TierContext(ctx.platform, ctx.model_config, config, layout, capacity, kv.device)
+    tier = plugins.select("cache_tier", tier_ctx, "host").create(tier_ctx)
+    kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv)
+    logger.info("hierarchical cache: host tier %s (%s) holds %s records (%.1f MiB), %s",
+                tier.name, config.hicache_mem_layout, capacity,
+                sum(n * layout.record_bytes(k) for k, n in capacity.items()) / 2**20, config.hicache_write_policy)
+
+
 def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
           rendezvous: Rendezvous | None = None) -> Components:
     """Everything one rank runs; ``rendezvous``: where this rank meets the others of its
@@ -209,6 +232,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
     kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
                            model.window_reach(), max_seq_len=max_model_len)
+    if config.enable_hierarchical_cache:
+        attach_host_tier(plugins, ctx, kv, kv_manager)
     per_page = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) for w in (False, True)]
     logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB, %.1f bytes a token), "
                 "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import re
 
-from ..core.config import EngineConfig
+from ..core.config import HICACHE_MEM_LAYOUTS, HICACHE_WRITE_POLICIES, EngineConfig
 from ..core.spec.config import SpecConfigError, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a structured-output grammar may take to compile; longer is a 400 (default %(default)s)")
     g.add_argument("--grammar-cache-memory", type=parse_size, default=defaults["grammar_cache_memory"],
                    help="bytes of compiled grammars kept for reuse, least recently used dropped (default %(default)s)")
+    h = p.add_argument_group("hierarchical KV cache (the prefix cache's pages kept in host memory too)")
+    h.add_argument("--enable-hierarchical-cache", action="store_true")
+    h.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host memory records per device KV page (and window page)")
+    h.add_argument("--hicache-size", type=float, default=0.0, metavar="GiB",
+                   help="host memory for them in GiB, instead of --hicache-ratio (0: by the ratio)")
+    h.add_argument("--hicache-write-policy", default="write_through", choices=HICACHE_WRITE_POLICIES,
+                   help="when pages go to host memory: as cached, once matched twice, or when evicted")
+    h.add_argument("--hicache-mem-layout", default="layer_first", choices=HICACHE_MEM_LAYOUTS,
+                   help="host arrays per KV component (layer_first) or one row per page (page_first)")
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -110,4 +120,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
+        enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,
+        hicache_mem_layout=args.hicache_mem_layout,
     )

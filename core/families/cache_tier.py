@@ -1,41 +1,86 @@
-"""Cache-tier family: stores KV pages below the device (pinned host memory, files, shared stores).
+"""Cache-tier family: stores KV pages below the device (host memory, files, shared stores).
 
-The interface issue 18 implements (L2 host memory; L3 file, NIXL, Mooncake). Pages are addressed
-by content: a hash of the token prefix they end, the model and the page layout, so engines that
-share a store share hits. Every page crossing a tier carries a checksum; a page that is absent,
-truncated, foreign or fails its checksum is a miss (its tokens are recomputed), never wrong output.
+Pages are addressed by content: a hash of the token prefix they end, the model and the page
+layout, so engines that share a store share hits. A page travels as one record: its bytes in
+every KV component (``TierLayout`` says which segments, in order), and a checksum taken when it
+was written. A record that is absent, truncated, foreign or fails its checksum is a miss (its
+tokens are recomputed), never wrong output.
+
+Records come in kinds of fixed size: ``"page"`` (a KV page's components that live with its
+tokens) and, for models with windowed components (DeepSeek-V4's sliding window and compressor
+state, core/kv/window.py), ``"window"`` (one page's windowed components).
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def page_checksum(data: torch.Tensor) -> str:
-    """A checksum of a page's bytes (all of its KV components, as the tier stores them)."""
+    """A checksum of a record's bytes (all of its KV components, as the tier stores them)."""
     raw = data.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
+def prefix_keys(tokens: list[int], page_size: int, model: str) -> list[str]:
+    """The content key of every whole page of ``tokens``: a hash chained over the pages, seeded by
+    ``model`` (the model and page layout), so a key names the whole prefix its page ends."""
+    digest = hashlib.blake2b(model.encode(), digest_size=16).digest()
+    keys = []
+    for start in range(0, len(tokens) // page_size * page_size, page_size):
+        page = np.asarray(tokens[start:start + page_size], dtype=np.int64).tobytes()
+        digest = hashlib.blake2b(digest + page, digest_size=16).digest()
+        keys.append(digest.hex())
+    return keys
+
+
 @dataclass(frozen=True)
 class TierPage:
-    """A page as a tier holds it."""
+    """A record as a tier holds it."""
 
     key: str  # content hash: token prefix, model, page layout
     data: torch.Tensor
     checksum: str
+    kind: str = "page"
 
     @classmethod
-    def of(cls, key: str, data: torch.Tensor) -> TierPage:
-        return cls(key, data, page_checksum(data))
+    def of(cls, key: str, data: torch.Tensor, kind: str = "page") -> TierPage:
+        return cls(key, data, page_checksum(data), kind)
 
     def intact(self) -> bool:
         return page_checksum(self.data) == self.checksum
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """What a tier stores: per record kind, its byte segments in order (one per KV component part,
+    so a layer-first store can keep each in an array of its own); ``model`` names the model and
+    layout in content keys."""
+
+    segments: dict[str, tuple[int, ...]]
+    model: str = ""
+
+    def record_bytes(self, kind: str) -> int:
+        return sum(self.segments[kind])
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier's ``check`` and ``create`` see: the selection context's fields, the layout, and
+    how many records of each kind it may keep (a bounded tier such as host memory)."""
+
+    platform: Any
+    model_config: Any
+    engine_config: Any
+    layout: TierLayout
+    capacity: dict[str, int] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")  # where the KV pages live (pinned host memory for CUDA)
 
 
 class CacheTier(ABC):
@@ -59,3 +104,11 @@ class CacheTier(ABC):
     def contains(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, the tier holds: the length of a prefix hit, asked
         before a prefetch is worth starting."""
+
+    def discard(self, keys: list[str]) -> None:
+        """Forget the records under ``keys`` (a bounded tier frees their room). A shared store may
+        keep them for other engines: by default nothing happens."""
+
+    def free(self, kind: str) -> int | None:
+        """How many more records of ``kind`` fit; None where the tier does not know (a shared store)."""
+        return None

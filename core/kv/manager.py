@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..families.cache_tier import CacheTier
+from .hierarchy import KVHierarchy, TierStats
 from .page_table import PageTable
 from .pages import PagePool
 from .radix import RadixCache, RadixStats, Tier
@@ -93,6 +95,13 @@ class KVManager:
         self.page_table = PageTable(self._pages_for(max_seq_len) if max_seq_len else num_pages - 1)
         self._seqs: dict[int, SeqKV] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
+        self.lower: KVHierarchy | None = None  # the hierarchical cache's tiers below the device
+
+    def attach_lower(self, tier: CacheTier, policy: str, model_key: str, kv: KVCache) -> KVHierarchy:
+        """Keep the prefix cache's pages in ``tier`` below the device too (hierarchy.py), written by
+        ``policy``; ``model_key`` seeds the pages' content keys."""
+        self.lower = KVHierarchy(self.radix, self.pool, kv, self.window, tier, policy, model_key)
+        return self.lower
 
     @property
     def num_pages(self) -> int:
@@ -120,9 +129,13 @@ class KVManager:
         ``tokens`` (its pages shared, its radix node locked, the windows within reach of its end
         held); the tokens it covers. Lookups are counted by :meth:`record_lookup`."""
         self._check_new(seq)
+        if self.lower is not None and self.radix.enabled:
+            self.lower.load(tokens, self._reserve)
         match = self.radix.match(tokens, record=False)
         if match.num_tokens == 0:
             return 0
+        if self.lower is not None:
+            self.lower.matched(match.node)
         self.radix.lock(match.node)
         self.pool.incref(match.pages)
         st = self._start(seq, list(match.pages), match.num_tokens, match.node)
@@ -281,6 +294,8 @@ class KVManager:
     def reset_stats(self) -> None:
         """Zero the prefix-cache counters (after the start-up warm-up, which is no one's traffic)."""
         self.radix.stats = RadixStats()
+        if self.lower is not None:
+            self.lower.stats = TierStats()
 
     def stats(self) -> KVStats:
         window_used = self.window.pool.num_used if self.window is not None else 0
@@ -309,8 +324,10 @@ class KVManager:
                 locks[id(n)] += 1
                 n = n.parent
         for node in self.radix.nodes():
-            if node.parent is not None and Tier.GPU not in node.tiers:
-                raise AssertionError(f"a cached node off the GPU tier holds pages {node.pages}")
+            if node.parent is not None and not node.on_device and (
+                    node.pages or Tier.HOST not in node.tiers or any(c.on_device for c in node.children.values())):
+                raise AssertionError(f"a cached node off the device holds pages {node.pages}, is on tiers "
+                                     f"{node.tiers} or has a child on the device")
             refs.update(node.pages)
             windows.update(node.window or [])
             if node.lock_ref != locks[id(node)]:
@@ -319,6 +336,8 @@ class KVManager:
         if wrong:
             raise AssertionError(f"pages {wrong[:10]} have refcounts {[self.pool.refcount(p) for p in wrong[:10]]} "
                                  f"but {[refs[p] for p in wrong[:10]]} holder(s)")
+        if self.lower is not None:
+            self.lower.check_consistency()
         if self.window is not None:
             self.window.check_consistency(self.pool)
             wrong = [p for p in range(1, self.pool.num_pages) if self.window.holders(p) != windows[p]]

@@ -10,6 +10,14 @@ With window pages (window.py), the node where a stored prefix ends also holds th
 pages within reach of that end, and a match ends only where every such window is there: a hit
 restores every component, or is honestly shorter. A node's windows can be let go alone when
 window pages run short (the node then stays, for longer hits through it).
+
+With a lower tier (the hierarchical cache, hierarchy.py) a node records which tiers hold it. The
+nodes on the device form a subtree at the root (a device node's parent is on the device); below
+them, nodes whose KV is only in the lower tier keep their place in the tree with the keys of
+their records (``lower``, and ``lower_window`` for the windows of their end). Evicting a device
+leaf (a device node with no device child) demotes it where the lower tier keeps it and drops it,
+with everything below it, otherwise; the lower tier's own room is freed from its leaves, least
+recently used first. Matching stops at the device; ``lower_path`` tells what lies beyond.
 """
 
 from __future__ import annotations
@@ -33,8 +41,8 @@ class RadixStats:
 
 
 class Tier(enum.Enum):
-    """Where a cached node's KV lives. Only the GPU tier exists yet; host memory and shared storage
-    come with the hierarchical cache, which keeps a node (and its prefix) while any tier holds it."""
+    """Where a cached node's KV lives: the device (GPU), the lower tier of the hierarchical cache
+    (HOST: host memory); STORAGE (a shared store) is asked live, never recorded in the tree."""
 
     GPU = "gpu"
     HOST = "host"
@@ -42,7 +50,8 @@ class Tier(enum.Enum):
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window", "tiers")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window", "tiers",
+                 "lower", "lower_window", "hits")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, uid: int) -> None:
         self.key = key  # tokens of the edge from the parent: len(pages) * page_size of them
@@ -54,6 +63,13 @@ class _Node:
         self.uid = uid  # creation order: breaks LRU ties deterministically
         self.window: list[int] | None = None  # pages whose windows this node's end holds
         self.tiers = {Tier.GPU}  # on the GPU tier: ``pages`` are pool pages the tree holds a reference on
+        self.lower: list[str] | None = None  # on the HOST tier: its records' keys, one per page
+        self.lower_window: list[str] | None = None  # the records of the windows of its end's pages
+        self.hits = 0  # matches through it (selective write-through)
+
+    @property
+    def on_device(self) -> bool:
+        return Tier.GPU in self.tiers
 
 
 @dataclass
@@ -81,6 +97,7 @@ class RadixCache:
         self._root = self._new_node((), [], None)
         self._cached_pages = 0
         self._evictable_pages = 0
+        self.lower = None  # the hierarchical cache (hierarchy.KVHierarchy) where one is configured
 
     @property
     def cached_pages(self) -> int:
@@ -102,10 +119,10 @@ class RadixCache:
         if not self.enabled:
             found = PrefixMatch([], 0, self._root)
         else:
-            node, pages = self._walk(tokens)
+            node, pages, _ = self._walk(tokens)
             usable = self._restorable(pages)
             if usable < len(pages):
-                node, pages = self._walk(tokens[:usable * self.page_size])
+                node, pages, _ = self._walk(tokens[:usable * self.page_size])
             found = PrefixMatch(pages, len(pages) * self.page_size, node)
         if record:
             self.record(len(tokens), found.num_tokens)
@@ -133,31 +150,45 @@ class RadixCache:
     def _tail_start(self, num_pages: int) -> int:
         return max(0, num_pages * self.page_size - self.window.reach) // self.page_size
 
+    def tail_pages(self, num_pages: int) -> int:
+        """How many of a prefix's last pages (of ``num_pages``) a hit at its end needs the windows of."""
+        return num_pages - self._tail_start(num_pages)
+
     def lock_prefix(self, tokens: list[int]) -> _Node:
         """Lock the node where the cached whole-page prefix of ``tokens`` ends (no statistics)."""
         node = self._walk(tokens)[0] if self.enabled else self._root
         self.lock(node)
         return node
 
-    def _walk(self, tokens: list[int]) -> tuple[_Node, list[int]]:
-        """Follow ``tokens`` down whole pages, splitting the last edge where the match ends inside it."""
+    def lower_path(self, tokens: list[int]) -> tuple[_Node, list[int], list[_Node]]:
+        """The device part of the cached prefix of ``tokens`` (its last node and pages) and the nodes
+        beyond it that only the lower tier holds, each wholly inside ``tokens``."""
+        node, pages, path = self._walk(tokens, lower=True)
+        device = [n for n in path if n.on_device]
+        return (device[-1] if device else self._root), pages, path[len(device):]
+
+    def _walk(self, tokens: list[int], lower: bool = False) -> tuple[_Node, list[int], list[_Node]]:
+        """Follow ``tokens`` down whole pages (through nodes on the device only, unless ``lower``),
+        splitting the last edge where the match ends inside it; the last node, the device pages and
+        the nodes on the way."""
         self._clock += 1
         ps = self.page_size
-        node, pos, pages = self._root, 0, []
+        node, pos, pages, path = self._root, 0, [], []
         node.last_access = self._clock
         end = len(tokens) // ps * ps
         while pos < end:
             child = node.children.get(tuple(tokens[pos:pos + ps]))
-            if child is None:
+            if child is None or not (lower or child.on_device):
                 break
             n = self._common_pages(child.key, tokens, pos)
-            if n < len(child.pages):
+            if n * ps < len(child.key):
                 child = self._split(child, n)
             child.last_access = self._clock
             pages.extend(child.pages)
+            path.append(child)
             pos += len(child.key)
             node = child
-        return node, pages
+        return node, pages, path
 
     # -- locking ------------------------------------------------------------------------------
 
@@ -202,7 +233,10 @@ class RadixCache:
             raise ValueError(f"{len(tokens)} tokens need {num_pages} pages, got {len(pages)}")
         if not self.enabled:
             return 0
-        node, held = self._walk(tokens)
+        node, held, path = self._walk(tokens, lower=True)
+        for n in path[len(path) - sum(not n.on_device for n in path):]:  # computed again: on the device once more
+            self.promote(n, list(pages[len(held):len(held) + len(n.key) // ps]), adopt=False)
+            held += n.pages
         present = len(held)
         if present < num_pages:
             new_pages = list(pages[present:num_pages])
@@ -214,7 +248,36 @@ class RadixCache:
             self._evictable_pages += len(new_pages)
             node, held = leaf, held + new_pages
         self._hold_window(node, held)
+        if self.lower is not None:
+            self.lower.inserted(node)
         return present * ps
+
+    def promote(self, node: _Node, pages: list[int], adopt: bool = True) -> None:
+        """A node only the lower tier held is on the device again, on ``pages``: the caller's
+        references, with ``adopt``, else the tree takes one of its own."""
+        if node.on_device or node.parent is None or not node.parent.on_device and node.parent is not self._root:
+            raise ValueError("only a lower-tier node whose parent is on the device can be promoted")
+        if len(pages) * self.page_size != len(node.key):
+            raise ValueError(f"{len(pages)} pages for an edge of {len(node.key)} tokens")
+        if not adopt:
+            self.pool.incref(pages)
+        node.pages = pages
+        node.tiers.add(Tier.GPU)
+        self._cached_pages += len(pages)
+        if node.lock_ref == 0:
+            self._evictable_pages += len(pages)
+
+    def path(self, node: _Node) -> list[_Node]:
+        """The nodes from the root's child down to ``node``."""
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def prefix(self, node: _Node) -> list[int]:
+        """The tokens of the prefix ending at ``node``."""
+        return [t for n in self.path(node) for t in n.key]
 
     def _hold_window(self, node: _Node, path_pages: list[int]) -> None:
         """Let the node where a stored prefix ends hold the windows within reach of its end, if all are there."""
@@ -257,6 +320,9 @@ class RadixCache:
         upper = self._new_node(child.key[:n * ps], child.pages[:n], child.parent)
         upper.lock_ref = child.lock_ref
         upper.tiers = set(child.tiers)
+        upper.hits = child.hits
+        if child.lower is not None:
+            upper.lower, child.lower = child.lower[:n], child.lower[n:]
         child.parent.children[upper.key[:ps]] = upper
         child.key, child.pages, child.parent = child.key[n * ps:], child.pages[n:], upper
         upper.children[child.key[:ps]] = child
@@ -266,10 +332,11 @@ class RadixCache:
         self._uids += 1
         return _Node(key, pages, parent, self._uids)
 
-    # -- eviction -----------------------------------------------------------------------------
+    # -- eviction ---------------------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> int:
-        """Drop least recently used unlocked leaves until ``num_pages`` pages are actually free.
+    def evict(self, num_pages: int, demote: bool = True) -> int:
+        """Take least recently used unlocked device leaves off the device until ``num_pages`` pages
+        are actually free: demoted where the lower tier keeps them (and ``demote``), else dropped.
 
         A dropped page that a request still references does not count. Returns the pages freed.
         """
@@ -279,25 +346,29 @@ class RadixCache:
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
-            freed += self._drop(node)
+            if demote and self.lower is not None and self.lower.keep(node):
+                freed += self._release_device(node)
+            else:
+                freed += self._drop(node)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         return freed
 
     def reset(self) -> int:
-        """Drop every unlocked node, releasing the tree's references; locked paths stay cached.
-
-        Statistics are kept. Returns the pages freed.
-        """
-        return self.evict(self._cached_pages + 1)
+        """Drop every unlocked node, on the device and below, releasing the tree's references;
+        locked paths stay cached (their lower-tier copies go). Statistics are kept. Returns the
+        device pages freed."""
+        freed = self.evict(self._cached_pages + 1, demote=False)
+        self.release_lower(lambda: False)
+        return freed
 
     def _evictable_leaf(self, node: _Node) -> bool:
-        return node is not self._root and not node.children and node.lock_ref == 0
+        return (node is not self._root and node.on_device and node.lock_ref == 0
+                and not any(c.on_device for c in node.children.values()))
 
-    def _drop(self, node: _Node) -> int:
-        """Detach a leaf and release its pages; returns how many of them became free."""
-        del node.parent.children[node.key[:self.page_size]]
-        node.parent = None
+    def _release_device(self, node: _Node) -> int:
+        """Let go of a node's device pages and windows (it stays, in the lower tier, or is being
+        dropped); how many pages became free."""
         node.tiers.discard(Tier.GPU)
         if node.window is not None:
             self.window.let_go(node.window)
@@ -306,7 +377,64 @@ class RadixCache:
         freed = sum(self.pool.refcount(p) == 0 for p in set(node.pages))
         self._cached_pages -= len(node.pages)
         self._evictable_pages -= len(node.pages)
+        node.pages = []
         return freed
+
+    def drop(self, node: _Node) -> int:
+        """Drop an unlocked node and everything below it, on every tier; the device pages freed."""
+        if node.lock_ref:
+            raise ValueError("a locked node cannot be dropped")
+        self._check_attached(node)
+        return self._drop(node)
+
+    def _drop(self, node: _Node) -> int:
+        """Detach an unlocked node and everything below it (only the lower tier holds those),
+        releasing its pages and every lower-tier record; how many pages became free."""
+        del node.parent.children[node.key[:self.page_size]]
+        node.parent = None
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            self._release_lower(n)
+            n.parent = None
+        self._release_lower(node)
+        return self._release_device(node) if node.on_device else 0
+
+    # -- the lower tier -----------------------------------------------------------------------
+
+    def release_lower(self, room, keep: _Node | None = None) -> bool:
+        """Let go of lower-tier copies, least recently used first, from nodes with no lower-tier
+        child, until ``room()`` holds; never a locked node's, nor ``keep``'s or those below it (the
+        longer prefixes its records serve). A node only the lower tier held leaves the tree.
+        Whether ``room()`` holds."""
+        heap = [(n.last_access, n.uid, n) for n in self.nodes() if self._lower_leaf(n, keep)]
+        heapq.heapify(heap)
+        while not room() and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            self._release_lower(node)
+            if not node.on_device:
+                del parent.children[node.key[:self.page_size]]
+                node.parent = None
+            if self._lower_leaf(parent, keep):
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return room()
+
+    def _lower_leaf(self, node: _Node, keep: _Node | None) -> bool:
+        return (node is not self._root and Tier.HOST in node.tiers and node.lock_ref == 0
+                and not any(Tier.HOST in c.tiers for c in node.children.values())
+                and (keep is None or keep not in self.path(node)))
+
+    def _release_lower(self, node: _Node) -> None:
+        if self.lower is not None and Tier.HOST in node.tiers:
+            self.lower.forget(node)
+        node.tiers.discard(Tier.HOST)
+        node.lower = node.lower_window = None
+
+    def lower_nodes(self):
+        """Every node the lower tier holds."""
+        return (n for n in self.nodes() if Tier.HOST in n.tiers)
 
     def nodes(self):
         """Every node, the root first."""

@@ -167,6 +167,30 @@ class KVCache:
             raise ValueError(f"pages {missing[:8]} have no window page")
         return windows
 
+    def _parts(self, windowed: bool) -> list[torch.Tensor]:
+        """Every K and V array of the (windowed or other) layers as [pages, bytes] views, in order."""
+        return [rows for spec, rows in self._byte_rows() if spec.windowed == windowed]
+
+    def record_segments(self, windowed: bool = False) -> tuple[int, ...]:
+        """The bytes of one page's record in each K and V array (windowed layers: of a window page)."""
+        return tuple(t.shape[1] for t in self._parts(windowed))
+
+    def read_records(self, rows: list[int], windowed: bool = False) -> torch.Tensor:
+        """[len(rows), record bytes] uint8 on the host: pages ``rows`` (window pages, if ``windowed``)
+        in every K and V array, concatenated in ``record_segments`` order. Waits for the device."""
+        idx = to_device(rows, torch.int64, self.device)
+        return torch.cat([t.index_select(0, idx) for t in self._parts(windowed)], dim=1).cpu()
+
+    def write_records(self, rows: list[int], records: torch.Tensor, windowed: bool = False) -> None:
+        """Write ``records`` (as ``read_records`` returns them; pinned, where the device is a GPU, so
+        the copy is queued behind the work so far) into pages ``rows``."""
+        idx = to_device(rows, torch.int64, self.device)
+        records = records.to(self.device, non_blocking=True)
+        offset = 0
+        for t in self._parts(windowed):
+            t.index_copy_(0, idx, records[:, offset:offset + t.shape[1]])
+            offset += t.shape[1]
+
     @staticmethod
     def bytes_per_page(layers: list[KVLayerSpec], page_size: int, dtype: torch.dtype, windowed: bool = False) -> int:
         """K and V bytes one page (or one window page) takes across its layers."""

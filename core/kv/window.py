@@ -28,6 +28,10 @@ class WindowPool:
     def has(self, page: int) -> bool:
         return self._of[page] != NULL_PAGE
 
+    def page_of(self, page: int) -> int:
+        """``page``'s window page (the null page where it has none)."""
+        return self._of[page]
+
     def missing(self, pages: list[int]) -> int:
         """How many of ``pages`` have no window page yet (what holding them all would allocate)."""
         return sum(1 for p in set(pages) if self._of[p] == NULL_PAGE)

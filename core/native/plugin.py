@@ -72,3 +72,8 @@ def _ngram_reasons(ctx) -> list[str]:
 def engine_register_spec_proposers() -> list[Descriptor]:
     return [Descriptor("spec", "ngram", _instance("engine.core.spec.ngram:NgramProposer"), priority=NATIVE_PRIORITY,
                        check=_ngram_reasons)]
+
+
+@hookimpl
+def engine_register_cache_tiers() -> list[Descriptor]:
+    return [Descriptor("cache_tier", "host", _instance("engine.core.tiers.host:HostTier"), priority=NATIVE_PRIORITY)]

@@ -89,6 +89,10 @@ class Harness:
     def read(self, pages: list[int], n: int) -> list[int | None]:
         return [self.slots.get(pages[i // self.ps], [None] * self.ps)[i % self.ps] for i in range(n)]
 
+    def known_prefixes(self) -> dict[tuple[int, ...], int]:
+        """The whole-page prefixes a match may find."""
+        return cached_prefixes(self.m)
+
     # -- operations ---------------------------------------------------------------------------
 
     def prompt(self) -> list[int]:
@@ -98,12 +102,12 @@ class Harness:
     def add(self) -> None:
         self.ids += 1
         seq = new_seq(self.ids, self.prompt())
-        before = cached_prefixes(self.m)
+        before = self.known_prefixes()
         query = seq.tokens[:-1]
         hit = self.m.match_prefix(seq, query)
         longest = max([len(k) for k in before if tuple(query[:len(k)]) == k] + [0])
         assert hit % self.ps == 0 and hit <= longest
-        if self.m.window is None:
+        if self.m.window is None and self.m.lower is None:
             assert hit == longest
         live = Live(seq, hit, tuple(query[:hit]))
         self.live[seq.seq_id] = live
@@ -208,6 +212,29 @@ class Harness:
             assert all(locked[:k * self.ps] in after for k in range(1, len(locked) // self.ps + 1)), \
                 "a locked prefix was evicted"
 
+    def run(self, ops: list[str], steps: int) -> None:
+        """``steps`` operations drawn from ``ops``, each followed by the checks."""
+        for _ in range(steps):
+            op = self.rng.choice(ops) if self.live else "add"
+            live = self.rng.choice(list(self.live.values())) if self.live else None
+            if op == "add" and len(self.live) < 8:
+                self.add()
+            elif op == "step" and live is not None and not self.step(live):
+                self.drop(live, cache=True)  # preempted: recomputed later, its computed pages cached
+            elif op == "rollback" and live is not None:
+                self.rollback(live)
+            elif op in ("finish", "preempt") and live is not None:
+                self.drop(live, cache=self.rng.random() < 0.7)
+            elif op == "fork" and live is not None:
+                self.fork(live)
+            elif op == "export" and live is not None:
+                self.export_import(live)
+            elif op == "evict":
+                self.evict()
+            elif op == "flush":  # every unlocked prefix off the device
+                self.m.evict(self.m.num_pages)
+            self.check()
+
     # -- what must hold -----------------------------------------------------------------------
 
     def check(self) -> None:
@@ -235,25 +262,7 @@ def test_random_operations_keep_every_page_accounted_for(seed, page_size, window
     rng = random.Random(seed)
     h = Harness(make(page_size, windowed, caching, num_window=24 if max_rollback else 14,
                      max_rollback=max_rollback), rng)
-    ops = ["add"] * 3 + ["step"] * 6 + ["rollback"] * 2 + ["finish", "preempt", "fork", "export", "evict"]
-    for _ in range(400):
-        op = rng.choice(ops) if h.live else "add"
-        live = rng.choice(list(h.live.values())) if h.live else None
-        if op == "add" and len(h.live) < 8:
-            h.add()
-        elif op == "step" and live is not None and not h.step(live):
-            h.drop(live, cache=True)  # preempted: recomputed later, its computed pages cached
-        elif op == "rollback" and live is not None:
-            h.rollback(live)
-        elif op in ("finish", "preempt") and live is not None:
-            h.drop(live, cache=rng.random() < 0.7)
-        elif op == "fork" and live is not None:
-            h.fork(live)
-        elif op == "export" and live is not None:
-            h.export_import(live)
-        elif op == "evict":
-            h.evict()
-        h.check()
+    h.run(["add"] * 3 + ["step"] * 6 + ["rollback"] * 2 + ["finish", "preempt", "fork", "export", "evict"], 400)
     for live in list(h.live.values()):
         h.drop(live, cache=True)
     h.m.reset_prefix_cache()

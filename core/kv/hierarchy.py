@@ -1,0 +1,269 @@
+"""The hierarchical KV cache: the prefix cache's pages kept below the device, and brought back.
+
+The radix tree (radix.py) records which tiers hold each node; this moves the bytes and applies
+the write policy, as SGLang's HiCache names them:
+
+- ``write_through``: a node's pages go to the lower tier as soon as the tree stores them;
+- ``write_through_selective``: once a match has gone through the node ``SELECTIVE_HITS`` times;
+- ``write_back``: when the node leaves the device.
+
+A node leaving the device whose pages the lower tier holds stays in the tree there (demoted);
+one it does not hold is dropped. A prefix match that runs past the device into nodes only the
+lower tier holds loads them back into fresh device pages before the step that needs them (the
+scheduler's match, so before that step's forward), whole nodes at a time. DeepSeek-V4's windowed
+components (window.py) travel too: the node where a stored prefix ends keeps, beside its pages,
+the records of the windows of the pages within reach of that end, so a loaded hit restores every
+component or ends at an earlier node that has them (honestly shorter).
+
+Every record carries the checksum taken when it was written and is checked when it is read: a
+record that fails is a miss (counted), the nodes from it on leave the tree, and their tokens are
+computed again. The copies are synchronous for now: a load is queued on the device's stream
+ahead of the forward, a write waits for the pages' step (layer-by-layer loading overlapped with
+the forward, on a stream of its own, is not built yet).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..config import HICACHE_WRITE_POLICIES
+from ..families.cache_tier import CacheTier, TierLayout, TierPage, prefix_keys
+from .pages import PagePool
+from .radix import RadixCache, Tier
+from .storage import KVCache
+from .window import WindowPool
+
+if TYPE_CHECKING:
+    from .radix import _Node
+
+SELECTIVE_HITS = 2  # matches through a node before write_through_selective writes it
+
+
+@dataclass
+class TierStats:
+    """What crossed between the device and the lower tier (records: one per page, or per window)."""
+
+    written_pages: int = 0
+    written_windows: int = 0
+    refused: int = 0  # records the lower tier had no room for
+    loaded_pages: int = 0
+    loaded_windows: int = 0
+    hit_tokens: int = 0  # prefix tokens a match found only in the lower tier and loaded back
+    checksum_failures: int = 0
+    bytes_written: int = 0
+    bytes_loaded: int = 0
+
+
+def tier_layout(kv: KVCache, model: str) -> TierLayout:
+    """The records a tier keeps for ``kv`` (a page's components, and a window page's where there are
+    windows), named in content keys by ``model`` and those records' layout."""
+    segments = {"page": kv.record_segments()}
+    if kv.num_window_pages:
+        segments["window"] = kv.record_segments(windowed=True)
+    return TierLayout(segments, json.dumps([model, segments], sort_keys=True))
+
+
+def host_capacity(kv: KVCache, layout: TierLayout, ratio: float, size_bytes: int = 0) -> dict[str, int]:
+    """Records of each kind host memory keeps: ``ratio`` times the device's pages (and window
+    pages), or as many as ``size_bytes`` holds in the same proportion."""
+    device = {"page": kv.num_pages - 1, "window": kv.num_window_pages - 1}
+    device = {k: n for k, n in device.items() if k in layout.segments}
+    if size_bytes:
+        ratio = size_bytes / sum(n * layout.record_bytes(k) for k, n in device.items())
+    return {k: int(n * ratio) for k, n in device.items()}
+
+
+class KVHierarchy:
+    def __init__(self, radix: RadixCache, pool: PagePool, kv: KVCache, window: WindowPool | None, tier: CacheTier,
+                 policy: str = "write_through", model_key: str = "") -> None:
+        if policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {policy!r}")
+        self.radix, self.pool, self.kv, self.window, self.tier = radix, pool, kv, window, tier
+        self.policy = policy
+        self.model_key = model_key
+        self.page_size = radix.page_size
+        self.stats = TierStats()
+        self._pinned = kv.device.type == "cuda"
+        radix.lower = self
+
+    # -- what the radix tree asks -------------------------------------------------------------
+
+    def inserted(self, node: _Node) -> None:
+        """The tree stored a prefix ending at ``node``: write-through writes what is not below yet."""
+        if self.policy == "write_through":
+            for n in self.radix.path(node):
+                self._save(n)
+
+    def matched(self, node: _Node) -> None:
+        """A match went through ``node`` (and its ancestors): selective write-through counts it."""
+        if self.policy != "write_through_selective":
+            return
+        for n in self.radix.path(node):
+            n.hits += 1
+            if n.hits >= SELECTIVE_HITS:
+                self._save(n)
+
+    def keep(self, node: _Node) -> bool:
+        """``node`` is leaving the device: whether the lower tier holds its pages (write-back writes
+        them now), so it is demoted rather than dropped."""
+        if self.policy == "write_back" or Tier.HOST in node.tiers:
+            self._save(node)
+        return Tier.HOST in node.tiers
+
+    def forget(self, node: _Node) -> None:
+        """The tree no longer refers to ``node``'s records."""
+        self.tier.discard((node.lower or []) + (node.lower_window or []))
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _save(self, node: _Node) -> None:
+        """Put the node's pages, and the windows its end holds, in the lower tier where they are not yet."""
+        if Tier.HOST not in node.tiers:
+            keys = self._keys(node)
+            if self._put(node, keys, self.kv.read_records(node.pages), "page"):
+                node.lower = keys
+                node.tiers.add(Tier.HOST)
+                self.stats.written_pages += len(keys)
+        if node.window is not None and node.lower_window is None and node.lower:
+            keys = [f"{node.lower[-1]}:w{i}" for i in range(len(node.window))]
+            rows = [self.window.page_of(p) for p in node.window]
+            if self._put(node, keys, self.kv.read_records(rows, windowed=True), "window"):
+                node.lower_window = keys
+                self.stats.written_windows += len(keys)
+
+    def _put(self, node: _Node, keys: list[str], rows: torch.Tensor, kind: str) -> bool:
+        """Store one record per row under ``keys``, making room first; all or none."""
+        free = self.tier.free(kind)
+        if free is not None and free < len(keys):
+            self.radix.release_lower(lambda: self.tier.free(kind) >= len(keys), keep=node)
+        done = self.tier.put([TierPage.of(k, r, kind) for k, r in zip(keys, rows)])
+        if not all(done):
+            self.tier.discard([k for k, ok in zip(keys, done) if ok])
+            self.stats.refused += len(keys)
+            return False
+        self.stats.bytes_written += rows.numel()
+        return True
+
+    def _keys(self, node: _Node) -> list[str]:
+        tokens = self.radix.prefix(node)
+        return prefix_keys(tokens, self.page_size, self.model_key)[-(len(node.key) // self.page_size):]
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, tokens: list[int], reserve: Callable[[int], bool]) -> int:
+        """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
+        (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
+        frees ``n`` device pages (evicting) or says it cannot."""
+        frontier, device_pages, lower = self.radix.lower_path(tokens)
+        if not lower:
+            self._restore_windows(frontier, device_pages)
+            return 0
+        bad = None
+        self.radix.lock(lower[-1])  # neither its path on the device nor its records go meanwhile
+        try:
+            records, bad = self._read([k for n in lower for k in n.lower], "page")
+            end, count, windows = self._end(lower, len(records), len(device_pages))
+            if end is None or windows is not None and not self._window_room(len(windows)) or not reserve(count):
+                return 0
+            pages = self.pool.alloc(count)
+            self.kv.write_records(pages, self._batch(records[:count]))
+            start = 0
+            for n in lower[:lower.index(end) + 1]:
+                self.radix.promote(n, pages[start:start + len(n.lower)])
+                start += len(n.lower)
+            self.stats.loaded_pages += count
+            self.stats.hit_tokens += count * self.page_size
+            if windows is not None:
+                self._hold_windows(end, device_pages + pages, windows)
+            return count * self.page_size
+        finally:
+            self.radix.unlock(lower[-1])
+            if bad is not None:
+                self.radix.drop(next(n for n in lower if bad in n.lower))
+
+    def _end(self, lower: list[_Node], num_records: int, num_device_pages: int):
+        """The deepest node of ``lower`` a load can end at (its records, and the windows of its end
+        for a model that has windows, all intact), the pages to load, and those windows' records."""
+        ends, total = [], 0
+        for n in lower:
+            total += len(n.lower)
+            ends.append(total)
+        for i in reversed(range(len(lower))):
+            if ends[i] > num_records:
+                continue
+            if self.window is None:
+                return lower[i], ends[i], None
+            if lower[i].lower_window is not None:
+                windows = self._windows(lower[i], num_device_pages + ends[i])
+                if windows is not None:
+                    return lower[i], ends[i], windows
+        return None, 0, None
+
+    def _windows(self, end: _Node, num_pages: int) -> list[torch.Tensor] | None:
+        """The intact window records of ``end``'s tail (a prefix of ``num_pages`` pages), or None:
+        records that fail are let go."""
+        records, bad = self._read(end.lower_window, "window")
+        if bad is None and len(records) == self.radix.tail_pages(num_pages):
+            return records
+        self.tier.discard(end.lower_window)
+        end.lower_window = None
+        return None
+
+    def _read(self, keys: list[str], kind: str) -> tuple[list[torch.Tensor], str | None]:
+        """The leading records of ``keys`` that are there and intact, and the key of the first that
+        is missing or fails its checksum (None if every one is good)."""
+        good: list[torch.Tensor] = []
+        for key, rec in zip(keys, self.tier.get(keys)):
+            if rec is None or rec.kind != kind or not rec.intact():
+                self.stats.checksum_failures += rec is not None
+                return good, key
+            good.append(rec.data)
+        return good, None
+
+    def _batch(self, records: list[torch.Tensor]) -> torch.Tensor:
+        """The records as one [n, bytes] host tensor, pinned for the device where it is a GPU."""
+        out = torch.empty(len(records), records[0].numel(), dtype=torch.uint8, pin_memory=self._pinned)
+        torch.stack(records, out=out)
+        self.stats.bytes_loaded += out.numel()
+        return out
+
+    def _window_room(self, num_pages: int) -> bool:
+        return self.window.num_free >= num_pages or self.radix.release_windows(num_pages)
+
+    def _restore_windows(self, end: _Node, path_pages: list[int]) -> None:
+        """Let ``end`` (the deepest node of a match on the device) hold the windows of its tail again
+        from its window records, where it holds none."""
+        if self.window is None or end.window is not None or end.lower_window is None or not path_pages:
+            return
+        windows = self._windows(end, len(path_pages))
+        if windows is not None and self._window_room(len(windows)):
+            self._hold_windows(end, path_pages, windows)
+
+    def _hold_windows(self, end: _Node, path_pages: list[int], records: list[torch.Tensor]) -> None:
+        """``end`` holds the windows of its tail; those no one held get their bytes from ``records``."""
+        tail = path_pages[len(path_pages) - len(records):]
+        fresh = [i for i, p in enumerate(tail) if not self.window.has(p)]
+        self.window.hold(tail)
+        end.window = tail
+        if fresh:
+            rows = [self.window.page_of(tail[i]) for i in fresh]
+            self.kv.write_records(rows, self._batch([records[i] for i in fresh]), windowed=True)
+        self.stats.loaded_windows += len(fresh)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError unless the lower tier holds exactly the records the tree refers to."""
+        referred = set()
+        for n in self.radix.lower_nodes():
+            if len(n.lower) * self.page_size != len(n.key):
+                raise AssertionError(f"a node of {len(n.key)} tokens has {len(n.lower)} lower-tier records")
+            referred.update(n.lower + (n.lower_window or []))
+        held = self.tier.keys() if hasattr(self.tier, "keys") else referred
+        if held != referred:
+            raise AssertionError(f"the lower tier holds {len(held - referred)} record(s) no node refers to and "
+                                 f"misses {len(referred - held)} that nodes refer to")

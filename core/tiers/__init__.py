@@ -1,0 +1,1 @@
+"""Cache tiers below the device (the cache-tier family's implementations): host memory (L2)."""

@@ -1,0 +1,98 @@
+"""The hierarchical cache end to end on the trained tiny checkpoints: a prompt whose prefix the
+device evicted but host memory kept hits there (counted, fewer tokens computed) and decodes
+greedily exactly as an engine without the hierarchy does; a corrupted host record is caught and
+its tokens recomputed; no page or record is left behind."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.server.engine_args import add_engine_args, engine_config
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def workload(seed: int) -> list[list[int]]:
+    """A prompt, an unrelated longer one that pushes it off a small device cache, the first again
+    with a few more tokens."""
+    rng = random.Random(seed)
+    first, other = ([rng.randrange(4096) for _ in range(n)] for n in (100, 130))
+    return [first, other, first + [rng.randrange(4096) for _ in range(5)]]
+
+
+def run(path, prompts, corrupt: bool = False, **hicache):
+    """Each prompt alone, in order, on a device cache of 40 pages of 4 tokens; the outputs and the engine."""
+    llm = LLM(str(path), dtype="float32", progress=False, page_size=4, num_pages=40, **hicache)
+    outs = []
+    for i, p in enumerate(prompts):
+        lower = llm.engine.kv_manager.lower
+        if corrupt and i == len(prompts) - 1:  # one record of the first prompt's pages, flipped in host memory
+            node = next(n for n in llm.engine.kv_manager.radix.lower_nodes() if n.key[:4] == tuple(p[:4]))
+            lower.tier.corrupt(node.lower[len(node.lower) // 2], 3)
+        outs.append(llm.generate([p], PARAMS)[0])
+    return outs, llm
+
+
+@pytest.fixture(scope="module")
+def without_hierarchy(shared_dir, run_seed):
+    """Per model, the workload and its outputs on the same small device cache without the hierarchy."""
+    done = {}
+
+    def get(model: str):
+        if model not in done:
+            prompts = workload(run_seed)
+            done[model] = prompts, run(shared_dir / "models" / model, prompts)[0]
+        return done[model]
+    return get
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
+@pytest.mark.parametrize("policy,layout", [("write_through", "layer_first"), ("write_back", "page_first")])
+def test_a_prefix_evicted_to_host_memory_hits_there_and_decodes_the_same(shared_dir, without_hierarchy, model,
+                                                                        policy, layout):
+    path = shared_dir / "models" / model
+    prompts, plain = without_hierarchy(model)
+    tiered, llm = run(path, prompts, enable_hierarchical_cache=True, hicache_write_policy=policy,
+                      hicache_mem_layout=layout)
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    assert plain[2].num_cached_tokens == 0, "the small device cache was meant to lose the first prompt"
+    assert tiered[2].num_cached_tokens == 100
+    kv = llm.engine.kv_manager
+    assert kv.lower.stats.hit_tokens == 100 and kv.lower.stats.checksum_failures == 0
+    kv.reset_prefix_cache()
+    kv.check_consistency()
+    assert kv.stats().num_used == 0 and kv.stats().num_window_used == 0 and not kv.lower.tier.keys()
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
+def test_a_corrupted_host_record_is_recomputed_not_served(shared_dir, without_hierarchy, model):
+    path = shared_dir / "models" / model
+    prompts, plain = without_hierarchy(model)
+    tiered, llm = run(path, prompts, corrupt=True, enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    kv = llm.engine.kv_manager
+    assert kv.lower.stats.checksum_failures == 1 and tiered[2].num_cached_tokens < 100
+    kv.check_consistency()
+
+
+def test_the_flags_reach_the_config_and_bad_values_are_refused():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "m", "--enable-hierarchical-cache", "--hicache-size", "1.5",
+                              "--hicache-write-policy", "write_through_selective", "--hicache-mem-layout", "page_first"])
+    c = engine_config(args)
+    assert (c.enable_hierarchical_cache, c.hicache_size, c.hicache_write_policy, c.hicache_mem_layout) == \
+        (True, 1.5, "write_through_selective", "page_first")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hicache-write-policy", "write_around"])
+    for bad, match in [(dict(hicache_write_policy="write_around"), "hicache_write_policy"),
+                       (dict(hicache_mem_layout="token_first"), "hicache_mem_layout"),
+                       (dict(hicache_ratio=0), "hicache_ratio"),
+                       (dict(enable_hierarchical_cache=True, enable_prefix_caching=False), "prefix caching")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model="m", **bad)
