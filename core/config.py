@@ -27,6 +27,7 @@ DTYPES = {
 QUANTIZATIONS = (None, "none")  # None: as the checkpoint stores the weights
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -120,6 +121,10 @@ class EngineConfig:
     hicache_size: float = 0.0  # GiB of host memory for them; 0: by hicache_ratio
     hicache_write_policy: str = "write_through"  # write_through | write_through_selective | write_back
     hicache_mem_layout: str = "layer_first"  # layer_first | page_first
+    hicache_storage_backend: str | None = None  # L3: a cache-tier name (file, or a plugin's)
+    hicache_storage_dir: str | None = None  # the file backend's directory (shared by engines)
+    hicache_storage_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
+    hicache_storage_prefetch_threshold: int = 256  # tokens a storage hit must reach to be fetched
     # speculative decoding (core/spec/): a SpeculativeConfig, or its fields as a mapping or a JSON object
     speculative_config: SpeculativeConfig | None = None
     # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
@@ -174,6 +179,12 @@ class EngineConfig:
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} "
                              f"and {self.hicache_size}")
+        if self.hicache_storage_prefetch_policy not in HICACHE_PREFETCH_POLICIES:
+            raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
+                             f"got {self.hicache_storage_prefetch_policy!r}")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend stages its pages through host memory: it needs "
+                             "enable_hierarchical_cache")
         if self.enable_hierarchical_cache and not self.enable_prefix_caching:
             raise ValueError("enable_hierarchical_cache keeps the prefix cache's pages: it needs prefix caching")
         if self.speculative_config is not None:

@@ -85,8 +85,11 @@ class Scheduler:
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue a request's sequences; for n > 1 only the first computes the prompt."""
-        seqs[0].status = SeqStatus.WAITING
-        self.waiting.append(seqs[0])
+        first = seqs[0]
+        first.status = SeqStatus.WAITING
+        self.waiting.append(first)
+        if not first.wants_prompt_logprobs:  # what _match_prefix will look up, read from storage meanwhile
+            self.kv.prefetch(first.tokens[:first.num_tokens - 1])
         self._pend_siblings(seqs)
 
     def add_computed(self, seqs: list[Sequence], num_computed: int) -> None:

@@ -175,7 +175,14 @@ def attach_host_tier(plugins: Plugins, ctx: SelectionContext, kv: KVCache, kv_ma
     capacity = host_capacity(kv, layout, config.hicache_ratio, int(config.hicache_size * 2**30))
     tier_ctx = TierContext(ctx.platform, ctx.model_config, config, layout, capacity, kv.device)
     tier = plugins.select("cache_tier", tier_ctx, "host").create(tier_ctx)
-    kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv)
+    lower = kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv)
+    if config.hicache_storage_backend:
+        storage_ctx = TierContext(ctx.platform, ctx.model_config, config, layout, {}, kv.device)
+        storage = plugins.select("cache_tier", storage_ctx, config.hicache_storage_backend).create(storage_ctx)
+        lower.attach_storage(storage, config.hicache_storage_prefetch_policy,
+                             config.hicache_storage_prefetch_threshold)
+        logger.info("hierarchical cache: storage tier %s, prefetch %s from %d tokens", storage.name,
+                    config.hicache_storage_prefetch_policy, config.hicache_storage_prefetch_threshold)
     logger.info("hierarchical cache: host tier %s (%s) holds %s records (%.1f MiB), %s",
                 tier.name, config.hicache_mem_layout, capacity,
                 sum(n * layout.record_bytes(k) for k, n in capacity.items()) / 2**20, config.hicache_write_policy)

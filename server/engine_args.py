@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import re
 
-from ..core.config import HICACHE_MEM_LAYOUTS, HICACHE_WRITE_POLICIES, EngineConfig
+from ..core.config import HICACHE_MEM_LAYOUTS, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, EngineConfig
 from ..core.spec.config import SpecConfigError, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when pages go to host memory: as cached, once matched twice, or when evicted")
     h.add_argument("--hicache-mem-layout", default="layer_first", choices=HICACHE_MEM_LAYOUTS,
                    help="host arrays per KV component (layer_first) or one row per page (page_first)")
+    h.add_argument("--hicache-storage-backend", default=None,
+                   help="a storage tier below host memory (L3): file, or a plugin's (`engine plugins`, family cache_tier)")
+    h.add_argument("--hicache-storage-dir", default=None, help="the file backend's directory (engines may share it)")
+    h.add_argument("--hicache-storage-prefetch-policy", default="best_effort", choices=HICACHE_PREFETCH_POLICIES,
+                   help="how long a request waits for its prefix to arrive from storage: not at all (best_effort), "
+                        "until all of it has (wait_complete), or a bound of 1 s + 0.25 s per 1K tokens (timeout)")
+    h.add_argument("--hicache-storage-prefetch-threshold", type=int, default=256,
+                   help="tokens a storage hit must reach to be fetched")
     for family in ("attention", "v4-attention", "mhc", "moe", "linear", "norm", "sampling", "graph"):
         g.add_argument(f"--{family}-backend", default=None, help=f"name a {family} backend (see `engine plugins`)")
 
@@ -122,5 +130,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
         hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,
-        hicache_mem_layout=args.hicache_mem_layout,
+        hicache_mem_layout=args.hicache_mem_layout, hicache_storage_backend=args.hicache_storage_backend,
+        hicache_storage_dir=args.hicache_storage_dir,
+        hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+        hicache_storage_prefetch_threshold=args.hicache_storage_prefetch_threshold,
     )

@@ -33,6 +33,7 @@ import torch
 from ..config import HICACHE_WRITE_POLICIES
 from ..families.cache_tier import CacheTier, TierLayout, TierPage, prefix_keys
 from .pages import PagePool
+from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
 from .storage import KVCache
 from .window import WindowPool
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
     from .radix import _Node
 
 SELECTIVE_HITS = 2  # matches through a node before write_through_selective writes it
+MAX_PREFETCHES = 256  # storage reads of requests not admitted yet
+
+
+def window_keys(end_key: str, num_pages: int) -> list[str]:
+    """The keys of the window records of a prefix's tail, named after the key of its last page."""
+    return [f"{end_key}:w{i}" for i in range(num_pages)]
 
 
 @dataclass
@@ -56,6 +63,9 @@ class TierStats:
     checksum_failures: int = 0
     bytes_written: int = 0
     bytes_loaded: int = 0
+    storage_written: int = 0  # records written to the storage tier
+    storage_refused: int = 0  # records it did not take (full, unreachable)
+    storage_hit_tokens: int = 0  # prefix tokens found only in storage and brought into host memory
 
 
 def tier_layout(kv: KVCache, model: str) -> TierLayout:
@@ -88,6 +98,8 @@ class KVHierarchy:
         self.page_size = radix.page_size
         self.stats = TierStats()
         self._pinned = kv.device.type == "cuda"
+        self.reader: StorageReader | None = None
+        self._prefetches: dict[str, Prefetch] = {}  # by the key of the first page each reads
         radix.lower = self
 
     # -- what the radix tree asks -------------------------------------------------------------
@@ -124,29 +136,111 @@ class KVHierarchy:
         """Put the node's pages, and the windows its end holds, in the lower tier where they are not yet."""
         if Tier.HOST not in node.tiers:
             keys = self._keys(node)
-            if self._put(node, keys, self.kv.read_records(node.pages), "page"):
+            records = self._records(keys, self.kv.read_records(node.pages), "page")
+            if self._put(node, records):
                 node.lower = keys
                 node.tiers.add(Tier.HOST)
                 self.stats.written_pages += len(keys)
+                self._store(records)
         if node.window is not None and node.lower_window is None and node.lower:
-            keys = [f"{node.lower[-1]}:w{i}" for i in range(len(node.window))]
+            keys = window_keys(node.lower[-1], len(node.window))
             rows = [self.window.page_of(p) for p in node.window]
-            if self._put(node, keys, self.kv.read_records(rows, windowed=True), "window"):
+            records = self._records(keys, self.kv.read_records(rows, windowed=True), "window")
+            if self._put(node, records):
                 node.lower_window = keys
                 self.stats.written_windows += len(keys)
+                self._store(records)
 
-    def _put(self, node: _Node, keys: list[str], rows: torch.Tensor, kind: str) -> bool:
-        """Store one record per row under ``keys``, making room first; all or none."""
-        free = self.tier.free(kind)
-        if free is not None and free < len(keys):
-            self.radix.release_lower(lambda: self.tier.free(kind) >= len(keys), keep=node)
-        done = self.tier.put([TierPage.of(k, r, kind) for k, r in zip(keys, rows)])
-        if not all(done):
-            self.tier.discard([k for k, ok in zip(keys, done) if ok])
-            self.stats.refused += len(keys)
-            return False
+    def _records(self, keys: list[str], rows: torch.Tensor, kind: str) -> list[TierPage]:
         self.stats.bytes_written += rows.numel()
+        return [TierPage.of(k, r, kind) for k, r in zip(keys, rows)]
+
+    def _put(self, keep: _Node, records: list[TierPage]) -> bool:
+        """Store ``records`` (of one kind) in host memory, making room first (never at the expense of
+        ``keep`` or what is below it); all or none."""
+        kind, n = records[0].kind, len(records)
+        free = self.tier.free(kind)
+        if free is not None and free < n:
+            self.radix.release_lower(lambda: self.tier.free(kind) >= n, keep=keep)
+        done = self.tier.put(records)
+        if not all(done):
+            self.tier.discard([r.key for r, ok in zip(records, done) if ok])
+            self.stats.refused += n
+            return False
         return True
+
+    def _store(self, records: list[TierPage]) -> None:
+        """Write what host memory took to the storage tier too, where there is one; a failure is counted."""
+        if self.reader is not None:
+            stored = self.reader.tier.put(records)
+            self.stats.storage_written += sum(stored)
+            self.stats.storage_refused += len(stored) - sum(stored)
+
+    # -- the storage tier (L3) --------------------------------------------------------------------
+
+    def attach_storage(self, tier: CacheTier, policy: str, threshold_tokens: int) -> None:
+        """Keep what host memory takes in ``tier`` too, and fetch prefixes from it (prefetch.py)."""
+        self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size)
+
+    def prefetch(self, tokens: list[int]) -> None:
+        """A request arrived: start reading from storage what it may hit past the tree."""
+        if self.reader is None:
+            return
+        _, start, keys = self._beyond(tokens)
+        if keys and keys[0] not in self._prefetches:
+            p = self.reader.start(keys, start)
+            if p is not None:
+                self._prefetches[keys[0]] = p
+                while len(self._prefetches) > MAX_PREFETCHES:  # requests that never came to be admitted
+                    self._prefetches.pop(next(iter(self._prefetches))).stop = True
+
+    def _beyond(self, tokens: list[int]) -> tuple[_Node, int, list[str]]:
+        """The deepest node of ``tokens``' prefix the tree knows (on any tier), its whole pages, and
+        the keys of the pages past it."""
+        frontier, pages, lower = self.radix.lower_path(tokens)
+        known = len(pages) + sum(len(n.lower) for n in lower)
+        return (lower[-1] if lower else frontier), known, prefix_keys(tokens, self.page_size, self.model_key)[known:]
+
+    def _fetch(self, tokens: list[int]) -> None:
+        """Bring what storage holds of ``tokens`` past the tree into host memory, as a node there."""
+        anchor, start, keys = self._beyond(tokens)
+        if not keys:
+            return
+        p = self._prefetches.pop(keys[0], None) or self.reader.start(keys, start)
+        if p is None:
+            return
+        records = []
+        for rec in self.reader.take(p):
+            if rec.kind != "page" or not rec.intact():
+                self.stats.checksum_failures += rec.kind == "page"
+                break
+            records.append(rec)
+        count, windows = len(records), None
+        while count and self.window is not None:  # the end must bring its windows
+            windows = self._stored_windows(keys[count - 1], start + count)
+            if windows is not None:
+                break
+            count -= 1
+        if not count:
+            return
+        self.radix.lock(anchor)
+        try:
+            if not self._put(anchor, records[:count]) or windows is not None and not self._put(anchor, windows):
+                return
+            self.radix.attach_lower(tokens, keys[:count], [w.key for w in windows] if windows is not None else None)
+            self.stats.storage_hit_tokens += count * self.page_size
+        finally:
+            self.radix.unlock(anchor)
+
+    def _stored_windows(self, end_key: str, num_pages: int) -> list[TierPage] | None:
+        """The intact window records storage holds for a prefix of ``num_pages`` pages ending at ``end_key``."""
+        keys = window_keys(end_key, self.radix.tail_pages(num_pages))
+        if self.reader.tier.contains(keys[:1]) == 0:
+            return None
+        got = self.reader.read_now(keys)
+        if len(got) < len(keys) or not all(r.kind == "window" and r.intact() for r in got):
+            return None
+        return got
 
     def _keys(self, node: _Node) -> list[str]:
         tokens = self.radix.prefix(node)
@@ -158,6 +252,8 @@ class KVHierarchy:
         """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
         (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
         frees ``n`` device pages (evicting) or says it cannot."""
+        if self.reader is not None:
+            self._fetch(tokens)
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
             self._restore_windows(frontier, device_pages)

@@ -144,6 +144,11 @@ class KVManager:
             self.window.hold(st.pages[slice(*st.window)])
         return match.num_tokens
 
+    def prefetch(self, tokens: list[int]) -> None:
+        """A request that will look up ``tokens`` arrived: a storage tier may start reading them."""
+        if self.lower is not None and self.radix.enabled:
+            self.lower.prefetch(tokens)
+
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         """Count one prefix-cache lookup (once per admitted request, however often it was matched)."""
         self.radix.record(num_queried, num_hit)

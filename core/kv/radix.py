@@ -432,6 +432,21 @@ class RadixCache:
         node.tiers.discard(Tier.HOST)
         node.lower = node.lower_window = None
 
+    def attach_lower(self, tokens: list[int], keys: list[str], window_keys: list[str] | None) -> _Node:
+        """A node only the lower tier holds, for the ``len(keys)`` pages of ``tokens`` past the prefix
+        the tree knows (records fetched from storage): its records' keys and its end's windows'."""
+        node, _, path = self._walk(tokens, lower=True)
+        start = sum(len(n.key) for n in path)
+        end = start + len(keys) * self.page_size
+        if end > len(tokens) // self.page_size * self.page_size:
+            raise ValueError(f"{len(keys)} records past {start} tokens, beyond the {len(tokens)} given")
+        leaf = self._new_node(tuple(tokens[start:end]), [], node)
+        leaf.tiers = {Tier.HOST}
+        leaf.lower, leaf.lower_window = list(keys), window_keys
+        leaf.last_access = self._clock
+        node.children[leaf.key[:self.page_size]] = leaf
+        return leaf
+
     def lower_nodes(self):
         """Every node the lower tier holds."""
         return (n for n in self.nodes() if Tier.HOST in n.tiers)

@@ -76,4 +76,13 @@ def engine_register_spec_proposers() -> list[Descriptor]:
 
 @hookimpl
 def engine_register_cache_tiers() -> list[Descriptor]:
-    return [Descriptor("cache_tier", "host", _instance("engine.core.tiers.host:HostTier"), priority=NATIVE_PRIORITY)]
+    return [Descriptor("cache_tier", "host", _instance("engine.core.tiers.host:HostTier"), priority=NATIVE_PRIORITY),
+            Descriptor("cache_tier", "file", _instance("engine.core.tiers.file:FileTier"), priority=NATIVE_PRIORITY,
+                       check=_file_reasons)]
+
+
+def _file_reasons(ctx) -> list[str]:
+    from ..tiers.file import file_reasons
+
+    return file_reasons(ctx)
+

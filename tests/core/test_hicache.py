@@ -6,7 +6,11 @@ its tokens recomputed; no page or record is left behind."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +100,37 @@ def test_the_flags_reach_the_config_and_bad_values_are_refused():
                        (dict(enable_hierarchical_cache=True, enable_prefix_caching=False), "prefix caching")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="m", **bad)
+
+
+ENGINE_PROCESS = """
+import json, sys
+from engine import LLM, SamplingParams
+path, directory, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(path, dtype="float32", progress=False, page_size=4, num_pages=40, enable_hierarchical_cache=True,
+          hicache_storage_backend="file", hicache_storage_dir=directory, hicache_storage_prefetch_threshold=64,
+          hicache_storage_prefetch_policy="wait_complete")
+out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+s = llm.engine.kv_manager.lower.stats
+print(json.dumps([out.outputs[0].token_ids, out.num_cached_tokens, s.storage_hit_tokens, s.storage_written]))
+"""
+
+
+def engine_process(path, directory, prompt) -> list:
+    """One engine in a process of its own, sharing ``directory``: its tokens, hit and storage counters."""
+    res = subprocess.run([sys.executable, "-c", ENGINE_PROCESS, str(path), str(directory), json.dumps(prompt)],
+                         capture_output=True, text=True, timeout=300, env=os.environ)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
+def test_a_second_engine_process_hits_what_the_first_stored(shared_dir, without_hierarchy, model, tmp_path):
+    """Two engines in two processes, one after the other, on one storage directory: the second
+    finds the first's prompt there (counted) and decodes greedily as an engine without any tier."""
+    path = shared_dir / "models" / model
+    prompts, plain = without_hierarchy(model)
+    first = engine_process(path, tmp_path, prompts[0])
+    assert first[0] == plain[0].outputs[0].token_ids and first[3] > 0 and first[1] == 0
+    tokens, cached, storage_hits, _ = engine_process(path, tmp_path, prompts[2])
+    assert cached == storage_hits == 100
+    assert tokens == plain[2].outputs[0].token_ids

@@ -1,0 +1,113 @@
+"""A directory as a cache tier (L3): one file per record, shared by every engine that mounts it.
+
+A record is stored under its content key (the prefix it ends, the model, the page layout;
+cache_tier.prefix_keys), so engines of the same model share hits and different models never meet.
+Each file is written whole to a temporary name in the same directory and renamed into place
+(atomic on a POSIX file system, NFS included), so a reader sees a complete record or none, and
+engines writing the same record at once each rename a complete copy. The file carries a header
+(its key, kind, checksum and length) before the bytes: a file that is not one, or names another
+key (foreign), is a miss; a truncated one fails its checksum where the caller checks it. A write
+that fails (a full disk, a gone mount) is logged and refused; serving goes on. Records are never
+deleted here: the directory is shared, and its size is the operator's to bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..families.cache_tier import CacheTier, TierContext, TierPage
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"engine-kv-record 1\n"
+
+
+def file_reasons(ctx) -> list[str]:
+    """Why the file tier cannot serve this config (empty: it can)."""
+    directory = getattr(ctx.engine_config, "hicache_storage_dir", None)
+    if not directory:
+        return ["--hicache-storage-dir names no directory"]
+    path = Path(directory).expanduser()
+    probe = path
+    while not probe.exists():  # the directory is made at start-up: the nearest existing one must allow it
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        return [f"{path} is not a writable directory"]
+    return []
+
+
+class FileTier(CacheTier):
+    name = "file"
+
+    def __init__(self, ctx: TierContext) -> None:
+        super().__init__(ctx)
+        self.root = Path(ctx.engine_config.hicache_storage_dir).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.rejected = 0  # files that were not a record of the key asked for
+        self.failed_writes = 0
+
+    def _path(self, key: str) -> Path:
+        name = key.replace(":", "-")
+        return self.root / name[:2] / f"{name}.kv"
+
+    def put(self, pages: list[TierPage]) -> list[bool]:
+        return [self._put(p) for p in pages]
+
+    def _put(self, page: TierPage) -> bool:
+        path = self._path(page.key)
+        if path.exists():
+            return True
+        header = json.dumps({"key": page.key, "kind": page.kind, "checksum": page.checksum,
+                             "bytes": page.data.numel()}).encode()
+        tmp = None
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + len(header).to_bytes(4, "little") + header)
+                f.write(page.data.contiguous().view(torch.uint8).numpy().tobytes())
+            os.replace(tmp, path)
+            return True
+        except OSError as exc:
+            self.failed_writes += 1
+            if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
+                logger.warning("hierarchical cache: writing %s failed (%s; %d failed writes so far)", path, exc,
+                               self.failed_writes)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            return False
+
+    def get(self, keys: list[str]) -> list[TierPage | None]:
+        return [self._get(k) for k in keys]
+
+    def _get(self, key: str) -> TierPage | None:
+        try:
+            raw = self._path(key).read_bytes()
+        except OSError:
+            return None
+        start = len(MAGIC) + 4
+        try:
+            if not raw.startswith(MAGIC):
+                raise ValueError("no record header")
+            size = int.from_bytes(raw[len(MAGIC):start], "little")
+            header = json.loads(raw[start:start + size])
+            if header["key"] != key:
+                raise ValueError(f"a record of {header['key']!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.rejected += 1
+            logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss", self._path(key), exc)
+            return None
+        data = torch.frombuffer(bytearray(raw[start + size:]), dtype=torch.uint8)
+        return TierPage(key, data, header["checksum"], header["kind"])
+
+    def contains(self, keys: list[str]) -> int:
+        return next((i for i, k in enumerate(keys) if not self._path(k).exists()), len(keys))

@@ -1,0 +1,97 @@
+"""The storage tier (L3) below host memory, at the KV manager: what one engine's host memory takes
+reaches a shared directory, and another engine with nothing cached finds it there, fetches it
+through host memory to the device with its bytes intact (windows too), by the prefetch policy."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.core.families.cache_tier import TierContext, prefix_keys
+from engine.core.kv import prefetch
+from engine.core.tiers.file import FileTier
+
+from test_hierarchy import TieredHarness, make, run_to_completion
+
+
+def engine(directory, windowed: bool, rng: random.Random, policy: str = "wait_complete", threshold: int = 8,
+           tier_wrapper=None):
+    """A KV manager with host memory and a file tier in ``directory`` (a separate engine each call)."""
+    m, kv, host = make(4, windowed, "write_through")
+    config = EngineConfig(model="-", enable_hierarchical_cache=True, hicache_storage_backend="file",
+                          hicache_storage_dir=str(directory))
+    files = FileTier(TierContext(None, None, config, host.ctx.layout))
+    m.lower.attach_storage(tier_wrapper(files) if tier_wrapper else files, policy, threshold)
+    return m, TieredHarness(m, kv, rng), files
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_a_second_engine_fetches_what_the_first_stored(tmp_path, seed, windowed):
+    rng = random.Random(seed)
+    first, h1, _ = engine(tmp_path, windowed, rng)
+    prompt = [rng.randrange(1000) for _ in range(rng.randint(5, 8) * 4 + rng.randrange(4))]
+    run_to_completion(first, h1, prompt, outputs=rng.randint(0, 5))
+    assert first.lower.stats.storage_written > 0
+    second, h2, _ = engine(tmp_path, windowed, rng)
+    follow = prompt + [rng.randrange(1000) for _ in range(3)]
+    second.prefetch(follow[:-1])
+    hit, _ = run_to_completion(second, h2, follow)  # reads every hit token back from the fetched pages
+    assert hit == len(prompt) // 4 * 4 and second.lower.stats.storage_hit_tokens == hit
+    second.check_consistency()
+    second.reset_prefix_cache()
+    second.check_consistency()
+    assert second.stats().num_used == 0 and not second.lower.tier.keys()
+
+
+def test_a_short_storage_hit_is_not_fetched_and_a_corrupted_record_ends_it(tmp_path, seed):
+    rng = random.Random(seed)
+    first, h1, files = engine(tmp_path, False, rng)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    run_to_completion(first, h1, prompt + [1])
+    short, hs, _ = engine(tmp_path, False, rng, threshold=44)
+    assert run_to_completion(short, hs, prompt + [2])[0] == 0  # 40 tokens stored, 44 wanted
+    key = prefix_keys(prompt, 4, first.lower.model_key)[6]
+    path = files._path(key)
+    raw = bytearray(path.read_bytes())
+    raw[-1 - rng.randrange(16)] ^= 0x55
+    path.write_bytes(bytes(raw))
+    second, h2, _ = engine(tmp_path, False, rng)
+    assert run_to_completion(second, h2, prompt + [3])[0] == 24
+    assert second.lower.stats.checksum_failures == 1
+    second.check_consistency()
+
+
+class Slow:
+    """A tier whose reads wait until released: what a prefetch has read by admission is up to the policy."""
+
+    def __init__(self, tier):
+        self.tier, self.go = tier, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tier, name)
+
+    def get(self, keys):
+        self.go.wait(10)
+        return self.tier.get(keys)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
+def test_the_prefetch_policy_decides_how_long_admission_waits(tmp_path, seed, policy, monkeypatch):
+    rng = random.Random(seed)
+    monkeypatch.setattr(prefetch, "TIMEOUT_BASE", 0.05)
+    monkeypatch.setattr(prefetch, "TIMEOUT_PER_KI_TOKEN", 0.0)
+    first, h1, _ = engine(tmp_path, False, rng)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    run_to_completion(first, h1, prompt + [1])
+    slow = []
+    second, h2, _ = engine(tmp_path, False, rng, policy, tier_wrapper=lambda t: slow.append(Slow(t)) or slow[0])
+    second.prefetch(prompt)
+    if policy == "wait_complete":
+        threading.Timer(0.2, slow[0].go.set).start()
+    hit = run_to_completion(second, h2, prompt + [2])[0]
+    slow[0].go.set()
+    assert hit == (40 if policy == "wait_complete" else 0)
+    second.check_consistency()
