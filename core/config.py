@@ -129,6 +129,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False  # MoE experts partitioned over those processes (all_to_all), not split
     distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
     # prefill/decode disaggregation (core/disagg/): a DisaggConfig or its fields as a mapping; None: neither
     disaggregation: DisaggConfig | None = None

@@ -32,10 +32,11 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def iter_checkpoint(path: str | Path, progress: bool = True,
-                    part: Callable[[str], tuple[int, int, int] | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    part: Callable[[str], tuple[int, int, int] | bool | None] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor, read from the memory-mapped files. ``part(name)``:
     (dim, index, count) to read only chunk ``index`` of ``count`` along ``dim`` (a tensor-parallel
-    rank's slice), or None for the whole tensor."""
+    rank's slice), None for the whole tensor, False to skip it (nothing reads it)."""
     files = checkpoint_files(path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
@@ -43,7 +44,9 @@ def iter_checkpoint(path: str | Path, progress: bool = True,
     try:
         for f, h in zip(files, handles):
             for name in h.keys():
-                yield name, _read(h, name, part(name) if part is not None else None)
+                want = part(name) if part is not None else None
+                if want is not False:
+                    yield name, _read(h, name, want)
                 bar.update(1)
     finally:
         bar.close()

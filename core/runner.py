@@ -44,6 +44,7 @@ class StepInputs(msgspec.Struct, array_like=True, gc=False):
     logits_indices: list[int]
     in_flight: list[int]  # packed rows whose input token is on rank 0's device only (ascending)
     page_copies: list[tuple[int, int]]  # KV pages to copy (src, dst) before the forward
+    windows: list[tuple[int, int]] = []  # window pages the KV manager assigned since the last step (page, window)
 
 
 class Peers(Protocol):
@@ -82,6 +83,12 @@ class ModelRunner:
         except Exception as exc:  # a collective failed: because a rank died, if one did
             self.peers.explain(exc)
             raise
+
+    def follow(self, inputs: StepInputs) -> torch.Tensor:
+        """Run a step rank 0 scheduled (on another rank): its KV manager's window pages first."""
+        for page, window in inputs.windows:
+            self.kv.stage_window(page, window)
+        return self.run(inputs)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, slots: list[int] | None = None) -> torch.Tensor:
@@ -144,5 +151,5 @@ class ModelRunner:
             else:
                 rows.append((len(logits_indices), 0))
         inputs = StepInputs(input_ids, query_lens, context_lens, tables, logits_indices, table_rows,
-                            step.page_copies)
+                            step.page_copies, self.kv.staged_windows() if self.peers is not None else [])
         return inputs, rows, slots

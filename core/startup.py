@@ -112,6 +112,8 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
         unsafe.append(type(model).__name__)
+    if config.expert_parallel and config.tensor_parallel_size > 1:
+        unsafe.append("expert parallelism (its all_to_all sizes are read on the host)")
     if unsafe:
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
@@ -210,7 +212,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     proposer_selection = select_proposer(plugins, ctx, config)
-    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()}, tp=group)
+    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()}, tp=group,
+                        expert_parallel=config.expert_parallel)
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     if proposer_selection is not None:
         selections["spec"] = proposer_selection

@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (methods: `engine plugins`, family spec)')
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (one per GPU) that split the model's weights, attention heads and KV cache")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="place whole MoE experts on the tensor-parallel ranks (all_to_all dispatch) instead of "
+                        "splitting every expert over them")
     g.add_argument("--distributed-timeout", type=float, default=300.0,
                    help="seconds a collective or a rank's start-up may take before the engine fails")
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -126,7 +129,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
         quantization=args.quantization, speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        distributed_timeout=args.distributed_timeout,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
         hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,

@@ -43,6 +43,15 @@ class ParallelGroup:
         self.pg.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of x sent in order, ``send[r]`` of them to rank r; the ``receive[r]`` rows from each
+        rank r come back concatenated in rank order."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        self.pg.alltoall_base(out, x.contiguous(), receive, send, dist.AllToAllOptions()).wait()
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s x written into every rank's x, in place."""
         if self.size > 1:

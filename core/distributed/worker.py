@@ -48,7 +48,7 @@ def serve(conn: Connection, runner) -> None:
         if isinstance(msg, Stop):
             return
         if isinstance(msg, Step):
-            runner.run(msg.inputs)
+            runner.follow(msg.inputs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,11 @@ class KVCache:
         """Record that ``page``'s window is now ``window_page`` (0: none); sent with the next read."""
         self._staged[page] = window_page
 
+    def staged_windows(self) -> list[tuple[int, int]]:
+        """The (page, window page) changes not yet applied: what the other tensor-parallel ranks'
+        caches must stage too before the next step."""
+        return list(self._staged.items())
+
     def window_table(self) -> torch.Tensor:
         """[num_pages] int32 on the device: each page's window page, staged changes applied."""
         if self._staged:

@@ -25,7 +25,8 @@ from ..kv.storage import KVCache, KVLayerSpec
 class Backends:
     """The implementations selected at start-up; layers hold them as plain objects. A family the
     model's ``blocks`` do not name is not selected (None). ``tp``: the tensor-parallel group the
-    parallel layers split their weights over and run their collectives on (core/distributed)."""
+    parallel layers split their weights over and run their collectives on (core/distributed);
+    ``expert_parallel``: MoE layers place whole experts on its ranks instead of splitting each."""
 
     attention: AttentionBackend | None = None
     linear: LinearBackend | None = None
@@ -34,6 +35,7 @@ class Backends:
     v4_attention: V4AttentionBackend | None = None
     mhc: MHCBackend | None = None
     tp: ParallelGroup = SINGLE
+    expert_parallel: bool = False
 
 
 class CausalLM(nn.Module, ABC):
@@ -77,9 +79,9 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
 
-    def checkpoint_part(self, name: str) -> tuple[int, int, int] | None:
+    def checkpoint_part(self, name: str) -> tuple[int, int, int] | bool | None:
         """The part of checkpoint tensor ``name`` this rank holds, for the loader to read only that
-        (core/loader.py); None: the whole tensor."""
+        (core/loader.py); None: the whole tensor; False: none of it (the model ignores it)."""
         return None
 
     @abstractmethod

@@ -37,15 +37,21 @@ class Linear(nn.Module):
     def keep_quantized(self, scheme: str, data_dtype: torch.dtype, scale_shape: tuple[int, ...],
                        scale_dtype: torch.dtype = torch.float32) -> None:
         """Hold the weight as ``scheme`` (a LinearWeight scheme): data in ``data_dtype`` and scales of
-        ``scale_shape``, both empty until loaded. Again with the same scheme: nothing."""
+        ``scale_shape`` (the checkpoint's: a tensor-parallel rank holds its part), both empty until
+        loaded. Again with the same scheme: nothing."""
         if scheme == self.scheme:
             return
         if self.scheme != "dense" or scheme not in self.backend.schemes:
             raise ValueError(f"a {self.scheme} linear cannot become {scheme} (the {self.backend.name} linear "
                              f"backend runs {self.backend.schemes})")
-        device = self.weight.device
+        device, partition = self.weight.device, getattr(self.weight, "partition", None)
+        if partition is not None:  # a tensor-parallel rank's part: of the scales as of the weight
+            dim, _, count = partition
+            scale_shape = tuple(n // count if d == dim else n for d, n in enumerate(scale_shape))
         self.weight = empty_param(*self.weight.shape, dtype=data_dtype, device=device)
         self.weight_scale = empty_param(*scale_shape, dtype=scale_dtype, device=device)
+        if partition is not None:
+            self.weight.partition = self.weight_scale.partition = partition
         self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
         self.scheme = scheme
 

@@ -169,7 +169,7 @@ class LlamaForCausalLM(CausalLM):
             return Target(f"{m[1]}.mlp.gate_up_proj.weight", proj.shards[m[2]], part=proj.parts[m[2]])
         return Target(name)
 
-    def checkpoint_part(self, name: str) -> tuple[int, int, int] | None:
+    def checkpoint_part(self, name: str) -> tuple[int, int, int] | bool | None:
         return checkpoint_part(self, self.resolve, name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

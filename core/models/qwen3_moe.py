@@ -7,10 +7,12 @@ import re
 import torch
 from torch import nn
 
-from ..families.moe import ExpertWeights, RoutingConfig
+from ..distributed.moe import expert_placement
+from ..families.moe import RoutingConfig
 from ..forward import ForwardBatch
 from .base import Backends
-from .layers import Linear, RMSNorm, empty_param
+from .experts import ExpertStack
+from .layers import Linear, RMSNorm
 from .llama import MLP, Qwen3ForCausalLM
 from .weights import Target
 
@@ -22,14 +24,15 @@ class SparseMoE(nn.Module):
     def __init__(self, hf: dict, backends: Backends, *, dtype: torch.dtype, device) -> None:
         super().__init__()
         hidden, inter, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
-        self.gate = Linear(hidden, experts, backends.linear, dtype=dtype, device=device)
-        self.experts = nn.Module()
-        self.experts.gate_up = empty_param(experts, 2 * inter, hidden, dtype=dtype, device=device)
-        self.experts.down = empty_param(experts, hidden, inter, dtype=dtype, device=device)
+        self.gate = Linear(hidden, experts, backends.linear, dtype=dtype, device=device)  # on every rank
+        # which experts (and which share of each) this rank holds, and how tokens reach them
+        self.placement = expert_placement(backends.tp, backends.expert_parallel)
+        first, count, split = self.placement.place(experts, inter)
+        self.experts = ExpertStack(count, hidden, inter, dtype=dtype, device=device, first=first, split=split)
+        self.top_k = hf["num_experts_per_tok"]
         # HF rounds the routing weights to the activation dtype before combining: the route does
-        self.routing = RoutingConfig(num_experts=experts, top_k=hf["num_experts_per_tok"], scoring="softmax",
+        self.routing = RoutingConfig(num_experts=experts, top_k=self.top_k, scoring="softmax",
                                      renormalize=bool(hf.get("norm_topk_prob", True)), weight_dtype=dtype)
-        self.intermediate = inter
         self.backend = backends.moe
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
@@ -39,8 +42,15 @@ class SparseMoE(nn.Module):
         return self(h, batch), residual
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        weights, ids = self.backend.route(self.gate(x), self.routing, batch.input_ids)
-        return self.backend.experts(x, weights, ids, ExpertWeights(self.experts.gate_up, self.experts.down))
+        return self.placement(self, x, batch.input_ids)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.route(self.gate(x), self.routing, input_ids)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.backend.experts(x, weights, ids, self.experts.weights("silu", None))
+
+    combined = routed  # no shared expert
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -62,12 +72,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def resolve(self, name: str) -> Target | None:
         if m := _EXPERT.match(name):
-            prefix, expert, which = m[1], int(m[2]), m[3]
-            if which == "down":
-                return Target(f"{prefix}.mlp.experts.down", expert=expert)
-            inter = self.get_submodule(f"{prefix}.mlp").intermediate
-            rows = (0, inter) if which == "gate" else (inter, inter)
-            return Target(f"{prefix}.mlp.experts.gate_up", rows=rows, expert=expert)
+            return self.get_submodule(f"{m[1]}.mlp.experts").target(f"{m[1]}.mlp.experts", m[3], int(m[2]))
         if m := _FUSED_EXPERTS.match(name):
+            if self.backends.tp.size > 1:
+                raise ValueError(f"{name}: experts stored fused are not split over tensor-parallel ranks; "
+                                 "a checkpoint with one tensor per expert and projection is")
             return Target(f"{m[1]}.mlp.experts.{'gate_up' if m[2] == 'gate_up' else 'down'}")
         return super().resolve(name)

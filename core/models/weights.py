@@ -83,11 +83,12 @@ def take_part(tensor: torch.Tensor, part: tuple[int, int, int], shape: torch.Siz
     return tensor
 
 
-def checkpoint_part(model: nn.Module, resolve: Resolver, name: str) -> tuple[int, int, int] | None:
-    """The part of checkpoint tensor ``name`` that ``model`` holds (None: all of it, or nothing)."""
+def checkpoint_part(model: nn.Module, resolve: Resolver, name: str) -> tuple[int, int, int] | bool | None:
+    """The part of checkpoint tensor ``name`` that ``model`` holds: None for all of it, False for
+    none (a tensor it ignores, such as another rank's experts)."""
     target = resolve(name)
     if target is None:
-        return None
+        return False
     if target.part is not None:
         return target.part
     try:

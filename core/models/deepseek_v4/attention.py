@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...distributed.layers import ColumnParallelLinear, RowParallelLinear, split
 from ...families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
@@ -79,9 +80,12 @@ class Attention(nn.Module):
     def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
                  ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device) -> None:
         super().__init__()
-        hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
-        self.num_heads, self.head_dim = hf["num_attention_heads"], hf["head_dim"]
-        self.groups, self.o_rank = hf["o_groups"], hf["o_lora_rank"]
+        hidden, eps, tp = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), backends.tp
+        # under tensor parallelism the query heads and the output groups are split over the ranks;
+        # the one KV head, the compressors and the indexer cannot be, and every rank holds them whole
+        heads, self.head_dim, groups = hf["num_attention_heads"], hf["head_dim"], hf["o_groups"]
+        self.num_heads = split(heads, tp.size, "num_attention_heads")
+        self.groups, self.o_rank = split(groups, tp.size, "o_groups"), hf["o_lora_rank"]
         self.layer_type = hf["layer_types"][layer_id]
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         self.cache = cache
@@ -89,14 +93,15 @@ class Attention(nn.Module):
         self.backend, self.norm_backend = backends.v4_attention, backends.norm
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device, ops=backends.norm)
-        self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim, backends.linear, dtype=dtype,
-                           device=device)
+        self.wq_b = ColumnParallelLinear(hf["q_lora_rank"], heads * self.head_dim, backends.linear, tp, dtype=dtype,
+                                         device=device)
         self.wkv = Linear(hidden, self.head_dim, backends.linear, dtype=dtype, device=device)
         self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device, ops=backends.norm)
-        self.wo_a = GroupedLinear(self.num_heads * self.head_dim // self.groups, self.o_rank, self.groups,
-                                  dtype=dtype, device=device)
-        self.wo_b = Linear(self.groups * self.o_rank, hidden, backends.linear, dtype=dtype, device=device)
+        self.wo_a = GroupedLinear(heads * self.head_dim // groups, self.o_rank, self.groups, dtype=dtype, device=device)
+        self.wo_b = RowParallelLinear(groups * self.o_rank, hidden, backends.linear, tp, dtype=dtype, device=device)
         self.attn_sink = empty_param(self.num_heads, dtype=torch.float32, device=device)
+        for p in (self.wo_a.weight, self.attn_sink):  # the rank's groups' rows, its heads' sinks
+            p.partition = (0, tp.rank, tp.size)
         self.window = hf["sliding_window"]
         self.compressor = self.indexer = None
         if self.layer_type != SLIDING:

@@ -17,23 +17,26 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
+from ...distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from ...families.mhc import MixWeights
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache, KVLayerSpec
 from ...native.quant import FP8, e8m0_exponents
 from ...native.rope import RotaryEmbedding, rope_from_hf
 from ..base import Backends, CausalLM
-from ..layers import Embedding, Linear, RMSNorm, empty_param
-from ..weights import Target, load_into
+from ..experts import ExpertStack
+from ..layers import Linear, RMSNorm, empty_param
+from ..weights import Target, checkpoint_part, load_into
 from .attention import CSA, SLIDING, Attention
 from . import moe
 from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import SCALE, Quantized, check_quantization_config, paired
-from .moe import ExpertStack, SparseMoE
+from .moe import SparseMoE
 
 logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts\.(\d+)|shared_experts)\.(w[123])\.weight$")
+_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 _SCHEMES = {"fp8": "fp8_block", "fp4": "fp4"}  # checkpoint kind -> the scheme a layer keeps it in
 _PUBLISHED = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
@@ -115,7 +118,8 @@ class Decoder(nn.Module):
                  device, fold_shared: bool) -> None:
         super().__init__()
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
-        self.embed_tokens = Embedding(hf["vocab_size"], hf["hidden_size"], dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], backends.tp, dtype=dtype,
+                                                   device=device)
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
                                                  fold_shared=fold_shared) for i, cache in enumerate(caches))
         self.hc_head = HyperHead(hf, backends, device)
@@ -155,7 +159,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.reach = window_reach(hf["sliding_window"], rates, overlaps)
         fold = moe.FOLD_SHARED and not published
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold)
-        self.head = Linear(hf["hidden_size"], config.vocab_size, backends.linear, dtype=dtype, device=device)
+        self.head = ParallelLMHead(hf["hidden_size"], config.vocab_size, backends.linear, backends.tp, dtype=dtype,
+                                   device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
@@ -177,24 +182,24 @@ class DeepseekV4ForCausalLM(CausalLM):
         """Checkpoint name (as HF writes it, or in the published layout without ``model.``) -> parameter;
         a scale (``.scale`` or ``.weight_scale_inv``) goes beside its weight, where a kept one has it."""
         if m := SCALE.match(name):
-            return self._scale_target(self.resolve(m[1] + ".weight"))
+            weight = self.resolve(m[1] + ".weight")
+            return None if weight is None else self._scale_target(weight)
         name = _PUBLISHED.get(name, name)
         if name.startswith("layers."):
             name = "model." + name
         if m := _EXPERT.match(name):
-            ffn, which = self.get_submodule(m[1]), m[4]
+            ffn = self.get_submodule(m[1])
             stack, expert = ("experts", int(m[3])) if m[3] is not None else ffn.shared_slot()
-            stack = f"{m[1]}.{stack}"
-            if which == "w2":
-                return Target(f"{stack}.down", expert=expert)
-            inter = ffn.intermediate
-            return Target(f"{stack}.gate_up", rows=(0, inter) if which == "w1" else (inter, inter), expert=expert)
+            return getattr(ffn, stack).target(f"{m[1]}.{stack}", _PROJECTIONS[m[4]], expert)
         return Target(name)
+
+    def checkpoint_part(self, name: str) -> tuple[int, int, int] | bool | None:
+        return checkpoint_part(self, self.resolve, name)
 
     def _scale_target(self, weight: Target) -> Target:
         owner = self.get_submodule(weight.param.rpartition(".")[0])
         rows = weight.rows if weight.rows is None or not isinstance(owner, ExpertStack) else owner.scale_rows(weight.rows)
-        return Target(weight.param + "_scale", rows=rows, expert=weight.expert)
+        return Target(weight.param + "_scale", rows=rows, expert=weight.expert, part=weight.part)
 
     def _keep(self, q: Quantized) -> bool:
         """Switch the layer that ``q`` loads into to q's format, if that layer and its backend run it."""

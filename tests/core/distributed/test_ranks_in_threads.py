@@ -2,7 +2,10 @@
 group (the engine runs them as processes; the model, the weights each rank reads and the
 collectives are the same, and threads start in well under a second). Logits of every rank match
 one process's over a chunked prefill and decode steps that read the KV cache, for Qwen3 at 4 ranks
-(2 KV heads: each rank holds one, shared by two ranks) and Llama at 2 (untied LM head, llama3 RoPE)."""
+(2 KV heads: each rank holds one, shared by two ranks), Llama at 2 (untied LM head, llama3 RoPE),
+Qwen3-MoE with split experts and with expert parallelism (all_to_all) at 2 and 4, and
+DeepSeek-V4 (tiny-dsv4-py: heads and output groups split, the KV head, compressors and indexer
+whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2."""
 
 from __future__ import annotations
 
@@ -69,19 +72,24 @@ def single(config: EngineConfig, inputs: list[StepInputs]) -> list[torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "tiny-llama", dtype=torch.float32,
-                            progress=False)
+def models(tmp_path_factory, shared_dir) -> dict:
+    out = tmp_path_factory.mktemp("ckpt")
+    return {"qwen3": shared_dir / "models" / "tiny-qwen3-py", "dsv4": shared_dir / "models" / "tiny-dsv4-py",
+            "llama": write_checkpoint(out / "llama", "tiny-llama", dtype=torch.float32, progress=False),
+            "qwen3-moe": write_checkpoint(out / "moe", "tiny-qwen3-moe", dtype=torch.float32, progress=False)}
 
 
-@pytest.mark.parametrize("which,size", [("qwen3", 4), ("llama", 2)])
-def test_every_rank_computes_the_logits_of_one_process(which, size, tiny_qwen3, tiny_llama, seed):
-    model = tiny_qwen3 if which == "qwen3" else tiny_llama
+@pytest.mark.parametrize("which,size,expert_parallel", [
+    ("qwen3", 4, False), ("llama", 2, False), ("qwen3-moe", 2, False), ("qwen3-moe", 4, True),
+    ("dsv4", 2, False), ("dsv4", 2, True)])
+def test_every_rank_computes_the_logits_of_one_process(which, size, expert_parallel, models, seed):
+    model = models[which]
     config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
     vocab = ModelConfig.from_dir(model).vocab_size
     inputs = steps(vocab)
     expected = single(config, inputs)
-    ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size), size, inputs)
+    ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, expert_parallel=expert_parallel),
+                      size, inputs)
     for got in ranks:
         for g, e, step in zip(got, expected, inputs):
             assert g.shape == e.shape == (len(step.logits_indices), vocab)

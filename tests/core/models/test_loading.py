@@ -53,7 +53,7 @@ def test_sharded_checkpoint_and_fused_projections(tmp_path, seed):
     q, k, v = attn.qkv_proj.weight.split(attn.sizes)
     assert torch.equal(k, tensors["model.layers.0.self_attn.k_proj.weight"])
     experts = c.model.model.layers[1].mlp.experts
-    inter = c.model.model.layers[1].mlp.intermediate
+    inter = experts.inter
     assert torch.equal(experts.gate_up[5, inter:], tensors["model.layers.1.mlp.experts.5.up_proj.weight"])
     assert torch.equal(experts.down[3], tensors["model.layers.1.mlp.experts.3.down_proj.weight"])
 
