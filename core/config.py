@@ -186,6 +186,9 @@ class EngineConfig:
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend stages its pages through host memory: it needs "
                              "enable_hierarchical_cache")
+        if self.enable_hierarchical_cache and self.tensor_parallel_size > 1:
+            raise ValueError("enable_hierarchical_cache with tensor_parallel_size > 1 is not built yet: the host "
+                             "tier would move rank 0's KV pages only")
         if self.enable_hierarchical_cache and not self.enable_prefix_caching:
             raise ValueError("enable_hierarchical_cache keeps the prefix cache's pages: it needs prefix caching")
         if self.speculative_config is not None:

@@ -65,3 +65,8 @@ def test_each_rank_holds_half_of_the_heads_and_vocabulary(single, tp2):
     assert half.model.layers[0].mlp.down_proj.weight.shape[1] == whole.model.layers[0].mlp.down_proj.weight.shape[1] // 2
     # rank 0 holds the first half of the rows, as read from the checkpoint
     assert half.model.embed_tokens.weight.equal(whole.model.embed_tokens.weight[: half.model.embed_tokens.weight.shape[0]])
+
+
+def test_a_host_cache_tier_is_refused_under_tensor_parallelism(tiny_qwen3):
+    with pytest.raises(ValueError, match="enable_hierarchical_cache with tensor_parallel_size > 1"):
+        LLM(tiny_qwen3, tensor_parallel_size=2, enable_hierarchical_cache=True, progress=False)
