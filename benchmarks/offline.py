@@ -60,6 +60,12 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     }
     print(f"{out_tokens} output tokens from {len(work)} sequences in {elapsed:.2f}s: "
           f"{result['output_tokens_per_s']:.1f} output tokens/s ({result['total_tokens_per_s']:.1f} total tokens/s)")
+    if (spec := engine.stats().spec) is not None:
+        result["spec_decode"] = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                                 "num_accepted_tokens": spec.num_accepted_tokens,
+                                 "mean_acceptance_length": round(spec.mean_acceptance_length, 3)}
+        print(f"speculative decoding: mean acceptance length {spec.mean_acceptance_length:.2f} "
+              f"({spec.num_accepted_tokens} of {spec.num_draft_tokens} drafts kept)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -30,6 +30,8 @@ from .sampler import PromptLogprobs, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import SeqStatus, Sequence
+from .spec.counters import SpecCounters
+from .spec.speculator import Speculator, Verified
 from .startup import build
 from .structured.compiler import GrammarCompiler, GrammarHandle
 from .to_device import to_device
@@ -50,6 +52,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec: SpecCounters | None = None  # speculative decoding's totals, where it is on
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _StepTokens:
     seqs: list[Sequence]
     tokens: SamplerOutput | None
     prompt: list[tuple[Sequence, PromptLogprobs]]
+    verified: Verified | None = None  # the decodes with drafts (core/spec/speculator.py)
 
 
 def _seed_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -88,8 +92,6 @@ class EngineCore:
         try:
             c = build(config, plugins, progress=progress,
                       rendezvous=self.workers.rendezvous if self.workers is not None else None)
-            if c.proposer is not None:  # until drafts are verified in the step, a proposer would go unused
-                raise NotImplementedError("speculative decoding: verifying drafts in the engine step is not built yet")
             if self.workers is not None:
                 self.workers.ready(c.group)
         except BaseException:
@@ -103,10 +105,16 @@ class EngineCore:
         self.vocab_size = c.model_config.vocab_size
         self.kv_manager = c.kv_manager
         self.token_table = TokenTable(config.max_num_seqs, c.device)
-        self.scheduler = Scheduler(config, c.kv_manager, self.token_table)
+        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
+        self.speculator = None
+        if c.proposer is not None:
+            self.speculator = Speculator(c.proposer, config.speculative_config.num_speculative_tokens, self.sampler,
+                                         self.vocab_size)
+        # drafts are proposed from each sequence's latest token, so with them every step is read first
+        self.overlap = config.overlap_decode and self.speculator is None
+        self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
                                   c.device, c.graphs, c.group, self.workers)
-        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, EngineError]] = []  # requests that failed after admission (take_failures)
         self.counters = EngineCounters()
@@ -224,13 +232,16 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.kv_manager.stats()
         compiling = sum(len(self.requests[rid].seqs) for rid in self._awaiting_grammar)  # waiting for their grammar
+        spec = self.speculator.counters.snapshot() if self.speculator is not None else None
         return EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
-                           s.stats.num_preemptions)
+                           s.stats.num_preemptions, spec)
 
     def reset_counters(self) -> None:
-        """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits."""
+        """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits, drafts."""
         self.counters = EngineCounters()
         self.scheduler.stats = SchedulerStats()
+        if self.speculator is not None:
+            self.speculator.reset_counters()
         self.kv_manager.reset_stats()
 
     def has_unfinished_requests(self) -> bool:
@@ -271,7 +282,7 @@ class EngineCore:
             outputs += self._apply(flying)
             self._in_flight = None
         step = self._launch()
-        if self.config.overlap_decode:
+        if self.overlap:
             step, self._in_flight = self._in_flight, step
         return outputs + self._apply(step) if step is not None else outputs
 
@@ -285,6 +296,7 @@ class EngineCore:
         seqs: list[Sequence] = []  # those that draw a token, and their logits rows
         rows: list[int] = []
         prompt: list[tuple[Sequence, PromptLogprobs]] = []
+        verifying: list[tuple[ScheduledSeq, int]] = []  # decodes with drafts, and their first logits row
         computed, fork_pending, logit_rows = self.scheduler.computed, self.scheduler.fork_pending, step_logits.rows
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
@@ -293,7 +305,9 @@ class EngineCore:
             computed(s)
             if s.needs_all_logits and (lps := self._prompt_logprobs(s, step_logits, i)) is not None:
                 prompt.append((seq, lps))
-            if s.samples:
+            if s.drafts:
+                verifying.append((s, logit_rows[i][0]))
+            elif s.samples:
                 start, count = logit_rows[i]
                 row = start + count - 1  # its last row
                 seqs.append(seq)
@@ -302,7 +316,8 @@ class EngineCore:
                     siblings = self.scheduler.fork(seq)
                     seqs += siblings
                     rows += [row] * len(siblings)
-        return _StepTokens(seqs, self._sample(seqs, rows, step_logits.logits), prompt)
+        verified = self.speculator.verify(verifying, step_logits.logits) if verifying else None
+        return _StepTokens(seqs, self._sample(seqs, rows, step_logits.logits), prompt, verified)
 
     def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> SamplerOutput | None:
         if not seqs:
@@ -319,42 +334,46 @@ class EngineCore:
         the requests it changed or finished (prompt logprobs alone change no output: they go with the
         first token)."""
         self._apply_prompt_logprobs(done)
-        if not done.seqs:
+        parts = [(done.seqs, done.tokens)] if done.seqs else []
+        if done.verified is not None:  # a decode's kept drafts, then the target's token: each applied in turn
+            parts.append(done.verified.resolve(self.scheduler))
+        if not parts:
             return []
-        out = done.tokens
-        tokens = out.token_ids  # waits for the step
         now = time.monotonic()
         finish = self.scheduler.finish
         touched: dict[str, None] = {}
         ended: set[str] = set()  # requests with a sequence that ended here: only they can be finished
-        dropped = 0
-        for k, seq in enumerate(done.seqs):
-            seq.num_pending -= 1
-            if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this step ran: its token is dropped
-                dropped += 1
-                continue
-            token = tokens[k]
-            output = seq.output_token_ids
-            output.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.logprobs is not None:
-                entry = dict(out.top_logprobs[k] or [])
-                entry[token] = out.logprobs[k]
-                seq.logprobs.append(entry)
-            # the endings by token (stop strings are the reader's: output_processor.py)
-            if seq.grammar is not None and not seq.grammar.accept_token(token):  # it allowed only what it accepts
-                logger.error("request %s: its grammar refused the token %d it allowed; ended", seq.request_id, token)
-                finish(seq, "abort", None)
-                ended.add(seq.request_id)
-            elif token in seq.ending_ids and len(output) >= seq.params.min_tokens:
-                finish(seq, "stop", token if token in seq.params.stop_token_ids else None)
-                ended.add(seq.request_id)
-            elif len(output) >= seq.max_output:
-                finish(seq, "length", None)
-                ended.add(seq.request_id)
-            touched[seq.request_id] = None
-        self.counters.generation_tokens += len(done.seqs) - dropped
+        for seqs, out in parts:
+            tokens = out.token_ids  # waits for the step
+            dropped = 0
+            for k, seq in enumerate(seqs):
+                seq.num_pending -= 1
+                if seq.status is SeqStatus.FINISHED:  # stopped or aborted while this step ran (or earlier in
+                    dropped += 1  # its run of kept drafts): its token is dropped
+                    continue
+                token = tokens[k]
+                output = seq.output_token_ids
+                output.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if seq.logprobs is not None:
+                    entry = dict(out.top_logprobs[k] or [])
+                    entry[token] = out.logprobs[k]
+                    seq.logprobs.append(entry)
+                # the endings by token (stop strings are the reader's: output_processor.py)
+                if seq.grammar is not None and not seq.grammar.accept_token(token):  # it allowed only what it accepts
+                    logger.error("request %s: its grammar refused the token %d it allowed; ended",
+                                 seq.request_id, token)
+                    finish(seq, "abort", None)
+                    ended.add(seq.request_id)
+                elif token in seq.ending_ids and len(output) >= seq.params.min_tokens:
+                    finish(seq, "stop", token if token in seq.params.stop_token_ids else None)
+                    ended.add(seq.request_id)
+                elif len(output) >= seq.max_output:
+                    finish(seq, "length", None)
+                    ended.add(seq.request_id)
+                touched[seq.request_id] = None
+            self.counters.generation_tokens += len(seqs) - dropped
         outputs = []
         for rid in touched:
             req = self.requests[rid]

@@ -140,9 +140,12 @@ class ModelRunner:
                 table_rows.append(start)
                 slots.append(seq.slot)
                 input_ids.append(0)
+            elif s.drafts:  # its last token and its drafts, each verified by the logits of the one before
+                input_ids.extend(seq.token_slice(s.context_len, s.context_len + 1))
+                input_ids.extend(s.drafts)
             else:
                 input_ids.extend(seq.token_slice(s.context_len, s.context_len + s.num_new))
-            if s.needs_all_logits:
+            if s.needs_all_logits or s.drafts:
                 rows.append((len(logits_indices), s.num_new))
                 logits_indices.extend(range(start, start + s.num_new))
             elif s.samples:

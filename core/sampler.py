@@ -177,6 +177,11 @@ class Sampler:
             if sampled:
                 idx = to_device(sampled, torch.int64, x.device)
                 tokens[idx] = self._draw(x.index_select(0, idx), [rows[i] for i in sampled])
+        return self.output(logits, tokens, rows)
+
+    @staticmethod
+    def output(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The draws ``tokens`` of ``rows`` with the raw logprobs the rows ask for."""
         top_n = [r.params.logprobs for r in rows]
         if all(n is None for n in top_n):
             return SamplerOutput(tokens)
@@ -233,10 +238,10 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
-        return self.backend.draw(x, self._noise(x, rows), [p.temperature for p in params], [p.top_k for p in params],
+        return self.backend.draw(x, self.noise(x, rows), [p.temperature for p in params], [p.top_k for p in params],
                                  [p.top_p for p in params], [p.min_p for p in params])
 
-    def _noise(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def noise(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exp(1) per token: a seeded row's from its own generator, the others' from the shared one."""
         q = torch.empty_like(x)
         shared = [j for j, r in enumerate(rows) if r.generator is None]

@@ -13,6 +13,10 @@ cache are the KV manager's (core/kv/manager.py): the scheduler asks it and never
 A step is scheduled before the tokens of the step in flight reach the host (core/engine.py): a
 sequence with a token still on the device decodes it from the token table, and one whose token in
 flight ends it by length is not scheduled again. A running sequence holds a slot of that table.
+
+With speculative decoding (core/spec/speculator.py) a decode brings the drafts its proposer gives
+it, within the step's token budget; where pages run short, drafts give way before anyone is
+preempted. The drafts the target rejects are rolled back (``rewind``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import msgspec
 from .config import EngineConfig
 from .kv.manager import KVManager, SeqKV
 from .sequence import SeqStatus, Sequence
+from .spec.speculator import Speculator
 from .token_table import TokenTable
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,7 @@ class ScheduledSeq(msgspec.Struct):
     in_flight: bool  # a decode whose input token is still on the device only (in the token table)
     samples: bool  # the step reaches the last token (on the host or in flight): one is drawn
     needs_all_logits: bool  # prompt logprobs: a logits row for every prompt position of the chunk
+    drafts: list[int] | None = None  # a decode's speculative drafts, computed after its last token
 
     @classmethod
     def of(cls, seq: Sequence, num_new: int, kv: SeqKV) -> ScheduledSeq:
@@ -72,10 +78,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
         self.kv = kv
         self.table = table
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fork_pending: dict[str, list[Sequence]] = {}  # request id -> siblings of n > 1
@@ -146,6 +154,8 @@ class Scheduler:
     def _release(self, seq: Sequence, cache: bool) -> None:
         """Give back a sequence's pages and slot; its computed full pages go to the prefix cache first."""
         self.kv.free(seq, cache=cache)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.num_computed = 0
         self.table.release(seq.slot)
         seq.slot = 0
@@ -159,6 +169,12 @@ class Scheduler:
         """A scheduled step's tokens are computed (their KV written): the sequence moves past them."""
         s.seq.num_computed = s.context_len + s.num_new
         self.kv.commit(s.seq, s.seq.num_computed)
+
+    def rewind(self, seq: Sequence, num_computed: int) -> None:
+        """Forget the KV past ``num_computed`` tokens (drafts the target rejected): the KV manager
+        frees their pages, and the sequence reads what it would had they never been computed."""
+        seq.num_computed = num_computed
+        self.kv.rollback(seq, num_computed)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -197,8 +213,17 @@ class Scheduler:
         # nothing to compute), whether it prefills. A preemption below removes only later
         # sequences, so kinds[i] stays running[i]'s.
         kinds = [(s.num_pending > 0 and s.reaches_length(s.num_pending), s.in_prefill) for s in running]
-        num_decodes = kinds.count((False, False))
-        prefill_budget = max(cfg.max_num_batched_tokens - num_decodes, 0)
+        decode_tokens = kinds.count((False, False))
+        drafts = None
+        if self.speculator is not None:
+            # decodes with their latest token on the host and an output (the first token, where n > 1
+            # siblings fork, is drawn from the prompt alone) and no grammar (structured outputs mask
+            # each draw by the state the tokens before it lead to, which a draft's row would not know)
+            decodes = [s for s, kind in zip(running, kinds)
+                       if kind == (False, False) and not s.num_pending and s.output_token_ids and s.grammar is None]
+            drafts = self.speculator.propose(decodes, cfg.max_num_batched_tokens - decode_tokens)
+            decode_tokens += sum(map(len, drafts.values()))
+        prefill_budget = max(cfg.max_num_batched_tokens - decode_tokens, 0)
         if cfg.chunk_size:
             prefill_budget = min(prefill_budget, cfg.chunk_size)
 
@@ -216,8 +241,12 @@ class Scheduler:
                 remaining = seq.num_tokens - seq.num_computed
                 num_new = min(remaining, prefill_budget) if cfg.chunk_size else remaining
             else:
-                num_new = 1
+                d = drafts.get(seq.seq_id) if drafts else None
+                num_new = 1 + len(d) if d else 1
             while (kv := self.kv.allocate(seq, num_new)) is None:
+                if not prefilling and d:  # drafts give way first
+                    d, num_new = None, 1
+                    continue
                 victim = running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -228,8 +257,8 @@ class Scheduler:
             if prefilling:
                 prefill_budget -= num_new
                 scheduled.append(ScheduledSeq.of(seq, num_new, kv))
-            else:  # a decode reaches its last token and no prompt position: it draws one, from one logits row
-                scheduled.append(ScheduledSeq(seq, 1, seq.num_computed, kv, seq.num_pending > 0, True, False))
+            else:  # a decode reaches its last token and no prompt position: it draws one (and verifies its drafts)
+                scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed, kv, seq.num_pending > 0, True, False, d))
             i += 1
 
         if not out.preempted:

@@ -134,14 +134,15 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
 
 def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int) -> int:
     """Window pages (0 without windowed layers): what every running sequence holds near its end
-    plus one step's tokens, and as many again for the ends of cached prefixes."""
+    (and its drafts) plus one step's tokens, and as many again for the ends of cached prefixes."""
     if not any(s.windowed for s in model.kv_layer_specs()):
         return 0
     if config.window_pages is not None:
         return config.window_pages
     ps = config.page_size
     step = max(config.max_num_batched_tokens, config.chunk_size or max_model_len)
-    running = config.max_num_seqs * (-(-model.window_reach() // ps) + 2) + -(-step // ps)
+    drafts = config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
+    running = config.max_num_seqs * (-(-(model.window_reach() + drafts) // ps) + 2) + -(-step // ps)
     return 2 * running + 1
 
 

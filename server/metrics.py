@@ -84,6 +84,14 @@ class ServerMetrics:
         one("generation_tokens_total", "counter", "Tokens generated and delivered.", self.generation_tokens)
         one("request_rejected_overload_total", "counter", "Requests refused with 429 (concurrency limit).",
             self.rejected_overload)
+        if (spec := stats.spec) is not None:  # speculative decoding, under vLLM's spec_decode names
+            one("spec_decode_num_drafts_total", "counter", "Verified steps of a sequence with drafts.", spec.num_drafts)
+            one("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", spec.num_draft_tokens)
+            one("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens the target kept.",
+                spec.num_accepted_tokens)
+            metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens kept, by position in the draft.",
+                   [f'engine:spec_decode_num_accepted_tokens_per_pos{{{L},position="{i}"}} {c}'
+                    for i, c in enumerate(spec.accepted_per_position)])
         metric("request_success_total", "counter", "Finished completions by finish reason.",
                [f'engine:request_success_total{{{L},finished_reason="{r}"}} {c}' for r, c in self.success.items()])
         metric("cache_config_info", "gauge", "KV cache configuration.",

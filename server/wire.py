@@ -15,6 +15,7 @@ import msgspec
 
 from ..core.outputs import EngineCoreOutput
 from ..core.sampling_params import SamplingParams
+from ..core.spec.counters import SpecCounters
 
 # ---- API process -> engine process ----
 
@@ -77,6 +78,7 @@ class Stats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec: SpecCounters | None = None  # where speculative decoding is on
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -81,7 +81,3 @@ def test_ngram_refuses_a_drafter_checkpoint(tiny_qwen3):
         LLM(str(tiny_qwen3), speculative_config={"method": "ngram", "num_speculative_tokens": 2, "model": "d"},
             progress=False)
 
-
-def test_an_engine_that_cannot_verify_drafts_says_so(tiny_qwen3):
-    with pytest.raises(NotImplementedError, match="verifying drafts"):
-        LLM(str(tiny_qwen3), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, progress=False)
