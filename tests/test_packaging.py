@@ -26,5 +26,6 @@ def test_wheel_has_only_the_engine_package(tmp_path):
     assert packaged == on_disk  # every package of the tree is in the wheel (pyproject lists them)
     entry_points = next(wheel.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for line in ("native = engine.core.native.plugin", "cuda = engine.backends.cuda.plugin",
-                 "rocm = engine.backends.rocm.plugin", "engine = engine.server.cli:main"):
+                 "rocm = engine.backends.rocm.plugin", "nixl = engine.plugins.nixl",
+                 "mooncake = engine.plugins.mooncake", "engine = engine.server.cli:main"):
         assert line in entry_points

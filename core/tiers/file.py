@@ -5,27 +5,24 @@ cache_tier.prefix_keys), so engines of the same model share hits and different m
 Each file is written whole to a temporary name in the same directory and renamed into place
 (atomic on a POSIX file system, NFS included), so a reader sees a complete record or none, and
 engines writing the same record at once each rename a complete copy. The file carries a header
-(its key, kind, checksum and length) before the bytes: a file that is not one, or names another
-key (foreign), is a miss; a truncated one fails its checksum where the caller checks it. A write
-that fails (a full disk, a gone mount) is logged and refused; serving goes on. Records are never
-deleted here: the directory is shared, and its size is the operator's to bound.
+(record.py): a file that is not a record, or names another key (foreign), is a miss; a truncated
+one fails its checksum where the caller checks it. A write that fails (a full disk, a gone mount)
+is logged and refused; serving goes on. Records are never deleted here: the directory is shared,
+and its size is the operator's to bound. Subclasses may move the bytes their own way (``_write``,
+``_read``: NIXL's file plugins).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ..families.cache_tier import CacheTier, TierContext, TierPage
+from .record import decode, encode
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"engine-kv-record 1\n"
 
 
 def file_reasons(ctx) -> list[str]:
@@ -63,15 +60,11 @@ class FileTier(CacheTier):
         path = self._path(page.key)
         if path.exists():
             return True
-        header = json.dumps({"key": page.key, "kind": page.kind, "checksum": page.checksum,
-                             "bytes": page.data.numel()}).encode()
         tmp = None
         try:
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + len(header).to_bytes(4, "little") + header)
-                f.write(page.data.contiguous().view(torch.uint8).numpy().tobytes())
+            self._write(fd, encode(page))
             os.replace(tmp, path)
             return True
         except OSError as exc:
@@ -86,28 +79,28 @@ class FileTier(CacheTier):
                     pass
             return False
 
+    def _write(self, fd: int, blob: bytes) -> None:
+        """Write ``blob`` to the open file ``fd`` (a new, empty file) and close it."""
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+
+    def _read(self, path: Path) -> bytes:
+        return path.read_bytes()
+
     def get(self, keys: list[str]) -> list[TierPage | None]:
         return [self._get(k) for k in keys]
 
     def _get(self, key: str) -> TierPage | None:
         try:
-            raw = self._path(key).read_bytes()
+            raw = self._read(self._path(key))
         except OSError:
             return None
-        start = len(MAGIC) + 4
         try:
-            if not raw.startswith(MAGIC):
-                raise ValueError("no record header")
-            size = int.from_bytes(raw[len(MAGIC):start], "little")
-            header = json.loads(raw[start:start + size])
-            if header["key"] != key:
-                raise ValueError(f"a record of {header['key']!r}")
-        except (ValueError, KeyError, TypeError) as exc:
+            return decode(key, raw)
+        except ValueError as exc:
             self.rejected += 1
             logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss", self._path(key), exc)
             return None
-        data = torch.frombuffer(bytearray(raw[start + size:]), dtype=torch.uint8)
-        return TierPage(key, data, header["checksum"], header["kind"])
 
     def contains(self, keys: list[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self._path(k).exists()), len(keys))

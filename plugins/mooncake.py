@@ -1,0 +1,100 @@
+"""Mooncake's distributed store as a storage tier (L3).
+
+Records (core/tiers/record.py: header and bytes, checked against the key they are found under)
+are put and got by content key in a Mooncake store (``pip install mooncake-transfer-engine``;
+a ``mooncake_master`` running). Configured by ``plugin_options["mooncake"]`` (or the environment
+SGLang's integration reads): ``master_server_address`` (MOONCAKE_MASTER), ``metadata_server``
+(MOONCAKE_TE_META_DATA_SERVER, default "P2PHANDSHAKE"), ``local_hostname``
+(MOONCAKE_LOCAL_HOSTNAME, default "localhost"), ``protocol`` (MOONCAKE_PROTOCOL, "tcp"),
+``device_name`` (MOONCAKE_DEVICE, "" picks RDMA devices itself), ``global_segment_size`` and
+``local_buffer_size`` (bytes; 4 GiB and 512 MiB). The store evicts by its own policy, so the
+tier never deletes. Refused, with the reason, where the package is missing or no master is named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+from ..core.families.cache_tier import CacheTier, TierPage
+from ..core.hookspecs import hookimpl
+from ..core.registry import Descriptor
+from ..core.tiers.record import decode, encode
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = {  # option: (environment variable, default)
+    "master_server_address": ("MOONCAKE_MASTER", None),
+    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
+    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+    "protocol": ("MOONCAKE_PROTOCOL", "tcp"),
+    "device_name": ("MOONCAKE_DEVICE", ""),
+    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE", 4 * 2**30),
+    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE", 512 * 2**20),
+}
+
+
+def mooncake_settings(ctx) -> dict:
+    options = (getattr(ctx.engine_config, "plugin_options", None) or {}).get("mooncake", {})
+    return {k: options.get(k, os.environ.get(env, default)) for k, (env, default) in SETTINGS.items()}
+
+
+def mooncake_reasons(ctx) -> list[str]:
+    reasons = []
+    if importlib.util.find_spec("mooncake") is None:
+        reasons.append("the mooncake store is not installed (pip install mooncake-transfer-engine)")
+    if not mooncake_settings(ctx)["master_server_address"]:
+        reasons.append('no Mooncake master: plugin_options {"mooncake": {"master_server_address": "HOST:PORT"}} '
+                       "or MOONCAKE_MASTER")
+    return reasons
+
+
+class MooncakeTier(CacheTier):
+    name = "mooncake"
+
+    def __init__(self, ctx) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        super().__init__(ctx)
+        s = mooncake_settings(ctx)
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup(s["local_hostname"], s["metadata_server"], int(s["global_segment_size"]),
+                                int(s["local_buffer_size"]), s["protocol"], s["device_name"],
+                                s["master_server_address"])
+        if code:
+            raise RuntimeError(f"Mooncake store setup failed with code {code} (master {s['master_server_address']})")
+        self.rejected = 0
+
+    def put(self, pages: list[TierPage]) -> list[bool]:
+        done = []
+        for p in pages:
+            try:
+                done.append(self.store.is_exist(p.key) == 1 or self.store.put(p.key, encode(p)) == 0)
+            except Exception as exc:  # an unreachable store: counted by the caller, serving goes on
+                logger.warning("hierarchical cache: Mooncake put of %s failed: %s", p.key, exc)
+                done.append(False)
+        return done
+
+    def get(self, keys: list[str]) -> list[TierPage | None]:
+        out: list[TierPage | None] = []
+        for k in keys:
+            raw = self.store.get(k)
+            if not raw:
+                out.append(None)
+                continue
+            try:
+                out.append(decode(k, bytes(raw)))
+            except ValueError as exc:
+                self.rejected += 1
+                logger.warning("hierarchical cache: Mooncake's %s is not a record of its key (%s); a miss", k, exc)
+                out.append(None)
+        return out
+
+    def contains(self, keys: list[str]) -> int:
+        return next((i for i, k in enumerate(keys) if self.store.is_exist(k) != 1), len(keys))
+
+
+@hookimpl
+def engine_register_cache_tiers() -> list[Descriptor]:
+    return [Descriptor("cache_tier", "mooncake", lambda ctx: MooncakeTier(ctx), check=mooncake_reasons)]

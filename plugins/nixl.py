@@ -1,0 +1,86 @@
+"""NIXL as a storage tier (L3): the file tier's records moved by a NIXL file plugin.
+
+NIXL (``pip install nixl``) moves bytes between registered memory and storage through plugins;
+its file plugins (POSIX, GDS, GDS_MT, 3FS) write and read a directory the way the ``file`` tier
+lays it out (core/tiers/file.py: one record per content key, written to a temporary name and
+renamed), so engines using either share one directory. Its object plugin (OBJ, S3) is not wired
+yet. Refused, with the reason, where the package is missing or no directory is named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from ..core.hookspecs import hookimpl
+from ..core.registry import Descriptor
+from ..core.tiers.file import FileTier, file_reasons
+
+FILE_PLUGINS = ("GDS_MT", "GDS", "3FS", "POSIX")  # preferred first, where NIXL offers them
+
+
+def nixl_reasons(ctx) -> list[str]:
+    reasons = [] if importlib.util.find_spec("nixl") is not None else \
+        ["the nixl package is not installed (pip install nixl)"]
+    return reasons + file_reasons(ctx)
+
+
+class NixlFileTier(FileTier):
+    name = "nixl"
+
+    def __init__(self, ctx) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        super().__init__(ctx)
+        self.agent = nixl_agent(f"engine-hicache-{os.getpid()}", nixl_agent_config(backends=[]))
+        offered = self.agent.get_plugin_list()
+        chosen = next((p for p in FILE_PLUGINS if p in offered), None)
+        if chosen is None:
+            raise RuntimeError(f"NIXL offers no file plugin ({', '.join(FILE_PLUGINS)}); it has {offered}")
+        self.agent.create_backend(chosen)
+        self.plugin = chosen
+
+    def _transfer(self, op: str, buffer, fd: int, size: int) -> None:
+        """One NIXL transfer between ``buffer`` (a host uint8 tensor) and ``size`` bytes of file ``fd``."""
+        mem = self.agent.register_memory(buffer)
+        files = self.agent.register_memory([(0, size, fd, "")], "FILE")
+        try:
+            local = self.agent.get_xfer_descs(buffer)
+            remote = self.agent.get_xfer_descs([(0, size, fd)], "FILE")
+            handle = self.agent.initialize_xfer(op, local, remote, self.agent.name)
+            state = self.agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = self.agent.check_xfer_state(handle)
+            self.agent.release_xfer_handle(handle)
+            if state == "ERR":
+                raise OSError(f"NIXL {self.plugin} {op} of {size} bytes failed")
+        finally:
+            self.agent.deregister_memory(files)
+            self.agent.deregister_memory(mem)
+
+    def _write(self, fd: int, blob: bytes) -> None:
+        import torch
+
+        try:
+            self._transfer("WRITE", torch.frombuffer(bytearray(blob), dtype=torch.uint8), fd, len(blob))
+        finally:
+            os.close(fd)
+
+    def _read(self, path: Path) -> bytes:
+        import torch
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            buffer = torch.empty(size, dtype=torch.uint8)
+            if size:
+                self._transfer("READ", buffer, fd, size)
+            return buffer.numpy().tobytes()
+        finally:
+            os.close(fd)
+
+
+@hookimpl
+def engine_register_cache_tiers() -> list[Descriptor]:
+    return [Descriptor("cache_tier", "nixl", lambda ctx: NixlFileTier(ctx), check=nixl_reasons)]

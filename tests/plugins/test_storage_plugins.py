@@ -1,0 +1,101 @@
+"""The NIXL and Mooncake storage tiers (plugins/): registered through entry points like third-party
+code, refused with the reason where their library is missing (it is here), so an engine that
+names one fails at start-up saying why; the Mooncake tier's own logic against a stand-in store."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.families.cache_tier import TierContext, TierLayout, TierPage
+from engine.core.plugins import load_plugins
+from engine.core.registry import SelectionContext, SelectionError
+from engine.core.startup import build
+from engine.plugins import mooncake, nixl
+
+LAYOUT = TierLayout({"page": (64,)}, "test-model")
+
+
+def plugins():
+    """The installed plugins, with these two registered as their entry points register them."""
+    p = load_plugins()
+    for name, module in (("nixl", nixl), ("mooncake", mooncake)):
+        if not p.pm.has_plugin(name):
+            p.pm.register(module, name=name)
+    return p
+
+
+def context(tmp_path, backend: str, **options) -> TierContext:
+    config = EngineConfig(model="-", enable_hierarchical_cache=True, hicache_storage_backend=backend,
+                          hicache_storage_dir=str(tmp_path), **options)
+    return TierContext(None, None, config, LAYOUT)
+
+
+@pytest.mark.skipif(any(m in sys.modules or importlib.util.find_spec(m) for m in ("nixl", "mooncake")),
+                    reason="a library is installed here")
+@pytest.mark.parametrize("backend, reason", [
+    ("nixl", r"nixl package is not installed \(pip install nixl\)"),
+    ("mooncake", r"mooncake store is not installed \(pip install mooncake-transfer-engine\).*no Mooncake master")])
+def test_a_missing_library_is_refused_with_the_reason(tmp_path, backend, reason):
+    with pytest.raises(SelectionError, match=reason):
+        plugins().select("cache_tier", context(tmp_path, backend), backend)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is not None, reason="mooncake is installed here")
+def test_an_engine_naming_a_missing_backend_fails_at_start_up_saying_why(tiny_qwen3, tmp_path):
+    config = EngineConfig(model=str(tiny_qwen3), num_pages=16, enable_hierarchical_cache=True,
+                          hicache_storage_backend="mooncake")
+    with pytest.raises(SelectionError, match="mooncake store is not installed"):
+        build(config, plugins(), progress=False)
+
+
+class FakeStore:
+    """Mooncake's store API over a dict (setup, put, get, is_exist), one instance per 'cluster'."""
+
+    data: dict[str, bytes] = {}
+
+    def setup(self, *args):
+        self.args = args
+        return 0
+
+    def put(self, key, value):
+        self.data[key] = bytes(value)
+        return 0
+
+    def get(self, key):
+        return self.data.get(key, b"")
+
+    def is_exist(self, key):
+        return int(key in self.data)
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch):
+    pkg, store = types.ModuleType("mooncake"), types.ModuleType("mooncake.store")
+    pkg.__spec__ = importlib.machinery.ModuleSpec("mooncake", None)
+    store.MooncakeDistributedStore = FakeStore
+    pkg.store = store
+    monkeypatch.setitem(sys.modules, "mooncake", pkg)
+    monkeypatch.setitem(sys.modules, "mooncake.store", store)
+    FakeStore.data = {}
+    return FakeStore
+
+
+def test_the_mooncake_tier_round_trips_records_and_refuses_foreign_ones(tmp_path, seed, fake_mooncake, monkeypatch):
+    monkeypatch.setenv("MOONCAKE_MASTER", "env-host:1")
+    ctx = context(tmp_path, "mooncake", plugin_options={"mooncake": {"master_server_address": "master:50051"}})
+    assert mooncake.mooncake_reasons(ctx) == []
+    tier = plugins().select("cache_tier", ctx, "mooncake").create(ctx)
+    assert tier.store.args[-1] == "master:50051"  # the option wins over the environment
+    recs = [TierPage.of(f"k{i}", torch.randint(0, 256, (64,), dtype=torch.uint8)) for i in range(4)]
+    assert tier.put(recs[:3]) == [True] * 3 and tier.contains([r.key for r in recs]) == 3
+    got = tier.get([r.key for r in recs])
+    assert got[3] is None and all(g.intact() and torch.equal(g.data, r.data) for g, r in zip(got[:3], recs))
+    fake_mooncake.data["k0"] = fake_mooncake.data["k1"]  # the store hands back another key's record
+    assert tier.get(["k0"]) == [None] and tier.rejected == 1
