@@ -78,6 +78,3 @@ class StorageReader:
                 break
             out.append(rec)
         return out
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
