@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .context import check_context
 from .distributed.workers import Workers
 from .errors import EngineError, InvalidRequest
+from .kv.hicache_stats import HiCacheStats
 from .output_processor import OutputProcessor
 from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
@@ -53,6 +54,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec: SpecCounters | None = None  # speculative decoding's totals, where it is on
+    hicache: HiCacheStats | None = None  # the hierarchical cache's, where it is on
 
 
 @dataclass
@@ -234,7 +236,7 @@ class EngineCore:
         compiling = sum(len(self.requests[rid].seqs) for rid in self._awaiting_grammar)  # waiting for their grammar
         spec = self.speculator.counters.snapshot() if self.speculator is not None else None
         return EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
-                           s.stats.num_preemptions, spec)
+                           s.stats.num_preemptions, spec, self.kv_manager.hicache_stats())
 
     def reset_counters(self) -> None:
         """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits, drafts."""

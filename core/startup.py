@@ -14,9 +14,9 @@ from .config import EngineConfig, ModelConfig
 from .distributed.group import SINGLE, ParallelGroup, Rendezvous, rank_device
 from .families.sampling import SamplingBackend
 from .families.spec import SpecProposer
-from .families.cache_tier import TierContext
+from .families.cache_tier import CacheTier, TierContext
 from .graph_runner import DecodeGraphs
-from .kv.hierarchy import host_capacity, tier_layout
+from .kv.hierarchy import KVHierarchy, host_capacity, tier_layout
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
 from .models.base import Backends, CausalLM
@@ -180,15 +180,24 @@ def attach_host_tier(plugins: Plugins, ctx: SelectionContext, kv: KVCache, kv_ma
     tier = plugins.select("cache_tier", tier_ctx, "host").create(tier_ctx)
     lower = kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv)
     if config.hicache_storage_backend:
-        storage_ctx = TierContext(ctx.platform, ctx.model_config, config, layout, {}, kv.device)
-        storage = plugins.select("cache_tier", storage_ctx, config.hicache_storage_backend).create(storage_ctx)
-        lower.attach_storage(storage, config.hicache_storage_prefetch_policy,
-                             config.hicache_storage_prefetch_threshold)
-        logger.info("hierarchical cache: storage tier %s, prefetch %s from %d tokens", storage.name,
-                    config.hicache_storage_prefetch_policy, config.hicache_storage_prefetch_threshold)
+        attach_storage_tier(plugins, lower, config)
     logger.info("hierarchical cache: host tier %s (%s) holds %s records (%.1f MiB), %s",
                 tier.name, config.hicache_mem_layout, capacity,
                 sum(n * layout.record_bytes(k) for k, n in capacity.items()) / 2**20, config.hicache_write_policy)
+
+
+def attach_storage_tier(plugins: Plugins, lower: KVHierarchy, config: EngineConfig) -> CacheTier:
+    """The storage tier (L3) ``config`` names (``hicache_storage_backend``, a cache tier other than
+    host memory), selected, created and attached below ``lower``'s host tier, in place of any before it."""
+    if config.hicache_storage_backend == lower.tier.name:
+        raise SelectionError(f"{lower.tier.name!r} is the host-memory tier (L2), not a storage backend")
+    host = lower.tier.ctx
+    ctx = TierContext(host.platform, host.model_config, config, host.layout, {}, host.device)
+    storage = plugins.select("cache_tier", ctx, config.hicache_storage_backend).create(ctx)
+    lower.attach_storage(storage, config.hicache_storage_prefetch_policy, config.hicache_storage_prefetch_threshold)
+    logger.info("hierarchical cache: storage tier %s attached, prefetch %s from %d tokens", storage.name,
+                config.hicache_storage_prefetch_policy, config.hicache_storage_prefetch_threshold)
+    return storage
 
 
 def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,

@@ -64,15 +64,14 @@ class MooncakeTier(CacheTier):
                                 s["master_server_address"])
         if code:
             raise RuntimeError(f"Mooncake store setup failed with code {code} (master {s['master_server_address']})")
-        self.rejected = 0
 
     def put(self, pages: list[TierPage]) -> list[bool]:
         done = []
         for p in pages:
             try:
                 done.append(self.store.is_exist(p.key) == 1 or self.store.put(p.key, encode(p)) == 0)
-            except Exception as exc:  # an unreachable store: counted by the caller, serving goes on
-                logger.warning("hierarchical cache: Mooncake put of %s failed: %s", p.key, exc)
+            except Exception as exc:  # an unreachable store: logged and counted by the caller, serving goes on
+                self.last_error = f"put of {p.key}: {exc}"
                 done.append(False)
         return done
 

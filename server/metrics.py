@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from ..core.kv.hicache_stats import TIERS, HiCacheStats
 from .wire import Stats
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -92,6 +93,8 @@ class ServerMetrics:
             metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens kept, by position in the draft.",
                    [f'engine:spec_decode_num_accepted_tokens_per_pos{{{L},position="{i}"}} {c}'
                     for i, c in enumerate(spec.accepted_per_position)])
+        if (h := stats.hicache) is not None:
+            self._hicache(h, metric)
         metric("request_success_total", "counter", "Finished completions by finish reason.",
                [f'engine:request_success_total{{{L},finished_reason="{r}"}} {c}' for r, c in self.success.items()])
         metric("cache_config_info", "gauge", "KV cache configuration.",
@@ -102,6 +105,36 @@ class ServerMetrics:
                                ("request_queue_time_seconds", self.queue_time, "Time waiting before first scheduled.")):
             metric(name, "histogram", help_, h.lines(f"engine:{name}", L))
         return "\n".join(lines) + "\n"
+
+
+    def _hicache(self, h: HiCacheStats, metric) -> None:
+        """The hierarchical cache's totals and tier gauges (tiers l1 device, l2 host memory, l3 storage)."""
+        L = self.labels
+
+        def per_tier(values: dict[str, int], extra: str = "") -> list[str]:
+            return [f'{{{L},tier="{t}"{extra}}} {values[t]}' for t in TIERS if t in values]
+
+        def samples(name: str, values: dict[str, int], extra: str = "") -> list[str]:
+            return [f"engine:{name}{s}" for s in per_tier(values, extra)]
+
+        metric("hicache_hit_tokens_total", "counter", "Prefix tokens hit, by the tier they were found in.",
+               samples("hicache_hit_tokens_total", h.hit_tokens))
+        metric("hicache_bytes_total", "counter", "KV bytes into (write) and out of (read) each tier below the device.",
+               samples("hicache_bytes_total", h.bytes_written, ',direction="write"')
+               + samples("hicache_bytes_total", h.bytes_read, ',direction="read"'))
+        metric("hicache_checksum_failures_total", "counter",
+               "Records that failed their checksum or were not a record of their key (each a miss, recomputed).",
+               [f"engine:hicache_checksum_failures_total{{{L}}} {h.checksum_failures}"])
+        metric("hicache_storage_failures_total", "counter",
+               "Storage-tier writes and reads that failed (a full disk, an unreachable store).",
+               [f"engine:hicache_storage_failures_total{{{L}}} {h.storage_failures}"])
+        metric("hicache_used_bytes", "gauge", "Bytes each tier holds (l3: its file system's, where it is one).",
+               samples("hicache_used_bytes", h.used_bytes))
+        metric("hicache_capacity_bytes", "gauge", "Bytes each tier can hold (l3: its file system's size).",
+               samples("hicache_capacity_bytes", h.capacity_bytes))
+        metric("hicache_storage_attached", "gauge", "Whether a storage tier (L3) is attached, by backend.",
+               [f'engine:hicache_storage_attached{{{L},backend="{_escape(h.storage_backend or "")}"}} '
+                f"{int(h.storage_backend is not None)}"])
 
 
 def _escape(value: str) -> str:

@@ -13,6 +13,7 @@ import typing
 
 import msgspec
 
+from ..core.kv.hicache_stats import HiCacheStats
 from ..core.outputs import EngineCoreOutput
 from ..core.sampling_params import SamplingParams
 from ..core.spec.counters import SpecCounters
@@ -79,6 +80,7 @@ class Stats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     spec: SpecCounters | None = None  # where speculative decoding is on
+    hicache: HiCacheStats | None = None  # where the hierarchical cache is on
 
 
 class Ready(msgspec.Struct, tag="ready"):

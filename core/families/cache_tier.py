@@ -90,11 +90,15 @@ class CacheTier(ABC):
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
+        self.rejected = 0  # blobs found under a key that were not a record of it (a miss; counted)
+        self.read_failures = 0  # reads that failed other than by absence (an unreachable store; a miss)
+        self.last_error: str | None = None  # why the last write or read failed, for the caller's log
 
     @abstractmethod
     def put(self, pages: list[TierPage]) -> list[bool]:
         """Store pages (atomically each: a reader never sees half a page); False where one was not
-        stored (full, unreachable): logged and counted by the caller, serving goes on."""
+        stored (full, unreachable; ``last_error`` says why): logged and counted by the caller,
+        serving goes on."""
 
     @abstractmethod
     def get(self, keys: list[str]) -> list[TierPage | None]:
@@ -111,4 +115,8 @@ class CacheTier(ABC):
 
     def free(self, kind: str) -> int | None:
         """How many more records of ``kind`` fit; None where the tier does not know (a shared store)."""
+        return None
+
+    def usage(self) -> tuple[int, int] | None:
+        """(bytes used, capacity in bytes) for the metrics' gauges; None where the tier cannot say."""
         return None

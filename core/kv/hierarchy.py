@@ -25,6 +25,7 @@ the forward, on a stream of its own, is not built yet).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -40,6 +41,8 @@ from .window import WindowPool
 
 if TYPE_CHECKING:
     from .radix import _Node
+
+logger = logging.getLogger(__name__)
 
 SELECTIVE_HITS = 2  # matches through a node before write_through_selective writes it
 MAX_PREFETCHES = 256  # storage reads of requests not admitted yet
@@ -66,6 +69,11 @@ class TierStats:
     storage_written: int = 0  # records written to the storage tier
     storage_refused: int = 0  # records it did not take (full, unreachable)
     storage_hit_tokens: int = 0  # prefix tokens found only in storage and brought into host memory
+    storage_loaded_tokens: int = 0  # of hit_tokens, those a match brought from storage in the same load
+    storage_bytes_written: int = 0
+    storage_bytes_read: int = 0
+    foreign_records: int = 0  # storage files that were not a record of their key (of tiers since detached)
+    storage_read_failures: int = 0  # reads that failed other than by absence (of tiers since detached)
 
 
 def tier_layout(kv: KVCache, model: str) -> TierLayout:
@@ -101,6 +109,12 @@ class KVHierarchy:
         self.reader: StorageReader | None = None
         self._prefetches: dict[str, Prefetch] = {}  # by the key of the first page each reads
         radix.lower = self
+
+    def reset_stats(self) -> None:
+        """Zero the totals (the storage tier's own counts too)."""
+        self.stats = TierStats()
+        if self.reader is not None:
+            self.reader.tier.rejected = self.reader.tier.read_failures = 0
 
     # -- what the radix tree asks -------------------------------------------------------------
 
@@ -170,17 +184,42 @@ class KVHierarchy:
         return True
 
     def _store(self, records: list[TierPage]) -> None:
-        """Write what host memory took to the storage tier too, where there is one; a failure is counted."""
-        if self.reader is not None:
-            stored = self.reader.tier.put(records)
-            self.stats.storage_written += sum(stored)
-            self.stats.storage_refused += len(stored) - sum(stored)
+        """Write what host memory took to the storage tier too, where there is one. A write it
+        refuses (a full disk, an unreachable store) is counted and the tier detached, logged once:
+        serving goes on with host memory, and an operator may attach it again (the admin route)."""
+        if self.reader is None:
+            return
+        tier = self.reader.tier
+        stored = tier.put(records)
+        self.stats.storage_written += sum(stored)
+        self.stats.storage_refused += len(stored) - sum(stored)
+        self.stats.storage_bytes_written += sum(r.data.numel() for r, ok in zip(records, stored) if ok)
+        if not all(stored):
+            self.detach_storage()
+            logger.warning("hierarchical cache: the storage tier %s failed a write (%s); detached, serving goes on "
+                           "with host memory only", tier.name, tier.last_error or "no reason given")
 
     # -- the storage tier (L3) --------------------------------------------------------------------
 
     def attach_storage(self, tier: CacheTier, policy: str, threshold_tokens: int) -> None:
         """Keep what host memory takes in ``tier`` too, and fetch prefixes from it (prefetch.py)."""
+        if self.reader is not None:
+            self.detach_storage()
         self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size)
+
+    def detach_storage(self) -> CacheTier | None:
+        """Stop using the storage tier (its prefetches dropped, its counts kept in the totals); the
+        tier, or None where there was none. Host memory and the device keep what they hold."""
+        if self.reader is None:
+            return None
+        reader, self.reader = self.reader, None
+        self.stats.foreign_records += reader.tier.rejected
+        self.stats.storage_read_failures += reader.tier.read_failures
+        for p in self._prefetches.values():
+            p.stop = True
+        self._prefetches.clear()
+        reader.close()
+        return reader.tier
 
     def prefetch(self, tokens: list[int]) -> None:
         """A request arrived: start reading from storage what it may hit past the tree."""
@@ -201,16 +240,19 @@ class KVHierarchy:
         known = len(pages) + sum(len(n.lower) for n in lower)
         return (lower[-1] if lower else frontier), known, prefix_keys(tokens, self.page_size, self.model_key)[known:]
 
-    def _fetch(self, tokens: list[int]) -> None:
-        """Bring what storage holds of ``tokens`` past the tree into host memory, as a node there."""
+    def _fetch(self, tokens: list[int]) -> int:
+        """Bring what storage holds of ``tokens`` past the tree into host memory, as a node there;
+        the tokens it holds."""
         anchor, start, keys = self._beyond(tokens)
         if not keys:
-            return
+            return 0
         p = self._prefetches.pop(keys[0], None) or self.reader.start(keys, start)
         if p is None:
-            return
+            return 0
         records = []
-        for rec in self.reader.take(p):
+        taken = self.reader.take(p)
+        self.stats.storage_bytes_read += sum(r.data.numel() for r in taken)
+        for rec in taken:
             if rec.kind != "page" or not rec.intact():
                 self.stats.checksum_failures += rec.kind == "page"
                 break
@@ -222,13 +264,14 @@ class KVHierarchy:
                 break
             count -= 1
         if not count:
-            return
+            return 0
         self.radix.lock(anchor)
         try:
             if not self._put(anchor, records[:count]) or windows is not None and not self._put(anchor, windows):
-                return
+                return 0
             self.radix.attach_lower(tokens, keys[:count], [w.key for w in windows] if windows is not None else None)
             self.stats.storage_hit_tokens += count * self.page_size
+            return count * self.page_size
         finally:
             self.radix.unlock(anchor)
 
@@ -238,6 +281,7 @@ class KVHierarchy:
         if self.reader.tier.contains(keys[:1]) == 0:
             return None
         got = self.reader.read_now(keys)
+        self.stats.storage_bytes_read += sum(r.data.numel() for r in got)
         if len(got) < len(keys) or not all(r.kind == "window" and r.intact() for r in got):
             return None
         return got
@@ -252,8 +296,7 @@ class KVHierarchy:
         """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
         (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
         frees ``n`` device pages (evicting) or says it cannot."""
-        if self.reader is not None:
-            self._fetch(tokens)
+        fetched = self._fetch(tokens) if self.reader is not None else 0
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
             self._restore_windows(frontier, device_pages)
@@ -273,6 +316,8 @@ class KVHierarchy:
                 start += len(n.lower)
             self.stats.loaded_pages += count
             self.stats.hit_tokens += count * self.page_size
+            below = sum(len(n.lower) for n in lower) * self.page_size  # the fetched node is the path's last
+            self.stats.storage_loaded_tokens += max(0, count * self.page_size - (below - fetched))
             if windows is not None:
                 self._hold_windows(end, device_pages + pages, windows)
             return count * self.page_size

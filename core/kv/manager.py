@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..families.cache_tier import CacheTier
-from .hierarchy import KVHierarchy, TierStats
+from .hicache_stats import HiCacheStats, snapshot
+from .hierarchy import KVHierarchy
 from .page_table import PageTable
 from .pages import PagePool
 from .radix import RadixCache, RadixStats, Tier
@@ -63,6 +64,7 @@ class KVStats:
     num_window_used: int
     prefix_queries: int
     prefix_hits: int
+    num_window_usable: int = 0
 
     @property
     def num_used(self) -> int:
@@ -300,12 +302,17 @@ class KVManager:
         """Zero the prefix-cache counters (after the start-up warm-up, which is no one's traffic)."""
         self.radix.stats = RadixStats()
         if self.lower is not None:
-            self.lower.stats = TierStats()
+            self.lower.reset_stats()
 
     def stats(self) -> KVStats:
         window_used = self.window.pool.num_used if self.window is not None else 0
+        window_usable = self.window.pool.num_usable if self.window is not None else 0
         return KVStats(self.pool.num_usable, self.pool.num_free, self.radix.cached_pages, self.radix.evictable_pages,
-                       window_used, self.radix.stats.queries, self.radix.stats.hits)
+                       window_used, self.radix.stats.queries, self.radix.stats.hits, window_usable)
+
+    def hicache_stats(self) -> HiCacheStats | None:
+        """The hierarchical cache's totals and tier usage (None without one)."""
+        return snapshot(self.lower, self.stats()) if self.lower is not None else None
 
     def check_consistency(self) -> None:
         """Raise AssertionError unless every page reference, lock and window hold is accounted for

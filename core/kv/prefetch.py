@@ -70,6 +70,10 @@ class StorageReader:
         p.stop = True
         return list(p.records)
 
+    def close(self) -> None:
+        """Read no more (the tier is detached): reads not started are dropped, one under way ends alone."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
     def read_now(self, keys: list[str]) -> list[TierPage]:
         """The leading records of ``keys`` the tier holds, read at once (small reads: windows)."""
         out = []

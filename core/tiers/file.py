@@ -7,22 +7,28 @@ Each file is written whole to a temporary name in the same directory and renamed
 engines writing the same record at once each rename a complete copy. The file carries a header
 (record.py): a file that is not a record, or names another key (foreign), is a miss; a truncated
 one fails its checksum where the caller checks it. A write that fails (a full disk, a gone mount)
-is logged and refused; serving goes on. Records are never deleted here: the directory is shared,
-and its size is the operator's to bound. Subclasses may move the bytes their own way (``_write``,
+is logged and refused, and a read that fails other than by absence is a counted miss; serving
+goes on. Records are never deleted here: the directory is shared, and its size is the
+operator's to bound (the usage gauges report the file system's). Subclasses may move the bytes their own way (``_write``,
 ``_read``: NIXL's file plugins).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ..families.cache_tier import CacheTier, TierContext, TierPage
 from .record import decode, encode
 
 logger = logging.getLogger(__name__)
+
+USAGE_EVERY_S = 1.0  # how often the usage gauges ask the file system
 
 
 def file_reasons(ctx) -> list[str]:
@@ -46,8 +52,8 @@ class FileTier(CacheTier):
         super().__init__(ctx)
         self.root = Path(ctx.engine_config.hicache_storage_dir).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.rejected = 0  # files that were not a record of the key asked for
         self.failed_writes = 0
+        self._usage: tuple[float, tuple[int, int] | None] = (float("-inf"), None)
 
     def _path(self, key: str) -> Path:
         name = key.replace(":", "-")
@@ -69,9 +75,7 @@ class FileTier(CacheTier):
             return True
         except OSError as exc:
             self.failed_writes += 1
-            if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
-                logger.warning("hierarchical cache: writing %s failed (%s; %d failed writes so far)", path, exc,
-                               self.failed_writes)
+            self.last_error = f"writing {path}: {exc}"
             if tmp is not None:
                 try:
                     os.unlink(tmp)
@@ -93,7 +97,12 @@ class FileTier(CacheTier):
     def _get(self, key: str) -> TierPage | None:
         try:
             raw = self._read(self._path(key))
-        except OSError:
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self.read_failures += 1
+                if self.read_failures == 1 or self.read_failures % 1000 == 0:
+                    logger.warning("hierarchical cache: reading %s failed (%s; %d failed reads so far); a miss",
+                                   self._path(key), exc, self.read_failures)
             return None
         try:
             return decode(key, raw)
@@ -101,6 +110,19 @@ class FileTier(CacheTier):
             self.rejected += 1
             logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss", self._path(key), exc)
             return None
+
+    def usage(self) -> tuple[int, int] | None:
+        """The file system's bytes used and size (the directory is shared: its own size is not
+        this engine's to know cheaply), asked at most once a second."""
+        at, usage = self._usage
+        if time.monotonic() - at >= USAGE_EVERY_S:
+            try:
+                du = shutil.disk_usage(self.root)
+                usage = (du.used, du.total)
+            except OSError:
+                usage = None
+            self._usage = (time.monotonic(), usage)
+        return usage
 
     def contains(self, keys: list[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self._path(k).exists()), len(keys))

@@ -76,6 +76,14 @@ class HostTier(CacheTier):
     def free(self, kind: str) -> int:
         return len(self._arenas[kind].free)
 
+    def usage(self) -> tuple[int, int]:
+        used = capacity = 0
+        for kind, arena in self._arenas.items():
+            size = self.ctx.layout.record_bytes(kind)
+            used += (arena.count - len(arena.free)) * size
+            capacity += arena.count * size
+        return used, capacity
+
     def keys(self) -> set[str]:
         """Every key held (for consistency checks)."""
         return set(self._slots)

@@ -6,7 +6,9 @@ its tokens recomputed; no page or record is left behind."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import os
 import random
 import subprocess
@@ -16,7 +18,10 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
+from engine.core.tiers.file import FileTier
+from engine.server import wire
 from engine.server.engine_args import add_engine_args, engine_config
+from engine.server.metrics import ServerMetrics
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -81,6 +86,41 @@ def test_a_corrupted_host_record_is_recomputed_not_served(shared_dir, without_hi
     assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
     kv = llm.engine.kv_manager
     assert kv.lower.stats.checksum_failures == 1 and tiered[2].num_cached_tokens < 100
+    kv.check_consistency()
+
+
+def test_a_store_that_fills_up_is_detached_logged_once_and_serving_goes_on(shared_dir, without_hierarchy, tmp_path,
+                                                                          monkeypatch, caplog, seed):
+    """The storage directory runs out of space (ENOSPC) after a few records: the failure is counted,
+    logged once, the tier detached; host memory still serves the hit and the output is unchanged."""
+    rng = random.Random(seed)
+    room, written = rng.randint(0, 20), []
+    real = FileTier._write
+
+    def full_disk(self, fd, blob):
+        if len(written) >= room:
+            os.close(fd)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(len(blob))
+        real(self, fd, blob)
+
+    monkeypatch.setattr(FileTier, "_write", full_disk)
+    prompts, plain = without_hierarchy("tiny-qwen3-py")
+    with caplog.at_level(logging.WARNING, logger="engine.core.kv.hierarchy"):
+        tiered, llm = run(shared_dir / "models" / "tiny-qwen3-py", prompts, enable_hierarchical_cache=True,
+                          hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    assert tiered[2].num_cached_tokens == 100  # from host memory
+    kv = llm.engine.kv_manager
+    assert kv.lower.reader is None and kv.lower.stats.storage_written == room and kv.lower.stats.storage_refused > 0
+    warnings = [r for r in caplog.records if r.name == "engine.core.kv.hierarchy"]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert len(list(tmp_path.rglob("*.kv"))) == room and not list(tmp_path.rglob(".tmp-*"))
+    stats = llm.engine.stats().hicache
+    assert stats.storage_backend is None and stats.storage_failures == kv.lower.stats.storage_refused
+    text = ServerMetrics("m", 4, 40).render(wire.Stats(hicache=stats), 0)
+    assert f'engine:hicache_storage_failures_total{{model_name="m"}} {stats.storage_failures}' in text
+    assert 'engine:hicache_storage_attached{model_name="m",backend=""} 0' in text
     kv.check_consistency()
 
 

@@ -32,3 +32,21 @@ def default_server(tmp_path_factory):
 def server(request):
     """Each test using it runs against both served models."""
     return request.getfixturevalue(f"{request.param}_server")
+
+
+HICACHE_ARGS = ("--page-size", "4", "--num-pages", "40", "--max-model-len", "512", "--enable-hierarchical-cache",
+                "--hicache-ratio", "1", "--hicache-storage-prefetch-threshold", "8",
+                "--hicache-storage-prefetch-policy", "wait_complete")
+
+
+@pytest.fixture(scope="session")
+def hicache_server(tiny_qwen3, tmp_path_factory):
+    """tiny-qwen3-py on a device cache of 40 pages of 4 tokens, host memory for as many, and a file
+    tier (its directory is ``server.storage_dir``)."""
+    storage = tmp_path_factory.mktemp("hicache-storage")
+    server = LiveServer(str(tiny_qwen3), *HICACHE_ARGS, "--hicache-storage-backend", "file",
+                        "--hicache-storage-dir", str(storage),
+                        log=tmp_path_factory.mktemp("logs") / "hicache-server.log").wait_ready()
+    server.storage_dir = storage
+    yield server
+    server.stop()

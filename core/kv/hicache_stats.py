@@ -1,0 +1,59 @@
+"""The hierarchical cache's totals and tier usage, as /metrics shows them.
+
+A msgspec Struct with no torch, so the engine process sends it to the API process as it is
+(server/wire.py) and server/metrics.py renders it. Tiers are named as the metrics name them:
+``l1`` the device, ``l2`` host memory, ``l3`` the storage tier. A write goes into a tier (pages
+leaving the device for host memory, records host memory takes reaching storage), a read comes out
+of it (host records loaded to the device, storage records fetched into host memory).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .hierarchy import KVHierarchy
+    from .manager import KVStats
+
+TIERS = ("l1", "l2", "l3")
+
+
+class HiCacheStats(msgspec.Struct):
+    """Since start-up (or the warm-up's reset): prefix tokens hit per tier, bytes per tier and
+    direction, records that failed their checksum or were not a record of their key, storage
+    operations that failed (a full disk, an unreachable store); now: bytes used and capacity per tier."""
+
+    hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_written: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_read: dict[str, int] = msgspec.field(default_factory=dict)
+    checksum_failures: int = 0
+    storage_failures: int = 0
+    used_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    storage_backend: str | None = None  # the L3 tier attached now, if any
+
+
+def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
+    """The hierarchy's totals; L1's hit tokens are the prefix cache's hits less those loaded from below
+    (a load is counted when it happens, a hit when its request is admitted: never below zero)."""
+    s, layout = lower.stats, lower.tier.ctx.layout
+    l3 = s.storage_loaded_tokens
+    l2 = s.hit_tokens - l3
+    page, window = layout.record_bytes("page"), (layout.record_bytes("window") if "window" in layout.segments else 0)
+    used = {"l1": kv.num_used * page + kv.num_window_used * window}
+    capacity = {"l1": kv.num_usable * page + kv.num_window_usable * window}
+    storage = lower.reader.tier if lower.reader is not None else None
+    for name, tier in (("l2", lower.tier), ("l3", storage)):
+        usage = tier.usage() if tier is not None else None
+        if usage is not None:
+            used[name], capacity[name] = usage
+    return HiCacheStats(
+        hit_tokens={"l1": max(0, kv.prefix_hits - l2 - l3), "l2": l2, "l3": l3},
+        bytes_written={"l2": s.bytes_written, "l3": s.storage_bytes_written},
+        bytes_read={"l2": s.bytes_loaded, "l3": s.storage_bytes_read},
+        checksum_failures=s.checksum_failures + s.foreign_records + (storage.rejected if storage is not None else 0),
+        storage_failures=s.storage_refused + s.storage_read_failures + (storage.read_failures if storage is not None else 0),
+        used_bytes=used, capacity_bytes=capacity,
+        storage_backend=storage.name if storage is not None else None)
