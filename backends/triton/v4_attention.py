@@ -68,7 +68,9 @@ class TritonV4Attention(V4AttentionBackend):
         compress(kv_proj, gate_proj, comp, layer, kv, batch, meta)
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
-               batch: ForwardBatch, meta: TritonV4Metadata) -> torch.Tensor:
+               batch: ForwardBatch, meta: TritonV4Metadata, candidates: torch.Tensor | None = None) -> torch.Tensor:
+        if candidates is not None:  # selection refuses V4.1 models (descriptors.py); this is the backstop
+            raise NotImplementedError("the Triton V4 indexer has no candidate filter (DeepSeek-V4.1)")
         return select(q, weights, layer, kv, batch, meta)
 
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,

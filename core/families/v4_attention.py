@@ -13,6 +13,13 @@ its result is passed to every call.
 Masking, as the oracle (core/native/v4_attention.py) does it: a query at position p sees window
 keys at positions p - window + 1 .. p and entries 0 .. (p + 1) // rate - 1 (an entry is visible
 from the token after its window closes). Ties in the indexer go to the lowest entry index.
+
+DeepSeek-V4.1's CSA2 layers (core/models/deepseek_v4/topology.py) use the same calls: a layer
+reading another's entries has that layer's ``compression`` and is never asked to ``compress``;
+a KV source's compression pools pairs (rate 2, no position bias) or keeps each token (rate 1)
+and derives the index keys from its entries (``index_key``); a candidate source calls
+``select_candidates`` before ``select``, and the index sources after it pass those blocks to
+``select``. A backend without these refuses such a model at selection, naming why.
 """
 
 from __future__ import annotations
@@ -28,21 +35,34 @@ from ..kv.storage import KVCache
 
 
 @dataclass(frozen=True)
+class IndexKey:
+    """CSA2's index keys, derived from its entries: key = RMSNorm(project(latent)) rotated as the
+    entry is, where latent is the entry normalised and not yet rotated."""
+
+    project: Any  # a linear layer: latent [N, head_dim] -> [N, index_head_dim]
+    norm_weight: torch.Tensor  # [index_head_dim] fp32
+    eps: float
+    keys: int  # cache layer: per entry, k = the key; if k is E4M3, v = its fp32 scale [1]
+
+
+@dataclass(frozen=True)
 class Compression:
     """One compressor: softmax-gated pooling of each window of ``rate`` tokens into one entry.
 
     With ``overlap`` (CSA) each token projects twice the width, and entry w pools window w-1's first
     half of the channels with window w's second half. Entries are RMS-normalised by
-    ``norm_weight`` and rotated at their window's first position.
+    ``norm_weight`` and rotated at their window's first position. At rate 1 (CSA2) there is no
+    gate: each token's projection is its entry.
     """
 
     rate: int
     overlap: bool
-    ape: torch.Tensor  # [rate, width] fp32: the gate's bias by slot within the window
+    ape: torch.Tensor | None  # [rate, width] fp32: the gate's bias by slot within the window (CSA2: none)
     norm_weight: torch.Tensor  # [head_dim] fp32
     eps: float
-    projections: int  # cache layer: per token, k = the kv projection, v = the gate projection [width]
+    projections: int | None  # cache layer: per token, k = the kv projection, v = the gate projection [width]; rate 1: none
     entries: int  # cache layer: per entry, k = the pooled entry [head_dim]; if k is E4M3, v = its fp32 scale [1]
+    index_key: IndexKey | None = None  # CSA2 KV source that indexes: the keys it derives from its entries
 
     @property
     def head_dim(self) -> int:
@@ -51,12 +71,16 @@ class Compression:
 
 @dataclass(frozen=True)
 class IndexerLayer:
-    """The lightning indexer of a CSA layer: its own compressor makes the keys it scores."""
+    """The lightning indexer of a CSA layer: its own compressor makes the keys it scores. In CSA2,
+    ``compression.entries`` is the layer of the keys its KV source derives (``IndexKey.keys``)."""
 
     num_heads: int
     head_dim: int
     top_k: int
     compression: Compression
+    candidate_blocks: int = 0  # > 0: a candidate source, publishing this many blocks per query
+    candidate_block_size: int = 0  # entries per candidate block
+    filtered: bool = False  # takes its top-k inside the candidate source's blocks
 
 
 @dataclass(frozen=True)
@@ -106,12 +130,20 @@ class V4AttentionBackend(ABC):
 
     @abstractmethod
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
-               batch: ForwardBatch, meta: Any) -> torch.Tensor:
+               batch: ForwardBatch, meta: Any, candidates: torch.Tensor | None = None) -> torch.Tensor:
         """The indexer's choice: q [T, Hi, di] (unrotated), weights [T, Hi] fp32 (already scaled by
         Hi^-0.5) -> int32 [T, top_k]: the entries of the ``top_k`` highest scores among those
         visible, score(s) = sum_h weights_h * relu(rope(q_h) . key_s) * di^-0.5, ties to the lowest
         index; -1 fills the rest of a row. The order within a row is unspecified. E4M3 keys count
-        as key * scale."""
+        as key * scale. ``candidates`` (from ``select_candidates``): only entries in those blocks."""
+
+    def select_candidates(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
+                          batch: ForwardBatch, meta: Any) -> torch.Tensor:
+        """A candidate source's blocks: int32 [T, candidate_blocks], the blocks (of
+        ``candidate_block_size`` entries) with the highest best score among each query's visible
+        entries, the block of its newest visible entry always first choice, ties to the lowest
+        block; -1 where fewer blocks hold a visible entry. The order within a row is unspecified."""
+        raise NotImplementedError(f"the {self.name} V4 attention backend has no candidate filter")
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: Any,

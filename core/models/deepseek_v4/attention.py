@@ -12,13 +12,14 @@ indexer's top-k, the attention itself, the rotations) is the V4 attention family
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...distributed.layers import ColumnParallelLinear, RowParallelLinear, split
-from ...families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
+from ...families.v4_attention import Compression, IndexerLayer, IndexKey, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
 from ...native.rope import RotaryEmbedding
@@ -26,8 +27,10 @@ from ..base import Backends
 from ..fused_projection import FusedProjection
 from ..layers import Linear, RMSNorm, empty_param
 from .cache import LayerCache
+from .topology import CSA2Role
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+CSA2 = "compressed_sparse_attention_2"  # V4.1: entries at ratio 1 or 2, shared across layers (topology.py)
 
 
 class GroupedLinear(nn.Module):
@@ -46,34 +49,57 @@ class GroupedLinear(nn.Module):
 
 
 class Compressor(nn.Module):
-    """Projects tokens to (kv, gate); the family pools each window into one entry."""
+    """Projects tokens to (kv, gate); the family pools each window into one entry. CSA2's has no
+    position bias, and at rate 1 no gate (each token's projection is its entry)."""
 
     def __init__(self, hidden: int, head_dim: int, rate: int, overlap: bool, eps: float, backends: Backends, *,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, csa2: bool = False) -> None:
         super().__init__()
         width = 2 * head_dim if overlap else head_dim
         self.wkv = Linear(hidden, width, backends.linear, dtype=dtype, device=device)
-        self.wgate = Linear(hidden, width, backends.linear, dtype=dtype, device=device)
-        self.ape = empty_param(rate, width, dtype=torch.float32, device=device)
+        self.wgate = self.ape = None
+        if rate > 1 or not csa2:
+            self.wgate = Linear(hidden, width, backends.linear, dtype=dtype, device=device)
+        if not csa2:
+            self.ape = empty_param(rate, width, dtype=torch.float32, device=device)
         self.norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
         self.rate, self.overlap = rate, overlap
 
-    def spec(self, projections: int, entries: int) -> Compression:
-        return Compression(self.rate, self.overlap, self.ape, self.norm.weight, self.norm.eps, projections, entries)
+    def spec(self, projections: int | None, entries: int, index_key: IndexKey | None = None) -> Compression:
+        return Compression(self.rate, self.overlap, self.ape, self.norm.weight, self.norm.eps, projections, entries,
+                           index_key)
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of a CSA layer: its own overlapping compressor at index_head_dim, and
-    queries from the attention's low-rank q."""
+    """The lightning indexer: queries from the attention's low-rank q and per-head weights from its
+    input. V4's CSA has its own overlapping compressor at index_head_dim for the keys; a CSA2 KV
+    source derives them from its entries (``wk``, ``k_norm``); a later CSA2 index source scores
+    its KV source's."""
 
-    def __init__(self, hf: dict, rate: int, backends: Backends, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, hf: dict, rate: int, backends: Backends, *, dtype: torch.dtype, device,
+                 keys: str = "compressor") -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.top_k = hf["index_n_heads"], hf["index_head_dim"], hf["index_topk"]
+        eps = hf.get("rms_norm_eps", 1e-6)
         self.wq_b = Linear(hf["q_lora_rank"], self.num_heads * self.head_dim, backends.linear, dtype=dtype,
                            device=device)
         self.weights_proj = Linear(hf["hidden_size"], self.num_heads, backends.linear, dtype=dtype, device=device)
-        self.compressor = Compressor(hf["hidden_size"], self.head_dim, rate, True, hf.get("rms_norm_eps", 1e-6),
-                                     backends, dtype=dtype, device=device)
+        self.compressor = self.wk = self.k_norm = None
+        if keys == "compressor":
+            self.compressor = Compressor(hf["hidden_size"], self.head_dim, rate, True, eps, backends, dtype=dtype,
+                                         device=device)
+        elif keys == "derived":
+            self.wk = Linear(hf["head_dim"], self.head_dim, backends.linear, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device)
+
+
+@dataclass
+class StepShare:
+    """What CSA2 layers hand down the stack within one step (the layers run in order, so every
+    source writes before its readers): each index source's picks, the candidate source's blocks."""
+
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -86,7 +112,8 @@ class Attention(nn.Module):
         heads, self.head_dim, groups = hf["num_attention_heads"], hf["head_dim"], hf["o_groups"]
         self.num_heads = split(heads, tp.size, "num_attention_heads")
         self.groups, self.o_rank = split(groups, tp.size, "o_groups"), hf["o_lora_rank"]
-        self.layer_type = hf["layer_types"][layer_id]
+        self.layer_id, self.layer_type = layer_id, hf["layer_types"][layer_id]
+        self.role: CSA2Role | None = hf["csa2_roles"][layer_id]
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         self.cache = cache
         self.eps = eps
@@ -104,7 +131,16 @@ class Attention(nn.Module):
             p.partition = (0, tp.rank, tp.size)
         self.window = hf["sliding_window"]
         self.compressor = self.indexer = None
-        if self.layer_type != SLIDING:
+        self.source: tuple[Attention, ...] = ()  # CSA2: the KV source's attention (set by the decoder), not a submodule
+        role = self.role
+        if role is not None:
+            if role.owns_compressor(layer_id):
+                self.compressor = Compressor(hidden, self.head_dim, role.ratio, False, eps, backends, dtype=dtype,
+                                             device=device, csa2=True)
+            if role.indexes(layer_id):
+                self.indexer = Indexer(hf, role.ratio, backends, dtype=dtype, device=device,
+                                       keys="derived" if role.keeps_index_keys else "shared")
+        elif self.layer_type != SLIDING:
             rate = hf["compress_rates"][self.layer_type]
             self.compressor = Compressor(hidden, self.head_dim, rate, self.layer_type == CSA, eps, backends,
                                          dtype=dtype, device=device)
@@ -112,26 +148,48 @@ class Attention(nn.Module):
                 self.indexer = Indexer(hf, rate, backends, dtype=dtype, device=device)
         x_parts = ["wq_a", "wkv"]
         if self.compressor is not None:
-            x_parts += ["compressor.wkv", "compressor.wgate"]
+            x_parts += ["compressor.wkv"] + (["compressor.wgate"] if self.compressor.wgate is not None else [])
+        if self.indexer is not None and self.indexer.compressor is not None:
+            x_parts += ["indexer.compressor.wkv", "indexer.compressor.wgate"]
         if self.indexer is not None:
-            x_parts += ["indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.weights_proj"]
+            x_parts += ["indexer.weights_proj"]
         self.x_proj = FusedProjection({name: self.get_submodule(name) for name in x_parts})
         self._spec: V4AttentionLayer | None = None
+
+    def _index_keys(self) -> Compression:
+        """A CSA2 KV source's index keys, as the indexers that score them see them."""
+        norm = self.indexer.k_norm
+        return Compression(self.role.ratio, False, None, norm.weight, norm.eps, None, self.cache.index_keys)
+
+    def _compression(self) -> Compression | None:
+        """The entries this layer attends over (a CSA2 layer's: its KV source's)."""
+        c = self.cache
+        if self.role is None:
+            return None if self.compressor is None else self.compressor.spec(c.projections, c.entries)
+        if self.compressor is None:
+            return self.source[0].spec().compression
+        key = None
+        if self.role.keeps_index_keys:
+            key = IndexKey(self.indexer.wk, self.indexer.k_norm.weight, self.indexer.k_norm.eps, c.index_keys)
+        return self.compressor.spec(c.projections, c.entries, key)
 
     def spec(self) -> V4AttentionLayer:
         """The family's view of this layer (made once, after the weights are in place)."""
         if self._spec is None:
-            c = self.cache
+            c, idx, role = self.cache, self.indexer, self.role
             indexer = None
-            if self.indexer is not None:
-                indexer = IndexerLayer(self.indexer.num_heads, self.indexer.head_dim, self.indexer.top_k,
-                                       self.indexer.compressor.spec(c.index_projections, c.index_keys))
-            self._spec = V4AttentionLayer(
-                self.num_heads, self.head_dim, self.window, self.attn_sink, self.rope, c.window,
-                None if self.compressor is None else self.compressor.spec(c.projections, c.entries), indexer)
+            if idx is not None and role is None:
+                indexer = IndexerLayer(idx.num_heads, idx.head_dim, idx.top_k,
+                                       idx.compressor.spec(c.index_projections, c.index_keys))
+            elif idx is not None:
+                keys = (self if role.keeps_index_keys else self.source[0])._index_keys()
+                indexer = IndexerLayer(idx.num_heads, idx.head_dim, idx.top_k, keys, role.candidate_blocks,
+                                       role.candidate_block_size, role.filtered)
+            self._spec = V4AttentionLayer(self.num_heads, self.head_dim, self.window, self.attn_sink, self.rope,
+                                          c.window, self._compression(), indexer)
         return self._spec
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any, share: StepShare) -> torch.Tensor:
         """x [T, hidden], the batch's new tokens packed, through the attention's input norm (which the
         mHC pre before runs) -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
@@ -140,13 +198,20 @@ class Attention(nn.Module):
         q = self.norm_backend.unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
         backend.store(self.norm(p["wkv"]), layer, kv, batch, meta)
         if self.compressor is not None:
-            backend.compress(p["compressor.wkv"], p["compressor.wgate"], layer.compression, layer, kv, batch, meta)
+            backend.compress(p["compressor.wkv"], p.get("compressor.wgate"), layer.compression, layer, kv, batch, meta)
         picks = None
         if self.indexer is not None:
-            backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"], layer.indexer.compression,
-                             layer, kv, batch, meta)
+            if self.indexer.compressor is not None:
+                backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"],
+                                 layer.indexer.compression, layer, kv, batch, meta)
             q_index = self.indexer.wq_b(q_low).view(-1, self.indexer.num_heads, self.indexer.head_dim)
             weights = p["indexer.weights_proj"].float() * self.indexer.num_heads**-0.5
-            picks = backend.select(q_index, weights, layer, kv, batch, meta)
+            if layer.indexer.candidate_blocks:
+                share.candidates = backend.select_candidates(q_index, weights, layer, kv, batch, meta)
+            picks = backend.select(q_index, weights, layer, kv, batch, meta,
+                                   share.candidates if layer.indexer.filtered else None)
+            share.picks[self.layer_id] = picks
+        elif self.role is not None and self.role.index_source is not None:
+            picks = share.picks[self.role.index_source]  # "Reuse": the picks of the layer's index source
         out = backend.attend(q, layer, kv, batch, meta, picks)
         return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))

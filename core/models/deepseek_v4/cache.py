@@ -24,6 +24,7 @@ import torch
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache, KVLayerSpec
 from ...native.quant import FP8
+from .topology import CSA2Role
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,22 @@ class LayerCache:
 
     window: int  # per token: k = the KV the sliding window reads
     projections: int | None = None  # per token: k, v = the compressor's kv and gate projections
-    entries: int | None = None  # per entry: k = the pooled, normalised, rotated entry
+    entries: int | None = None  # per entry: k = the pooled, normalised, rotated entry (CSA2: maybe another layer's)
     index_projections: int | None = None  # CSA, per token: the indexer compressor's kv and gate
-    index_keys: int | None = None  # CSA, per entry: k = the indexer's key; v = its fp32 scale if k is E4M3
+    index_keys: int | None = None  # CSA/CSA2, per entry: k = the indexer's key; v = its fp32 scale if k is E4M3
 
 
 def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool], index_head_dim: int,
-                 fp8_index_keys: bool = False) -> tuple[list[KVLayerSpec], list[LayerCache]]:
+                 fp8_index_keys: bool = False, roles: list[CSA2Role | None] | None = None,
+                 ) -> tuple[list[KVLayerSpec], list[LayerCache]]:
     """The KV layer specs of every component and, per decoder layer, where its components are.
 
     ``layer_rates[i]`` is 0 for a sliding-only layer; ``overlaps[i]`` marks CSA (overlapping
     windows, twice the projection width, and an indexer). ``fp8_index_keys``: the indexer's keys
-    in E4M3 with an fp32 scale each; otherwise in the cache's dtype.
+    in E4M3 with an fp32 scale each; otherwise in the cache's dtype. ``roles[i]`` (V4.1's CSA2,
+    topology.py): a KV source keeps its entries (and, if it indexes, the index keys derived from
+    them) and, at ratio 2, its per-token projections; a layer reading another's entries keeps
+    only its window and points at the source's components, which are stored once.
     """
     key_format = dict(v_head_dim=1, k_dtype=FP8, v_dtype=torch.float32) if fp8_index_keys else dict(v_head_dim=0)
     specs: list[KVLayerSpec] = []
@@ -52,9 +57,22 @@ def cache_layout(head_dim: int, layer_rates: list[int], overlaps: list[bool], in
         specs.append(spec)
         return len(specs) - 1
 
-    layers = []
-    for rate, overlap in zip(layer_rates, overlaps):
+    layers: list[LayerCache] = []
+    for i, (rate, overlap) in enumerate(zip(layer_rates, overlaps)):
         window = add(KVLayerSpec(1, head_dim, 0, windowed=True))
+        role = roles[i] if roles is not None else None
+        if role is not None and role.kv_source < i:
+            source = layers[role.kv_source]
+            layers.append(LayerCache(window, entries=source.entries, index_keys=source.index_keys))
+            continue
+        if role is not None:
+            parts = dict(entries=add(KVLayerSpec(1, head_dim, 0, rate)))
+            if rate > 1:  # a pair that closes in a later step pools what this one projected
+                parts["projections"] = add(KVLayerSpec(1, head_dim, head_dim, windowed=True))
+            if role.keeps_index_keys:
+                parts["index_keys"] = add(KVLayerSpec(1, index_head_dim, rate=rate, **key_format))
+            layers.append(LayerCache(window, **parts))
+            continue
         if not rate:
             layers.append(LayerCache(window))
             continue
@@ -75,12 +93,15 @@ def window_reach(sliding_window: int, layer_rates: list[int], overlaps: list[boo
 
 
 def component_bytes_per_token(specs: list[KVLayerSpec], layers: list[LayerCache], dtype: torch.dtype) -> dict:
-    """Bytes one token adds to each component over all layers (an entry counts 1/rate per token)."""
+    """Bytes one token adds to each component over all layers (an entry counts 1/rate per token; a
+    component several layers share counts once)."""
     totals: dict[str, float] = {}
+    seen: set[int] = set()
     for layer in layers:
         for name in ("window", "projections", "entries", "index_projections", "index_keys"):
             i = getattr(layer, name)
-            if i is not None:
+            if i is not None and i not in seen:
+                seen.add(i)
                 totals[name] = totals.get(name, 0.0) + specs[i].slot_bytes(dtype) / specs[i].rate
     return totals
 

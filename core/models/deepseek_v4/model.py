@@ -27,11 +27,12 @@ from ..base import Backends, CausalLM
 from ..experts import ExpertStack
 from ..layers import Linear, RMSNorm, empty_param
 from ..weights import Target, checkpoint_part, load_into
-from .attention import CSA, SLIDING, Attention
+from .attention import CSA, CSA2, HCA, SLIDING, Attention, StepShare
 from . import moe
 from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import SCALE, Quantized, check_quantization_config, paired
 from .moe import SparseMoE
+from .topology import CSA2_RATIOS, csa2_roles, unsupported_v41_fields
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,9 @@ class DecoderLayer(nn.Module):
                                                         norm.weight, norm.eps, norm.ops)
         return x, Streams(streams, None, post, comb)
 
-    def forward(self, state: Streams, batch: ForwardBatch, kv: KVCache, meta: Any) -> Streams:
+    def forward(self, state: Streams, batch: ForwardBatch, kv: KVCache, meta: Any, share: StepShare) -> Streams:
         x, state = self._enter(state, "attn", self.attn_norm)
-        state = state._replace(block_out=self.attn(x, batch, kv, meta))
+        state = state._replace(block_out=self.attn(x, batch, kv, meta, share))
         x, state = self._enter(state, "ffn", self.ffn_norm)
         return state._replace(block_out=self.ffn(x, batch.input_ids))
 
@@ -122,6 +123,9 @@ class Decoder(nn.Module):
                                                    device=device)
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
                                                  fold_shared=fold_shared) for i, cache in enumerate(caches))
+        for layer in self.layers:  # a CSA2 layer reads its KV source's entries and index keys
+            if (role := layer.attn.role) is not None:
+                layer.attn.source = (self.layers[role.kv_source].attn,)
         self.hc_head = HyperHead(hf, backends, device)
         self.norm = RMSNorm(hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), dtype=torch.float32, device=device,
                             ops=backends.norm)
@@ -132,8 +136,9 @@ class Decoder(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous())
         meta = self.attention.prepare(batch, kv)
+        share = StepShare()
         for layer in self.layers:
-            state = layer(state, batch, kv, meta)
+            state = layer(state, batch, kv, meta, share)
         return self.hc_head(state, self.norm)
 
 
@@ -147,15 +152,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(config, backends)
         hf, dtype = _normalised(config.hf), config.dtype
         check_quantization_config(hf)
-        types = hf["layer_types"][:hf["num_hidden_layers"]]
-        rates, overlaps = [0 if t == SLIDING else hf["compress_rates"][t] for t in types], [t == CSA for t in types]
+        types, roles = hf["layer_types"][:hf["num_hidden_layers"]], hf["csa2_roles"]
+        rates = [0 if t == SLIDING else role.ratio if role is not None else hf["compress_rates"][t]
+                 for t, role in zip(types, roles)]
+        overlaps = [t == CSA for t in types]
         # quantized checkpoint weights stay as stored where a layer and its backend run the format;
         # served so (DeepSeek's published FP8 layout), the indexer's keys are E4M3 as DeepSeek keeps
         # them, and the routed (FP4) and shared (FP8) experts cannot share a launch
         self.resident = config.quantization != "none"
         published = self.resident and bool(hf.get("quantization_config"))
         self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128),
-                                                fp8_index_keys=published)
+                                                fp8_index_keys=published, roles=roles)
         self.reach = window_reach(hf["sliding_window"], rates, overlaps)
         fold = moe.FOLD_SHARED and not published
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold)
@@ -257,12 +264,23 @@ def _normalised(hf: dict) -> dict:
     n = hf["num_hidden_layers"]
     rates = dict(hf.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
     hf["compress_rates"] = rates
+    by_ratio = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA, **{r: CSA2 for r in CSA2_RATIOS}}
     if "layer_types" not in hf or hf["layer_types"] is None:
-        by_ratio = {0: "sliding_attention", rates["compressed_sparse_attention"]: "compressed_sparse_attention",
-                    rates["heavily_compressed_attention"]: "heavily_compressed_attention"}
         if "compress_ratios" not in hf:
             raise ValueError("DeepSeek-V4 config.json names neither layer_types nor compress_ratios")
-        hf["layer_types"] = [by_ratio[r] for r in hf["compress_ratios"][:n]]
+        ratios = list(hf["compress_ratios"][:n])
+        if len(ratios) < n:
+            raise ValueError(f"compress_ratios has {len(ratios)} entries for {n} layers (num_hidden_layers)")
+        for layer, r in enumerate(ratios):
+            if r not in by_ratio:
+                raise ValueError(f"compress_ratios[{layer}] is {r!r}: DeepSeek-V4 layers compress at ratio "
+                                 f"{', '.join(map(str, sorted(by_ratio)))} (0: sliding window only)")
+        hf["layer_types"] = [by_ratio[r] for r in ratios]
+    else:
+        ratios = [0 if t == SLIDING else rates.get(t, 0) for t in hf["layer_types"][:n]]
+    hf["csa2_roles"] = csa2_roles(hf, ratios)
+    if missing := unsupported_v41_fields(hf):
+        raise ValueError("DeepSeek-V4.1 config.json asks for what this model does not run: " + "; ".join(missing))
     if not hf.get("mlp_layer_types"):
         hashed = hf.get("num_hash_layers", 3)
         hf["mlp_layer_types"] = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)

@@ -6,7 +6,6 @@ here is HF with the engine's rule (stable descending sort, lowest entry index wi
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from typing import Callable
@@ -19,12 +18,12 @@ M = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.native import indexer
 from engine.core.native.indexer import stable_topk, top_entries
 from engine.core.native.mhc import sinkhorn
 from engine.core.startup import build
 from dsv4_random import random_checkpoint
 from greedy_agreement import GreedyAgreement, compare_greedy, top2
+from near_ties import indexer_near_ties
 from packed_logits import engine_logits, hf_logits, rel_err
 
 PAGE = 16
@@ -48,29 +47,7 @@ def stable_hf_indexer(monkeypatch):
     monkeypatch.setattr(M.DeepseekV4Indexer, "forward", patched)
 
 
-NEAR_TIE = 1e-5  # relative gap of the k-th and (k+1)-th indexer scores that fp32 rounding order can flip
 DRAWS = 4
-
-
-@contextlib.contextmanager
-def indexer_near_ties():
-    """The near ties the engine's indexer top-k meets inside the block: exact ties follow the stable
-    rule on both sides, but scores a rounding apart may rank either way in HF's differently ordered sums."""
-    orig, ties = indexer.stable_topk, []
-
-    def recording(scores: torch.Tensor, k: int) -> torch.Tensor:
-        if scores.shape[-1] > k:
-            v = scores.sort(dim=-1, descending=True).values
-            a, b = v[..., k - 1], v[..., k]
-            close = torch.isfinite(b) & (a != b) & ((a - b) < NEAR_TIE * a.abs())
-            ties.extend(((a - b) / a.abs())[close].tolist())
-        return orig(scores, k)
-
-    indexer.stable_topk = recording
-    try:
-        yield ties
-    finally:
-        indexer.stable_topk = orig
 
 
 def check(path, draw: Callable[[], list[list[int]]], split: float | None = None, page_size: int = PAGE) -> None:

@@ -1,0 +1,62 @@
+"""Tiny random DeepSeek-V4.1 checkpoints (CSA2 ratios 1 and 2 beside V4's 0, 4 and 128, entries and
+index keys shared across layers, the candidate filter), for tests anywhere under tests/. HF
+transformers has no V4.1, so the model itself names and shapes the weights it is then loaded from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.models.base import Backends
+from engine.core.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from engine.core.plugins import load_plugins
+from engine.core.registry import SelectionContext
+from engine.core.startup import model_families, select_backends
+
+
+def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int], candidate: int | None = None,
+               blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2) -> dict:
+    """config.json of a tiny V4.1 in the published key layout (compress_ratios per layer, the
+    sharing fields, Engram absent, no DSpark layers)."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "dtype": "float32",
+        "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": len(ratios),
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "qk_rope_head_dim": 8,
+        "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "n_routed_experts": 6, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True, "swiglu_limit": 1.0, "hc_mult": hc_mult, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6, "sliding_window": window, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "max_position_embeddings": 1024, "index_n_heads": 4, "index_head_dim": 8, "index_topk": top_k,
+        "compress_ratios": list(ratios), "kv_source_layer_ids": kv_sources, "index_source_layer_ids": index_sources,
+        "candidate_source_layer_id": -1 if candidate is None else candidate, "candidate_topk_blocks": blocks,
+        "candidate_block_size": block_size, "engram_layer_ids": [], "num_nextn_predict_layers": 0,
+    }
+
+
+def random_v41_checkpoint(path: Path, seed: int, hf: dict) -> Path:
+    """``hf`` written with random weights (every parameter away from zero and one) under ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    config = ModelConfig.from_dir(path, "float32")
+    plugins = load_plugins()
+    ctx = SelectionContext(platform=plugins.detect_platform(), model_config=config,
+                           engine_config=EngineConfig(model=str(path), dtype="float32"))
+    selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
+    model = DeepseekV4ForCausalLM(config, Backends(**{f: s.create(ctx) for f, s in selections.items()}))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("tid2eid"):
+            w = torch.stack([torch.randperm(hf["n_routed_experts"], generator=gen)[:hf["num_experts_per_tok"]]
+                             for _ in range(t.shape[0])]).to(t.dtype)
+        elif "norm" in name or name.endswith("scale"):
+            w = torch.rand(t.shape, generator=gen) + 0.5
+        else:
+            w = torch.randn(t.shape, generator=gen) * 0.3
+        weights[name] = w.to(t.dtype).contiguous()
+    save_file(weights, str(path / "model.safetensors"))
+    return path
