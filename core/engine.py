@@ -13,7 +13,7 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,7 +33,8 @@ from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import SeqStatus, Sequence
 from .spec.counters import SpecCounters
 from .spec.speculator import Speculator, Verified
-from .startup import build
+from .registry import SelectionError
+from .startup import attach_storage_tier, build
 from .structured.compiler import GrammarCompiler, GrammarHandle
 from .to_device import to_device
 from .token_table import TokenTable
@@ -203,6 +204,44 @@ class EngineCore:
                 for s in req.seqs:
                     s.grammar = self.grammars.matcher(compiled)
                 self._queue(req)
+
+    # -- the storage tier at run time (called between steps) ---------------------------------------
+
+    def attach_storage(self, backend: str, directory: str | None = None, prefetch_policy: str | None = None,
+                       prefetch_threshold: int | None = None) -> str:
+        """Attach the storage tier (L3) ``backend`` below host memory, in place of any attached now; the
+        fields not given keep the start-up flags'. ``InvalidRequest`` naming the field where it cannot be
+        (the attached tier, if any, stays). Requests in flight go on; later matches may hit it."""
+        lower = self.kv_manager.lower
+        if lower is None:
+            raise InvalidRequest("hicache_storage_backend", "needs the hierarchical cache, which is off "
+                                 "(--enable-hierarchical-cache)")
+        given = {"hicache_storage_backend": backend, "hicache_storage_dir": directory,
+                 "hicache_storage_prefetch_policy": prefetch_policy,
+                 "hicache_storage_prefetch_threshold": prefetch_threshold}
+        given = {k: v for k, v in given.items() if v is not None}
+        if given.get("hicache_storage_prefetch_threshold", 1) < 1:
+            raise InvalidRequest("hicache_storage_prefetch_threshold", "must be >= 1")
+        try:
+            config = replace(self.config, **given)
+        except ValueError as exc:
+            field = next((f for f in given if str(exc).startswith(f)), "hicache_storage_backend")
+            raise InvalidRequest(field, str(exc).removeprefix(field).lstrip()) from None
+        try:
+            tier = attach_storage_tier(self.components.plugins, lower, config)
+        except (SelectionError, OSError, RuntimeError) as exc:
+            own = [r for c in getattr(exc, "candidates", ()) if c.descriptor.name == backend for r in c.reasons]
+            field = "hicache_storage_dir" if any("hicache-storage-dir" in r for r in own) else "hicache_storage_backend"
+            raise InvalidRequest(field, f"cannot be used: storage backend {backend!r}: {exc}") from None
+        return tier.name
+
+    def detach_storage(self) -> str | None:
+        """Detach the storage tier (L3), if any (its name); host memory and the device keep what they hold."""
+        lower = self.kv_manager.lower
+        tier = lower.detach_storage() if lower is not None else None
+        if tier is not None:
+            logger.info("hierarchical cache: storage tier %s detached", tier.name)
+        return tier.name if tier is not None else None
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """End a request; its last output, or None if it is not here."""

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError, error_body, invalid
 from .gate import Gate, ServerState
+from .hicache_routes import PATH as HICACHE_PATH, AttachStorageRequest, add_hicache_routes, attach_storage
 from .native_routes import GenerateRequest, generate
 from .openai_serving import Serving, create_chat_completion, create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, pydantic_error_to_api
@@ -73,6 +74,8 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
     app.add_api_route("/v1/completions", route(CompletionRequest, create_completion), methods=["POST"])
     app.add_api_route("/v1/chat/completions", route(ChatCompletionRequest, create_chat_completion), methods=["POST"])
     app.add_api_route("/generate", route(GenerateRequest, generate), methods=["POST"])
+    app.add_api_route(HICACHE_PATH, route(AttachStorageRequest, attach_storage), methods=["PUT"])
+    add_hicache_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:

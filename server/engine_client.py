@@ -53,6 +53,7 @@ class EngineClient(EngineFront):
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
         self._last_beat = 0.0
+        self._storage: dict[str, asyncio.Future] = {}  # attach/detach commands awaiting the engine's answer
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -146,6 +147,22 @@ class EngineClient(EngineFront):
         for rid in self.active:
             self.abort(rid)
 
+    async def storage(self, msg: wire.AttachStorage | wire.DetachStorage) -> str | None:
+        """Have the engine attach or detach its storage tier between steps; the tier attached now.
+        Raises the engine's refusal (``InvalidRequest`` naming the field) or ``EngineDeadError``."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        done = asyncio.get_running_loop().create_future()
+        self._storage[msg.admin_id] = done
+        try:
+            await self._push.send(wire.encoder.encode(msg))
+            answer: wire.StorageDone = await done
+        finally:
+            self._storage.pop(msg.admin_id, None)
+        if answer.code is not None:
+            raise rebuild(answer.code, answer.detail, answer.field)
+        return answer.backend
+
     def _send_nowait(self, msg) -> None:
         try:
             self._push.send(wire.encoder.encode(msg), flags=zmq.NOBLOCK)
@@ -171,6 +188,12 @@ class EngineClient(EngineFront):
                 self.stats = msg.stats
             elif isinstance(msg, wire.Rejected):
                 self._deliver(msg.request_id, rebuild(msg.code, msg.detail, msg.field))
+            elif isinstance(msg, wire.StorageDone):
+                if self.stats.hicache is not None:  # until the next stats say so
+                    self.stats.hicache.storage_backend = msg.backend
+                done = self._storage.get(msg.admin_id)
+                if done is not None and not done.done():
+                    done.set_result(msg)
             elif isinstance(msg, wire.Failed):
                 self._died(f"the engine loop died: {msg.message}")
 
@@ -186,5 +209,8 @@ class EngineClient(EngineFront):
         if self.dead_reason is not None:
             return
         logger.error("%s; failing %d waiting requests", reason, self._fail_all(reason))
+        for done in self._storage.values():
+            if not done.done():
+                done.set_exception(EngineDeadError(reason))
         if self.on_death is not None:
             self.on_death(reason)

@@ -77,8 +77,24 @@ class EngineLoop:
             self._report(e.abort_request(msg.request_id))
         elif isinstance(msg, wire.FinishSequence):
             self._report(e.finish_sequence(msg.request_id, msg.index, msg.stop))
+        elif isinstance(msg, (wire.AttachStorage, wire.DetachStorage)):
+            self._send(self._storage(msg))
         elif isinstance(msg, wire.Shutdown):
             self._stop = True
+
+    def _storage(self, msg: wire.AttachStorage | wire.DetachStorage) -> wire.StorageDone:
+        """Attach or detach the storage tier here, between steps; the answer says what is attached now."""
+        e = self.engine
+        try:
+            if isinstance(msg, wire.DetachStorage):
+                e.detach_storage()
+                return wire.StorageDone(msg.admin_id)
+            return wire.StorageDone(msg.admin_id, e.attach_storage(msg.backend, msg.directory, msg.prefetch_policy,
+                                                                   msg.prefetch_threshold))
+        except EngineError as exc:
+            stats = e.kv_manager.hicache_stats()
+            return wire.StorageDone(msg.admin_id, stats.storage_backend if stats else None, exc.code.value,
+                                    exc.detail, exc.field)
 
     def _receive(self, timeout_ms: int) -> None:
         while self.pull.poll(timeout_ms):

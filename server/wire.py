@@ -66,7 +66,21 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToEngine = AddRequest | AbortRequest | FinishSequence | Shutdown
+class AttachStorage(msgspec.Struct, tag="attach_storage"):
+    """Attach the storage tier (L3) between steps (EngineCore.attach_storage); answered by ``StorageDone``."""
+
+    admin_id: str
+    backend: str
+    directory: str | None = None
+    prefetch_policy: str | None = None
+    prefetch_threshold: int | None = None
+
+
+class DetachStorage(msgspec.Struct, tag="detach_storage"):
+    admin_id: str
+
+
+ToEngine = AddRequest | AbortRequest | FinishSequence | Shutdown | AttachStorage | DetachStorage
 
 
 # ---- engine process -> API process ----
@@ -106,6 +120,17 @@ class Rejected(msgspec.Struct, tag="rejected"):
     field: str | None = None
 
 
+class StorageDone(msgspec.Struct, tag="storage_done"):
+    """The answer to ``AttachStorage`` / ``DetachStorage``: the storage tier attached now, and where
+    the command was refused, an ``EngineError``'s parts."""
+
+    admin_id: str
+    backend: str | None = None
+    code: str | None = None
+    detail: str | None = None
+    field: str | None = None
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: Stats
 
@@ -120,7 +145,7 @@ class Failed(msgspec.Struct, tag="failed"):
     message: str
 
 
-FromEngine = Ready | Outputs | Rejected | Heartbeat | Alive | Failed
+FromEngine = Ready | Outputs | Rejected | StorageDone | Heartbeat | Alive | Failed
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 envelope_decoder = msgspec.msgpack.Decoder(AddEnvelope)

@@ -15,6 +15,8 @@ ROUTES = [
     ("GET", "/model_info", None),
     ("GET", "/get_model_info", None),
     ("GET", "/v1/loads", None),
+    ("GET", "/hicache/storage-backend", None),
+    ("DELETE", "/hicache/storage-backend", None),  # PUT: tests/server/test_hicache_admin.py
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
     ("POST", "/generate", {"text": "x", "sampling_params": {"max_tokens": 1}}),
