@@ -121,3 +121,36 @@ def test_greedy_under_preemption_is_the_one_shot_one(tiny, seed):
     assert llm.engine.stats().num_preemptions > 0
     c = build(EngineConfig(model=str(tiny), dtype="float32", page_size=4, num_pages=200), progress=False)
     _one_shot_greedy(c, prompts, got, params.max_tokens)
+
+
+def test_each_layer_attends_to_the_picks_its_role_names(tiny, seed, monkeypatch):
+    """Reuse layers get their index source's picks, the Reindex layer selects inside the candidate
+    source's blocks, a CSA2 group without an indexer and V4's HCA attend every visible entry."""
+    c = build(EngineConfig(model=str(tiny), dtype="float32", page_size=4, num_pages=64), progress=False)
+    layer_of = {id(layer.attn.spec()): i for i, layer in enumerate(c.model.model.layers)}
+    native, seen = type(c.model.model.attention), {}
+    attend, select, candidates = native.attend, native.select, native.select_candidates
+
+    def recording_attend(self, q, layer, kv, batch, meta, picks=None):
+        seen["attend", layer_of[id(layer)]] = picks
+        return attend(self, q, layer, kv, batch, meta, picks)
+
+    def recording_select(self, q, weights, layer, kv, batch, meta, candidates=None):
+        seen["select", layer_of[id(layer)]] = out = select(self, q, weights, layer, kv, batch, meta, candidates)
+        seen["filter", layer_of[id(layer)]] = candidates
+        return out
+
+    def recording_candidates(self, q, weights, layer, kv, batch, meta):
+        seen["candidates", layer_of[id(layer)]] = out = candidates(self, q, weights, layer, kv, batch, meta)
+        return out
+
+    monkeypatch.setattr(native, "attend", recording_attend)
+    monkeypatch.setattr(native, "select", recording_select)
+    monkeypatch.setattr(native, "select_candidates", recording_candidates)
+    rng = random.Random(seed)
+    engine_logits(c, prompts_for(rng, [rng.randint(1, 30), 50]), 4)
+    for layer, index_source in {1: 1, 2: 1, 3: 3, 4: 4, 5: 4, 6: 6, 8: 6}.items():
+        assert seen["attend", layer] is seen["select", index_source], layer
+    assert all(seen["attend", layer] is None for layer in (0, 7, 9, 10))
+    assert seen["filter", 6] is seen["candidates", 4] and seen["filter", 4] is seen["filter", 1] is None
+    assert {k for k in seen if k[0] == "candidates"} == {("candidates", 4)}
