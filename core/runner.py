@@ -100,13 +100,18 @@ class ModelRunner:
         fill = self._fill(inputs.in_flight, slots)
         if self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
                                                            len(inputs.logits_indices)):
+            self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
             return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill)
         batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
                                    self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:
             fill(batch.input_ids)
-        batch.attn_metadata = self.model.prepare(batch)
-        hidden = self.model(batch, self.kv)
+        self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
+        try:
+            batch.attn_metadata = self.model.prepare(batch)
+            hidden = self.model(batch, self.kv)
+        finally:
+            self.kv.loads.finish()
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])

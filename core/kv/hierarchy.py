@@ -17,9 +17,8 @@ component or ends at an earlier node that has them (honestly shorter).
 
 Every record carries the checksum taken when it was written and is checked when it is read: a
 record that fails is a miss (counted), the nodes from it on leave the tree, and their tokens are
-computed again. The copies are synchronous for now: a load is queued on the device's stream
-ahead of the forward, a write waits for the pages' step (layer-by-layer loading overlapped with
-the forward, on a stream of its own, is not built yet).
+computed again. A load's pages reach the device layer by layer beside the next forward
+(layer_loads.py: on CUDA a copy stream and an event per layer); a write waits for the pages' step.
 """
 
 from __future__ import annotations

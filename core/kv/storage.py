@@ -16,6 +16,7 @@ import torch
 
 from ..families.attention import LayerKV
 from ..to_device import to_device
+from .layer_loads import LayerLoads
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class KVCache:
         self._layers = [self._allocate(s, num_window_pages if s.windowed else num_pages) for s in self.specs]
         self._window_table = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._staged: dict[int, int] = {}
+        self.loads = LayerLoads(self.device, self._layer_columns())  # host-memory hits, loaded beside the forward
 
     def _allocate(self, spec: KVLayerSpec, pages: int) -> LayerKV:
         k, v = spec.dtypes(self.dtype)
@@ -74,6 +76,8 @@ class KVCache:
         return len(self._layers)
 
     def layer(self, i: int) -> LayerKV:
+        """Layer ``i``'s K and V, with the pages loaded into them for this step in (layer_loads.py)."""
+        self.loads.wait(i)
         return self._layers[i]
 
     def stage_window(self, page: int, window_page: int) -> None:
@@ -103,6 +107,7 @@ class KVCache:
             raise ValueError(f"destination pages repeat: {dst}")
         if not src:
             return
+        self.loads.flush()
         src_idx, dst_idx = to_device(src, torch.int64, self.device), to_device(dst, torch.int64, self.device)
         if self.num_window_pages:
             table = self.window_table()
@@ -114,11 +119,27 @@ class KVCache:
 
     def _byte_rows(self):
         """(spec, [pages, bytes] uint8 view) for the K and the V of every layer that keeps bytes."""
-        for spec, kv in zip(self.specs, self._layers):
+        for _, spec, rows in self._indexed_rows():
+            yield spec, rows
+
+    def _indexed_rows(self):
+        """(layer index, spec, [pages, bytes] uint8 view) for the K and the V of every layer that keeps bytes."""
+        for i, (spec, kv) in enumerate(zip(self.specs, self._layers)):
             for t in (kv.k, kv.v):
                 width = t[0].numel() * t.element_size()
                 if width:
-                    yield spec, t.view(torch.uint8).view(t.shape[0], width)
+                    yield i, spec, t.view(torch.uint8).view(t.shape[0], width)
+
+    def _layer_columns(self) -> dict[int, list[tuple[torch.Tensor, int, int]]]:
+        """Per layer that is not windowed: its K and V [pages, bytes] views, each with its bytes' offset
+        and width in a page's record (``record_segments`` order)."""
+        columns: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        offset = 0
+        for i, spec, rows in self._indexed_rows():
+            if not spec.windowed:
+                columns.setdefault(i, []).append((rows, offset, rows.shape[1]))
+                offset += rows.shape[1]
+        return columns
 
     def page_size_bytes(self, with_window: bool) -> int:
         """Bytes of one page's blob (``read_pages``), with or without its windowed layers' part."""
@@ -130,6 +151,7 @@ class KVCache:
         For another engine (prefill/decode disaggregation): the layout is what ``write_pages`` reads."""
         if len(pages) != len(with_window):
             raise ValueError(f"{len(pages)} pages but {len(with_window)} window flags")
+        self.loads.flush()
         idx = to_device(pages, torch.int64, self.device)
         windows = self._windows(pages, with_window, idx)
         parts = []
@@ -148,6 +170,7 @@ class KVCache:
                                  f"{self.page_size_bytes(w)}")
         if not pages:
             return
+        self.loads.flush()
         idx = to_device(pages, torch.int64, self.device)
         windows = self._windows(pages, with_window, idx)
         offsets = [0] * len(pages)
@@ -183,13 +206,19 @@ class KVCache:
     def read_records(self, rows: list[int], windowed: bool = False) -> torch.Tensor:
         """[len(rows), record bytes] uint8 on the host: pages ``rows`` (window pages, if ``windowed``)
         in every K and V array, concatenated in ``record_segments`` order. Waits for the device."""
+        if not windowed:
+            self.loads.flush()
         idx = to_device(rows, torch.int64, self.device)
         return torch.cat([t.index_select(0, idx) for t in self._parts(windowed)], dim=1).cpu()
 
     def write_records(self, rows: list[int], records: torch.Tensor, windowed: bool = False) -> None:
-        """Write ``records`` (as ``read_records`` returns them; pinned, where the device is a GPU, so
-        the copy is queued behind the work so far) into pages ``rows``."""
+        """Write ``records`` (as ``read_records`` returns them, on the host) into pages ``rows``: window
+        pages now, queued behind the work so far; pages as the next forward reaches each layer
+        (layer_loads.py), or before anything else reads them."""
         idx = to_device(rows, torch.int64, self.device)
+        if not windowed:
+            self.loads.stage(idx, records)
+            return
         records = records.to(self.device, non_blocking=True)
         offset = 0
         for t in self._parts(windowed):

@@ -73,9 +73,26 @@ def test_a_prefix_evicted_to_host_memory_hits_there_and_decodes_the_same(shared_
     assert tiered[2].num_cached_tokens == 100
     kv = llm.engine.kv_manager
     assert kv.lower.stats.hit_tokens == 100 and kv.lower.stats.checksum_failures == 0
+    loads = llm.engine.components.kv.loads  # the one load went layer by layer beside its forward
+    assert loads.layer_copies == len(loads.columns) > 0
     kv.reset_prefix_cache()
     kv.check_consistency()
     assert kv.stats().num_used == 0 and kv.stats().num_window_used == 0 and not kv.lower.tier.keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
+def test_on_cuda_a_host_hit_loads_layer_by_layer_on_a_copy_stream_and_decodes_the_same(shared_dir, model, run_seed):
+    """Pinned host memory, the copy stream and one event per layer: greedy output as without the hierarchy."""
+    path = shared_dir / "models" / model
+    prompts = workload(run_seed)
+    plain, _ = run(path, prompts, device="cuda")
+    tiered, llm = run(path, prompts, device="cuda", enable_hierarchical_cache=True)
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    assert plain[2].num_cached_tokens == 0 and tiered[2].num_cached_tokens == 100
+    loads = llm.engine.components.kv.loads
+    assert loads._stream is not None and loads.layer_copies == len(loads.columns) > 0
+    llm.engine.kv_manager.check_consistency()
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
