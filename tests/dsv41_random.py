@@ -5,6 +5,7 @@ transformers has no V4.1, so the model itself names and shapes the weights it is
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,9 +20,11 @@ from engine.core.startup import model_families, select_backends
 
 
 def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int], candidate: int | None = None,
-               blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2) -> dict:
+               blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2,
+               engram: list[int] = ()) -> dict:
     """config.json of a tiny V4.1 in the published key layout (compress_ratios per layer, the
-    sharing fields, Engram absent, no DSpark layers)."""
+    sharing fields, Engram at the layers ``engram`` names (3-grams, 2 heads of 8, tables of about
+    2 x 2 x 31 rows), no DSpark layers)."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "dtype": "float32",
         "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": len(ratios),
@@ -33,14 +36,19 @@ def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int
         "max_position_embeddings": 1024, "index_n_heads": 4, "index_head_dim": 8, "index_topk": top_k,
         "compress_ratios": list(ratios), "kv_source_layer_ids": kv_sources, "index_source_layer_ids": index_sources,
         "candidate_source_layer_id": -1 if candidate is None else candidate, "candidate_topk_blocks": blocks,
-        "candidate_block_size": block_size, "engram_layer_ids": [], "num_nextn_predict_layers": 0,
+        "candidate_block_size": block_size, "engram_layer_ids": list(engram), "engram_max_ngram_size": 3,
+        "engram_n_heads": 2, "engram_head_dim": 8, "engram_vocab_size": 31, "engram_pad_token_id": 2,
+        "num_nextn_predict_layers": 0,
     }
 
 
-def random_v41_checkpoint(path: Path, seed: int, hf: dict) -> Path:
-    """``hf`` written with random weights (every parameter away from zero and one) under ``path``."""
+def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | None = None) -> Path:
+    """``hf`` written with random weights (every parameter away from zero and one) under ``path``,
+    beside ``tokenizer``'s tokenizer files (Engram's compression table reads them)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf))
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer is not None else ():
+        shutil.copy(tokenizer / name, path / name)
     config = ModelConfig.from_dir(path, "float32")
     plugins = load_plugins()
     ctx = SelectionContext(platform=plugins.detect_platform(), model_config=config,
@@ -53,7 +61,7 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict) -> Path:
         if name.endswith("tid2eid"):
             w = torch.stack([torch.randperm(hf["n_routed_experts"], generator=gen)[:hf["num_experts_per_tok"]]
                              for _ in range(t.shape[0])]).to(t.dtype)
-        elif "norm" in name or name.endswith("scale"):
+        elif "norm" in name or name.endswith(("scale", "q_weight", "k_weight")):
             w = torch.rand(t.shape, generator=gen) + 0.5
         else:
             w = torch.randn(t.shape, generator=gen) * 0.3

@@ -95,11 +95,13 @@ class Indexer(nn.Module):
 
 @dataclass
 class StepShare:
-    """What CSA2 layers hand down the stack within one step (the layers run in order, so every
-    source writes before its readers): each index source's picks, the candidate source's blocks."""
+    """What layers hand down the stack within one step (they run in order, so every source writes
+    before its readers): each CSA2 index source's picks, the candidate source's blocks, and the
+    tokens' n-gram ids that every Engram layer hashes."""
 
     picks: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
+    ngram_ids: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

@@ -32,7 +32,8 @@ from . import moe
 from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import SCALE, Quantized, check_quantization_config, paired
 from .moe import SparseMoE
-from .topology import CSA2_RATIOS, csa2_roles, unsupported_v41_fields
+from .engram import Engram, EngramLayout, NgramHistory
+from .topology import CSA2_RATIOS, csa2_roles
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,13 @@ class Streams(NamedTuple):
 
 class DecoderLayer(nn.Module):
     def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
-                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device, fold_shared: bool) -> None:
+                 ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device, fold_shared: bool,
+                 engram: EngramLayout | None = None) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
+        self.engram = None
+        if engram is not None and layer_id in engram.layers:
+            self.engram = Engram(hf, engram, layer_id, backends, dtype=dtype, device=device)
         self.attn = Attention(hf, layer_id, cache, backends, ropes, dtype=dtype, device=device)
         self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
                              device=device, fold_shared=fold_shared)
@@ -91,6 +96,11 @@ class DecoderLayer(nn.Module):
         return x, Streams(streams, None, post, comb)
 
     def forward(self, state: Streams, batch: ForwardBatch, kv: KVCache, meta: Any, share: StepShare) -> Streams:
+        if self.engram is not None:  # into the residual streams, before the attention's pre
+            streams = state.streams
+            if state.block_out is not None:
+                streams = self.mhc.post(state.block_out, state.streams, state.post, state.comb)
+            state = Streams(self.engram(streams, share.ngram_ids))
         x, state = self._enter(state, "attn", self.attn_norm)
         state = state._replace(block_out=self.attn(x, batch, kv, meta, share))
         x, state = self._enter(state, "ffn", self.ffn_norm)
@@ -116,13 +126,15 @@ class HyperHead(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, hf: dict, caches: list[LayerCache], backends: Backends, *, dtype: torch.dtype,
-                 device, fold_shared: bool) -> None:
+                 device, fold_shared: bool, engram: EngramLayout | None = None, ngram_cache: int | None = None) -> None:
         super().__init__()
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], backends.tp, dtype=dtype,
                                                    device=device)
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
-                                                 fold_shared=fold_shared) for i, cache in enumerate(caches))
+                                                 fold_shared=fold_shared, engram=engram)
+                                    for i, cache in enumerate(caches))
+        self.ngrams = None if engram is None else NgramHistory(engram, ngram_cache, device)
         for layer in self.layers:  # a CSA2 layer reads its KV source's entries and index keys
             if (role := layer.attn.role) is not None:
                 layer.attn.source = (self.layers[role.kv_source].attn,)
@@ -136,7 +148,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous())
         meta = self.attention.prepare(batch, kv)
-        share = StepShare()
+        share = StepShare(ngram_ids=None if self.ngrams is None else self.ngrams(batch, kv))
         for layer in self.layers:
             state = layer(state, batch, kv, meta, share)
         return self.hc_head(state, self.norm)
@@ -164,8 +176,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128),
                                                 fp8_index_keys=published, roles=roles)
         self.reach = window_reach(hf["sliding_window"], rates, overlaps)
+        engram, ngram_cache = None, None
+        if hf.get("engram_layer_ids"):  # n-gram memory: the tokens' compressed ids, per token, near the end
+            engram = EngramLayout.from_config(hf, config.path)
+            ngram_cache = len(self.cache_specs)
+            self.cache_specs.append(KVLayerSpec(1, 1, 0, windowed=True, k_dtype=torch.int32))
+            self.reach = max(self.reach, engram.order - 1)
         fold = moe.FOLD_SHARED and not published
-        self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold)
+        self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold, engram=engram,
+                             ngram_cache=ngram_cache)
         self.head = ParallelLMHead(hf["hidden_size"], config.vocab_size, backends.linear, backends.tp, dtype=dtype,
                                    device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
@@ -279,8 +298,6 @@ def _normalised(hf: dict) -> dict:
     else:
         ratios = [0 if t == SLIDING else rates.get(t, 0) for t in hf["layer_types"][:n]]
     hf["csa2_roles"] = csa2_roles(hf, ratios)
-    if missing := unsupported_v41_fields(hf):
-        raise ValueError("DeepSeek-V4.1 config.json asks for what this model does not run: " + "; ".join(missing))
     if not hf.get("mlp_layer_types"):
         hashed = hf.get("num_hash_layers", 3)
         hf["mlp_layer_types"] = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)

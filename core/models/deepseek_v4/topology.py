@@ -100,10 +100,3 @@ def csa2_roles(hf: dict, ratios: list[int]) -> list[CSA2Role | None]:
                               candidate_block_size=block_size if candidate is not None else 0, filtered=filtered))
     return roles
 
-
-def unsupported_v41_fields(hf: dict) -> list[str]:
-    """V4.1 mechanisms a config asks for that this model does not run yet (each refused by name)."""
-    missing = []
-    if hf.get("engram_layer_ids"):
-        missing.append(f"engram_layer_ids {hf['engram_layer_ids']}: Engram n-gram memory is not implemented yet")
-    return missing

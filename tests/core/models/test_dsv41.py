@@ -8,7 +8,6 @@ tests/core/native/test_csa2.py."""
 from __future__ import annotations
 
 import random
-import shutil
 from typing import Callable
 
 import pytest
@@ -24,19 +23,19 @@ from packed_logits import engine_logits, rel_err
 
 # layers: sliding; CSA2 ratio 2 (KV and index source, then Reuse); V4 CSA; CSA2 ratio 1 (KV, index and
 # candidate source; Reuse; Reindex inside the candidates); V4 HCA; ratio 1 Reuse of the Reindex
-# layer's picks; CSA2 ratio 2 with no indexer (every visible entry), then Reuse
+# layer's picks; CSA2 ratio 2 with no indexer (every visible entry), then Reuse. Engram (3-grams)
+# before layers 0 and 5
 TINY = dict(ratios=[0, 2, 2, 4, 1, 1, 1, 128, 1, 2, 2], kv_sources=[1, 4, 9], index_sources=[1, 4, 6], candidate=4,
-            blocks=3, block_size=2, window=8, top_k=4)
+            blocks=3, block_size=2, window=8, top_k=4, engram=[0, 5])
 DRAWS = 4
 BOUND = 1e-4  # relative to the largest logit: fp32, sums in another order
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, run_seed, shared_dir):
-    path = random_v41_checkpoint(tmp_path_factory.mktemp("v41"), run_seed, v41_config(**TINY))
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # to detokenize (ids under 128 are its tokens too)
-        shutil.copy(shared_dir / "models" / "tiny-dsv4-py" / name, path / name)
-    return path
+    # tiny-dsv4-py's tokenizer: Engram's compression table, and detokenizing (ids under 128 are its tokens too)
+    return random_v41_checkpoint(tmp_path_factory.mktemp("v41"), run_seed, v41_config(**TINY),
+                                 shared_dir / "models" / "tiny-dsv4-py")
 
 
 def prompts_for(rng: random.Random, lengths: list[int]) -> list[list[int]]:
@@ -154,3 +153,23 @@ def test_each_layer_attends_to_the_picks_its_role_names(tiny, seed, monkeypatch)
     assert all(seen["attend", layer] is None for layer in (0, 7, 9, 10))
     assert seen["filter", 6] is seen["candidates", 4] and seen["filter", 4] is seen["filter", 1] is None
     assert {k for k in seen if k[0] == "candidates"} == {("candidates", 4)}
+
+
+def test_engram_reads_each_tokens_ngram_from_the_cache_across_chunks(tiny, seed, monkeypatch):
+    """The n-gram ids Engram hashes in a step that resumes after cached context: each token's
+    compressed id and the two before it, pad before the first."""
+    c = build(EngineConfig(model=str(tiny), dtype="float32", page_size=3, num_pages=64), progress=False)
+    history = c.model.model.ngrams
+    table, pad, seen = history.table, history.pad, []
+    forward = type(history).forward
+    monkeypatch.setattr(type(history), "forward", lambda self, batch, kv: seen.append(forward(self, batch, kv))
+                        or seen[-1])
+    rng = random.Random(seed)
+    prompts = prompts_for(rng, [rng.randint(1, 6), rng.randint(7, 40)])
+    split = rng.uniform(0.2, 0.8)
+    engine_logits(c, prompts, 3, split)
+    cuts = [int(len(p) * split) for p in prompts]
+    rows = [(p, pos) for p, cut in zip(prompts, cuts) for pos in range(cut)]
+    rows += [(p, pos) for p, cut in zip(prompts, cuts) for pos in range(cut, len(p))]
+    want = [[int(table[p[pos - k]]) if pos >= k else pad for k in range(3)] for p, pos in rows]
+    assert torch.cat(seen).tolist() == want

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1's config.json: the public fixtures' keys load (CSA2 ratios 1 and 2 beside V4's, the
-sharing fields, Engram and DSpark keys), the cache keeps shared components once, and a malformed
-config fails at load with the field it breaks named."""
+sharing fields, Engram and DSpark keys), the cache keeps shared components once, Engram's table
+layout reproduces V4.1-Flash's sizes, and a malformed config fails at load with the field it
+breaks named."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.models.deepseek_v4.attention import CSA2, SLIDING
+from engine.core.models.deepseek_v4.engram import bucket_primes
 from engine.core.models.deepseek_v4.model import _normalised
 from engine.core.startup import build
 from dsv41_random import random_v41_checkpoint, v41_config
@@ -33,7 +35,7 @@ TINY = dict(ratios=[0, 2, 2, 4, 1, 1, 1, 128, 1, 2, 2], kv_sources=[1, 4, 9], in
 def test_the_flash_topology_reads_as_the_tech_report_describes():
     """Groups of six ratio-2 layers (Full, then Reuse), a ratio-1 group led by layer 20 (Full, the
     candidate source), then Reindex layers every four, which score inside layer 20's blocks."""
-    hf = _normalised({**FLASH, "engram_layer_ids": []})
+    hf = _normalised(FLASH)
     assert hf["layer_types"] == [SLIDING] * 2 + [CSA2] * 38
     roles = hf["csa2_roles"]
     assert roles[0] is roles[1] is None
@@ -46,9 +48,21 @@ def test_the_flash_topology_reads_as_the_tech_report_describes():
     assert [i for i, r in enumerate(roles) if r and r.keeps_index_keys] == [2, 8, 14, 20]
 
 
-def test_engram_is_refused_by_name_until_it_runs():
-    with pytest.raises(ValueError, match=r"engram_layer_ids \[1, 14\]: Engram"):
-        _normalised(FLASH)
+def test_the_flash_engram_tables_are_consecutive_primes_from_engram_vocab_size():
+    per_layer = (FLASH["engram_max_ngram_size"] - 1) * FLASH["engram_n_heads"]
+    tables = bucket_primes(FLASH["engram_vocab_size"], per_layer, len(FLASH["engram_layer_ids"]))
+    assert [sum(t) for t in tables] == FLASH["engram_num_embeddings"]
+    assert all(len(t) == per_layer for t in tables) and len({p for t in tables for p in t}) == 2 * per_layer
+
+
+def test_engram_fields_that_do_not_fit_the_tokenizer_fail_at_load(tmp_path, shared_dir):
+    for field, value in (("engram_num_embeddings", [200, 300]), ("engram_compressed_vocab_size", 7)):
+        hf = {**v41_config(**TINY, engram=[0, 5]), field: value}
+        path = tmp_path / field
+        random_v41_checkpoint(path, 0, v41_config(**TINY), shared_dir / "models" / "tiny-dsv4-py")
+        (path / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ValueError, match=field):
+            build(EngineConfig(model=str(path), dtype="float32"), progress=False)
 
 
 def test_a_tiny_v41_loads_and_keeps_shared_components_once(tmp_path, seed):
@@ -100,7 +114,8 @@ MALFORMED = {
     "repeated ids": (_broken(index_source_layer_ids=[1, 4, 4]), r"index_source_layer_ids .* without repeats"),
     "candidate source not indexing": (_broken(candidate_source_layer_id=5), r"candidate_source_layer_id 5"),
     "candidate blocks missing": (_broken(candidate_topk_blocks=0), r"candidate_topk_blocks \(0\)"),
-    "engram": (_broken(engram_layer_ids=[1]), r"engram_layer_ids \[1\]"),
+    "engram layer out of range": (_broken(engram_layer_ids=[1, 11]), r"engram_layer_ids names layer 11"),
+    "engram unigrams": (_broken(engram_layer_ids=[1], engram_max_ngram_size=1), r"engram_max_ngram_size is 1"),
 }
 
 
