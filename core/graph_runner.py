@@ -81,6 +81,7 @@ class DecodeGraphs:
         start = self.backend.memory_in_use()
         for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress):
             self.kv.window_table()  # staged window pages land before the capture, never inside it
+            self.kv.loads.flush()  # and pages loaded from host memory
             batch = self._batch(b)
             self._replays[b] = self.backend.capture(lambda batch=batch: self.model.compute_logits(self.model(batch, self.kv)))
             used = self.backend.memory_in_use() - start
