@@ -21,13 +21,13 @@ from engine.core.startup import model_families, select_backends
 
 def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int], candidate: int | None = None,
                blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2,
-               engram: list[int] = ()) -> dict:
+               engram: list[int] = (), moe_intermediate_size: int = 16) -> dict:
     """config.json of a tiny V4.1 in the published key layout (compress_ratios per layer, the
     sharing fields, Engram at the layers ``engram`` names (3-grams, 2 heads of 8, tables of about
     2 x 2 x 31 rows), no DSpark layers)."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "dtype": "float32",
-        "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": len(ratios),
+        "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": moe_intermediate_size, "num_hidden_layers": len(ratios),
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "qk_rope_head_dim": 8,
         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "n_routed_experts": 6, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
@@ -66,5 +66,24 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | Non
         else:
             w = torch.randn(t.shape, generator=gen) * 0.3
         weights[name] = w.to(t.dtype).contiguous()
-    save_file(weights, str(path / "model.safetensors"))
+    save_file(dict(_per_expert(weights, hf)), str(path / "model.safetensors"))
     return path
+
+
+def _per_expert(weights: dict[str, torch.Tensor], hf: dict):
+    """The stacked experts under the names a checkpoint gives them (routed ``experts.<e>.w1/w3/w2``,
+    the shared expert folded in last as ``shared_experts``), which publishing quantizes."""
+    routed = hf["n_routed_experts"]
+    for name, t in weights.items():
+        stack, _, part = name.rpartition(".experts.")
+        if not stack or part not in ("gate_up", "down"):
+            yield name, t
+            continue
+        for e in range(t.shape[0]):
+            prefix = f"{stack}.experts.{e}" if e < routed else f"{stack}.shared_experts"
+            if part == "down":
+                yield f"{prefix}.w2.weight", t[e].contiguous()
+            else:
+                gate, up = t[e].chunk(2)
+                yield f"{prefix}.w1.weight", gate.contiguous()
+                yield f"{prefix}.w3.weight", up.contiguous()

@@ -121,23 +121,27 @@ def _e8m0_ceil(ratio: torch.Tensor) -> torch.Tensor:
     return (unbiased + E8M0_BIAS).clamp(0, E8M0_NAN - 1).to(torch.uint8)
 
 
-def quantize_fp8_block_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [N, K] -> (E4M3 data [N, K], uint8 E8M0 scale [ceil(N/block), ceil(K/block)]).
+def quantize_fp8_block_e8m0(w: torch.Tensor, block: int = 128, cols: int | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [N, K] -> (E4M3 data [N, K], uint8 E8M0 scale [ceil(N/block), ceil(K/cols)]), blocks of
+    ``block`` rows by ``cols`` (default ``block``) columns.
 
     DeepSeek-V4's weight format: each block's scale is amax / 448 rounded up to a power of two, so
-    no element saturates and the scale is exact in E8M0. Edge blocks are partial.
+    no element saturates and the scale is exact in E8M0. Edge blocks are partial. (V4.1's linears
+    use 32 x 32 blocks, its Engram tables one scale per 32 of a row: ``block=1, cols=32``.)
     """
-    _, ratio = _quantize_blocks(w, block, block)  # amax / 448 per block (1 for an all-zero block)
+    cols = cols or block
+    _, ratio = _quantize_blocks(w, block, cols)  # amax / 448 per block (1 for an all-zero block)
     biased = _e8m0_ceil(ratio)
-    per_element = _dequantize_blocks(torch.ones_like(w, dtype=torch.float32), e8m0_to_float(biased), block, block,
+    per_element = _dequantize_blocks(torch.ones_like(w, dtype=torch.float32), e8m0_to_float(biased), block, cols,
                                      torch.float32)
     return (w.float() / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8), biased
 
 
 def dequantize_fp8_block_e8m0(data: torch.Tensor, scale: torch.Tensor, block: int = 128,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """E4M3 [N, K] times its E8M0 block scale [ceil(N/block), ceil(K/block)] (uint8 or float8_e8m0fnu)."""
-    return _dequantize_blocks(data, e8m0_to_float(e8m0_exponents(scale)), block, block, dtype)
+                              dtype: torch.dtype = torch.float32, cols: int | None = None) -> torch.Tensor:
+    """E4M3 [N, K] times its E8M0 block scale [ceil(N/block), ceil(K/cols)] (uint8 or float8_e8m0fnu)."""
+    return _dequantize_blocks(data, e8m0_to_float(e8m0_exponents(scale)), block, cols or block, dtype)
 
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ...native.quant import (E8M0_DTYPES, FP4_PACKED_DTYPES, FP8, dequantize_fp4
                              dequantize_fp8_block_e8m0, e8m0_exponents, e8m0_to_float)
 
 BLOCK = 128  # FP8 block edge of the published layout
+V41_BLOCK = 32  # DeepSeek-V4.1's: 32 x 32 blocks, and its Engram tables one scale per 32 of a row
 FP4_GROUP = 32  # FP4 elements per E8M0 scale along K
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)  # tables such as the hash router's tid2eid
@@ -38,12 +39,20 @@ def check_quantization_config(hf: dict) -> None:
         return
     method, block = q.get("quant_method", "fp8"), q.get("weight_block_size", [BLOCK, BLOCK])
     fmt, scale_fmt = q.get("fmt", "e4m3"), q.get("scale_fmt", "ue8m0")
-    if method != "fp8" or list(block) != [BLOCK, BLOCK] or fmt != "e4m3" or scale_fmt not in ("ue8m0", "float"):
+    v41 = list(block) == [V41_BLOCK, V41_BLOCK] and scale_fmt == "ue8m0"
+    if method != "fp8" or not (v41 or list(block) == [BLOCK, BLOCK]) or fmt != "e4m3" or scale_fmt not in (
+            "ue8m0", "float"):
         raise ValueError(f"DeepSeek-V4 quantization_config {q} is not the published layout (quant_method fp8, "
-                         f"fmt e4m3, scale_fmt ue8m0 or float, weight_block_size [{BLOCK}, {BLOCK}])")
+                         f"fmt e4m3, weight_block_size [{BLOCK}, {BLOCK}] with scale_fmt ue8m0 or float, or "
+                         f"V4.1's [{V41_BLOCK}, {V41_BLOCK}] with ue8m0)")
     expert_dtype = q.get("expert_dtype", hf.get("expert_dtype", "fp4"))
     if expert_dtype not in ("fp8", "fp4"):
         raise ValueError(f"DeepSeek-V4 expert_dtype {expert_dtype!r} is neither fp8 nor fp4")
+
+
+def fp8_block(hf: dict) -> int:
+    """The FP8 block edge a checked config's weights use: 128 (V4) or 32 (V4.1)."""
+    return ((hf.get("quantization_config") or {}).get("weight_block_size") or [BLOCK])[0]
 
 
 def _kind(name: str, tensor: torch.Tensor) -> str | None:
@@ -69,45 +78,52 @@ class Quantized:
     """A quantized checkpoint weight and its scale, checked to fit each other."""
 
     name: str
-    kind: str  # "fp8": E4M3 [N, K] with 128x128 block scales; "fp4": packed E2M1 [N, K/2], one scale per 32
+    kind: str  # "fp8": E4M3 [N, K] with block scales; "fp4": packed E2M1 [N, K/2], one scale per 32
     data: torch.Tensor
     scale_name: str
     scale: torch.Tensor  # E8M0 (uint8 or float8_e8m0fnu), or fp32 for fp8 (DeepSeek-V3)
+    block: tuple[int, int] = (BLOCK, BLOCK)  # fp8: rows x columns one scale covers
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.kind == "fp4":
             return dequantize_fp4(self.data, self.scale, dtype)
         if self.scale.dtype == torch.float32:
             return dequantize_fp8_block(self.data, self.scale, BLOCK, dtype)
-        return dequantize_fp8_block_e8m0(self.data, self.scale, BLOCK, dtype)
+        return dequantize_fp8_block_e8m0(self.data, self.scale, self.block[0], dtype, cols=self.block[1])
 
     def float_scale(self) -> torch.Tensor:
         """The scale as fp32 (exact: E8M0 values are powers of two)."""
         return self.scale if self.scale.dtype == torch.float32 else e8m0_to_float(e8m0_exponents(self.scale))
 
 
-def _checked(name: str, kind: str, data: torch.Tensor, scale_name: str, scale: torch.Tensor) -> Quantized:
+def _checked(name: str, kind: str, data: torch.Tensor, scale_name: str, scale: torch.Tensor,
+             block: int = BLOCK) -> Quantized:
     n, k = data.shape
+    blocks = (block, block)
     if kind == "fp8":
-        expected, dtypes = (math.ceil(n / BLOCK), math.ceil(k / BLOCK)), E8M0_DTYPES + (torch.float32,)
+        expected, dtypes = (math.ceil(n / block), math.ceil(k / block)), E8M0_DTYPES + (torch.float32,)
+        what = f"{block}x{block} blocks"
+        if block == V41_BLOCK and tuple(scale.shape) == (n, math.ceil(k / block)):  # V4.1's Engram table rows
+            expected, blocks = (n, math.ceil(k / block)), (1, block)
     else:
         k *= 2
-        expected, dtypes = (n, math.ceil(k / FP4_GROUP)), E8M0_DTYPES
+        expected, dtypes, what = (n, math.ceil(k / FP4_GROUP)), E8M0_DTYPES, f"one per {FP4_GROUP} along K"
     if scale.dtype not in dtypes:
         raise ValueError(f"scale {scale_name!r} of {kind} weight {name!r} has dtype {scale.dtype}; "
                          f"expected one of {', '.join(map(str, dtypes))}")
     if tuple(scale.shape) != expected:
-        what = f"{BLOCK}x{BLOCK} blocks" if kind == "fp8" else f"one per {FP4_GROUP} along K"
         raise ValueError(f"scale {scale_name!r} has shape {tuple(scale.shape)}, but {kind} weight {name!r} "
                          f"[{n}, {k}] needs {expected} ({what})")
     if kind == "fp4" and k % FP4_GROUP:
         raise ValueError(f"fp4 weight {name!r} has K = {k}, not a multiple of {FP4_GROUP}")
-    return Quantized(name, kind, data, scale_name, scale)
+    return Quantized(name, kind, data, scale_name, scale, blocks)
 
 
-def paired(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor] | Quantized]:
+def paired(weights: Iterable[tuple[str, torch.Tensor]], block: int = BLOCK,
+           ) -> Iterator[tuple[str, torch.Tensor] | Quantized]:
     """(name, tensor) of a checkpoint in the published layout -> the tensors that pass through, and
-    each quantized weight with its scale as one :class:`Quantized`; order across shards does not matter."""
+    each quantized weight with its scale as one :class:`Quantized` (FP8 in blocks of ``block``);
+    order across shards does not matter."""
     waiting: dict[str, tuple[str, str, torch.Tensor]] = {}  # prefix -> quantized weight without its scale yet
     scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> scale without its weight yet
     for name, tensor in weights:
@@ -118,7 +134,7 @@ def paired(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, t
                                  f"{scales[prefix][0]!r} and {name!r}")
             if prefix in waiting:
                 weight_name, kind, data = waiting.pop(prefix)
-                yield _checked(weight_name, kind, data, name, tensor)
+                yield _checked(weight_name, kind, data, name, tensor, block)
             else:
                 scales[prefix] = (name, tensor)
             continue
@@ -132,7 +148,7 @@ def paired(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, t
         prefix = name.removesuffix(".weight")
         if prefix in scales:
             scale_name, scale = scales.pop(prefix)
-            yield _checked(name, kind, tensor, scale_name, scale)
+            yield _checked(name, kind, tensor, scale_name, scale, block)
         else:
             waiting[prefix] = (name, kind, tensor)
     if waiting:

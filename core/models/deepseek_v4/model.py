@@ -30,7 +30,7 @@ from ..weights import Target, checkpoint_part, load_into
 from .attention import CSA, CSA2, HCA, SLIDING, Attention, StepShare
 from . import moe
 from .cache import LayerCache, cache_layout, window_reach
-from .checkpoint import SCALE, Quantized, check_quantization_config, paired
+from .checkpoint import BLOCK, SCALE, Quantized, check_quantization_config, fp8_block, paired
 from .moe import SparseMoE
 from .engram import Engram, EngramLayout, NgramHistory
 from .topology import CSA2_RATIOS, csa2_roles
@@ -236,6 +236,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         except AttributeError:
             return False  # not a parameter of this model: load_into names it
         scheme = _SCHEMES[q.kind]
+        if q.kind == "fp8" and q.block != (BLOCK, BLOCK):
+            return False  # V4.1's 32 x 32 blocks: no GEMM runs them yet
         if isinstance(owner, Linear) and scheme == "fp8_block" and scheme in owner.backend.schemes:
             owner.keep_quantized(scheme, FP8, tuple(q.scale.shape))
             return True
@@ -248,7 +250,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         kept, dequantized = Counter(), Counter()
 
         def main_weights():
-            for item in paired(weights):
+            for item in paired(weights, fp8_block(self.config.hf)):
                 if isinstance(item, Quantized):
                     if self.resident and self._keep(item):
                         kept[item.kind] += 1
