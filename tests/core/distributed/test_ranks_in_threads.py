@@ -5,7 +5,9 @@ one process's over a chunked prefill and decode steps that read the KV cache, fo
 (2 KV heads: each rank holds one, shared by two ranks), Llama at 2 (untied LM head, llama3 RoPE),
 Qwen3-MoE with split experts and with expert parallelism (all_to_all) at 2 and 4, and
 DeepSeek-V4 (tiny-dsv4-py: heads and output groups split, the KV head, compressors and indexer
-whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2."""
+whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2, and
+a tiny random DeepSeek-V4.1 the same way (CSA2 sharing, the candidate filter and Engram whole on
+each rank)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,12 @@ from engine.core.distributed.group import Rendezvous, join_store, master_store
 from engine.core.runner import ModelRunner, StepInputs
 from engine.core.startup import build
 
+from dsv41_random import random_v41_checkpoint, v41_config
 from tp_helpers import TIMEOUT_S
 
 PAGE_SIZE = 4
+DSV41 = dict(ratios=[0, 2, 2, 1, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 5], candidate=3, blocks=2,
+             block_size=2, engram=[0, 4])
 
 
 def steps(vocab: int) -> list[StepInputs]:
@@ -76,12 +81,13 @@ def models(tmp_path_factory, shared_dir) -> dict:
     out = tmp_path_factory.mktemp("ckpt")
     return {"qwen3": shared_dir / "models" / "tiny-qwen3-py", "dsv4": shared_dir / "models" / "tiny-dsv4-py",
             "llama": write_checkpoint(out / "llama", "tiny-llama", dtype=torch.float32, progress=False),
-            "qwen3-moe": write_checkpoint(out / "moe", "tiny-qwen3-moe", dtype=torch.float32, progress=False)}
+            "qwen3-moe": write_checkpoint(out / "moe", "tiny-qwen3-moe", dtype=torch.float32, progress=False),
+            "dsv41": random_v41_checkpoint(out / "dsv41", 0, v41_config(**DSV41), shared_dir / "models" / "tiny-dsv4-py")}
 
 
 @pytest.mark.parametrize("which,size,expert_parallel", [
     ("qwen3", 4, False), ("llama", 2, False), ("qwen3-moe", 2, False), ("qwen3-moe", 4, True),
-    ("dsv4", 2, False), ("dsv4", 2, True)])
+    ("dsv4", 2, False), ("dsv4", 2, True), ("dsv41", 2, False), ("dsv41", 2, True)])
 def test_every_rank_computes_the_logits_of_one_process(which, size, expert_parallel, models, seed):
     model = models[which]
     config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)

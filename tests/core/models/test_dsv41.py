@@ -173,3 +173,20 @@ def test_engram_reads_each_tokens_ngram_from_the_cache_across_chunks(tiny, seed,
     rows += [(p, pos) for p, cut in zip(prompts, cuts) for pos in range(cut, len(p))]
     want = [[int(table[p[pos - k]]) if pos >= k else pad for k in range(3)] for p, pos in rows]
     assert torch.cat(seen).tolist() == want
+
+
+def test_speculative_decoding_rolls_back_to_the_one_shot_greedy(tiny, seed):
+    """n-gram drafts verified and the rejected ones rolled back (pairs, entries, index keys and the
+    n-gram ids they wrote included): the greedy tokens are the one-shot prefill's."""
+    rng = random.Random(seed)
+    passages = prompts_for(rng, [rng.randint(8, 20) for _ in range(3)])
+    prompts = [p + p + p[:rng.randint(2, len(p) - 1)] for p in passages]  # repetitive: the proposer drafts
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny), dtype="float32", progress=False, page_size=4, chunked_prefill_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = llm.engine.stats().spec
+    assert spec.num_draft_tokens > spec.num_accepted_tokens  # some rejected, so rolled back
+    c = build(EngineConfig(model=str(tiny), dtype="float32", page_size=4, num_pages=200), progress=False)
+    _one_shot_greedy(c, prompts, got, params.max_tokens)
