@@ -193,7 +193,8 @@ def _release(core: EngineCore | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help=f"a checkpoint directory (default: the {PRESET} preset, random weights)")
+    p.add_argument("--model", default=None, help="a checkpoint directory (default: --preset's, random weights)")
+    p.add_argument("--preset", default=PRESET, help=f"an engine.checkpoints preset written with random weights ({PRESET})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--conversations", type=int, default=32)
@@ -220,7 +221,7 @@ def main() -> None:
         if args.model is None:
             from engine.checkpoints import write_checkpoint
 
-            args.model = write_checkpoint(scratch / PRESET, PRESET)
+            args.model = write_checkpoint(scratch / args.preset, args.preset)
         ws = working_set_tokens(args)
         longest = args.system_len + args.turns * (args.user_len + args.answer_len)
         num_pages = max(-(-int(ws * args.cache_fraction) // args.page_size), -(-longest // args.page_size) + 2)

@@ -24,7 +24,7 @@ import torch
 
 def page_checksum(data: torch.Tensor) -> str:
     """A checksum of a record's bytes (all of its KV components, as the tier stores them)."""
-    raw = data.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    raw = data.detach().contiguous().cpu().view(torch.uint8).numpy()  # hashed in place, not copied to bytes
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
