@@ -29,6 +29,7 @@ from torch import nn
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
 from ...native.engram import engram_gate, ngram_rows
+from ...native.quant import FP8, dequantize_fp8_token_group
 from ..base import Backends
 from ..layers import Linear, empty_param
 from .cache import flat
@@ -146,6 +147,33 @@ class NgramHistory(nn.Module):
         return torch.where(back >= 0, ids[slots, 0].long(), self.pad)
 
 
+class Rows(nn.Module):
+    """An Engram table: rows in the model's dtype, or kept as V4.1 publishes them (E4M3, one scale per
+    ``GROUP`` of a row), each gathered row then dequantized."""
+
+    GROUP = 32
+
+    def __init__(self, rows: int, width: int, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = empty_param(rows, width, dtype=dtype, device=device)
+        self.weight_scale: torch.Tensor | None = None
+        self.dtype = dtype
+
+    def keep_fp8(self, scale_shape: tuple[int, ...]) -> None:
+        """Hold the rows as stored: E4M3 data and fp32 scales of ``scale_shape``, empty until loaded."""
+        device = self.weight.device
+        self.weight = empty_param(*self.weight.shape, dtype=FP8, device=device)
+        self.weight_scale = empty_param(*scale_shape, dtype=torch.float32, device=device)
+        self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [...] int64 -> [..., width] in the model's dtype."""
+        if self.weight_scale is None:
+            return self.weight[rows]
+        data = self.weight.view(torch.uint8)[rows].view(FP8)  # (no E4M3 gather on the CPU)
+        return dequantize_fp8_token_group(data, self.weight_scale[rows], self.GROUP, self.dtype)
+
+
 class Engram(nn.Module):
     """One Engram layer: its table, the projection of its rows to keys and a value, the gate's weights."""
 
@@ -154,8 +182,7 @@ class Engram(nn.Module):
         super().__init__()
         t = layout.layers[layer_id]
         hidden, self.streams = hf["hidden_size"], hf.get("hc_mult", 4)
-        self.embed = nn.Module()
-        self.embed.weight = empty_param(t.rows, layout.head_dim, dtype=dtype, device=device)
+        self.embed = Rows(t.rows, layout.head_dim, dtype=dtype, device=device)
         self.wkv = Linear((layout.order - 1) * layout.heads * layout.head_dim, (self.streams + 1) * hidden,
                           backends.linear, dtype=dtype, device=device)
         self.q_weight = empty_param(self.streams, hidden, dtype=torch.float32, device=device)
@@ -166,7 +193,7 @@ class Engram(nn.Module):
 
     def forward(self, streams: torch.Tensor, ngram_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, D] (every sublayer before mixed in), ngram_ids [T, N] -> new streams."""
-        rows = self.embed.weight[ngram_rows(ngram_ids, self.multipliers, self.primes, self.offsets)]
+        rows = self.embed(ngram_rows(ngram_ids, self.multipliers, self.primes, self.offsets))
         kv = self.wkv(rows.flatten(1).to(streams.dtype))
         hidden = streams.shape[-1]
         keys, value = kv[:, :self.streams * hidden].view(-1, self.streams, hidden), kv[:, self.streams * hidden:]

@@ -32,7 +32,7 @@ from . import moe
 from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import BLOCK, SCALE, Quantized, check_quantization_config, fp8_block, paired
 from .moe import SparseMoE
-from .engram import Engram, EngramLayout, NgramHistory
+from .engram import Engram, EngramLayout, NgramHistory, Rows
 from .topology import CSA2_RATIOS, csa2_roles
 
 logger = logging.getLogger(__name__)
@@ -236,6 +236,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         except AttributeError:
             return False  # not a parameter of this model: load_into names it
         scheme = _SCHEMES[q.kind]
+        if isinstance(owner, Rows) and q.kind == "fp8" and q.block == (1, Rows.GROUP):
+            owner.keep_fp8(tuple(q.scale.shape))  # an Engram table: rows dequantized as gathered
+            return True
         if q.kind == "fp8" and q.block != (BLOCK, BLOCK):
             return False  # V4.1's 32 x 32 blocks: no GEMM runs them yet
         if isinstance(owner, Linear) and scheme == "fp8_block" and scheme in owner.backend.schemes:

@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's published quantized layout (quantization_config weight_block_size [32, 32],
 scale_fmt ue8m0, expert_dtype fp4 inside it): a tiny random V4.1 with Engram written so loads with
 each FP8 weight dequantized exactly as stored (32 x 32 blocks; Engram's tables one scale per 32 of a
-row), and serves."""
+row, kept so and dequantized as gathered), and serves."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.core.config import EngineConfig
+from engine.core.models.deepseek_v4.engram import Rows
 from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.native.quant import FP8
 from engine.core.startup import build
@@ -41,11 +42,14 @@ def test_the_v41_layout_loads_each_fp8_weight_as_stored(tmp_path, seed, shared_d
             rows = 1 if ".engram.embed." in name else 32
             n, k = data.shape
             factor = torch.exp2(scale - 127).repeat_interleave(rows, 0)[:n].repeat_interleave(32, 1)[:, :k]
-            loaded = c.model.get_submodule("model." + weight.removesuffix(".weight")).weight
+            module = c.model.get_submodule("model." + weight.removesuffix(".weight"))
+            loaded = module(torch.arange(n)) if isinstance(module, Rows) else module.weight  # a table: as gathered
             assert torch.equal(loaded.float(), data * factor), weight
             checked.add(weight.split(".", 2)[2])
     assert {"engram.embed.weight", "engram.wkv.weight", "attn.wq_a.weight", "attn.indexer.wq_b.weight"} <= checked
-    logits = engine_logits(c, [[1, 5, 9, 2, 77, 3, 3, 40, 8]], 4)[0]
+    table = c.model.model.layers[3].engram.embed
+    assert table.weight.dtype == FP8 and table.weight_scale.shape == (table.weight.shape[0], 1)  # 8 wide rows
+    logits = engine_logits(c, [[1, 5, 9, 2, 77, 3, 3, 40, 8]], 4)[0]  # served (E4M3 index keys beside it)
     assert torch.isfinite(logits).all()
 
 
