@@ -46,7 +46,7 @@ import torch
 from engine.core.async_engine import AsyncLLM
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.engine import EngineCore
-from engine.core.families.cache_tier import page_checksum
+from engine.core.families.cache_tier import TierPage
 from engine.core.sampling_params import SamplingParams
 
 try:
@@ -152,8 +152,9 @@ def _cuda_ms(fn, device: torch.device, reps: int = 5) -> float:
 
 def load_bandwidth(core: EngineCore, device: torch.device, target_bytes: int) -> dict:
     """GB/s of a pinned host-to-device copy, of the engine's layer-by-layer load of pages (the bytes
-    staged from pinned records and copied on its stream), and of a load's host side (checksums and
-    the gather into one pinned batch) for as many pages as fit ``target_bytes``."""
+    staged from pinned records and copied on its stream), and of a load's host side (checksums, on
+    the hierarchy's threads, and the gather into one pinned batch) for as many pages as fit
+    ``target_bytes``."""
     kv = core.components.kv
     record_bytes = sum(kv.record_segments())
     count = max(1, min(kv.num_pages - 1, target_bytes // record_bytes))
@@ -168,13 +169,13 @@ def load_bandwidth(core: EngineCore, device: torch.device, target_bytes: int) ->
         kv.loads.flush()
 
     load_ms = _cuda_ms(layer_load, device)
-    rows = list(records)
+    tier_records = [TierPage.of(str(i), r) for i, r in enumerate(records)]
     start = time.perf_counter()
-    checked = [page_checksum(r) for r in rows]
-    batch = torch.empty(len(rows), record_bytes, dtype=torch.uint8, pin_memory=True)
-    torch.stack(rows, out=batch)
+    checked = core.kv_manager.lower.intact(tier_records)  # as a load checks them, on its threads
+    batch = torch.empty(count, record_bytes, dtype=torch.uint8, pin_memory=True)
+    torch.stack([r.data for r in tier_records], out=batch)
     host_s = time.perf_counter() - start
-    assert len(checked) == count
+    assert all(checked)
     pinned = nbytes / pinned_ms / 1e6
     loaded = nbytes / load_ms / 1e6
     return {"bytes": nbytes, "pages": count, "pinned_copy_gb_s": round(pinned, 2),

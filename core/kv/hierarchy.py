@@ -23,8 +23,11 @@ computed again. A load's pages reach the device layer by layer beside the next f
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CHECK_THREADS = min(8, os.cpu_count() or 1)  # threads checking a load's checksums
 SELECTIVE_HITS = 2  # matches through a node before write_through_selective writes it
 MAX_PREFETCHES = 256  # storage reads of requests not admitted yet
 
@@ -105,6 +109,8 @@ class KVHierarchy:
         self.page_size = radix.page_size
         self.stats = TierStats()
         self._pinned = kv.device.type == "cuda"
+        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="hicache-checksum") \
+            if CHECK_THREADS > 1 else None
         self.reader: StorageReader | None = None
         self._prefetches: dict[str, Prefetch] = {}  # by the key of the first page each reads
         radix.lower = self
@@ -251,9 +257,10 @@ class KVHierarchy:
         records = []
         taken = self.reader.take(p)
         self.stats.storage_bytes_read += sum(r.data.numel() for r in taken)
-        for rec in taken:
-            if rec.kind != "page" or not rec.intact():
-                self.stats.checksum_failures += rec.kind == "page"
+        pages = list(itertools.takewhile(lambda r: r.kind == "page", taken))
+        for rec, ok in zip(pages, self.intact(pages)):
+            if not ok:
+                self.stats.checksum_failures += 1
                 break
             records.append(rec)
         count, windows = len(records), None
@@ -281,7 +288,7 @@ class KVHierarchy:
             return None
         got = self.reader.read_now(keys)
         self.stats.storage_bytes_read += sum(r.data.numel() for r in got)
-        if len(got) < len(keys) or not all(r.kind == "window" and r.intact() for r in got):
+        if len(got) < len(keys) or not all(r.kind == "window" for r in got) or not all(self.intact(got)):
             return None
         return got
 
@@ -356,13 +363,25 @@ class KVHierarchy:
     def _read(self, keys: list[str], kind: str) -> tuple[list[torch.Tensor], str | None]:
         """The leading records of ``keys`` that are there and intact, and the key of the first that
         is missing or fails its checksum (None if every one is good)."""
+        got = self.tier.get(keys)
+        present = list(itertools.takewhile(lambda r: r is not None and r.kind == kind, got))
         good: list[torch.Tensor] = []
-        for key, rec in zip(keys, self.tier.get(keys)):
-            if rec is None or rec.kind != kind or not rec.intact():
-                self.stats.checksum_failures += rec is not None
+        for key, rec, ok in zip(keys, present, self.intact(present)):
+            if not ok:
+                self.stats.checksum_failures += 1
                 return good, key
             good.append(rec.data)
+        if len(present) < len(keys):
+            self.stats.checksum_failures += got[len(present)] is not None  # a record of another kind
+            return good, keys[len(present)]
         return good, None
+
+    def intact(self, records: list[TierPage]) -> list[bool]:
+        """Whether each record's bytes match its checksum, checked on several threads where the host
+        has the cores (hashing lets go of the GIL): the checksums bound a load's host side."""
+        if self._checker is None or len(records) < 2:
+            return [r.intact() for r in records]
+        return list(self._checker.map(TierPage.intact, records))
 
     def _batch(self, records: list[torch.Tensor]) -> torch.Tensor:
         """The records as one [n, bytes] host tensor, pinned for the device where it is a GPU."""
