@@ -59,6 +59,7 @@ class LayerLoads:
         behind the work queued so far (the pages may have been read by a step still running)."""
         if not self._staged:
             return
+        self.finish()  # a forward's copies still under way land first
         self._started, self._staged = self._staged, []
         self._done.clear()
         if not self._cuda:
@@ -101,10 +102,8 @@ class LayerLoads:
         self._done.clear()
 
     def flush(self) -> None:
-        """Apply every staged copy now, in order on the current stream."""
+        """Apply every staged copy now (on CUDA: the current stream waits for them)."""
         self.start()
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.finish()
 
     def _copy(self, layer: int) -> None:

@@ -6,6 +6,7 @@ a copy stream with an event per layer (tests/core/test_hicache.py's gpu test).""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -70,3 +71,65 @@ def test_a_read_outside_the_forward_applies_every_staged_copy(seed):
     kv.write_records(dst[:1], source.read_records(src[1:]))
     kv.layer(rng.choice(list(kv.loads.columns)))  # asked with no forward under way: everything lands
     assert torch.equal(kv.read_records(dst[:1]), source.read_records(src[1:]))
+
+
+class _Stream:
+    def __init__(self, log: list, name: str = "copy") -> None:
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait_event", self.name, event.layer))
+
+
+def test_the_cuda_path_orders_copies_and_waits_per_layer(monkeypatch, seed):
+    """The CUDA control flow with stand-in streams and events (the copies themselves run on the CPU):
+    the copy stream waits for the compute stream, one event per layer in layer order, each layer's
+    first read waits on its event once, the end of the forward on the copy stream; nothing at all
+    where nothing was staged."""
+    rng = random.Random(seed)
+    log: list = []
+    compute = _Stream(log, "compute")
+    current = [compute]
+
+    class Event:
+        def record(self, stream):
+            self.layer = len([e for e in log if e[0] == "record"])
+            log.append(("record", stream.name, current[-1].name))
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("record_stream", stream.name)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    source, kv = cache(), cache()
+    kv.loads._cuda = True
+    kv.loads.flush()
+    kv.layer(0)
+    assert log == []  # nothing staged: no stream touched
+    src, dst = rng.sample(range(1, 9), 3), rng.sample(range(1, 9), 3)
+    kv.write_records(dst, source.read_records(src))
+    kv.loads.start()
+    loaded = sorted(kv.loads.columns)
+    assert log == [("wait_stream", "copy", "compute"), ("record_stream", "copy")] + \
+        [("record", "copy", "copy")] * len(loaded)
+    log.clear()
+    order = rng.sample(loaded, len(loaded))
+    for i in order + order[:1]:
+        kv.layer(i)
+    assert log == [("wait_event", "compute", loaded.index(i)) for i in order]
+    log.clear()
+    kv.loads.finish()
+    assert log == [("wait_stream", "compute", "copy")]
+    for i in loaded:
+        assert all(torch.equal(a, b) for a, b in zip(raw(kv, i, dst), raw(source, i, src)))
