@@ -219,10 +219,12 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     scratch = Path(tempfile.mkdtemp(prefix="engine-hicache-bench-"))
     try:
+        preset = None
         if args.model is None:
             from engine.checkpoints import write_checkpoint
 
-            args.model = write_checkpoint(scratch / args.preset, args.preset)
+            preset = args.preset
+            args.model = write_checkpoint(scratch / preset, preset)
         ws = working_set_tokens(args)
         longest = args.system_len + args.turns * (args.user_len + args.answer_len)
         num_pages = max(-(-int(ws * args.cache_fraction) // args.page_size), -(-longest // args.page_size) + 2)
@@ -263,7 +265,8 @@ def main() -> None:
             for r in results:
                 r["ttft_later_turns_vs_l1"] = round(base["ttft_later_turns_s"]["mean"] / r["ttft_later_turns_s"]["mean"], 3)
                 r["throughput_vs_l1"] = round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
-        out = {"benchmark": "hicache_multiturn", "commit": commit(), "model": str(args.model), "dtype": args.dtype,
+        out = {"benchmark": "hicache_multiturn", "commit": commit(), "model": preset or str(args.model),
+               "random_weights": preset is not None, "dtype": args.dtype,
                "device": device_info(device) if device.type == "cuda" else {"name": "cpu", "host": platform.node()},
                "workload": {k: getattr(args, k) for k in ("conversations", "turns", "system_len", "user_len",
                                                            "answer_len", "page_size", "cache_fraction", "seed")},
