@@ -23,6 +23,7 @@ computed again. A load's pages reach the device layer by layer beside the next f
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -211,6 +212,16 @@ class KVHierarchy:
         if self.reader is not None:
             self.detach_storage()
         self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size)
+
+    @contextlib.contextmanager
+    def storage_paused(self):
+        """Neither write to nor read from the storage tier while the block runs (the start-up
+        warm-up's made-up prompts); it is attached again after."""
+        reader, self.reader = self.reader, None
+        try:
+            yield
+        finally:
+            self.reader = reader
 
     def detach_storage(self) -> CacheTier | None:
         """Stop using the storage tier (its prefetches dropped, its counts kept in the totals); the

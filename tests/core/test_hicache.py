@@ -191,3 +191,16 @@ def test_a_second_engine_process_hits_what_the_first_stored(shared_dir, without_
     tokens, cached, storage_hits, _ = engine_process(path, tmp_path, prompts[2])
     assert cached == storage_hits == 100
     assert tokens == plain[2].outputs[0].token_ids
+
+
+def test_the_warm_up_leaves_nothing_in_storage(shared_dir, tmp_path, seed):
+    """The start-up warm-up's made-up prompts never reach a directory other engines share; the tier
+    is attached again after it and takes the first real prompt's pages."""
+    llm = LLM(str(shared_dir / "models" / "tiny-qwen3-py"), dtype="float32", progress=False, page_size=4, num_pages=40,
+              warmup=True, enable_hierarchical_cache=True, hicache_storage_backend="file",
+              hicache_storage_dir=str(tmp_path))
+    assert llm.engine.warmup is not None and llm.engine.warmup.steps > 0
+    assert not list(tmp_path.rglob("*.kv")) and llm.engine.kv_manager.lower.reader is not None
+    rng = random.Random(seed)
+    llm.generate([[rng.randrange(4096) for _ in range(40)]], PARAMS)
+    assert len(list(tmp_path.rglob("*.kv"))) >= 10
