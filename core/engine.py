@@ -19,6 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .context import check_context
+from .disagg.counters import TransferCounters
 from .distributed.workers import Workers
 from .errors import EngineError, InvalidRequest
 from .kv.hicache_stats import HiCacheStats
@@ -56,6 +57,7 @@ class EngineStats:
     num_preemptions: int
     spec: SpecCounters | None = None  # speculative decoding's totals, where it is on
     hicache: HiCacheStats | None = None  # the hierarchical cache's, where it is on
+    kv_transfer: TransferCounters | None = None  # a decode engine's KV transfers (core/disagg)
 
 
 @dataclass

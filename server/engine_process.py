@@ -41,7 +41,7 @@ HEARTBEAT_S = 0.5
 def _stats(engine: EngineCore) -> wire.Stats:
     s = engine.stats()
     return wire.Stats(s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                      s.num_preemptions, s.spec, s.hicache)
+                      s.num_preemptions, s.spec, s.hicache, s.kv_transfer)
 
 
 class EngineLoop:

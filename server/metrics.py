@@ -95,6 +95,13 @@ class ServerMetrics:
                     for i, c in enumerate(spec.accepted_per_position)])
         if (h := stats.hicache) is not None:
             self._hicache(h, metric)
+        if (t := stats.kv_transfer) is not None:  # a decode engine's KV transfers (prefill/decode disaggregation)
+            one("kv_transfer_total", "counter", "Prompt KV transfers received whole.", t.num_transfers)
+            one("kv_transfer_failed_total", "counter", "Prompt KV transfers that failed.", t.num_failed)
+            one("kv_transfer_pages_total", "counter", "KV pages received.", t.pages_received)
+            one("kv_transfer_bytes_total", "counter", "KV bytes received.", t.bytes_received)
+            one("kv_transfer_pages_reused_total", "counter", "KV pages not sent: the prefix cache held them.",
+                t.pages_reused)
         metric("request_success_total", "counter", "Finished completions by finish reason.",
                [f'engine:request_success_total{{{L},finished_reason="{r}"}} {c}' for r, c in self.success.items()])
         metric("cache_config_info", "gauge", "KV cache configuration.",

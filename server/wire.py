@@ -13,6 +13,7 @@ import typing
 
 import msgspec
 
+from ..core.disagg.counters import TransferCounters
 from ..core.kv.hicache_stats import HiCacheStats
 from ..core.outputs import EngineCoreOutput
 from ..core.sampling_params import SamplingParams
@@ -95,6 +96,7 @@ class Stats(msgspec.Struct):
     num_preemptions: int = 0
     spec: SpecCounters | None = None  # where speculative decoding is on
     hicache: HiCacheStats | None = None  # where the hierarchical cache is on
+    kv_transfer: TransferCounters | None = None  # on a decode engine of disaggregated serving
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -1,26 +1,28 @@
 """The decode engine: takes each request's prompt KV from its prefill engine, then decodes it.
 
 A request waits in arrival order until a running slot and pages for its prompt are free; its
-pages are taken through the KV manager (``import_pages``) and the room is fetched from the prefill
-engine the request names. When the pages arrived whole (sizes, digests and every checksum checked,
+pages are taken through the KV manager (``import_pages``: the longest prefix its prefix cache
+holds is shared from there, as in a colocated engine) and the rest of the room is fetched from the
+prefill engine the request names: only the pages past the cache hit move. When the pages arrived whole (sizes, digests and every checksum checked,
 payload.py) they are written into the KV cache and the request joins the running batch with its
 prompt computed but for the last token, which its first step computes, drawing the first token as
 a colocated engine would. A transfer that fails (the prefill engine gone or refusing, a page cut
 short or corrupt) fails the request with ``KVTransferError`` and gives its pages back; so does an
-abort. Pages the decode engine already holds in its prefix cache are fetched again (not yet
-prefix-aware).
+abort. ``transfers`` counts what moved (engine:kv_transfer_* on /metrics).
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
-from ..engine import EngineCore
+from ..engine import EngineCore, EngineStats
 from ..errors import InvalidRequest, KVTransferError
 from ..families.kv_transport import Fetch, TransferStatus
 from ..request import Request
 from ..sampling_params import SamplingParams
+from .counters import TransferCounters
 from .payload import expectation, import_payload, tokens_to_move
 from .transport import create_transport
 
@@ -41,6 +43,7 @@ class DecodeEngine(EngineCore):
         super().__init__(*args, **kwargs)
         self.transport = create_transport(self)
         self._arriving: dict[str, _Arriving] = {}
+        self.transfers = TransferCounters()
 
     def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
         if params.kv_transfer is None:
@@ -62,6 +65,13 @@ class DecodeEngine(EngineCore):
             self.kv_manager.free(arriving.req.seqs[0], cache=False)
         return super().abort_request(request_id)
 
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), kv_transfer=self.transfers.snapshot())
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.transfers = TransferCounters()
+
     def step_outputs(self):
         self._advance()
         if self._arriving and self._in_flight is None and not self.scheduler.has_work():
@@ -75,10 +85,14 @@ class DecodeEngine(EngineCore):
         free_slots = self.config.max_num_seqs - self.scheduler.num_running
         for request_id, a in list(self._arriving.items()):
             seq, prompt = a.req.seqs[0], a.req.prompt_token_ids
+            n = tokens_to_move(prompt)
             if a.fetch is None:
-                if free_slots <= 0 or kvm.import_pages(seq, tokens_to_move(prompt)) is None:
+                hit = kvm.import_pages(seq, prompt[:n]) if free_slots > 0 else None
+                if hit is None:
                     break  # first come, first served: later requests wait behind it
-                a.fetch = self.transport.fetch(a.req.params.kv_transfer, expectation(kvm, kv, prompt))
+                kvm.record_lookup(n, hit)
+                a.fetch = self.transport.fetch(a.req.params.kv_transfer,
+                                               expectation(kvm, kv, prompt, hit // kvm.page_size))
             status = a.fetch.status()
             if status is TransferStatus.PENDING:
                 continue
@@ -87,13 +101,20 @@ class DecodeEngine(EngineCore):
                 kvm.free(seq, cache=False)
                 del self.requests[request_id]
                 logger.warning("request %s failed: %s", request_id, a.fetch.error)
+                self.transfers.num_failed += 1
                 self.failures.append((request_id, KVTransferError(a.fetch.error)))
                 continue
             if not a.imported:
-                import_payload(kvm, kv, seq, a.fetch.payload())
+                payload = a.fetch.payload()
+                import_payload(kvm, kv, seq, payload)
                 a.imported = True
+                t = self.transfers
+                t.num_transfers += 1
+                t.pages_received += len(payload.pages)
+                t.bytes_received += sum(len(p) for p in payload.pages)
+                t.pages_reused += payload.first_page
             if free_slots <= 0:
                 continue
             del self._arriving[request_id]
-            self.scheduler.add_computed(a.req.seqs, tokens_to_move(prompt))
+            self.scheduler.add_computed(a.req.seqs, n)
             free_slots -= 1

@@ -7,6 +7,11 @@ itself, in its first step, so the first token is drawn where the rest are and th
 the decode batch like any sequence whose prefix was cached. For DeepSeek-V4 the pages carry every
 component (compressed entries and indexer keys in their pages; the sliding-window KV and the
 compressors' open windows in the window pages of the pages within reach of the end).
+
+Only the pages the decode engine lacks move: it takes the prompt's longest cached prefix from its
+own prefix cache (as a colocated engine would) and asks for the pages after it. Those it holds
+keep the windows they need (a cache hit keeps every window within reach of its end, and the end
+of the moved tokens is further on).
 """
 
 from __future__ import annotations
@@ -59,17 +64,18 @@ def export_payload(kvm: KVManager, kv: KVCache, seq: Sequence) -> KVPayload:
                      [b.numpy().tobytes() for b in blobs], [bytes.fromhex(page_checksum(b)) for b in blobs])
 
 
-def expectation(kvm: KVManager, kv: KVCache, prompt_token_ids: list[int]) -> KVExpectation:
-    """Decode side: what the prefill engine must send for this prompt."""
+def expectation(kvm: KVManager, kv: KVCache, prompt_token_ids: list[int], first_page: int = 0) -> KVExpectation:
+    """Decode side: what the prefill engine must send for this prompt to an engine holding its
+    first ``first_page`` pages."""
     n = tokens_to_move(prompt_token_ids)
     return KVExpectation(n, token_digest(prompt_token_ids[:n]), layout_digest(kv, kvm.window_reach),
-                         [kv.page_size_bytes(w) for w in window_flags(kvm, n)])
+                         [kv.page_size_bytes(w) for w in window_flags(kvm, n)[first_page:]], first_page)
 
 
 def checked(payload: KVPayload, expect: KVExpectation) -> str | None:
     """Why a payload is not what was expected, or None: count, digests, sizes and every checksum."""
-    if (payload.num_tokens, payload.token_digest, payload.layout) != (expect.num_tokens, expect.token_digest,
-                                                                      expect.layout):
+    if (payload.num_tokens, payload.token_digest, payload.layout, payload.first_page) != \
+            (expect.num_tokens, expect.token_digest, expect.layout, expect.first_page):
         return "the pages are of another prompt or page layout"
     if [len(p) for p in payload.pages] != expect.page_sizes or len(payload.checksums) != len(payload.pages):
         return "the pages' number or sizes differ from this engine's"
@@ -80,7 +86,8 @@ def checked(payload: KVPayload, expect: KVExpectation) -> str | None:
 
 
 def import_payload(kvm: KVManager, kv: KVCache, seq: Sequence, payload: KVPayload) -> None:
-    """Decode side: write a checked payload into the pages ``KVManager.import_pages`` gave ``seq``."""
-    flags = window_flags(kvm, payload.num_tokens)
+    """Decode side: write a checked payload into the pages ``KVManager.import_pages`` gave ``seq``
+    past those its prefix cache held."""
+    first, flags = payload.first_page, window_flags(kvm, payload.num_tokens)
     blobs = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payload.pages]
-    kv.write_pages(kvm.export_pages(seq)[:len(flags)], flags, blobs)
+    kv.write_pages(kvm.export_pages(seq)[first:len(flags)], flags[first:], blobs)

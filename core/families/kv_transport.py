@@ -8,8 +8,10 @@ them through the KV manager, *fetches* the room from the peer (core/disagg/decod
 come first. Handles are polled once a step, so no step waits on the network.
 
 Pages move as bytes, one blob per page with every KV component of it (``KVCache.read_pages``),
-each with its checksum (``cache_tier.page_checksum``); the fetcher states what it expects (token
-count, a digest of the token ids, the page layout, each page's size) and anything else (a foreign
+each with its checksum (``cache_tier.page_checksum``). Transfers are prefix-aware: the fetcher says
+how many leading pages it holds already (a hit in its own prefix cache) and only the rest move. It
+states what it expects (token count, a digest of the token ids, the page layout, the pages it
+holds, each other page's size) and anything else (a foreign
 room, another prompt, a short or corrupt page) fails the transfer: the decode side never serves
 KV it did not get whole. Nothing read from a socket is unpickled; peers authenticate with a
 shared secret; listeners bind loopback unless configured otherwise.
@@ -17,6 +19,7 @@ shared secret; listeners bind loopback unless configured otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from abc import ABC, abstractmethod
@@ -42,13 +45,22 @@ class KVPeer:
 
 @dataclass(frozen=True)
 class KVPayload:
-    """One request's prompt KV: the first ``num_tokens`` tokens' pages, in order."""
+    """One request's prompt KV: the pages of its first ``num_tokens`` tokens from page
+    ``first_page`` on, in order (the pages before it are the fetcher's already)."""
 
     num_tokens: int
     token_digest: bytes  # of the token ids those pages hold (payload.token_digest)
     layout: bytes  # digest of the page layout (layers, element types, page size, window reach)
     pages: list[bytes]  # one blob per page: every KV component of it
     checksums: list[bytes]  # one per page (cache_tier.page_checksum, 16 bytes)
+    first_page: int = 0
+
+    def from_page(self, first_page: int) -> KVPayload:
+        """The same KV for a fetcher holding its first ``first_page`` pages (at least this one's)."""
+        k = first_page - self.first_page
+        if not 0 <= k <= len(self.pages):
+            raise ValueError(f"pages from {first_page} asked of {len(self.pages)} from {self.first_page}")
+        return dataclasses.replace(self, pages=self.pages[k:], checksums=self.checksums[k:], first_page=first_page)
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,8 @@ class KVExpectation:
     num_tokens: int
     token_digest: bytes
     layout: bytes
-    page_sizes: list[int]  # bytes of each page's blob
+    page_sizes: list[int]  # bytes of each page's blob, from ``first_page`` on
+    first_page: int = 0  # leading pages the fetcher holds (its prefix cache's): they do not move
 
 
 class TransferHandle(ABC):

@@ -274,19 +274,27 @@ class KVManager:
         st = self._seqs[seq.seq_id]
         return st.pages[:self._pages_for(st.num_tokens)]
 
-    def import_pages(self, seq: Sequence, num_tokens: int) -> list[int] | None:
-        """Pages (and the windows within reach of the end) for ``num_tokens`` tokens computed
-        elsewhere, registered to ``seq`` (holding nothing) as committed; the caller writes their KV
-        before the sequence's next step, whose commit publishes the prompt. None where pages run short."""
-        self._check_new(seq)
-        n = self._pages_for(num_tokens)
-        if not self._reserve(n):
-            return None
-        st = self._start(seq, self.pool.alloc(n), num_tokens)
-        if not self._move_windows(st, num_tokens, num_tokens):
+    def import_pages(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """Pages for the KV of ``tokens``, computed elsewhere, registered to ``seq`` (holding
+        nothing) as committed: the longest cached whole-page prefix shared from the prefix cache as
+        :meth:`match_prefix` shares it, fresh pages for the rest, and the windows within reach of
+        the end. The tokens the cache held: the caller writes the KV of the rest into the pages
+        past them before the sequence's next step, whose commit publishes the prompt. None
+        (holding nothing) where pages run short."""
+        hit = self.match_prefix(seq, tokens)
+        st = self._seqs.get(seq.seq_id) or self._start(seq, [], 0)
+        need = self._pages_for(len(tokens)) - len(st.pages)
+        if not self._reserve(need):
             self.free(seq, cache=False)
             return None
-        return list(st.pages)
+        new = self.pool.alloc(need)
+        self.page_table.write(st.row, len(st.pages), new)
+        st.pages += new
+        st.num_tokens = len(tokens)
+        if not self._move_windows(st, len(tokens), len(tokens)):
+            self.free(seq, cache=False)
+            return None
+        return hit
 
     # -- the cache as a whole -----------------------------------------------------------------
 

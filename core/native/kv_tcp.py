@@ -8,7 +8,7 @@ header and then over every page header (size and checksum), so a page that arriv
 its checksum names and the checksum is the peer's. Every size is bounded before anything is read:
 the decode side knows each page's size from its own layout and refuses any other.
 
-Request  (decode -> prefill): FETCH header, tag.
+Request  (decode -> prefill): FETCH header (with the leading pages it holds already), tag.
 Reply    (prefill -> decode): REPLY header, tag; then, when OK, per page a PAGE header and its
 bytes, and a tag over the reply header and all page headers; otherwise a REASON and its text.
 """
@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 MAGIC = b"EKV1"
 KIND_FETCH, KIND_REPLY = 1, 2
 OK, UNKNOWN_ROOM, MISMATCH, ABORTED, BAD_AUTH = range(5)
-FETCH = struct.Struct("!4sBQII16s16s")  # magic, kind, room, num_tokens, num_pages, token digest, layout
+# magic, kind, room, num_tokens, num_pages (to send), token digest, layout, first page (the pages before it stay)
+FETCH = struct.Struct("!4sBQII16s16sI")
 REPLY = struct.Struct("!4sBBQI")  # magic, kind, status, room, num_pages
 PAGE = struct.Struct("!I16s")  # size, checksum
 REASON = struct.Struct("!H")
@@ -149,7 +150,8 @@ class _Fetch(Fetch):
     def _receive(self) -> KVPayload:
         e, p = self.expect, self.peer
         self._sock = sock = socket.create_connection((p.host, p.port), timeout=CONNECT_TIMEOUT_S)
-        head = FETCH.pack(MAGIC, KIND_FETCH, p.room, e.num_tokens, len(e.page_sizes), e.token_digest, e.layout)
+        head = FETCH.pack(MAGIC, KIND_FETCH, p.room, e.num_tokens, len(e.page_sizes), e.token_digest, e.layout,
+                          e.first_page)
         sock.sendall(head + _tag(self.key, head))
         # the prefill engine may still be computing the prompt; it answers within its own timeout
         sock.settimeout(self.timeout + CONNECT_TIMEOUT_S)
@@ -177,7 +179,7 @@ class _Fetch(Fetch):
             checksums.append(checksum)
         if not hmac.compare_digest(_recv_exact(sock, TAG_BYTES), _tag(self.key, reply, *headers)):
             raise ValueError("the pages' headers are not authenticated")
-        return KVPayload(e.num_tokens, e.token_digest, e.layout, pages, checksums)
+        return KVPayload(e.num_tokens, e.token_digest, e.layout, pages, checksums, e.first_page)
 
 
 class TcpTransport(KVTransport):
@@ -255,7 +257,7 @@ class TcpTransport(KVTransport):
                 return  # connected and closed: a probe of the port (the gateway's, at registration)
             head = _recv_exact(conn, FETCH.size)
             tag = _recv_exact(conn, TAG_BYTES)
-            magic, kind, room, num_tokens, num_pages, digest, layout = FETCH.unpack(head)
+            magic, kind, room, num_tokens, num_pages, digest, layout, first_page = FETCH.unpack(head)
             if (magic, kind) != (MAGIC, KIND_FETCH):
                 return  # not ours: say nothing
             if not hmac.compare_digest(tag, _tag(self.key, head)):
@@ -266,12 +268,12 @@ class TcpTransport(KVTransport):
             payload = offer.payload
             if payload is None:
                 return self._refuse(conn, room, ABORTED, "the request was aborted")
-            if (num_tokens, digest, layout, num_pages) != (payload.num_tokens, payload.token_digest, payload.layout,
-                                                           len(payload.pages)):
+            if (num_tokens, digest, layout, first_page + num_pages) != \
+                    (payload.num_tokens, payload.token_digest, payload.layout, len(payload.pages)):
                 with self._cond:
                     offer.taken = False  # the real decode engine may still come for it
                 return self._refuse(conn, room, MISMATCH, "another prompt or page layout")
-            self._send(conn, room, payload)
+            self._send(conn, room, payload.from_page(first_page))
             with self._cond:
                 offer._end(TransferStatus.DONE)
         except Exception as exc:

@@ -75,6 +75,39 @@ def test_answers_through_prefill_and_decode_equal_a_single_engine(pd):
     assert _used_tokens(decode) == 0 and _used_tokens(prefill) == 0
 
 
+def test_a_repeated_prompt_moves_only_the_pages_the_decode_lacks(pd):
+    """The decode server's /metrics count its transfers: a prompt sent again meets its prefix cache,
+    so fewer bytes move, and the answer is the same."""
+    _, decode, gateway, _, _ = pd
+    prompt = " ".join(f"item{i} = {i * i}" for i in range(24))  # several pages of tokens
+    body = {"model": decode.model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    answers, moved = [], []
+    for _ in range(2):
+        before = decode.metrics()
+        r = httpx.post(gateway.url + "/v1/completions", headers=gateway.headers, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["text"])
+        after = _settled_metrics(decode, before)
+        moved.append({k: after[f"engine:kv_transfer_{k}_total"] - before.get(f"engine:kv_transfer_{k}_total", 0)
+                      for k in ("pages", "bytes", "pages_reused")})
+    assert answers[0] == answers[1]
+    assert moved[0]["pages_reused"] == 0 < moved[1]["pages_reused"]
+    assert moved[0]["pages"] == moved[1]["pages"] + moved[1]["pages_reused"]
+    assert 0 < moved[1]["bytes"] < moved[0]["bytes"]
+
+
+def _settled_metrics(server: LiveServer, before: dict[str, float], within: float = 3.0) -> dict[str, float]:
+    """/metrics once the engine reported the transfer the last request made (it reports its totals
+    with each step's outputs and every 0.5 s)."""
+    deadline = time.monotonic() + within
+    while True:
+        m = server.metrics()
+        if m.get("engine:kv_transfer_total", 0) > before.get("engine:kv_transfer_total", 0) \
+                or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("fields,param", [
     ({}, "bootstrap_host"),
     ({"bootstrap_host": "10.9.8.7"}, "bootstrap_host"),

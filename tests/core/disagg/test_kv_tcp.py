@@ -1,5 +1,5 @@
-"""The tcp KV transport on its own: pages move whole, and what is forged, stale or withdrawn is
-refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
+"""The tcp KV transport on its own: pages move whole (only those past the ones the fetcher holds),
+and what is forged, stale or withdrawn is refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,21 @@ def test_pages_fetched_before_they_are_published_arrive_whole(ends, seed):
     assert _wait(offer) is TransferStatus.DONE
 
 
-@pytest.mark.parametrize("forgery", ["secret", "prompt", "layout", "page count", "page size", "room"])
+def test_a_fetcher_holding_leading_pages_gets_only_the_rest(ends, seed):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    held = random.randint(1, len(payload.pages))  # all of them too: then nothing but the reply moves
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    fetch = decode.fetch(_peer(prefill, room), _expect(payload, first_page=held,
+                                                       page_sizes=[len(x) for x in payload.pages[held:]]))
+    assert _wait(fetch) is TransferStatus.DONE
+    got = fetch.payload()
+    assert got.first_page == held and got.pages == payload.pages[held:] and got.checksums == payload.checksums[held:]
+    assert _wait(offer) is TransferStatus.DONE
+
+
+@pytest.mark.parametrize("forgery", ["secret", "prompt", "layout", "page count", "page size", "first page", "room"])
 def test_forged_or_foreign_fetches_are_refused(ends, forgery, seed):
     prefill, decode = ends
     room, payload = random.randrange(2**63), _payload()
@@ -76,7 +90,8 @@ def test_forged_or_foreign_fetches_are_refused(ends, forgery, seed):
     sizes = [len(x) for x in payload.pages]
     change = {"prompt": {"token_digest": bytes(16)}, "layout": {"layout": bytes(16)},
               "page count": {"page_sizes": sizes + [10]},
-              "page size": {"page_sizes": [s + 1 for s in sizes]}}.get(forgery, {})
+              "page size": {"page_sizes": [s + 1 for s in sizes]},
+              "first page": {"first_page": 1}}.get(forgery, {})
     asker = _transport("decode", secret="guess") if forgery == "secret" else decode
     peer = _peer(prefill, room + 1 if forgery == "room" else room)
     fetch = asker.fetch(peer, _expect(payload, **change))

@@ -97,10 +97,19 @@ def test_greedy_through_prefill_and_decode_equals_colocated(engines, seed):
     assert not failures
     assert got == want
     assert len(got) == len(lengths) + 2
+    first = pair.decode.stats().kv_transfer
     hits = pair.prefill.kv_manager.stats().prefix_hits
-    again, failures = pair.run({f"{rid}'": r for rid, r in requests.items()})  # the prefill engine's prefix hits
+    # the same prompts again: prefix hits on both engines, and the decode engine's pages are not sent
+    again, failures = pair.run({f"{rid}'": r for rid, r in requests.items()})
     assert not failures and pair.prefill.kv_manager.stats().prefix_hits > hits
     assert again == {(f"{rid}'", i): tokens for (rid, i), tokens in want.items()}
+    second = pair.decode.stats().kv_transfer
+    pages = sum(-(-(len(ids) - 1) // 16) for ids, _ in requests.values())
+    moved, reused = second.pages_received - first.pages_received, second.pages_reused - first.pages_reused
+    assert moved + reused == pages and reused > 0
+    assert second.bytes_received - first.bytes_received < first.bytes_received
+    if pair.decode.kv_manager.window is None:  # every whole page of each prompt is cached
+        assert reused == sum((len(ids) - 1) // 16 for ids, _ in requests.values())
     for e in (pair.prefill, pair.decode):
         assert_idle(e)
 

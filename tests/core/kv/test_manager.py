@@ -193,14 +193,21 @@ class Harness:
         exported = self.m.export_pages(seq)
         assert len(exported) == -(-n // self.ps)
         self.ids += 1
-        twin = new_seq(self.ids, seq.tokens[:n])
-        pages = self.m.import_pages(twin, n)
-        if pages is None:
+        tokens = seq.tokens[:n]
+        twin = new_seq(self.ids, tokens)
+        longest = max([len(k) for k in self.known_prefixes() if tuple(tokens[:len(k)]) == k] + [0])
+        hit = self.m.import_pages(twin, tokens)
+        if hit is None:
             assert self.m.state(twin) is None
             return
-        assert not set(pages) & set(exported) and pages == self.m.pages(twin)
-        self.write(pages, 0, self.read(exported, n))
-        self.live[twin.seq_id] = Live(twin, n)
+        pages = self.m.pages(twin)
+        assert hit % self.ps == 0 and hit <= longest and len(pages) == len(exported)
+        if self.m.window is None and self.m.lower is None:
+            assert hit == longest
+        assert self.read(pages, hit) == tokens[:hit]  # the cache's pages, shared
+        assert not set(pages[hit // self.ps:]) & set(exported)
+        self.write(pages, hit, self.read(exported, n)[hit:])
+        self.live[twin.seq_id] = Live(twin, n, tuple(tokens[:hit]))
 
     def evict(self) -> None:
         before = cached_prefixes(self.m)
