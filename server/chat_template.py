@@ -9,6 +9,7 @@ server. A model without a template gets a plain ``role: content`` rendering.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import datetime
@@ -81,18 +82,21 @@ class ChatTemplate:
                 self._env.deadline.check()
             yield x
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        """The prompt for ``messages``; ``tools`` (OpenAI's tool objects) and ``template_kwargs``
+        (``enable_thinking``, ...) are the template's variables too."""
         if self._template is None:
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        bound = MIN_OUTPUT_BOUND + OUTPUT_FACTOR * sum(len(m["content"]) for m in messages)
+            return _plain(messages, add_generation_prompt, tools)
+        bound = MIN_OUTPUT_BOUND + OUTPUT_FACTOR * (sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+                                                        for m in messages) + len(str(tools or "")))
         deadline = _Deadline(RENDER_TIMEOUT_S)
         self._env.deadline = deadline
         out: list[str] = []
         size = 0
         try:
-            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **self._specials):
+            for piece in self._template.generate(**template_kwargs, messages=messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt, **self._specials):
                 size += len(piece)
                 if size > bound:
                     raise TemplateError(f"the rendered chat template exceeded {bound} characters")
@@ -103,3 +107,12 @@ class ChatTemplate:
         finally:
             self._env.deadline = None
         return "".join(out)
+
+
+def _plain(messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+    """A model without a template: ``role: content`` lines, the tools and calls as JSON."""
+    lines = [f"tools: {json.dumps(tools, ensure_ascii=False)}"] if tools else []
+    for m in messages:
+        calls = "".join(f" tool_call: {json.dumps(c['function'], ensure_ascii=False)}" for c in m.get("tool_calls") or ())
+        lines.append(f"{m['role']}: {m.get('content') or ''}{calls}")
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")

@@ -33,10 +33,13 @@ from .generation import PromptRun
 from .metrics import ServerMetrics
 from .limits import Limits, check_logprob_entries, check_sequences
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, joined
+from .chat_output import ChatOutputParser
+from .chat_request import ChatPrompt, chat_prompt
 from .protocol import (ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatDelta, ChatResponseMessage, CompletionChoice, CompletionChunk,
-                       CompletionRequest, CompletionResponse, Usage, client_field_names, prompt_token_lists,
-                       to_sampling_params)
+                       CompletionRequest, CompletionResponse, DeltaToolCall, ResponseToolCall, Usage,
+                       client_field_names, prompt_token_lists, to_sampling_params)
+from .tool_parsers import ToolCallFormat
 
 
 INLINE_TOKENIZE_CHARS = 1 << 14
@@ -56,6 +59,8 @@ class Serving:
     vocab_size: int
     grammars: GrammarCompiler  # compiles each request's grammar before it runs, to refuse a bad one with a 400
     disagg: DisaggConfig | None = None  # a prefill or decode server's (server/bootstrap.py)
+    tool_format: ToolCallFormat | None = None  # how the model writes tool calls (--tool-call-parser)
+    reasoning_parser: str | None = None  # whether the model writes <think> reasoning (--reasoning-parser)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -293,13 +298,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     s.check_model(req.model)
     params = dataclasses.replace(to_sampling_params(req, s.limits, s.vocab_size),
                                  kv_transfer=kv_peers(req, 1, s.disagg)[0])
+    prompt: ChatPrompt = await asyncio.to_thread(chat_prompt, req, s.chat_template, s.tool_format,
+                                                 s.reasoning_parser)  # up to the template's deadline: not on the loop
+    params = prompt.sampling_params(params, req)
     await s.check_grammar(params)
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    text = await asyncio.to_thread(s.chat_template.render, messages, True)  # up to its deadline: not on the loop
-    ids = await s.encode(text, add_special_tokens=False)
+    ids = await s.encode(prompt.text, add_special_tokens=False)
     if not ids:
         raise invalid("messages", "the conversation renders to an empty prompt")
-    run = s.new_run(ids, params, text, client_field_names(req))
+    run = s.new_run(ids, params, prompt.text, client_field_names(req))
     top = req.top_logprobs or 0
     check_logprob_entries(client_field_names(req).get("logprobs", "logprobs"), [_room(s, run)], params.n,
                           top if req.logprobs else None, s.limits)
@@ -310,28 +316,65 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
             return None
         return chat_logprobs(texts, c.token_ids[start:start + count], c.logprobs[start:start + count], top)
 
+    def finish_reason(c: Completion, parser: ChatOutputParser) -> str:
+        return "tool_calls" if parser.num_calls and c.finish_reason == "stop" else c.finish_reason
+
+    def message(c: Completion) -> tuple[ChatResponseMessage, str]:
+        parser = prompt.output_parser()
+        out = parser.feed(c.text, final=True)
+        calls = [ResponseToolCall.of(i, call) for i, call in out.calls] or None
+        content = None if calls and not out.content else out.content
+        return (ChatResponseMessage(content=content, reasoning_content=out.reasoning or None, tool_calls=calls),
+                finish_reason(c, parser))
+
+    def answer() -> dict:
+        choices = []
+        for c in run.completions:
+            msg, finish = message(c)
+            choices.append(ChatChoice(index=c.index, message=msg, logprobs=logprobs_of(c, 0, len(c.token_ids)),
+                                      finish_reason=finish))
+        return ChatCompletionResponse(model=s.model_name, usage=_usage([run]), choices=choices).model_dump()
+
     if not req.stream:
-        return await _respond([run], s, arrival, request, lambda: ChatCompletionResponse(
-            model=s.model_name, usage=_usage([run]),
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                logprobs=logprobs_of(c, 0, len(c.token_ids)), finish_reason=c.finish_reason)
-                     for c in run.completions]).model_dump())
+        return await _respond([run], s, arrival, request, answer)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = ChatCompletionChunk(model=s.model_name, choices=[])
+    parsers = {c.index: prompt.output_parser() for c in run.completions}
+    so_far = {c.index: "" for c in run.completions}  # each completion's text, as its updates brought it
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return ChatCompletionChunk(id=head.id, created=head.created, model=s.model_name, choices=choices,
                                    usage=usage).model_dump_json()
+
+    def deltas(parser: ChatOutputParser, text: str, final: bool) -> list[ChatDelta]:
+        """The update's deltas: reasoning, then content, then each new call (its name, then its arguments)."""
+        first_call = parser.num_calls
+        out = parser.feed(text, final)
+        found = [ChatDelta(reasoning_content=out.reasoning)] if out.reasoning else []
+        if out.content:
+            found.append(ChatDelta(content=out.content))
+        for k, (i, call) in enumerate(out.calls):
+            index = first_call + k
+            found.append(ChatDelta(tool_calls=[DeltaToolCall.named(index, i, call.name)]))
+            found.append(ChatDelta(tool_calls=[DeltaToolCall.arguments_of(index, call.arguments)]))
+        return found
 
     async def events() -> AsyncIterator[str]:
         for c in run.completions:
             yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
         async for _, u in _merged([run], s, arrival):
             c = u.completion
-            yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(content=u.text),
-                                         logprobs=logprobs_of(c, u.first_token, u.num_tokens),
-                                         finish_reason=c.finish_reason if u.finished else None)])
+            parser = parsers[c.index]
+            so_far[c.index] += u.text
+            found = deltas(parser, so_far[c.index], u.finished)
+            lps = logprobs_of(c, u.first_token, u.num_tokens)
+            if not found and (lps is not None or u.finished):
+                found = [ChatDelta()]  # the tokens' logprobs, or the end, carry on an empty delta
+            for k, d in enumerate(found):
+                last = k == len(found) - 1
+                yield chunk([ChatChunkChoice(index=c.index, delta=d, logprobs=lps if k == 0 else None,
+                                             finish_reason=finish_reason(c, parser) if u.finished and last else None)])
         if include_usage:
             yield chunk([], _usage([run]))
 

@@ -15,7 +15,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.errors import InvalidRequest
 from ..core.sampling_params import SamplingParams
@@ -33,6 +33,17 @@ F32_MAX = 3.4028234663852886e38
 Float32 = Annotated[float, Field(ge=-F32_MAX, le=F32_MAX)]
 # logits are divided by it: much smaller overflows float32 and makes NaN logits too
 RepetitionPenalty = Annotated[float, Field(ge=1e-6, le=F32_MAX)]
+
+
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+class _FieldError(ValueError):
+    """A model-level check's refusal that names its field (pydantic_error_to_api reads it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class StrictRequest(BaseModel):
@@ -65,13 +76,14 @@ class StructuredOutputs(StrictRequest):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     def kinds(self) -> dict[str, Any]:
         """The kinds set, as ``StructuredOutputsParams`` takes them (which refuses none or several)."""
         kinds = {"json": self.json_, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
-                 "grammar": self.grammar}
+                 "grammar": self.grammar, "structural_tag": self.structural_tag}
         return {k: v for k, v in kinds.items() if v is not None and v is not False}
 
 
@@ -139,16 +151,71 @@ class TextPart(StrictRequest):
     text: str
 
 
+class CalledFunction(StrictRequest):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(StrictRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictRequest):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message answers this call
+    reasoning_content: str | None = None  # an assistant's reasoning, which some templates render
+    # what the client's own message objects carry back when there is nothing in them
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+
+    @model_validator(mode="after")
+    def _fits_its_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise _FieldError("tool_calls", "tool_calls belong to assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise _FieldError("tool_call_id", "a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _FieldError("content", "content is required (null only on an assistant message with tool_calls)")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")]
+
+
+class FunctionDefinition(StrictRequest):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked against its metaschema)
+    strict: bool | None = None  # arguments are held to the schema either way where tool_choice forces calls
+
+
+class Tool(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -157,13 +224,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    # Declared only to refuse them: templates run server-side code and are the operator's choice.
+    # Declared only to refuse it: templates run server-side code and are the operator's choice.
     chat_template: Any = None
-    chat_template_kwargs: Any = None
-    # Declared only to refuse what this server does not do, rather than ignore it.
-    tools: Any = None
+    # values for the operator's template (enable_thinking, thinking, ...); JSON values only
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # the deprecated forms of tools and tool_choice, refused with the names to use
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
     # OpenAI's fields that this server does not do (server/unsupported.py), refused with the reason
     audio: Any = None
@@ -181,33 +250,49 @@ class ChatCompletionRequest(_SamplingRequest):
     # identifiers for the caller's own use; they change nothing here (the prefix cache is automatic)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None  # means nothing without tools
 
     @field_validator(*CHAT_UNSUPPORTED)
     @classmethod
     def _refuse_unsupported(cls, v, info):
         return refuse_unsupported(CHAT_UNSUPPORTED, info.field_name, v)
 
-    @field_validator("chat_template", "chat_template_kwargs")
+    @field_validator("chat_template")
     @classmethod
     def _refuse_client_templates(cls, v, info):
         if v is not None:
             raise ValueError(f"{info.field_name} may not be set by the request")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _refuse_tools(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} (tool calling) are not supported by this server")
+    def _template_values(cls, v):
+        for key in v or {}:
+            if not key.isidentifier() or key in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"{key!r} may not be set: the server sets {', '.join(sorted(RESERVED_TEMPLATE_NAMES))}"
+                                 if key in RESERVED_TEMPLATE_NAMES else f"{key!r} is not a template variable name")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
-        if v not in (None, "none", "auto"):
-            raise ValueError(f"{info.field_name} must be none or auto: tool calling is not supported")
+    def _refuse_legacy_functions(cls, v, info):
+        if v is not None:
+            instead = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"{info.field_name} is OpenAI's deprecated form: send {instead} instead")
         return v
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_tools(self):
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise _FieldError("tool_choice", "tool_choice forces a tool call, but no tools were given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise _FieldError("tool_choice.function.name",
+                               f"no tool is called {choice.function.name!r} in tools")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise _FieldError("tools", "two tools have the same name")
+        return self
 
 
 # ---- requests -> engine inputs ----
@@ -320,12 +405,16 @@ def pydantic_error_to_api(exc: pydantic.ValidationError) -> APIError:
     parts = [str(x) for x in first["loc"] if isinstance(x, int) or not _is_type_label(x)]
     param = ".".join(parts) or None
     msg = "unknown field: this server does not support it" if first["type"] == "extra_forbidden" else first["msg"]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, _FieldError):  # a check of the whole request that names its field
+        param, msg = ".".join([*parts, cause.field]), str(cause)
     return invalid(param, f"{param}: {msg}" if param else msg)
 
 
 # ---- responses ----
 
 FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def _now() -> int:
@@ -383,16 +472,33 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+    @classmethod
+    def of(cls, call_id: str, call) -> "ResponseToolCall":
+        return cls(id=call_id, function=ResponseFunction(name=call.name, arguments=call.arguments))
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletionResponse(BaseModel):
@@ -404,16 +510,40 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI streams a call as its index, id, type and name first, then its arguments in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @classmethod
+    def named(cls, index: int, call_id: str, name: str) -> "DeltaToolCall":
+        return cls(index=index, id=call_id, type="function", function=DeltaFunction(name=name, arguments=""))
+
+    @classmethod
+    def arguments_of(cls, index: int, arguments: str) -> "DeltaToolCall":
+        return cls(index=index, function=DeltaFunction(arguments=arguments))
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -34,6 +34,8 @@ from .limits import Limits
 from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
 from .openai_serving import Serving
+from .reasoning import reasoning_parser, serving_reasoning_parser
+from .tool_parsers import serving_tool_format, tool_call_format
 from .worker_info import WorkerInfo, worker_disagg
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one engine step may run before /health turns 503 (a stopped or dead engine "
                         f"turns it 503 after {SILENCE_S:g} s of silence whatever this is)")
     g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
+    g.add_argument("--tool-call-parser", default="auto", type=_known(tool_call_format), metavar="NAME",
+                   help="how the model writes tool calls: hermes (Qwen3), deepseek_v3, deepseek_v31, deepseek_v4 "
+                        "(DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
+    g.add_argument("--reasoning-parser", default="auto", type=_known(reasoning_parser), metavar="NAME",
+                   help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1, deepseek_v3, "
+                        "deepseek_v4, or none; auto (default): where the chat template writes <think>")
     add_disagg_args(p)
+
+
+def _known(check):
+    """An argparse type: ``auto``, ``none``, or a name ``check`` knows."""
+    def parse(name: str) -> str:
+        if name not in ("auto", "none"):
+            try:
+                check(name)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        return name
+    return parse
 
 
 class DrainingServer(uvicorn.Server):
@@ -164,8 +184,13 @@ def run_server(args: argparse.Namespace) -> int:
             template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
             grammars = GrammarCompiler(tokenizer, info.vocab_size, config.grammar_compile_timeout,
                                        config.grammar_cache_memory)
+            added = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values()]
+            tools = serving_tool_format(args.tool_call_parser, tokenizer.chat_template, added)
+            reasoning = serving_reasoning_parser(args.reasoning_parser, tokenizer.chat_template)
+            logger.info("tool-call parser: %s; reasoning parser: %s", tools.name if tools else "none", reasoning or "none")
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
-                                    limits, name, info.max_model_len, info.vocab_size, grammars, config.disaggregation)
+                                    limits, name, info.max_model_len, info.vocab_size, grammars, config.disaggregation,
+                                    tools, reasoning)
             state.worker = WorkerInfo.of(config.model, name, max_model_len=info.max_model_len,
                                          page_size=info.page_size, num_pages=info.num_pages,
                                          max_running_requests=config.max_num_seqs,

@@ -183,6 +183,9 @@ class GrammarCompiler:
             schema, strict = (value, True) if kind == "json" else ('{"type": "object"}', False)
             grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=strict)
             return c.compile_grammar(json_strings_without_control_characters(str(grammar)))
+        if kind == "structural_tag":
+            grammar = self._xgr.Grammar.from_structural_tag(value)
+            return c.compile_grammar(json_strings_without_control_characters(str(grammar)))
         if kind == "regex":
             return c.compile_regex(value)
         if kind == "choice":

@@ -1,7 +1,8 @@
 """What a request asks its output to match, shaped like vLLM's ``StructuredOutputsParams``.
 
 Exactly one of ``json`` (a JSON schema), ``json_object`` (any JSON object), ``regex``, ``choice``
-(one of the strings) or ``grammar`` (EBNF, as xgrammar reads it) is set. ``source`` is the request
+(one of the strings), ``grammar`` (EBNF, as xgrammar reads it) or ``structural_tag`` (xgrammar's
+structural tag, JSON text: how tool calls are forced into a model's own call format) is set. ``source`` is the request
 field it came from (``response_format.json_schema.schema``, ``guided_regex``, ...), so a grammar
 that fails to compile is refused naming what the client sent.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidRequest
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -23,11 +24,14 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # as JSON text (a mapping is turned into its text)
     source: str | None = None  # the request field it came from; None: ``structured_outputs.<kind>``
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):
             self.json = _json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = _json.dumps(self.structural_tag, ensure_ascii=False)
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise InvalidRequest(self.source or "structured_outputs",

@@ -12,8 +12,10 @@ LIMIT_ARGS = ("--max-n", "4", "--max-logprobs", "5", "--max-stop-sequences", "4"
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_qwen3, tmp_path_factory):
-    # a short grammar time limit, so a test can send a grammar that takes longer (test_structured_outputs.py)
+    # a short grammar time limit, so a test can send a grammar that takes longer (test_structured_outputs.py);
+    # no chat template, so the tool-call format is named (test_tool_calls.py)
     server = LiveServer(str(tiny_qwen3), *LIMIT_ARGS, "--max-model-len", "512", "--grammar-compile-timeout", "1",
+                        "--tool-call-parser", "hermes",
                         log=tmp_path_factory.mktemp("logs") / "tiny-server.log").wait_ready()
     yield server
     server.stop()

@@ -154,16 +154,26 @@ def test_chat_messages_and_parts():
     assert req.stream and req.stream_options.include_usage
 
 
-@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
-def test_chat_refuses_client_templates(field):
-    value = "{{ x }}" if field == "chat_template" else {"enable_thinking": True}
+@pytest.mark.parametrize("field, value", [("chat_template", "{{ x }}"), ("chat_template_kwargs", {"messages": []}),
+                                          ("chat_template_kwargs", {"not a name": 1})])
+def test_chat_refuses_client_templates_and_the_servers_own_template_variables(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
     assert validation_param(ChatCompletionRequest, body) == field
 
 
+def test_chat_template_kwargs_pass():
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                "chat_template_kwargs": {"enable_thinking": False}})
+    assert req.chat_template_kwargs == {"enable_thinking": False}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "a", "type": "function",
+                                                                    "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0.tool_calls"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "n": "2"}, "n"),
@@ -189,7 +199,7 @@ def test_completion_type_errors_name_the_field(body, param):
     (CompletionRequest, {"prompt": "x", "logprob": 2}, "logprob"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_token": 3},
      "max_completion_token"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_call": []}]}, "messages.0.tool_call"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"usage": True}},
      "stream_options.usage"),
 ])

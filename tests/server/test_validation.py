@@ -86,9 +86,19 @@ CHAT_CASES = [
     ({"temperature": 1e300}, 400, "temperature"),
     ({"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, 400, "response_format.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"tools": {"type": "function", "function": {"name": "f"}}}, 400, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, 400,
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/missing"}}}],
+      "tool_choice": "required"}, 400, "tools"),  # a schema that does not compile, where calls are forced
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "tool_choice"),
     ({"functions": [{"name": "f"}]}, 400, "functions"),
+    ({"function_call": "auto"}, 400, "function_call"),
 ]
 
 

@@ -1,0 +1,209 @@
+"""Tool calls in a model's output: the markup a format wraps them in, read back into calls.
+
+A format marks each call between a start and an end string, and some put a block around the calls
+(DeepSeek's ``<｜tool▁calls▁begin｜>``). ``CallScanner`` reads the text as it grows and hands out only
+what is decided: text before a call is content; a call once its end has arrived. It holds back an
+open call and a tail that could still begin a marker, so a stream's deltas add up to the answer
+read at once (the non-streamed answer is one ``feed`` with ``final``). A call that does not read
+(an unknown function, arguments that are not a JSON object, a broken marker) stays in the content as
+the model wrote it (a block's own markers do not); a call left open at the end is read as if it had
+closed. Whitespace between the content and the calls is dropped.
+
+A format also says how to force calls with xgrammar's structural tags: ``structural_tag`` gives
+the calls of ``tool_choice`` ``required`` (one or more of the tools) or a named function, each
+call's arguments constrained by its tool's JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# JSON arguments are written with at most this much whitespace between tokens: where whitespace may
+# run on, a weak model can fill the gaps until max_tokens (as core/structured/compiler.py's JSON)
+MAX_WHITESPACE = 1
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text
+
+
+def arguments_text(value: Any) -> str | None:
+    """The JSON text of a call's arguments if they are a JSON object, else None."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def json_schema_format(parameters: dict | None, style: str = "json") -> dict:
+    """A structural-tag element for one tool's arguments (no schema: any JSON object)."""
+    element = {"type": "json_schema", "json_schema": parameters if parameters is not None else {"type": "object"},
+               "style": style}
+    if style == "json":
+        element["max_whitespace_cnt"] = MAX_WHITESPACE
+    return element
+
+
+class ToolCallFormat:
+    """One model family's tool-call markup. Subclasses set the markers and read one call's body."""
+
+    name: ClassVar[str]
+    block_start: ClassVar[str | None] = None  # around all the calls, if the format has a block
+    block_end: ClassVar[str | None] = None
+    call_start: ClassVar[str]
+    call_end: ClassVar[str]
+    separator: ClassVar[str] = ""  # between forced calls
+    template_markers: ClassVar[tuple[str, ...]] = ()  # all in a chat template: it writes this format
+
+    def read_call(self, body: str) -> tuple[str, dict] | None:
+        """(function name, arguments) of the text between a call's markers; None if it does not read."""
+        raise NotImplementedError
+
+    def call_tag(self, name: str, parameters: dict | None) -> dict:
+        """The structural tag of one call of ``name``, its arguments held to ``parameters``."""
+        raise NotImplementedError
+
+    def wrap_calls(self, calls: dict) -> dict:
+        """The structural tag around forced calls (the block, where the format has one)."""
+        if self.block_start is None:
+            return calls
+        return {"type": "tag", "begin": self.block_start, "content": calls, "end": self.block_end}
+
+    def structural_tag(self, tools: dict[str, dict | None], forced: str | None, parallel: bool,
+                       prefix: dict | None = None) -> dict:
+        """xgrammar's structural tag forcing calls: of ``forced`` once, else one or more of ``tools``
+        (name -> JSON schema of its parameters; only one where not ``parallel``), after ``prefix``
+        (the reasoning a model writes first)."""
+        if forced is not None:
+            calls = self.call_tag(forced, tools[forced])
+        else:
+            calls = {"type": "tags_with_separator", "tags": [self.call_tag(n, p) for n, p in tools.items()],
+                     "separator": self.separator, "at_least_one": True, "stop_after_first": not parallel}
+        fmt = self.wrap_calls(calls)
+        if prefix is not None:
+            fmt = {"type": "sequence", "elements": [prefix, fmt]}
+        return {"type": "structural_tag", "format": fmt}
+
+    def scanner(self, names: set[str], max_calls: int | None = None) -> "CallScanner":
+        return CallScanner(self, names, max_calls)
+
+
+def marker_prefix_len(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (what may still become it)."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+@dataclass
+class CallScanner:
+    """Reads one completion's text as it grows; see the module docstring."""
+
+    fmt: ToolCallFormat
+    names: set[str]
+    max_calls: int | None = None  # past it (parallel_tool_calls false), markup is content
+    pos: int = 0  # text before it is decided
+    in_block: bool = False
+    pending_space: str = ""  # whitespace at the end of the content: dropped if calls follow and nothing else
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """The content and the calls decided since the last feed; ``text`` is all the text so far."""
+        content: list[str] = []
+        new_calls: list[ToolCall] = []
+        while self.pos < len(text):
+            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                self._content(content, text[self.pos:])
+                self.pos = len(text)
+            elif self.in_block:
+                if not self._in_block(text, final, content, new_calls):
+                    break
+            elif not self._outside(text, final, content, new_calls):
+                break
+        if final:
+            if self.pending_space and not self.calls:
+                content.append(self.pending_space)
+            self.pending_space = ""
+        return "".join(content), new_calls
+
+    def _content(self, out: list[str], piece: str) -> None:
+        """Take content, holding back its trailing whitespace until something follows it."""
+        if not piece:
+            return
+        body = piece.rstrip()
+        if body:
+            out.append(self.pending_space + body)
+            self.pending_space = piece[len(body):]
+        else:
+            self.pending_space += piece
+
+    def _outside(self, text: str, final: bool, content: list[str], new_calls: list[ToolCall]) -> bool:
+        f = self.fmt
+        opener = f.block_start or f.call_start
+        i = text.find(opener, self.pos)
+        if i < 0:
+            end = len(text) if final else len(text) - marker_prefix_len(text[self.pos:], opener)
+            self._content(content, text[self.pos:end])
+            self.pos = end
+            return False
+        self._content(content, text[self.pos:i])
+        if f.block_start is None:
+            return self._call(text, i, final, content, new_calls)
+        self.pos = i + len(opener)
+        self.in_block = True
+        return True
+
+    def _in_block(self, text: str, final: bool, content: list[str], new_calls: list[ToolCall]) -> bool:
+        f = self.fmt
+        p = self.pos
+        while p < len(text) and text[p].isspace():
+            p += 1
+        self.pos = p
+        rest = text[p:]
+        if rest.startswith(f.block_end):
+            self.pos = p + len(f.block_end)
+            self.in_block = False
+            return True
+        if rest.startswith(f.call_start):
+            return self._call(text, p, final, content, new_calls)
+        if not final and (f.block_end.startswith(rest) or f.call_start.startswith(rest)):
+            return False  # may still become a marker
+        # text in the block that is no call: content, up to the next marker
+        stops = [k for k in (text.find(f.call_start, p), text.find(f.block_end, p)) if k >= 0]
+        if stops:
+            end = min(stops)
+        else:
+            end = len(text) if final else len(text) - max(marker_prefix_len(rest, f.call_start),
+                                                           marker_prefix_len(rest, f.block_end))
+        self._content(content, text[p:end])
+        self.pos = end
+        return bool(stops) or final
+
+    def _call(self, text: str, i: int, final: bool, content: list[str], new_calls: list[ToolCall]) -> bool:
+        f = self.fmt
+        body_start = i + len(f.call_start)
+        j = text.find(f.call_end, body_start)
+        if j < 0 and not final:
+            self.pos = i
+            return False  # open: wait for its end
+        end = len(text) if j < 0 else j + len(f.call_end)
+        call = self._read(text[body_start:j if j >= 0 else len(text)])
+        if call is None:
+            self._content(content, text[i:end])
+        else:
+            self.calls.append(call)
+            new_calls.append(call)
+        self.pos = end
+        return True
+
+    def _read(self, body: str) -> ToolCall | None:
+        try:
+            read = self.fmt.read_call(body)
+        except (ValueError, TypeError):  # json.JSONDecodeError is a ValueError
+            return None
+        if read is None or read[0] not in self.names:
+            return None
+        args = arguments_text(read[1])
+        return None if args is None else ToolCall(read[0], args)
