@@ -132,9 +132,10 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
     return graphs
 
 
-def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int) -> int:
+def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int, max_rollback: int) -> int:
     """Window pages (0 without windowed layers): what every running sequence holds near its end
-    (and its drafts) plus one step's tokens, and as many again for the ends of cached prefixes."""
+    (and its drafts, or the ``max_rollback`` tokens it may go back) plus one step's tokens, and as
+    many again for the ends of cached prefixes."""
     if not any(s.windowed for s in model.kv_layer_specs()):
         return 0
     if config.window_pages is not None:
@@ -142,6 +143,7 @@ def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int) -> 
     ps = config.page_size
     step = max(config.max_num_batched_tokens, config.chunk_size or max_model_len)
     drafts = config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
+    drafts = max(drafts, max_rollback)
     running = config.max_num_seqs * (-(-(model.window_reach() + drafts) // ps) + 2) + -(-step // ps)
     return 2 * running + 1
 
@@ -201,9 +203,10 @@ def attach_storage_tier(plugins: Plugins, lower: KVHierarchy, config: EngineConf
 
 
 def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
-          rendezvous: Rendezvous | None = None) -> Components:
+          rendezvous: Rendezvous | None = None, max_rollback: int = 0) -> Components:
     """Everything one rank runs; ``rendezvous``: where this rank meets the others of its
-    tensor-parallel group (None: one process)."""
+    tensor-parallel group (None: one process); ``max_rollback``: how many tokens back a sequence's
+    KV may be rolled back over several steps (a draft model's, core/spec/draft_model.py)."""
     started = time.monotonic()
     plugins = plugins or load_plugins()
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
@@ -238,7 +241,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 held / 2**20, weights, held / max(weights, 1))
 
     max_model_len = model_config.max_model_len
-    window_pages = _window_pages(config, model, max_model_len)
+    window_pages = _window_pages(config, model, max_model_len, max_rollback)
     num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len, window_pages)
     if group.size > 1:  # every rank holds the pages rank 0's KV manager hands out
         num_pages = int(group.all_reduce(torch.tensor([num_pages], device=device), op="min").item())
@@ -251,7 +254,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     specs = model.kv_layer_specs()
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
     kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
-                           model.window_reach(), max_seq_len=max_model_len)
+                           model.window_reach(), max_rollback, max_seq_len=max_model_len)
     if config.enable_hierarchical_cache:
         attach_host_tier(plugins, ctx, kv, kv_manager)
     per_page = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) for w in (False, True)]

@@ -71,7 +71,15 @@ def _ngram_reasons(ctx) -> list[str]:
 @hookimpl
 def engine_register_spec_proposers() -> list[Descriptor]:
     return [Descriptor("spec", "ngram", _instance("engine.core.spec.ngram:NgramProposer"), priority=NATIVE_PRIORITY,
-                       check=_ngram_reasons)]
+                       check=_ngram_reasons),
+            Descriptor("spec", "draft_model", _instance("engine.core.spec.draft_model:DraftModelProposer"),
+                       priority=NATIVE_PRIORITY, check=_draft_reasons)]
+
+
+def _draft_reasons(ctx) -> list[str]:
+    from ..spec.draft_model import draft_reasons
+
+    return draft_reasons(ctx)
 
 
 @hookimpl

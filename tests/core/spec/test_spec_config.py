@@ -61,7 +61,7 @@ def test_drafts_must_fit_the_step_budget():
     EngineConfig(model="m", max_num_batched_tokens=5, speculative_config={**NGRAM, "num_speculative_tokens": 4})
 
 
-@pytest.mark.parametrize("method", ["draft_model", "mtp", "dspark", "eagle"])
+@pytest.mark.parametrize("method", ["mtp", "dspark", "eagle"])
 def test_a_method_without_a_proposer_fails_at_start_up(tiny_qwen3, method):
     with pytest.raises(SpecConfigError, match=f"speculative_config.method: no proposer '{method}' is registered"):
         LLM(str(tiny_qwen3), speculative_config={"method": method, "num_speculative_tokens": 2, "model": "d"},

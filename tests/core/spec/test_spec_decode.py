@@ -68,8 +68,13 @@ def assert_clean(llm: LLM, sequences: list[list[int]]) -> None:
     engine.kv_manager.check_consistency()
     stats = engine.kv_manager.stats()
     assert stats.num_used == stats.num_cached and stats.usage == 0 and not engine.scheduler.has_work()
-    real = {tuple(s[:n]) for s in sequences for n in range(0, len(s) + 1, PAGE)}
-    for node in engine.kv_manager.radix.nodes():
+    assert_cached_real(engine.kv_manager, sequences)
+
+
+def assert_cached_real(kv_manager, sequences: list[list[int]]) -> None:
+    """Every prefix ``kv_manager``'s cache holds is a prefix of one of ``sequences``."""
+    real = {()} | {tuple(s[:n]) for s in sequences for n in range(0, len(s) + 1, PAGE)}
+    for node in kv_manager.radix.nodes():
         path, n = (), node
         while n.parent is not None:
             path, n = n.key + path, n.parent
