@@ -52,3 +52,38 @@ def test_output_size_is_bounded():
     t = ChatTemplate("{% for i in range(100000) %}{{ messages[1]['content'] * 100 }}{% endfor %}")
     with pytest.raises(TemplateError, match="exceeded"):
         t.render(MSGS)
+
+
+# the parts of Qwen3's template that write tools, an assistant's calls and tool results
+QWEN3_TOOLS = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{% if c.function.arguments is string %}{{ c.function.arguments }}{% else %}{{ c.function.arguments | tojson }}"
+    "{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_calls_and_tool_results_render():
+    from engine.server.chat_request import template_message
+    from engine.server.protocol import ChatMessage
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    history = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"})]
+    out = ChatTemplate(QWEN3_TOOLS).render([template_message(m) for m in history], True, tools)
+    assert '<tools>{"function": {"name": "get_weather", "parameters": {"type": "object"}}, "type": "function"}' in out
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in out
+    assert "<tool_response>\n-3 C\n</tool_response>" in out and out.endswith("<|im_start|>assistant\n")
+    plain = ChatTemplate(None).render([template_message(m) for m in history], True, tools)
+    assert plain.startswith("tools: [") and 'tool_call: {"name": "get_weather"' in plain and "tool: -3 C" in plain
+
+
+def test_template_kwargs_reach_the_template():
+    t = ChatTemplate("{% if enable_thinking is false %}off{% else %}on{% endif %}")
+    assert t.render(MSGS, True, None, enable_thinking=False) == "off" and t.render(MSGS) == "on"
