@@ -210,3 +210,17 @@ def test_a_draft_that_cannot_serve_is_refused_at_start_up_with_the_reason(models
         make(target, bad_weights)
     with pytest.raises(SpecConfigError, match=r"speculative_config\.num_speculative_tokens"):
         make(target, qwen, k=17)
+
+
+@pytest.mark.gpu
+def test_on_cuda_greedy_equals_decoding_without_drafts(models, eval_text, seed):
+    """fp32 (in bf16 a verify row and a decode reach the same logits through different kernels):
+    the target's graphs and CUDA backends beside the eager draft."""
+    target, draft = models
+    plain, spec = make(target, device="cuda", enable_prefix_caching=False), make(target, draft, device="cuda")
+    prompts = [repetitive(plain, eval_text) for _ in range(3)] + [text_ids(plain, eval_text, 30)]
+    params = greedy(24, n=2)
+    want = plain.generate(prompts, params)
+    assert completions(spec.generate(prompts, params)) == completions(want)
+    assert spec.engine.speculator.counters.num_accepted_tokens > 0
+    assert_both_clean(spec, [o.prompt_token_ids + c.token_ids for o in want for c in o.outputs])
