@@ -113,3 +113,30 @@ def test_a_conversation_with_calls_and_results_renders(tiny_server):
         model=tiny_server.model_name, messages=history, tools=TOOLS, max_tokens=4,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+CALL_REGEX = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "days": [1-7]\}\}\n</tool_call>'
+BROKEN_REGEX = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": [a-z]{1,6}\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_calls_and_leaves_broken_ones_as_content(tiny_server, seed, stream):
+    """The model's text steered by a regex into the hermes format: a call under auto comes back as a
+    call after its content, a broken one (arguments not JSON) as content, never an error."""
+    c = _client(tiny_server)
+    results = []
+    for regex in (CALL_REGEX, BROKEN_REGEX):
+        kw = dict(model=tiny_server.model_name, messages=MESSAGES, tools=TOOLS, tool_choice="auto", seed=seed,
+                  temperature=1.0, max_tokens=MAX_TOKENS, extra_body={"guided_regex": regex})
+        if stream:
+            results.append(_streamed_calls(c.chat.completions.create(stream=True, **kw)))
+        else:
+            r = c.chat.completions.create(**kw)
+            m = r.choices[0].message
+            results.append(([(tc.id, tc.function.name, tc.function.arguments) for tc in m.tool_calls or ()],
+                            [r.choices[0].finish_reason], m.content))
+    (calls, finishes, content), (broken_calls, broken_finishes, broken_content) = results
+    assert finishes == ["tool_calls"] and content == "Checking."
+    _valid(calls, {"get_weather"})
+    assert broken_finishes == ["stop"] and not broken_calls
+    assert broken_content.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
