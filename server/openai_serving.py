@@ -322,7 +322,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     def message(c: Completion) -> tuple[ChatResponseMessage, str]:
         parser = prompt.output_parser()
         out = parser.feed(c.text, final=True)
-        calls = [ResponseToolCall.of(i, call) for i, call in out.calls] or None
+        calls = [ResponseToolCall.of(call_id, call) for call_id, call in out.calls] or None
         content = None if calls and not out.content else out.content
         return (ChatResponseMessage(content=content, reasoning_content=out.reasoning or None, tool_calls=calls),
                 finish_reason(c, parser))
@@ -354,9 +354,9 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
         found = [ChatDelta(reasoning_content=out.reasoning)] if out.reasoning else []
         if out.content:
             found.append(ChatDelta(content=out.content))
-        for k, (i, call) in enumerate(out.calls):
+        for k, (call_id, call) in enumerate(out.calls):
             index = first_call + k
-            found.append(ChatDelta(tool_calls=[DeltaToolCall.named(index, i, call.name)]))
+            found.append(ChatDelta(tool_calls=[DeltaToolCall.named(index, call_id, call.name)]))
             found.append(ChatDelta(tool_calls=[DeltaToolCall.arguments_of(index, call.arguments)]))
         return found
 
