@@ -30,13 +30,14 @@ def reasoning_parser(name: str) -> str:
     return name
 
 
-def serving_reasoning_parser(choice: str, chat_template: str | None) -> str | None:
+def serving_reasoning_parser(choice: str, chat_template: str | None, added_tokens: list[str] = ()) -> str | None:
     """``--reasoning-parser``: a parser by name, ``none``, or ``auto`` (one where the chat template
-    writes ``<think>`` blocks)."""
+    writes ``<think>`` blocks, or the tokenizer has them as tokens: DeepSeek-V4 ships no template)."""
     if choice == "none":
         return None
     if choice == "auto":
-        return "qwen3" if chat_template and START in chat_template and END in chat_template else None
+        text = (chat_template or "") + "\n".join(added_tokens)
+        return "qwen3" if START in text and END in text else None
     return reasoning_parser(choice)
 
 

@@ -84,7 +84,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
     g.add_argument("--reasoning-parser", default="auto", type=_known(reasoning_parser), metavar="NAME",
                    help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1, deepseek_v3, "
-                        "deepseek_v4, or none; auto (default): where the chat template writes <think>")
+                        "deepseek_v4, or none; auto (default): where the chat template writes <think>, or the "
+                        "tokenizer has it as a token")
     add_disagg_args(p)
 
 
@@ -186,7 +187,7 @@ def run_server(args: argparse.Namespace) -> int:
                                        config.grammar_cache_memory)
             added = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values()]
             tools = serving_tool_format(args.tool_call_parser, tokenizer.chat_template, added)
-            reasoning = serving_reasoning_parser(args.reasoning_parser, tokenizer.chat_template)
+            reasoning = serving_reasoning_parser(args.reasoning_parser, tokenizer.chat_template, added)
             logger.info("tool-call parser: %s; reasoning parser: %s", tools.name if tools else "none", reasoning or "none")
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
                                     limits, name, info.max_model_len, info.vocab_size, grammars, config.disaggregation,

@@ -77,6 +77,7 @@ def test_the_prompt_says_where_reasoning_starts(prompt, thinking, state):
 def test_the_parser_is_detected_from_the_template():
     assert serving_reasoning_parser("auto", "{{ '<think>' }}x{{ '</think>' }}") == "qwen3"
     assert serving_reasoning_parser("auto", "{{ messages }}") is None
+    assert serving_reasoning_parser("auto", None, ["<｜User｜>", "<think>", "</think>"]) == "qwen3"
     assert serving_reasoning_parser("none", "<think></think>") is None
     with pytest.raises(ValueError, match="qwen3"):
         serving_reasoning_parser("nonsense", None)

@@ -170,3 +170,18 @@ def test_the_format_is_detected_from_the_template_or_the_tokens(template, tokens
 def test_an_unknown_parser_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="hermes"):
         tool_call_format("nonsense")
+
+
+def test_the_flags_take_known_names_auto_and_none():
+    import argparse
+
+    from engine.server.serve import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = p.parse_args(["--tool-call-parser", "deepseek_v4", "--reasoning-parser", "none"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("deepseek_v4", "none")
+    assert p.parse_args([]).tool_call_parser == "auto"
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit):
+            p.parse_args([flag, "nonsense"])
