@@ -1,4 +1,5 @@
-"""NIXL as a storage tier (L3): the file tier's records moved by a NIXL file plugin.
+"""NIXL as a storage tier (L3): the file tier's records moved by a NIXL file plugin. The plugin
+registers NIXL's KV transport too (nixl_kv.py).
 
 NIXL (``pip install nixl``) moves bytes between registered memory and storage through plugins;
 its file plugins (POSIX, GDS, GDS_MT, 3FS) write and read a directory the way the ``file`` tier
@@ -16,6 +17,7 @@ from pathlib import Path
 from ..core.hookspecs import hookimpl
 from ..core.registry import Descriptor
 from ..core.tiers.file import FileTier, file_reasons
+from .nixl_kv import engine_register_kv_transports  # noqa: F401  (the nixl KV transport: one plugin for NIXL)
 
 FILE_PLUGINS = ("GDS_MT", "GDS", "3FS", "POSIX")  # preferred first, where NIXL offers them
 

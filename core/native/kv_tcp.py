@@ -11,6 +11,9 @@ the decode side knows each page's size from its own layout and refuses any other
 Request  (decode -> prefill): FETCH header (with the leading pages it holds already), tag.
 Reply    (prefill -> decode): REPLY header, tag; then, when OK, per page a PAGE header and its
 bytes, and a tag over the reply header and all page headers; otherwise a REASON and its text.
+
+Other transports keep this control plane (rooms, the request, refusals, the timeout) and move the
+pages their own way by overriding ``_send_pages`` and ``_receive_pages`` (plugins/nixl_kv.py).
 """
 
 from __future__ import annotations
@@ -103,9 +106,9 @@ class _Offer(Offer):
 
 
 class _Fetch(Fetch):
-    def __init__(self, peer: KVPeer, expect: KVExpectation, key: bytes, timeout: float,
-                 progress: threading.Event) -> None:
-        self.peer, self.expect, self.key, self.timeout, self.progress = peer, expect, key, timeout, progress
+    def __init__(self, transport: TcpTransport, peer: KVPeer, expect: KVExpectation) -> None:
+        self.transport, self.peer, self.expect = transport, peer, expect
+        self.key, self.timeout, self.progress = transport.key, transport.timeout, transport._progress
         self._status, self._error, self._payload = TransferStatus.PENDING, None, None
         self._sock: socket.socket | None = None
         self._cancelled = False
@@ -168,17 +171,7 @@ class _Fetch(Fetch):
             raise ValueError(f"the prefill engine refused (status {status}): {reason}")
         if num_pages != len(e.page_sizes):
             raise ValueError(f"{num_pages} pages offered, {len(e.page_sizes)} expected")
-        headers, pages, checksums = [], [], []
-        for size in e.page_sizes:
-            header = _recv_exact(sock, PAGE.size)
-            got, checksum = PAGE.unpack(header)
-            if got != size:
-                raise ValueError(f"a page of {got} bytes; this engine's pages are {size}")
-            headers.append(header)
-            pages.append(_recv_exact(sock, size))
-            checksums.append(checksum)
-        if not hmac.compare_digest(_recv_exact(sock, TAG_BYTES), _tag(self.key, reply, *headers)):
-            raise ValueError("the pages' headers are not authenticated")
+        pages, checksums = self.transport._receive_pages(sock, reply, e.page_sizes)
         return KVPayload(e.num_tokens, e.token_digest, e.layout, pages, checksums, e.first_page)
 
 
@@ -213,7 +206,7 @@ class TcpTransport(KVTransport):
         return offer
 
     def fetch(self, peer: KVPeer, expect: KVExpectation) -> Fetch:
-        return _Fetch(peer, expect, self.key, self.timeout, self._progress)
+        return _Fetch(self, peer, expect)
 
     def wait(self, timeout: float) -> None:
         if self._progress.wait(timeout):
@@ -308,6 +301,12 @@ class TcpTransport(KVTransport):
     def _send(self, conn: socket.socket, room: int, payload: KVPayload) -> None:
         head = REPLY.pack(MAGIC, KIND_REPLY, OK, room, len(payload.pages))
         conn.sendall(head + _tag(self.key, head))
+        self._send_pages(conn, head, payload)
+
+    # -- how the pages move (another transport overrides these two) -------------------------
+
+    def _send_pages(self, conn: socket.socket, head: bytes, payload: KVPayload) -> None:
+        """Prefill side, after the OK reply ``head``: every page of ``payload`` to the fetcher."""
         headers = []
         for page, checksum in zip(payload.pages, payload.checksums):
             header = PAGE.pack(len(page), checksum)
@@ -315,3 +314,18 @@ class TcpTransport(KVTransport):
             conn.sendall(header)
             conn.sendall(page)
         conn.sendall(_tag(self.key, head, *headers))
+
+    def _receive_pages(self, sock: socket.socket, reply: bytes, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
+        """Decode side, after the OK ``reply``: the pages (each of its expected size) and their checksums."""
+        headers, pages, checksums = [], [], []
+        for size in sizes:
+            header = _recv_exact(sock, PAGE.size)
+            got, checksum = PAGE.unpack(header)
+            if got != size:
+                raise ValueError(f"a page of {got} bytes; this engine's pages are {size}")
+            headers.append(header)
+            pages.append(_recv_exact(sock, size))
+            checksums.append(checksum)
+        if not hmac.compare_digest(_recv_exact(sock, TAG_BYTES), _tag(self.key, reply, *headers)):
+            raise ValueError("the pages' headers are not authenticated")
+        return pages, checksums

@@ -1,11 +1,12 @@
 """Prefill/decode disaggregation served: a prefill and a decode `engine serve` behind
 `engine gateway --pd-disaggregation` (SGLang's smg drives SGLang's bootstrap protocol), on
-tiny-qwen3-py and tiny-dsv4-py. Greedy answers equal a single engine's; bootstrap fields are
-checked at the edge; a decode whose prefill never sends, and a killed prefill, fail their requests
+tiny-qwen3-py and tiny-dsv4-py over the tcp transport and tiny-qwen3-py over nixl where installed.
+Greedy answers equal a single engine's; bootstrap fields are checked at the edge; a decode whose prefill never sends, and a killed prefill, fail their requests
 with a clear error while the decode server holds no page and keeps serving."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 
@@ -24,12 +25,17 @@ TIMEOUT_S = 4  # --disaggregation-timeout: how long a room waits for its other s
 PROMPTS = ["def fibonacci(n):", "import os\nimport"]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-py", "tiny-dsv4-py"])
+@pytest.fixture(scope="module", ids=lambda p: "-".join(p), params=[
+    ("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp"),
+    pytest.param(("tiny-qwen3-py", "nixl"), marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None, reason="nixl is not installed (pip install 'engine[nixl]')"))])
 def pd(request, shared_dir, tmp_path_factory):
-    model = str(shared_dir / "models" / request.param)
+    name, transport = request.param
+    model = str(shared_dir / "models" / name)
     logs = tmp_path_factory.mktemp("pd")
     port = free_port()
-    common = ("--max-model-len", "512", "--disaggregation-timeout", str(TIMEOUT_S))
+    common = ("--max-model-len", "512", "--disaggregation-timeout", str(TIMEOUT_S),
+              "--disaggregation-transfer-backend", transport)
     prefill = LiveServer(model, *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                          str(port), log=logs / "prefill.log")
     decode = LiveServer(model, *common, "--disaggregation-mode", "decode", log=logs / "decode.log")

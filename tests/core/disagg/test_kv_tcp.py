@@ -1,8 +1,11 @@
-"""The tcp KV transport on its own: pages move whole (only those past the ones the fetcher holds),
+"""The tcp KV transport on its own, and the nixl one (the same control plane, pages moved by a
+NIXL READ over UCX) where nixl is installed: pages move whole (only those past the ones the fetcher holds),
 and what is forged, stale or withdrawn is refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import random
 import time
 from types import SimpleNamespace
@@ -14,13 +17,16 @@ from engine.core.disagg.config import DisaggConfig
 from engine.core.families.cache_tier import page_checksum
 from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
 from engine.core.native.kv_tcp import TcpTransport
+from engine.plugins.nixl_kv import NixlTransport
+
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 
 TIMEOUT = 1.5
 
 
-def _transport(mode: str, secret: str = "s3cret") -> TcpTransport:
-    cfg = DisaggConfig(mode=mode, bootstrap_port=0, secret=secret, timeout=TIMEOUT)
-    return TcpTransport(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg)))
+def _transport(mode: str, secret: str = "s3cret", kind: type[TcpTransport] = TcpTransport) -> TcpTransport:
+    cfg = DisaggConfig(mode=mode, bootstrap_port=0, secret=secret, timeout=TIMEOUT, transfer_backend=kind.name)
+    return kind(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg)))
 
 
 def _payload() -> KVPayload:
@@ -43,9 +49,10 @@ def _wait(handle, timeout: float = 10.0) -> TransferStatus:
     return status
 
 
-@pytest.fixture(scope="module")
-def ends():
-    prefill, decode = _transport("prefill"), _transport("decode")
+@pytest.fixture(scope="module", params=[TcpTransport, pytest.param(NixlTransport, marks=pytest.mark.skipif(
+    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')"))], ids=["tcp", "nixl"])
+def ends(request):
+    prefill, decode = _transport("prefill", kind=request.param), _transport("decode", kind=request.param)
     yield prefill, decode
     prefill.close()
 
@@ -92,7 +99,7 @@ def test_forged_or_foreign_fetches_are_refused(ends, forgery, seed):
               "page count": {"page_sizes": sizes + [10]},
               "page size": {"page_sizes": [s + 1 for s in sizes]},
               "first page": {"first_page": 1}}.get(forgery, {})
-    asker = _transport("decode", secret="guess") if forgery == "secret" else decode
+    asker = _transport("decode", "guess", type(decode)) if forgery == "secret" else decode
     peer = _peer(prefill, room + 1 if forgery == "room" else room)
     fetch = asker.fetch(peer, _expect(payload, **change))
     assert _wait(fetch) is TransferStatus.FAILED
@@ -105,6 +112,18 @@ def test_forged_or_foreign_fetches_are_refused(ends, forgery, seed):
         assert _wait(honest) is TransferStatus.FAILED
     else:  # refused before a byte of it was sent: the room still serves its own decode engine
         assert _wait(honest) is TransferStatus.DONE and honest.payload() == payload
+
+
+def test_a_corrupt_page_fails_the_transfer(ends, seed):
+    prefill, decode = ends
+    room, payload = random.randrange(2**63), _payload()
+    i = random.randrange(len(payload.pages))
+    page = bytearray(payload.pages[i])
+    page[random.randrange(len(page))] ^= 1 << random.randrange(8)
+    offer = prefill.offer(room)
+    offer.publish(dataclasses.replace(payload, pages=payload.pages[:i] + [bytes(page)] + payload.pages[i + 1:]))
+    fetch = decode.fetch(_peer(prefill, room), _expect(payload))
+    assert _wait(fetch) is TransferStatus.FAILED and f"page {i} failed its checksum" in fetch.error
 
 
 def test_an_aborted_room_is_refused_at_once(ends):

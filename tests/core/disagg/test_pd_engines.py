@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation between two engines in this process over the tcp transport
-(loopback): greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
+(loopback), and over nixl where it is installed: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
 page back afterwards; an aborted request gives its pages back on both sides; a prefill engine that
 dies mid-transfer, or sends a corrupt page, fails the request with KVTransferError and the decode
 engine holds no page for it."""
@@ -7,6 +7,7 @@ engine holds no page for it."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 import time
 
@@ -35,9 +36,9 @@ def _engine(model, **disagg) -> EngineCore:
 class Pair:
     """A prefill and a decode engine, stepped in turn as their two processes would run."""
 
-    def __init__(self, model) -> None:
-        self.prefill = _engine(model, mode="prefill", bootstrap_port=0, timeout=5.0)
-        self.decode = _engine(model, mode="decode", timeout=5.0)
+    def __init__(self, model, transport: str = "tcp") -> None:
+        self.prefill = _engine(model, mode="prefill", bootstrap_port=0, timeout=5.0, transfer_backend=transport)
+        self.decode = _engine(model, mode="decode", timeout=5.0, transfer_backend=transport)
         self.rooms = iter(range(random.randrange(2**40), 2**62))
 
     def peer(self) -> KVPeer:
@@ -80,10 +81,18 @@ def assert_idle(engine: EngineCore) -> None:
     assert engine.kv_manager.stats().usage == 0.0
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3-py", "tiny-dsv4-py"])
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                          reason="nixl is not installed (pip install 'engine[nixl]')")
+OVER_TCP = [("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp")]
+
+
+@pytest.fixture(scope="module", params=OVER_TCP + [pytest.param(("tiny-qwen3-py", "nixl"), marks=NIXL),
+                                                   pytest.param(("tiny-dsv4-py", "nixl"), marks=NIXL)],
+                ids=lambda p: "-".join(p))
 def engines(request, shared_dir):
-    model = shared_dir / "models" / request.param
-    return Pair(model), _engine(model)
+    model, transport = request.param
+    model = shared_dir / "models" / model
+    return Pair(model, transport), _engine(model)
 
 
 def test_greedy_through_prefill_and_decode_equals_colocated(engines, seed):
@@ -128,6 +137,7 @@ def test_an_aborted_request_gives_its_pages_back_on_both_sides(engines):
         assert_idle(e)
 
 
+@pytest.mark.parametrize("engines", OVER_TCP, indirect=True, ids=lambda p: "-".join(p))  # a fake tcp prefill
 @pytest.mark.parametrize("fault", ["dies mid-page", "corrupt page"])
 def test_a_failed_transfer_fails_the_request_and_leaks_no_page(engines, fault):
     pair, _ = engines
