@@ -120,6 +120,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
                                   c.device, c.graphs, c.group, self.workers)
+        if c.proposer is not None:
+            self.runner.feature = c.proposer.feature
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, EngineError]] = []  # requests that failed after admission (take_failures)
         self.counters = EngineCounters()
@@ -336,6 +338,8 @@ class EngineCore:
             return None
         now = time.monotonic()
         step_logits = self.runner.execute(sched)
+        if step_logits.features is not None:
+            self.speculator.observe(sched.scheduled, step_logits.features)
         seqs: list[Sequence] = []  # those that draw a token, and their logits rows
         rows: list[int] = []
         prompt: list[tuple[Sequence, PromptLogprobs]] = []

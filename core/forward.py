@@ -179,6 +179,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     context_lens_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # filled once per step by the attention backend's ``prepare``
+    # where the runner asks for them (speculative decoding's MTP): the model puts per-token features
+    # here by name (DeepSeek-V4: "streams", its residual streams before the head)
+    features: dict[str, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

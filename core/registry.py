@@ -19,6 +19,7 @@ class SelectionContext:
     platform: Any  # core.platform.PlatformSpec
     model_config: Any = None  # core.config.ModelConfig or None before a model is known
     engine_config: Any = None  # core.config.EngineConfig or None
+    target: Any = None  # the loaded model, where an implementation shares its weights (MTP's proposer)
 
 
 def import_path(path: str) -> Any:

@@ -32,6 +32,7 @@ from .token_table import TokenTable
 class StepLogits:
     logits: torch.Tensor  # [N, vocab] fp32
     rows: list[tuple[int, int]]  # per scheduled sequence: (first logits row, number of rows)
+    features: torch.Tensor | None = None  # per packed token, where asked (``ModelRunner.feature``)
 
 
 class StepInputs(msgspec.Struct, array_like=True, gc=False):
@@ -72,11 +73,15 @@ class ModelRunner:
         self.group = group
         self.peers = peers
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
+        # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: such
+        # steps run eagerly, since a decode graph hands back logits only
+        self.feature: str | None = None
 
     def execute(self, step: SchedulerOutput) -> StepLogits:
         inputs, rows, slots = self._gather(step)
         if self.peers is None:
-            return StepLogits(self.run(inputs, slots), rows)
+            logits, features = self._run_features(inputs, slots)
+            return StepLogits(logits, rows, features)
         self.peers.send_step(inputs)
         try:
             return StepLogits(self.run(inputs, slots), rows)
@@ -90,15 +95,24 @@ class ModelRunner:
             self.kv.stage_window(page, window)
         return self.run(inputs)
 
+    def _run_features(self, inputs: StepInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits and, where a proposer asks, the feature it drafts from."""
+        if self.feature is None:
+            return self.run(inputs, slots), None
+        features: dict[str, torch.Tensor] = {}
+        return self.run(inputs, slots, features), features[self.feature]
+
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, slots: list[int] | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs, slots: list[int] | None = None,
+            features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The logits [len(logits_indices), vocab] of one step; ``slots``: the token table slots
-        that ``inputs.in_flight`` read (on rank 0; the other ranks get those tokens from it)."""
+        that ``inputs.in_flight`` read (on rank 0; the other ranks get those tokens from it);
+        ``features``: a dict the model fills with its per-token features (ForwardBatch.features)."""
         if inputs.page_copies:
             src, dst = zip(*inputs.page_copies)
             self.kv.copy_pages(list(src), list(dst))
         fill = self._fill(inputs.in_flight, slots)
-        if self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
+        if features is None and self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
                                                            len(inputs.logits_indices)):
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
             return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill)
@@ -106,6 +120,7 @@ class ModelRunner:
                                    self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:
             fill(batch.input_ids)
+        batch.features = features
         self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
         try:
             batch.attn_metadata = self.model.prepare(batch)

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -166,6 +166,18 @@ def _kv_pages(config: EngineConfig, model: CausalLM, device: torch.device, dtype
     return min(pages, useful)
 
 
+def proposer_kv(config: EngineConfig, model, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                max_rollback: int) -> tuple[KVCache, KVManager]:
+    """A proposer's own KV cache and manager for ``model`` (its ``kv_layer_specs`` and
+    ``window_reach``), sized by the engine's config as the target's is, in this one process."""
+    window_pages = _window_pages(config, model, max_model_len, max_rollback)
+    num_pages = _kv_pages(config, model, device, dtype, max_model_len, window_pages)
+    window_pages = min(window_pages, num_pages)
+    kv = KVCache(model.kv_layer_specs(), num_pages, config.page_size, dtype, device, window_pages)
+    return kv, KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
+                         model.window_reach(), max_rollback, max_seq_len=max_model_len)
+
+
 def model_key(model_config: ModelConfig, page_size: int) -> str:
     """The model as content keys of KV pages name it: its config, element type, quantization and
     the page size (``tier_layout`` adds the record layout)."""
@@ -266,6 +278,6 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if graph_selection is not None:
         selections["graphs"] = graph_selection
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
-    proposer = proposer_selection.create(ctx) if proposer_selection is not None else None
+    proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
                       selections["sampling"].create(ctx), graphs, proposer, group)

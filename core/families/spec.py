@@ -51,6 +51,7 @@ class SpecProposer(ABC):
     """One drafting method; ``create(ctx)`` of an ``engine_register_spec_proposers`` descriptor builds it."""
 
     name: str = "?"
+    feature: str | None = None  # a per-token feature of the target's (ForwardBatch.features) it drafts from
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states verification hands back (DSpark, MTP)
 
     def __init__(self, ctx: Any) -> None:
@@ -60,6 +61,11 @@ class SpecProposer(ABC):
     def propose(self, requests: list[DraftRequest], features: torch.Tensor | None = None) -> Drafts:
         """Draft for every sequence of the step; ``features``: the target's hidden states of
         ``feature_layers`` at each sequence's last verified token, packed, when the proposer asks."""
+
+    def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
+        """With ``feature``: the target computed positions ``start``.. of the sequence, with these
+        features (one row each); positions it computes again (after drafts it rejected, or
+        preemption) come again."""
 
     def accepted(self, seq_ids: list[int], num_accepted: list[int]) -> None:
         """How many drafts of each sequence the target kept; a stateful proposer drops the rest."""

@@ -73,7 +73,15 @@ def engine_register_spec_proposers() -> list[Descriptor]:
     return [Descriptor("spec", "ngram", _instance("engine.core.spec.ngram:NgramProposer"), priority=NATIVE_PRIORITY,
                        check=_ngram_reasons),
             Descriptor("spec", "draft_model", _instance("engine.core.spec.draft_model:DraftModelProposer"),
-                       priority=NATIVE_PRIORITY, check=_draft_reasons)]
+                       priority=NATIVE_PRIORITY, check=_draft_reasons),
+            Descriptor("spec", "mtp", _instance("engine.core.spec.mtp:MTPProposer"), priority=NATIVE_PRIORITY,
+                       check=_mtp_reasons)]
+
+
+def _mtp_reasons(ctx) -> list[str]:
+    from ..spec.mtp import mtp_reasons
+
+    return mtp_reasons(ctx)
 
 
 def _draft_reasons(ctx) -> list[str]:

@@ -63,7 +63,7 @@ def _vocab(path: Path) -> tuple[dict[str, int], int | None]:
 
 
 @dataclass(eq=False)
-class _DraftSeq:
+class DraftSeq:
     """A target sequence as the draft's KV manager reads it: its id and the tokens whose KV the
     draft holds (``prompt_token_ids``: those it started with, which its prefix cache may keep)."""
 
@@ -73,7 +73,30 @@ class _DraftSeq:
     real: int = 0  # how many of ``tokens`` are the target's (the rest: drafts it fed back)
 
 
-class DraftModelProposer(SpecProposer):
+class OwnKVProposer(SpecProposer):
+    """A proposer that keeps KV of its own through a KV manager (``self.kv``), per target sequence a
+    draft sequence: what letting a sequence go and rolling one back mean for it."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.kv = None  # the subclass's KV manager
+        self._seqs: dict[int, DraftSeq] = {}
+
+    def release(self, seq_id: int) -> None:
+        """Give the sequence's draft KV back, its target's tokens to the draft's prefix cache (never
+        a draft the target has not kept)."""
+        s = self._seqs.pop(seq_id, None)
+        if s is not None and self.kv.state(s) is not None:  # (one that matched nothing and ran nothing has none)
+            if s.real < len(s.tokens):
+                self._rollback(s, s.real)
+            self.kv.free(s, cache=True)
+
+    def _rollback(self, s: DraftSeq, num_tokens: int) -> None:
+        self.kv.rollback(s, num_tokens)
+        del s.tokens[num_tokens:]
+
+
+class DraftModelProposer(OwnKVProposer):
     name = "draft_model"
 
     def __init__(self, ctx) -> None:
@@ -92,7 +115,6 @@ class DraftModelProposer(SpecProposer):
                                            f"{type(exc).__name__}: {exc}") from exc
         self.kv = c.kv_manager
         self.runner = ModelRunner(c.model, c.kv, None, c.kv_manager.page_table, config.page_size, c.device)
-        self._seqs: dict[int, _DraftSeq] = {}
         logger.info("draft model %s (%s) drafts %d tokens a step", spec.model, c.model_config.architecture,
                     spec.num_speculative_tokens)
 
@@ -110,14 +132,6 @@ class DraftModelProposer(SpecProposer):
             rows, feeds = [rows[i] for i in more], [[ids[i]] for i in more]
         return Drafts([drafts[r.seq_id] for r in requests])
 
-    def release(self, seq_id: int) -> None:
-        """Give the sequence's draft KV back, its target's tokens to the draft's prefix cache (never
-        a draft the target has not kept)."""
-        s = self._seqs.pop(seq_id, None)
-        if s is not None:
-            self._rollback(s, min(s.real, len(s.tokens)))
-            self.kv.free(s, cache=True)
-
     def _catch_up(self, r: DraftRequest) -> bool:
         """Pages for ``r``'s catch-up row and the drafts fed back, the draft holding a prefix of its
         tokens (from its prefix cache the first time; its drafts past the ones the target kept
@@ -126,7 +140,7 @@ class DraftModelProposer(SpecProposer):
         tokens = r.token_ids
         s = self._seqs.get(r.seq_id)
         if s is None:
-            s = self._seqs[r.seq_id] = _DraftSeq(r.seq_id, tokens[:-1], [])
+            s = self._seqs[r.seq_id] = DraftSeq(r.seq_id, tokens[:-1], [])
             s.tokens = tokens[:self.kv.match_prefix(s, tokens[:-1])]
             s.real = len(s.tokens)
             self.kv.record_lookup(len(tokens) - 1, s.real)
@@ -140,12 +154,8 @@ class DraftModelProposer(SpecProposer):
             return False
         return True
 
-    def _rollback(self, s: _DraftSeq, num_tokens: int) -> None:
-        self.kv.rollback(s, num_tokens)
-        del s.tokens[num_tokens:]
-
     @torch.inference_mode()
-    def _forward(self, seqs: list[_DraftSeq], feeds: list[list[int]]) -> list[int]:
+    def _forward(self, seqs: list[DraftSeq], feeds: list[list[int]]) -> list[int]:
         """Each sequence's ``feeds`` run after the tokens it holds, in one batch: the draft's greedy
         token after each."""
         context = [len(s.tokens) for s in seqs]

@@ -145,6 +145,13 @@ class Speculator:
             row += len(ids)
         return out
 
+    def observe(self, scheduled: list[ScheduledSeq], features: torch.Tensor) -> None:
+        """Hand the proposer the target's features of the step's tokens, per sequence."""
+        at = 0
+        for s in scheduled:
+            self.proposer.observe(s.seq.seq_id, s.context_len, features[at:at + s.num_new])
+            at += s.num_new
+
     def release(self, seq: Sequence) -> None:
         """The sequence gave its KV back (finished, aborted or preempted): so does its proposer."""
         self.proposer.release(seq.seq_id)

@@ -151,6 +151,8 @@ class Decoder(nn.Module):
         share = StepShare(ngram_ids=None if self.ngrams is None else self.ngrams(batch, kv))
         for layer in self.layers:
             state = layer(state, batch, kv, meta, share)
+        if batch.features is not None:  # what the next-n layer (nextn.py) drafts from
+            batch.features["streams"] = self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb)
         return self.hc_head(state, self.norm)
 
 
@@ -220,6 +222,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return Target(name)
 
     def checkpoint_part(self, name: str) -> tuple[int, int, int] | bool | None:
+        if name.startswith(("mtp.", "model.mtp.")):
+            return None  # kept whole for the next-n layer (nextn.py)
         return checkpoint_part(self, self.resolve, name)
 
     def _scale_target(self, weight: Target) -> Target:

@@ -61,17 +61,17 @@ class DraftsFreed:
         assert self.held and all(any(s[:len(h)] == h for s in sequences) for h in self.held)
 
 
-def assert_both_clean(llm: LLM, sequences: list[list[int]]) -> None:
+def assert_both_clean(llm: LLM, sequences: list[list[int]], keys=lambda s: s) -> None:
     """The target's pages back (assert_clean), and the draft's: it holds no sequence, every page not
     free is its prefix cache's, which holds real tokens only (no rejected draft), and all come back
-    when that is reset."""
+    when that is reset. ``keys``: a sequence as the draft's cache keys it."""
     assert_clean(llm, sequences)
     kv = draft_kv(llm)
     kv.check_consistency()
     assert not llm.engine.speculator.proposer._seqs
     stats = kv.stats()
     assert stats.num_used == stats.num_cached
-    assert_cached_real(kv, sequences)
+    assert_cached_real(kv, [keys(s) for s in sequences])
     kv.reset_prefix_cache()
     assert kv.stats().num_free == kv.stats().num_usable
 

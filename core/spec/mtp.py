@@ -1,0 +1,159 @@
+"""The MTP proposer: DeepSeek-V4's next-n layer (core/models/deepseek_v4/nextn.py) drafts ``k``
+tokens autoregressively, from the target's residual streams and its own.
+
+At position ``p`` the layer reads the target's streams at ``p`` and the token ``x[p + 1]`` and
+predicts ``x[p + 2]``. The target hands back its streams for every token it computes (prefill
+chunks, decodes, verify rows: ``observe``); before drafting, a sequence catches up over the
+positions the target computed since (one ragged row), whose last predicts the first draft; each
+draft is then fed back with the layer's own output streams for the next. The layer's KV pages are
+its own (a KV manager of its own, prefix cache included): a position's KV depends on the token
+after it, so the cache is keyed by pairs of neighbouring tokens. Positions computed from the
+layer's own streams are rolled back at the next catch-up and recomputed from the target's (the
+target's streams there are known by then). A sequence whose earlier positions the target did not
+compute (a target prefix hit the layer's cache lacks) gets no drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..families.spec import DraftRequest, Drafts
+from ..forward import ForwardBatch
+from .config import SpecConfigError
+from .draft_model import DraftSeq, OwnKVProposer
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+
+
+def mtp_reasons(ctx) -> list[str]:
+    """Why the target cannot draft with its next-n layers."""
+    from ..models.deepseek_v4.nextn import checkpoint_has_nextn
+
+    spec, target = ctx.engine_config.speculative_config, ctx.model_config
+    if spec is not None and spec.model is not None:
+        return ["speculative_config.model: MTP drafts with the target checkpoint's own mtp.* layers"]
+    if target is None:
+        return []
+    if target.architecture != ARCHITECTURE:
+        return [f"MTP runs DeepSeek-V4's next-n layers; {target.architecture} has none"]
+    if not target.get("num_nextn_predict_layers"):
+        return ["the model's config.json has no next-n layers (num_nextn_predict_layers is 0)"]
+    if ctx.engine_config.tensor_parallel_size > 1:
+        return ["MTP under tensor parallelism is not built (the ranks do not hand back their streams)"]
+    if not checkpoint_has_nextn(target.path):
+        return [f"the checkpoint in {target.path} has no mtp.* tensors, though num_nextn_predict_layers is "
+                f"{target.get('num_nextn_predict_layers')}: it has no next-n layer to draft with"]
+    return []
+
+
+class MTPProposer(OwnKVProposer):
+    name = "mtp"
+    feature = "streams"
+
+    def __init__(self, ctx) -> None:
+        from ..models.deepseek_v4.nextn import build_nextn
+        from ..startup import proposer_kv
+
+        super().__init__(ctx)
+        config, target = ctx.engine_config, ctx.target
+        k = config.speculative_config.num_speculative_tokens
+        try:
+            self.layer = build_nextn(target)
+        except Exception as exc:
+            raise SpecConfigError("method", f"the checkpoint's next-n layer does not load: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+        target.mtp.clear()  # the layer holds them now
+        device = target.head.weight.device
+        self.device, self.vocab = device, ctx.model_config.vocab_size
+        self.cache, self.kv = proposer_kv(config, self.layer, device, ctx.model_config.dtype,
+                                          ctx.model_config.max_model_len, k)
+        self.target = target
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, streams from it)
+        logger.info("MTP: DeepSeek-V4's next-n layer drafts %d tokens a step", k)
+
+    def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
+        had = self._features.get(seq_id)
+        if had is not None and had[0] <= start <= had[0] + len(had[1]):
+            features = torch.cat([had[1][:start - had[0]], features])
+            start = had[0]
+        self._features[seq_id] = (start, features)
+
+    def release(self, seq_id: int) -> None:
+        self._features.pop(seq_id, None)
+        super().release(seq_id)
+
+    def propose(self, requests: list[DraftRequest], features=None) -> Drafts:
+        drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+        rows, ids, keys, streams = [], [], [], []
+        for r in requests:
+            row = self._catch_up(r)
+            if row is not None:
+                rows.append(r)
+                ids.append(row[0])
+                keys.append(row[1])
+                streams.append(row[2])
+        while rows:
+            out, last = self._forward([self._seqs[r.seq_id] for r in rows], ids, keys, torch.cat(streams))
+            for r, t in zip(rows, out):
+                drafts[r.seq_id].append(t)
+            more = [i for i, r in enumerate(rows) if len(drafts[r.seq_id]) < r.k]
+            rows = [rows[i] for i in more]
+            keys = [[ids[i][-1] * self.vocab + out[i]] for i in more]
+            ids = [[out[i]] for i in more]
+            streams = [last[i:i + 1] for i in more]
+        return Drafts([drafts[r.seq_id] for r in requests])
+
+    def _catch_up(self, r: DraftRequest) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """The catch-up row of ``r``: the tokens x[p + 1], their pair keys and the target's streams
+        at p, for the positions p the layer has not computed from the target's streams; its pages
+        (and those of the drafts fed back) allocated. None where it cannot draft this step."""
+        tokens, v = r.token_ids, self.vocab
+        n = len(tokens)
+        s = self._seqs.get(r.seq_id)
+        if s is None:
+            keys = [a * v + b for a, b in zip(tokens[:n - 2], tokens[1:n - 1])]
+            s = self._seqs[r.seq_id] = DraftSeq(r.seq_id, keys, [])
+            s.tokens = keys[:self.kv.match_prefix(s, keys)]
+            s.real = len(s.tokens)
+            self.kv.record_lookup(len(keys), s.real)
+        if len(s.tokens) > s.real:  # positions computed from its own streams
+            self._rollback(s, s.real)
+        held = s.real
+        start, feats = self._features.get(r.seq_id, (n, None))
+        if feats is None or start > held or start + len(feats) < n - 1:
+            self.release(r.seq_id)
+            return None
+        if self.kv.allocate(s, n - 1 - held + r.k - 1) is None:
+            self.release(r.seq_id)
+            return None
+        row = feats[held - start:n - 1 - start]
+        self._features[r.seq_id] = (n - 1, feats[n - 1 - start:])
+        s.real = n - 1
+        return tokens[held + 1:], [tokens[p] * v + tokens[p + 1] for p in range(held, n - 1)], row
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[DraftSeq], ids: list[list[int]], keys: list[list[int]],
+                 streams: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Each sequence's ``ids`` after the positions it holds, with the streams before them, in one
+        batch: the layer's greedy token after each sequence's last, and its output streams there."""
+        context = [len(s.tokens) for s in seqs]
+        query = [len(i) for i in ids]
+        width = -(-max(c + q for c, q in zip(context, query)) // self.kv.page_size)
+        tables = self.kv.page_table.gather([self.kv.state(s).row for s in seqs], width)
+        ends = torch.tensor(query).cumsum(0).sub(1).tolist()
+        if copies := self.kv.take_page_copies():
+            src, dst = zip(*copies)
+            self.cache.copy_pages(list(src), list(dst))
+        batch = ForwardBatch.build([t for i in ids for t in i], query, context, tables, self.kv.page_size, ends,
+                                   device=self.device)
+        out, hidden = self.layer(batch, self.cache, streams)
+        ends_t = batch.logits_indices
+        tokens = self.target.compute_logits(hidden[ends_t]).argmax(dim=-1).tolist()
+        for s, k in zip(seqs, keys):
+            s.tokens += k
+            self.kv.commit(s, len(s.tokens))
+        return tokens, out[ends_t]

@@ -1,0 +1,113 @@
+"""The MTP proposer end to end on tiny-dsv4-py with a next-n layer beside its checkpoint (random
+projections around a copy of one of its decoder blocks: its drafts are poor, and verification
+keeps the output the target's): greedy output identical to decoding without speculation over
+chunked prefill, prefix hits, n=2, preemption and aborts, every page of both KV caches back; a
+checkpoint without mtp.* tensors, a model without next-n layers and a drafter directory refused at
+start-up with the reason."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine import LLM
+from engine.core.spec.config import SpecConfigError
+from test_draft_model import DraftsFreed, assert_both_clean, draft_kv
+from test_spec_decode import PAGE, completions, greedy, repetitive, run_with_aborts, text_ids
+
+
+def write_nextn(src, dst, seed: int) -> None:
+    """``src``'s checkpoint linked into ``dst`` with an mtp.safetensors beside it: layer 5's block
+    (a sliding-attention MoE layer), random e_proj/h_proj, unit norms and the target's mHC head."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    g = torch.Generator().manual_seed(seed)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        out = {"mtp.0." + k.removeprefix("model.layers.5."): f.get_tensor(k) for k in f.keys()
+               if k.startswith("model.layers.5.")}
+        out.update({f"mtp.0.hc_head_{p}": f.get_tensor(f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")})
+    d = out["mtp.0.attn_norm.weight"].shape[0]
+    out.update({f"mtp.0.{n}.weight": torch.randn(d, d, generator=g) * 0.05 for n in ("e_proj", "h_proj")})
+    out.update({f"mtp.0.{n}.weight": torch.ones(d) for n in ("enorm", "hnorm", "norm")})
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "mtp.safetensors"))
+
+
+def make(path, spec: bool, **kw) -> LLM:
+    opts = dict(dtype="float32", page_size=PAGE, num_pages=400, chunked_prefill_size=16, max_num_seqs=8,
+                progress=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3} if spec else None)
+    return LLM(str(path), **{**opts, **kw})
+
+
+@pytest.fixture(scope="module")
+def with_nextn(shared_dir, tmp_path_factory, run_seed):
+    path = tmp_path_factory.mktemp("mtp") / "tiny-dsv4-py-mtp"
+    write_nextn(shared_dir / "models" / "tiny-dsv4-py", path, run_seed)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(with_nextn):
+    return make(with_nextn, False, enable_prefix_caching=False), make(with_nextn, True)
+
+
+def pairs(tokens: list[int]) -> list[int]:
+    """A sequence as the next-n layer's cache keys it: each position by its token and the next."""
+    return [a * 4096 + b for a, b in zip(tokens, tokens[1:])]
+
+
+def drafted(llm: LLM) -> int:
+    return llm.engine.speculator.counters.num_draft_tokens
+
+
+def test_greedy_equals_decoding_without_drafts_over_chunks_prefix_hits_and_n2(pair, eval_text, seed):
+    plain, spec = pair
+    prompts = [repetitive(plain, eval_text) for _ in range(2)] + [text_ids(plain, eval_text, 30) for _ in range(2)]
+    params = [greedy(random.randint(12, 30), n=random.choice([1, 2])) for _ in prompts]
+    want = plain.generate(prompts, params)
+    before = drafted(spec)
+    assert completions(spec.generate(prompts, params)) == completions(want)
+    assert drafted(spec) > before
+    before = drafted(spec)
+    again = spec.generate(prompts, params)  # every prompt now hits both prefix caches, and is drafted for
+    assert all(o.num_cached_tokens > 0 for o in again) and drafted(spec) > before
+    assert completions(again) == completions(want)
+    assert_both_clean(spec, [o.prompt_token_ids + c.token_ids for o in want for c in o.outputs], pairs)
+    assert not spec.engine.speculator.proposer._features  # no streams held for sequences gone
+
+
+def test_greedy_equals_decoding_without_drafts_under_preemption_and_aborts(pair, with_nextn, eval_text, seed):
+    plain, _ = pair
+    spec = make(with_nextn, True, num_pages=36, max_num_batched_tokens=64)
+    prompts = [repetitive(plain, eval_text) for _ in range(4)]
+    params = greedy(24)
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert spec.engine.stats().num_preemptions > 0 and drafted(spec) > 0
+    assert completions(got) == completions(want)
+    abort_after = {i: random.randint(2, 16) for i in random.sample(range(4), 2)}
+    with DraftsFreed(spec):
+        ended = run_with_aborts(spec, prompts, params, abort_after)
+    for i in range(4):
+        tokens, reason = ended[f"r{i}"][0][:2]
+        assert tokens == want[i].outputs[0].token_ids[:len(tokens)]
+        assert reason == ("abort" if i in abort_after else "length")
+    spec.engine.kv_manager.reset_prefix_cache()
+    draft_kv(spec).reset_prefix_cache()
+    assert_both_clean(spec, [])
+
+
+def test_a_target_that_cannot_draft_with_mtp_is_refused_at_start_up_with_the_reason(shared_dir, with_nextn):
+    models = shared_dir / "models"
+    cases = [(models / "tiny-dsv4-py", {}, "has no mtp.* tensors, though num_nextn_predict_layers is 1"),
+             (models / "tiny-qwen3-py", {}, "MTP runs DeepSeek-V4's next-n layers; Qwen3ForCausalLM has none"),
+             (with_nextn, {"model": str(models / "tiny-qwen3-py")}, "MTP drafts with the target checkpoint's own")]
+    for path, extra, reason in cases:
+        with pytest.raises(SpecConfigError, match="speculative_config.method: 'mtp' cannot run here") as err:
+            LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, **extra},
+                progress=False, num_pages=64)
+        assert reason in str(err.value)
