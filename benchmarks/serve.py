@@ -84,6 +84,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> Result:
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.input_tokens = chunk["usage"].get("prompt_tokens", res.input_tokens)  # text prompts too
                 elif chunk["choices"]:
                     if res.ttft == 0.0:
                         res.ttft = now - start
