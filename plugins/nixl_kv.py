@@ -31,7 +31,8 @@ import time
 import uuid
 
 from ..core.hookspecs import hookimpl
-from ..core.native.kv_tcp import IO_TIMEOUT_S, PAGE, TAG_BYTES, TcpTransport, _recv_exact, _tag
+from ..core.native.kv_tcp import (IO_TIMEOUT_S, PAGE, TAG_BYTES, TcpTransport, _recv_exact, _tag, split_pages,
+                                  staged_checksums)
 from ..core.registry import Descriptor
 
 DESC = struct.Struct("!IQQ")  # agent metadata length, staged buffer address, its length
@@ -94,21 +95,12 @@ class NixlTransport(TcpTransport):
         headers = [_recv_exact(sock, PAGE.size) for _ in sizes]
         if not hmac.compare_digest(_recv_exact(sock, TAG_BYTES), _tag(self.key, reply, desc, metadata, *headers)):
             raise ValueError("the pages' descriptors are not authenticated")
-        checksums = []
-        for header, size in zip(headers, sizes):
-            got, checksum = PAGE.unpack(header)
-            if got != size:
-                raise ValueError(f"a page of {got} bytes; this engine's pages are {size}")
-            checksums.append(checksum)
+        checksums = staged_checksums(headers, sizes)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         if total:
             self._read(metadata, address, buffer, total)
         sock.sendall(DONE + _tag(self.key, reply, DONE))
-        data, pages, offset = buffer.numpy().tobytes(), [], 0
-        for size in sizes:
-            pages.append(data[offset:offset + size])
-            offset += size
-        return pages, checksums
+        return split_pages(buffer.numpy().tobytes(), sizes), checksums
 
     def _read(self, metadata: bytes, address: int, buffer, total: int) -> None:
         """One NIXL READ of ``total`` bytes at the peer's ``address`` into ``buffer``."""

@@ -67,3 +67,20 @@ def _create_graphs(ctx):
     from .graphs import CudaGraphs
 
     return CudaGraphs(ctx)
+
+
+@hookimpl
+def engine_register_kv_transports() -> list[Descriptor]:
+    return [Descriptor("kv_transport", "cuda_ipc", _create_ipc, check=_ipc_reasons)]
+
+
+def _ipc_reasons(ctx) -> list[str]:
+    from .kv_ipc import ipc_reasons
+
+    return ipc_reasons(ctx)
+
+
+def _create_ipc(ctx):
+    from .kv_ipc import CudaIpcTransport
+
+    return CudaIpcTransport(ctx)

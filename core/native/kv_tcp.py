@@ -65,6 +65,27 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def staged_checksums(headers: list[bytes], sizes: list[int]) -> list[bytes]:
+    """For a transport that moves the pages as one staged buffer: the page headers' checksums, each
+    page of the size this engine expects."""
+    checksums = []
+    for header, size in zip(headers, sizes):
+        got, checksum = PAGE.unpack(header)
+        if got != size:
+            raise ValueError(f"a page of {got} bytes; this engine's pages are {size}")
+        checksums.append(checksum)
+    return checksums
+
+
+def split_pages(data: bytes, sizes: list[int]) -> list[bytes]:
+    """A staged buffer's pages, in order."""
+    pages, at = [], 0
+    for n in sizes:
+        pages.append(data[at:at + n])
+        at += n
+    return pages
+
+
 class _Offer(Offer):
     def __init__(self, room: int, timeout: float, cond: threading.Condition, rooms: dict) -> None:
         self.room, self._cond, self._rooms, self.timeout = room, cond, rooms, timeout

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation served: a prefill and a decode `engine serve` behind
 `engine gateway --pd-disaggregation` (SGLang's smg drives SGLang's bootstrap protocol), on
-tiny-qwen3-py and tiny-dsv4-py over the tcp transport and tiny-qwen3-py over nixl where installed.
+tiny-qwen3-py and tiny-dsv4-py over the tcp transport, tiny-qwen3-py over nixl where installed and
+over cuda_ipc on a GPU (two engine processes sharing it).
 Greedy answers equal a single engine's; bootstrap fields are checked at the edge; a decode whose prefill never sends, and a killed prefill, fail their requests
 with a clear error while the decode server holds no page and keeps serving."""
 
@@ -28,14 +29,16 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport"]
 @pytest.fixture(scope="module", ids=lambda p: "-".join(p), params=[
     ("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp"),
     pytest.param(("tiny-qwen3-py", "nixl"), marks=pytest.mark.skipif(
-        importlib.util.find_spec("nixl") is None, reason="nixl is not installed (pip install 'engine[nixl]')"))])
+        importlib.util.find_spec("nixl") is None, reason="nixl is not installed (pip install 'engine[nixl]')")),
+    pytest.param(("tiny-qwen3-py", "cuda_ipc"), marks=pytest.mark.gpu)])
 def pd(request, shared_dir, tmp_path_factory):
     name, transport = request.param
     model = str(shared_dir / "models" / name)
     logs = tmp_path_factory.mktemp("pd")
     port = free_port()
     common = ("--max-model-len", "512", "--disaggregation-timeout", str(TIMEOUT_S),
-              "--disaggregation-transfer-backend", transport)
+              "--disaggregation-transfer-backend", transport,
+              *(("--kv-cache-memory", "1GiB") if transport == "cuda_ipc" else ()))  # two engines share the GPU
     prefill = LiveServer(model, *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                          str(port), log=logs / "prefill.log")
     decode = LiveServer(model, *common, "--disaggregation-mode", "decode", log=logs / "decode.log")

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation between two engines in this process over the tcp transport
-(loopback), and over nixl where it is installed: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
+(loopback), over nixl where it is installed and over cuda_ipc on a GPU: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
 page back afterwards; an aborted request gives its pages back on both sides; a prefill engine that
 dies mid-transfer, or sends a corrupt page, fails the request with KVTransferError and the decode
 engine holds no page for it."""
@@ -19,6 +19,7 @@ from engine.core.disagg import engine_class
 from engine.core.disagg.payload import expectation
 from engine.core.engine import EngineCore
 from engine.core.errors import KVTransferError
+from engine.core.registry import SelectionError
 from engine.core.families.cache_tier import page_checksum
 from engine.core.families.kv_transport import KVPeer
 from engine.core.sampling_params import SamplingParams
@@ -87,7 +88,8 @@ OVER_TCP = [("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp")]
 
 
 @pytest.fixture(scope="module", params=OVER_TCP + [pytest.param(("tiny-qwen3-py", "nixl"), marks=NIXL),
-                                                   pytest.param(("tiny-dsv4-py", "nixl"), marks=NIXL)],
+                                                   pytest.param(("tiny-dsv4-py", "nixl"), marks=NIXL),
+                                                   pytest.param(("tiny-qwen3-py", "cuda_ipc"), marks=pytest.mark.gpu)],
                 ids=lambda p: "-".join(p))
 def engines(request, shared_dir):
     model, transport = request.param
@@ -158,3 +160,13 @@ def test_a_failed_transfer_fails_the_request_and_leaks_no_page(engines, fault):
     assert isinstance(exc, KVTransferError)
     assert ("closed the connection" if fault == "dies mid-page" else "failed its checksum") in str(exc)
     assert_idle(dec)
+
+
+@pytest.mark.parametrize("backend,why", [("cuda_ipc", "needs NVIDIA GPUs of one node"),
+                                         ("nixl", r"nixl package is not installed \(pip install 'engine\[nixl\]'\)"),
+                                         ("mooncake", "'mooncake' is not registered")])
+def test_a_transport_that_cannot_serve_here_is_refused_with_the_reason(shared_dir, backend, why):
+    if {"cuda_ipc": torch.cuda.is_available(), "nixl": importlib.util.find_spec("nixl") is not None}.get(backend):
+        pytest.skip(f"{backend} can serve here")
+    with pytest.raises(SelectionError, match=why):
+        _engine(shared_dir / "models" / "tiny-qwen3-py", mode="decode", transfer_backend=backend)
