@@ -130,6 +130,10 @@ class EngineConfig:
     # processes that split the model's weights and KV heads (core/distributed): rank 0 is this engine
     tensor_parallel_size: int = 1
     expert_parallel: bool = False  # MoE experts partitioned over those processes (all_to_all), not split
+    # data-parallel attention (core/distributed/dp_attention.py): each of data_parallel_size ranks runs its
+    # own requests through attention with its own KV cache and scheduler; the MoE layers span every rank
+    data_parallel_size: int = 1
+    enable_dp_attention: bool = False
     distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
     # prefill/decode disaggregation (core/disagg/): a DisaggConfig or its fields as a mapping; None: neither
     disaggregation: DisaggConfig | None = None
@@ -160,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"window_pages must be >= 2, got {self.window_pages}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size > 1 or self.enable_dp_attention:
+            self._check_dp_attention()
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.quantization not in QUANTIZATIONS:
@@ -197,6 +203,21 @@ class EngineConfig:
             if spec.num_speculative_tokens >= self.max_num_batched_tokens:
                 raise SpecConfigError("num_speculative_tokens", f"{spec.num_speculative_tokens} drafts and the token "
                                       f"they follow exceed max_num_batched_tokens {self.max_num_batched_tokens}")
+
+    def _check_dp_attention(self) -> None:
+        if not self.enable_dp_attention:
+            raise ValueError(f"data_parallel_size {self.data_parallel_size} needs enable_dp_attention: data-parallel "
+                             "replicas of a whole engine run as separate servers behind `engine gateway`")
+        if self.data_parallel_size != self.tensor_parallel_size or self.data_parallel_size < 2:
+            raise ValueError("enable_dp_attention needs data_parallel_size equal to tensor_parallel_size and at least 2 "
+                             f"(attention whole on each rank; tensor-parallel attention inside a data-parallel rank is "
+                             f"not built), got data_parallel_size {self.data_parallel_size} and tensor_parallel_size "
+                             f"{self.tensor_parallel_size}")
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config with enable_dp_attention is not built yet")
+        if self.warmup:
+            raise ValueError("warmup with enable_dp_attention is not built yet (the ranks' steps are driven by "
+                             "their requests)")
 
     @property
     def chunk_size(self) -> int | None:

@@ -20,6 +20,8 @@ import torch
 from .config import EngineConfig
 from .context import check_context
 from .disagg.counters import TransferCounters
+from .distributed.dp_attention import DataParallelRanks, idle_forward
+from .distributed.group import SINGLE, Rendezvous
 from .distributed.workers import Workers
 from .errors import EngineError, InvalidRequest
 from .kv.hicache_stats import HiCacheStats
@@ -90,13 +92,16 @@ class EngineCore:
     """The engine without text: token ids in, typed deltas out. Stop strings are its reader's to
     find (output_processor.py), and its reader ends such a completion with ``finish_sequence``."""
 
-    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
+                 rendezvous: Rendezvous | None = None) -> None:
+        """``rendezvous``: this core is a data-parallel rank other than 0, started by rank 0
+        (core/distributed/dp_attention.py); else it is rank 0 and spawns the others, if any."""
         self.config = config
         # under tensor parallelism this process is rank 0 and spawns the others (core/distributed)
-        self.workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        self.workers = Workers(config) if config.tensor_parallel_size > 1 and rendezvous is None else None
         try:
             c = build(config, plugins, progress=progress,
-                      rendezvous=self.workers.rendezvous if self.workers is not None else None)
+                      rendezvous=rendezvous or (self.workers.rendezvous if self.workers is not None else None))
             if self.workers is not None:
                 self.workers.ready(c.group)
         except BaseException:
@@ -118,8 +123,11 @@ class EngineCore:
         # drafts are proposed from each sequence's latest token, so with them every step is read first
         self.overlap = config.overlap_decode and self.speculator is None
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
+        # data-parallel attention: each rank runs its own batches, rank 0 routes requests to the others
+        self.idle_steps = config.enable_dp_attention  # every step runs a forward, with no tokens if need be
+        self.dp = DataParallelRanks(self.workers) if self.idle_steps and self.workers is not None else None
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
-                                  c.device, c.graphs, c.group, self.workers)
+                                  c.device, c.graphs, *((SINGLE, None) if self.idle_steps else (c.group, self.workers)))
         if c.proposer is not None:
             self.runner.feature = c.proposer.feature
         self.requests: dict[str, Request] = {}
@@ -131,7 +139,7 @@ class EngineCore:
                                         config.grammar_cache_memory)  # structured outputs: nothing loads until used
         self._awaiting_grammar: dict[str, GrammarHandle] = {}  # requests whose grammar still compiles
         self.warmup: WarmupReport | None = None
-        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+        if config.warmup if config.warmup is not None else self.device.type == "cuda" and not self.idle_steps:
             self.warmup = warm_up(self, progress)
 
     # -- requests -----------------------------------------------------------------------------
@@ -146,11 +154,16 @@ class EngineCore:
         params.validate_against(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.min_tokens)
 
-    def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; every step that changes it reports it."""
-        if request_id in self.requests:
+    def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request | None:
+        """Queue a request; every step that changes it reports it. Under data-parallel attention it
+        may go to another rank (None here)."""
+        if request_id in self.requests or (self.dp is not None and self.dp.owns(request_id)):
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         self.validate(ids, params)
+        if self.dp is not None and (rank := self.dp.place(len(self.requests))):
+            self.dp.add(rank, request_id, ids, params)
+            self.counters.prompt_tokens += len(ids)
+            return None
         max_output = min(params.max_tokens or sys.maxsize, self.max_model_len - len(ids) + 1)
         ending = params.ending_ids(self.tokenizer.eos_token_ids)
         seqs = [
@@ -248,7 +261,11 @@ class EngineCore:
         return tier.name if tier is not None else None
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
-        """End a request; its last output, or None if it is not here."""
+        """End a request; its last output, or None if it is not here (or on another data-parallel
+        rank: its last output comes with a later step)."""
+        if self.dp is not None and self.dp.owns(request_id):
+            self.dp.abort(request_id)
+            return None
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -264,7 +281,10 @@ class EngineCore:
 
     def finish_sequence(self, request_id: str, index: int, stop_reason: str) -> EngineCoreOutput | None:
         """End one completion that the caller saw reach a stop string; the request's output, or None
-        if there is no such running completion."""
+        if there is no such running completion (or it runs on another data-parallel rank)."""
+        if self.dp is not None and self.dp.owns(request_id):
+            self.dp.finish(request_id, index, stop_reason)
+            return None
         req = self.requests.get(request_id)
         if req is None or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
             return None
@@ -278,8 +298,18 @@ class EngineCore:
         s, kv = self.scheduler, self.kv_manager.stats()
         compiling = sum(len(self.requests[rid].seqs) for rid in self._awaiting_grammar)  # waiting for their grammar
         spec = self.speculator.counters.snapshot() if self.speculator is not None else None
-        return EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
-                           s.stats.num_preemptions, spec, self.kv_manager.hicache_stats())
+        out = EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
+                          s.stats.num_preemptions, spec, self.kv_manager.hicache_stats())
+        if self.dp is not None:  # the other data-parallel ranks' after their last step; KV usage their mean
+            for r in self.dp.stats:
+                out.num_running += r.num_running
+                out.num_waiting += r.num_waiting
+                out.kv_usage += r.kv_usage
+                out.prefix_cache_queries += r.prefix_cache_queries
+                out.prefix_cache_hits += r.prefix_cache_hits
+                out.num_preemptions += r.num_preemptions
+            out.kv_usage /= self.dp.ranks
+        return out
 
     def reset_counters(self) -> None:
         """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits, drafts."""
@@ -290,7 +320,7 @@ class EngineCore:
         self.kv_manager.reset_stats()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.dp is not None and self.dp.busy())
 
     def check_alive(self) -> None:
         """Raise ``EngineDeadError`` if a tensor-parallel rank has died (between steps: a step fails itself)."""
@@ -316,9 +346,26 @@ class EngineCore:
         back when it ended. Without ``overlap_decode`` a call applies its own step's tokens before
         it returns.
 
+        Under data-parallel attention rank 0's step is every rank's: it starts the others' with the
+        requests routed to them, runs its own (a forward with no tokens if it has none) and adds
+        their outputs to its own.
+
         A grammar (structured outputs) masks a row's next draw by the state its last token leads
         to, so a step in flight with constrained rows is applied before the next is launched: those
         steps do not overlap (the rows of other requests in them are sampled as ever)."""
+        if self.dp is None:
+            return self._step_outputs()
+        self.dp.send()
+        try:
+            outputs = self._step_outputs()
+            remote, failures = self.dp.collect()
+        except Exception as exc:  # a collective or a pipe failed: because a rank died, if one did
+            self.workers.explain(exc)
+            raise
+        self.failures += failures
+        return outputs + remote
+
+    def _step_outputs(self) -> list[EngineCoreOutput]:
         if self._awaiting_grammar:
             self._admit_grammars()
         outputs = []
@@ -335,6 +382,8 @@ class EngineCore:
         """Schedule a step, run its forward and sample it, waiting for nothing on the device."""
         sched = self.scheduler.schedule()
         if not sched:
+            if self.idle_steps:  # the other data-parallel ranks' MoE exchanges wait for this rank's
+                idle_forward(self.components.model)
             return None
         now = time.monotonic()
         step_logits = self.runner.execute(sched)

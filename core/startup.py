@@ -114,6 +114,8 @@ def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selec
         unsafe.append(type(model).__name__)
     if config.expert_parallel and config.tensor_parallel_size > 1:
         unsafe.append("expert parallelism (its all_to_all sizes are read on the host)")
+    if config.enable_dp_attention:
+        unsafe.append("data-parallel attention (the ranks' token counts are read on the host)")
     if unsafe:
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
@@ -237,8 +239,11 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     proposer_selection = select_proposer(plugins, ctx, config)
-    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()}, tp=group,
-                        expert_parallel=config.expert_parallel)
+    # under data-parallel attention the layers but the MoE ones are whole on every rank (dp_attention.py)
+    dp = config.enable_dp_attention
+    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()},
+                        tp=SINGLE if dp else group, expert_parallel=config.expert_parallel, moe_group=group,
+                        dp_attention=dp)
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     if proposer_selection is not None:
         selections["spec"] = proposer_selection
@@ -255,7 +260,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     max_model_len = model_config.max_model_len
     window_pages = _window_pages(config, model, max_model_len, max_rollback)
     num_pages = _kv_pages(config, model, device, model_config.dtype, max_model_len, window_pages)
-    if group.size > 1:  # every rank holds the pages rank 0's KV manager hands out
+    if group.size > 1:  # every rank holds the pages rank 0's KV manager hands out (the same count under DP attention)
         num_pages = int(group.all_reduce(torch.tensor([num_pages], device=device), op="min").item())
     window_pages = min(window_pages, num_pages)  # one per page never runs short
     capacity = (num_pages - 1) * config.page_size

@@ -73,6 +73,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-parallel", action="store_true",
                    help="place whole MoE experts on the tensor-parallel ranks (all_to_all dispatch) instead of "
                         "splitting every expert over them")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="with --enable-dp-attention: data-parallel attention ranks (equal to --tensor-parallel-size)")
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="attention and its KV cache data-parallel (each rank its own requests), the MoE layers "
+                        "over every rank (DeepSeek-V4, Qwen3-MoE)")
     g.add_argument("--distributed-timeout", type=float, default=300.0,
                    help="seconds a collective or a rank's start-up may take before the engine fails")
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -130,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup=args.warmup,
         quantization=args.quantization, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
         distributed_timeout=args.distributed_timeout,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,

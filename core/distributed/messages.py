@@ -1,5 +1,7 @@
 """What rank 0 and the other ranks of a tensor-parallel group tell each other over their pipes:
-msgpack (msgspec), never pickle. A page table travels as its dtype, shape and bytes."""
+msgpack (msgspec), never pickle. A page table travels as its dtype, shape and bytes. Under
+data-parallel attention (dp_attention.py) rank 0 sends each rank its requests with every step
+(``RankRequests``) and the rank answers with its outputs (``RankOutputs``) on a second pipe."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from ..outputs import EngineCoreOutput
 from ..runner import StepInputs
+from ..sampling_params import SamplingParams
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -32,7 +36,40 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Ready | Failed | Step | Stop
+class AddRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RankRequests(msgspec.Struct, tag=True):
+    """A data-parallel step: run one step, after taking these."""
+
+    adds: list[AddRequest]
+    aborts: list[str]
+    finishes: list[tuple[str, int, str]]  # (request id, completion index, stop string)
+
+
+class RankStats(msgspec.Struct, array_like=True):
+    """A data-parallel rank's gauges and prefix-cache totals."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class RankOutputs(msgspec.Struct, tag=True):
+    """What a data-parallel rank's step changed, the requests that failed in it, its gauges after it."""
+
+    outputs: list[EngineCoreOutput]
+    failures: list[tuple[str, str, str, str | None]]  # (request id, error code, detail, field)
+    stats: RankStats
+
+
+Message = Ready | Failed | Step | Stop | RankRequests | RankOutputs
 
 
 def _enc(obj: Any) -> Any:

@@ -10,6 +10,17 @@
   slices are gathered. A shared expert (every token's) is held whole by every rank and runs on the
   rank's slice. ``AllToAllDispatch`` is torch.distributed's all_to_all; a fused dispatch (DeepEP
   style, or MegaMoE's) is another ``Dispatcher``.
+
+Under data-parallel attention (dp_attention.py) each rank's tokens are its own requests', not a
+copy of everyone's, and a rank may have none (it still joins every exchange, with zero rows):
+
+- ``DataParallelExperts`` (with ``--expert-parallel``): each rank routes all of its tokens and the
+  dispatcher sends them to the experts' ranks and back, as SGLang's DP attention with DeepEP does;
+  nothing is gathered, each rank keeps its own rows.
+- ``GatheredExpertShards`` (experts split): the ranks' tokens (and their ids, which hash routing
+  reads) are all-gathered, padded to the longest, every rank computes its share of every expert on
+  all of them, one all-reduce sums the shares and each rank keeps its rows, as SGLang gathers
+  before a tensor-parallel MoE and scatters after.
 """
 
 from __future__ import annotations
@@ -130,5 +141,38 @@ class ExpertParallel:
         return g.all_gather(padded, dim=0)[:total]
 
 
-def expert_placement(group: ParallelGroup, expert_parallel: bool) -> ExpertShards | ExpertParallel:
-    return ExpertParallel(group) if expert_parallel and group.size > 1 else ExpertShards(group)
+class DataParallelExperts(ExpertParallel):
+    def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        k = layer.top_k
+        if x.shape[0]:
+            weights, ids = layer.route(x, input_ids)
+        else:  # an idle rank: nothing to send, and it takes part in the exchange all the same
+            weights, ids = x.new_empty((0, k), dtype=torch.float32), input_ids.new_empty((0, k))
+        y = self.dispatcher.run(x, weights[:, :k], ids[:, :k], layer.routed)
+        if weights.shape[1] > k:
+            y = y + layer.shared(x, weights[:, k:], ids[:, k:])
+        return y
+
+
+class GatheredExpertShards(ExpertShards):
+    graph_safe = False  # the ranks' token counts are read on the host
+
+    def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        g, total = self.group, x.shape[0]
+        counts = g.all_gather(torch.tensor([total], device=x.device), dim=0).tolist()
+        rows = max(counts)
+        if rows == 0:
+            return x
+        xs = g.all_gather(torch.nn.functional.pad(x, (0, 0, 0, rows - total)), dim=0)
+        ids = g.all_gather(torch.nn.functional.pad(input_ids, (0, rows - total)), dim=0)
+        y = g.all_reduce(layer.combined(xs, *layer.route(xs, ids)))
+        return y[g.rank * rows: g.rank * rows + total]
+
+
+def expert_placement(group: ParallelGroup, expert_parallel: bool, data_parallel: bool = False) -> ExpertShards | ExpertParallel:
+    """``data_parallel``: each rank's tokens are its own (data-parallel attention), not all of them."""
+    if group.size == 1:
+        return ExpertShards(group)
+    if data_parallel:
+        return DataParallelExperts(group) if expert_parallel else GatheredExpertShards(group)
+    return ExpertParallel(group) if expert_parallel else ExpertShards(group)

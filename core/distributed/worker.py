@@ -1,5 +1,7 @@
 """A tensor-parallel rank other than 0: a process that holds its slices of the weights and of the KV
-cache and runs every step rank 0 sends it, until told to stop or rank 0 is gone.
+cache and runs every step rank 0 sends it, until told to stop or rank 0 is gone. Under
+data-parallel attention it is an engine core of its own instead, serving the requests rank 0 routes
+to it one step at a time (dp_attention.py).
 
 Started by rank 0 as ``python -m engine.core.distributed.worker`` (workers.py) with the engine
 config as JSON on stdin and one end of a socket pair as a file descriptor. It schedules nothing and
@@ -57,28 +59,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="rank 0's TCP store on 127.0.0.1")
     p.add_argument("--fd", type=int, required=True, help="this rank's end of the socket pair to rank 0")
+    p.add_argument("--replies-fd", type=int, default=None,
+                   help="data-parallel attention: this rank's end of the pipe its step outputs go back on")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s tp-rank{args.rank}: %(message)s")
     _exit_with_parent(os.getppid())
     conn = Connection(args.fd)
+    from ..engine import EngineCore
     from ..runner import ModelRunner
     from ..startup import build
+    from .dp_attention import serve_requests
 
     try:
         config = EngineConfig(**json.loads(sys.stdin.read()))
         store = join_store(args.port, args.size, config.distributed_timeout)
-        c = build(config, progress=False,
-                  rendezvous=Rendezvous(args.rank, args.size, store, config.distributed_timeout))
-        runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.group)
+        rendezvous = Rendezvous(args.rank, args.size, store, config.distributed_timeout)
+        if config.enable_dp_attention:  # a whole engine of its own requests (dp_attention.py)
+            core = EngineCore(config, progress=False, rendezvous=rendezvous)
+            c = core.components
+        else:
+            c = build(config, progress=False, rendezvous=rendezvous)
+            runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.group)
         conn.send_bytes(encoder.encode(Ready(args.rank)))
     except BaseException as exc:
         logger.exception("could not start")
         conn.send_bytes(encoder.encode(Failed(args.rank, f"{type(exc).__name__}: {exc}")))
         return 1
     try:
-        serve(conn, runner)
+        if config.enable_dp_attention:
+            serve_requests(conn, Connection(args.replies_fd), core)
+        else:
+            serve(conn, runner)
     finally:
         c.group.close()
     return 0

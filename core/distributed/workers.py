@@ -6,7 +6,8 @@ its engine process): a GPU context never crosses a fork, and unlike multiprocess
 does not re-run the caller's main script, so ``LLM(..., tensor_parallel_size=2)`` works in a script
 without a ``__main__`` guard. It gets the engine config as JSON on stdin and the port of rank 0's
 TCP store, and joins the group from there (group.py). A socket pair per rank carries msgpack
-messages (messages.py): ``Ready`` or ``Failed`` once built, then ``Step`` per step, ``Stop`` at the end.
+messages (messages.py): ``Ready`` or ``Failed`` once built, then ``Step`` per step, ``Stop`` at the end;
+under data-parallel attention ``RankRequests`` per step, answered on a second pair (dp_attention.py).
 
 A rank that dies closes its socket; a thread waiting on the sockets records which rank and aborts
 the group, so a collective rank 0 waits in fails at once instead of at its timeout (gloo fails it
@@ -51,18 +52,26 @@ class Workers:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self.replies: list[Connection] = []  # data-parallel ranks answer each step here (the watchdog reads conns)
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
             cmd = [sys.executable, "-m", f"{__package__}.worker", "--rank", str(rank), "--size", str(size),
                    "--port", str(self.store.port), "--fd", str(theirs.fileno()), "--log-level", level]
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()])
-            theirs.close()
+            fds = [theirs]
+            if config.enable_dp_attention:
+                ours_r, theirs_r = socket.socketpair()
+                cmd += ["--replies-fd", str(theirs_r.fileno())]
+                fds.append(theirs_r)
+                self.replies.append(Connection(ours_r.detach()))
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[f.fileno() for f in fds])
+            for f in fds:
+                f.close()
             proc.stdin.write(payload)
             proc.stdin.close()
             self.procs.append(proc)
             self.conns.append(Connection(ours.detach()))
         self._wake_r, self._wake_w = socket.socketpair()
-        self._finalizer = weakref.finalize(self, Workers._stop, self.procs, self.conns, self._wake_w)
+        self._finalizer = weakref.finalize(self, Workers._stop, self.procs, self.conns, self.replies, self._wake_w)
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -136,13 +145,16 @@ class Workers:
             self.group.close()
 
     @staticmethod
-    def _stop(procs: list[subprocess.Popen], conns: list[Connection], wake: socket.socket) -> None:
+    def _stop(procs: list[subprocess.Popen], conns: list[Connection], replies: list[Connection],
+              wake: socket.socket) -> None:
         wake.send(b"x")
         for conn in conns:
             try:
                 conn.send_bytes(encoder.encode(Stop()))
             except OSError:
                 pass
+            conn.close()
+        for conn in replies:
             conn.close()
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in procs:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed.group import SINGLE, ParallelGroup
+from ..distributed.moe import expert_placement
 from ..families.attention import AttentionBackend
 from ..families.linear import LinearBackend
 from ..families.mhc import MHCBackend
@@ -26,7 +27,9 @@ class Backends:
     """The implementations selected at start-up; layers hold them as plain objects. A family the
     model's ``blocks`` do not name is not selected (None). ``tp``: the tensor-parallel group the
     parallel layers split their weights over and run their collectives on (core/distributed);
-    ``expert_parallel``: MoE layers place whole experts on its ranks instead of splitting each."""
+    ``expert_parallel``: MoE layers place whole experts on its ranks instead of splitting each;
+    ``moe_group``: the group MoE layers span, ``tp`` or, under data-parallel attention (``dp_attention``:
+    each rank's tokens are its own, attention whole on every rank), every rank while ``tp`` is one."""
 
     attention: AttentionBackend | None = None
     linear: LinearBackend | None = None
@@ -36,6 +39,12 @@ class Backends:
     mhc: MHCBackend | None = None
     tp: ParallelGroup = SINGLE
     expert_parallel: bool = False
+    moe_group: ParallelGroup = SINGLE
+    dp_attention: bool = False
+
+    def experts(self):
+        """How an MoE layer's experts are placed over ``moe_group`` and how its tokens reach them."""
+        return expert_placement(self.moe_group, self.expert_parallel, self.dp_attention)
 
 
 class CausalLM(nn.Module, ABC):

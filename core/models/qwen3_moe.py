@@ -7,7 +7,6 @@ import re
 import torch
 from torch import nn
 
-from ..distributed.moe import expert_placement
 from ..families.moe import RoutingConfig
 from ..forward import ForwardBatch
 from .base import Backends
@@ -26,7 +25,7 @@ class SparseMoE(nn.Module):
         hidden, inter, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
         self.gate = Linear(hidden, experts, backends.linear, dtype=dtype, device=device)  # on every rank
         # which experts (and which share of each) this rank holds, and how tokens reach them
-        self.placement = expert_placement(backends.tp, backends.expert_parallel)
+        self.placement = backends.experts()
         first, count, split = self.placement.place(experts, inter)
         self.experts = ExpertStack(count, hidden, inter, dtype=dtype, device=device, first=first, split=split)
         self.top_k = hf["num_experts_per_tok"]
@@ -74,7 +73,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if m := _EXPERT.match(name):
             return self.get_submodule(f"{m[1]}.mlp.experts").target(f"{m[1]}.mlp.experts", m[3], int(m[2]))
         if m := _FUSED_EXPERTS.match(name):
-            if self.backends.tp.size > 1:
+            if self.backends.moe_group.size > 1:
                 raise ValueError(f"{name}: experts stored fused are not split over tensor-parallel ranks; "
                                  "a checkpoint with one tensor per expert and projection is")
             return Target(f"{m[1]}.mlp.experts.{'gate_up' if m[2] == 'gate_up' else 'down'}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...distributed.moe import expert_placement
 from ...families.linear import LinearWeight
 from ...families.moe import RoutingConfig
 from ..base import Backends
@@ -42,7 +41,7 @@ class SparseMoE(nn.Module):
         else:
             self.gate.bias = empty_param(experts, dtype=torch.float32, device=device)
         # which experts (and which share of each) this rank holds, and how tokens reach them
-        self.placement = expert_placement(backends.tp, backends.expert_parallel)
+        self.placement = backends.experts()
         fold_shared = fold_shared and self.placement.folds_shared
         first, count, split = self.placement.place(experts, inter)
         self.experts = ExpertStack(count + (1 if fold_shared else 0), hidden, inter, dtype=dtype, device=device,

@@ -7,73 +7,29 @@ Qwen3-MoE with split experts and with expert parallelism (all_to_all) at 2 and 4
 DeepSeek-V4 (tiny-dsv4-py: heads and output groups split, the KV head, compressors and indexer
 whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2, and
 a tiny random DeepSeek-V4.1 the same way (CSA2 sharing, the candidate filter and Engram whole on
-each rank)."""
+each rank).
+
+Under data-parallel attention each rank runs its own batch (prompts of other lengths on each) and
+gets the logits one process computes for that batch, while the MoE layers span the ranks (experts
+partitioned, or split with the ranks' tokens gathered); one rank has no batch and runs idle
+forwards in step, and a first step where every rank is idle exchanges nothing."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
-import numpy as np
 import pytest
 import torch
 
 from engine.checkpoints import write_checkpoint
 from engine.core.config import EngineConfig, ModelConfig
-from engine.core.distributed.group import Rendezvous, join_store, master_store
-from engine.core.runner import ModelRunner, StepInputs
-from engine.core.startup import build
+from engine.core.distributed.dp_attention import idle_forward
 
 from dsv41_random import random_v41_checkpoint, v41_config
-from tp_helpers import TIMEOUT_S
+from tp_helpers import PAGE_SIZE, run_ranks, single, steps
 
-PAGE_SIZE = 4
 DSV41 = dict(ratios=[0, 2, 2, 1, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 5], candidate=3, blocks=2,
              block_size=2, engram=[0, 4])
-
-
-def steps(vocab: int) -> list[StepInputs]:
-    """Two prompts prefilled in two chunks, then two decode steps, on pages 1.. of each sequence."""
-    a, b = torch.randint(0, vocab, (30,)).tolist(), torch.randint(0, vocab, (13,)).tolist()
-    tables = np.arange(1, 25, dtype=np.int32).reshape(2, 12)
-    out = [StepInputs(a[:16] + b[:7], [16, 7], [0, 0], tables, list(range(23)), [], []),
-           StepInputs(a[16:] + b[7:], [14, 6], [16, 7], tables, [13, 19], [], [])]
-    for i in range(2):
-        out.append(StepInputs(torch.randint(0, vocab, (2,)).tolist(), [1, 1], [30 + i, 13 + i], tables, [0, 1], [], []))
-    return out
-
-
-def run_ranks(config: EngineConfig, size: int, inputs: list[StepInputs]) -> list[list[torch.Tensor]]:
-    """Each rank's logits of every step, the ranks run as threads."""
-    store = master_store(size, TIMEOUT_S)
-    logits: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            st = store if r == 0 else join_store(store.port, size, TIMEOUT_S)
-            c = build(config, progress=False, rendezvous=Rendezvous(r, size, st, TIMEOUT_S))
-            runner = ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.group)
-            logits[r] = [runner.run(step) for step in inputs]
-            c.group.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT_S)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return logits
-
-
-def single(config: EngineConfig, inputs: list[StepInputs]) -> list[torch.Tensor]:
-    c = build(config, progress=False)
-    runner = ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device)
-    return [runner.run(step) for step in inputs]
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +51,35 @@ def test_every_rank_computes_the_logits_of_one_process(which, size, expert_paral
     inputs = steps(vocab)
     expected = single(config, inputs)
     ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, expert_parallel=expert_parallel),
-                      size, inputs)
+                      size, lambda r, runner: [runner.run(step) for step in inputs])
     for got in ranks:
         for g, e, step in zip(got, expected, inputs):
+            assert g.shape == e.shape == (len(step.logits_indices), vocab)
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which,size,expert_parallel,idle", [
+    ("dsv4", 2, True, None), ("dsv4", 2, False, 1), ("dsv4", 4, True, 0), ("qwen3-moe", 4, True, 2),
+    ("qwen3-moe", 4, False, 3), ("dsv41", 2, True, 1)])
+def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, expert_parallel, idle, models, seed):
+    model = models[which]
+    config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
+    vocab = ModelConfig.from_dir(model).vocab_size
+    batches = [None if r == idle else steps(vocab, (20 + 7 * r, 8 + 5 * r)) for r in range(size)]
+    expected = [single(config, b) if b is not None else None for b in batches]
+
+    def rank(r: int, runner) -> list[torch.Tensor] | None:
+        idle_forward(runner.model)
+        if batches[r] is None:
+            for _ in range(4):
+                idle_forward(runner.model)
+            return None
+        return [runner.run(step) for step in batches[r]]
+
+    ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, data_parallel_size=size,
+                                          enable_dp_attention=True, expert_parallel=expert_parallel), size, rank)
+    for got, want, batch in zip(ranks, expected, batches):
+        assert (got is None) == (batch is None)
+        for g, e, step in zip(got or [], want or [], batch or []):
             assert g.shape == e.shape == (len(step.logits_indices), vocab)
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

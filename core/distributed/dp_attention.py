@@ -1,0 +1,141 @@
+"""Data-parallel attention: each rank serves its own requests through attention, the MoE layers
+span every rank. This is how SGLang serves DeepSeek models (``--enable-dp-attention``), and fits
+DeepSeek-V4, whose single KV head, compressors and indexer cannot be split over heads: under tensor
+parallelism every rank holds the whole KV cache of every request, under DP attention each holds the
+cache of its own requests only, so N ranks hold N times the requests.
+
+What runs where (``--tensor-parallel-size N --data-parallel-size N --enable-dp-attention``):
+
+- Every rank is a whole engine core (core/engine.py) with its own scheduler, KV manager (radix
+  cache, page pools, windows), token table and sampler, and the whole model but for the experts:
+  attention, compressors, indexer, embedding and LM head whole on every rank (SGLang's
+  ``--enable-dp-lm-head``), no collective outside the MoE layers.
+- The MoE layers span all N ranks (core/distributed/moe.py): with ``--expert-parallel`` each rank
+  holds E/N experts and sends its own tokens to them and back with all_to_all; otherwise every rank
+  holds a share of every expert, the ranks' tokens are all-gathered, the shares all-reduced, and
+  each rank keeps its rows.
+- Rank 0 (the engine process the front talks to) is also the controller: each new request goes to
+  the rank with the fewest requests outstanding (the lowest rank among equals), which keeps it to
+  the end; aborts and stop strings follow it there. Other ranks are worker processes
+  (worker.py) that get, with each step, the requests, aborts and stop strings rank 0 routed to them
+  (``RankRequests``), run one step of their core, and answer with its outputs (``RankOutputs``).
+- Lockstep: every step of rank 0 is one step of every rank, and every step runs exactly one
+  forward on every rank. A rank with nothing scheduled runs an idle forward (``idle_forward``):
+  its MoE layers' exchanges, in layer order, with zero tokens, so the others' collectives meet it.
+
+Not built: tensor-parallel attention inside a data-parallel rank (data_parallel_size equal to
+tensor_parallel_size is required), CUDA graphs (the exchanges' sizes are read on the host), the
+start-up warm-up and speculative decoding under it, and load balancing by anything but request count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import EngineError, rebuild
+from ..outputs import EngineCoreOutput
+from ..sampling_params import SamplingParams
+from .messages import AddRequest, RankOutputs, RankRequests, RankStats, decoder, encoder
+from .workers import Workers
+
+
+@torch.inference_mode()
+def idle_forward(model: torch.nn.Module) -> None:
+    """A forward with no tokens: each MoE layer's exchange with the other ranks, in layer order."""
+    param = next(model.parameters())
+    hidden = model.config.hf["hidden_size"]
+    x = torch.empty((0, hidden), dtype=model.config.dtype, device=param.device)
+    ids = torch.empty((0,), dtype=torch.int64, device=param.device)
+    for m in model.modules():
+        if hasattr(m, "placement"):
+            m.placement(m, x, ids)
+
+
+class DataParallelRanks:
+    """Rank 0's view of the other data-parallel ranks: whose each request is, what to tell each rank
+    with the next step, and their outputs and gauges after it."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+        self.ranks = len(workers.conns) + 1
+        self.owner: dict[str, int] = {}  # request id -> its rank (1..), until its last output
+        self.load = [0] * self.ranks  # requests outstanding per rank (rank 0's are counted by the core)
+        self.stats: list[RankStats] = [RankStats(0, 0, 0.0, 0, 0, 0)] * (self.ranks - 1)
+        self._next = [RankRequests([], [], []) for _ in range(self.ranks - 1)]
+
+    def place(self, local_load: int) -> int:
+        """The rank a new request goes to: the least loaded, rank 0 (whose load is ``local_load``) first."""
+        self.load[0] = local_load
+        return min(range(self.ranks), key=lambda r: (self.load[r], r))
+
+    def add(self, rank: int, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        self.owner[request_id] = rank
+        self.load[rank] += 1
+        self._next[rank - 1].adds.append(AddRequest(request_id, ids, params))
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.owner
+
+    def abort(self, request_id: str) -> None:
+        self._next[self.owner[request_id] - 1].aborts.append(request_id)
+
+    def finish(self, request_id: str, index: int, stop: str) -> None:
+        self._next[self.owner[request_id] - 1].finishes.append((request_id, index, stop))
+
+    def busy(self) -> bool:
+        return bool(self.owner)
+
+    def send(self) -> None:
+        """Start a step on every other rank, with what was routed to it since the last one."""
+        self.workers.check()
+        try:
+            for conn, msg in zip(self.workers.conns, self._next):
+                conn.send_bytes(encoder.encode(msg))
+        except OSError as exc:
+            self.workers.explain(exc)
+            raise
+        self._next = [RankRequests([], [], []) for _ in range(self.ranks - 1)]
+
+    def collect(self) -> tuple[list[EngineCoreOutput], list[tuple[str, EngineError]]]:
+        """Every other rank's outputs and failures of the step; requests that ended leave their rank."""
+        outputs, failures = [], []
+        for rank, conn in enumerate(self.workers.replies, start=1):
+            try:
+                msg = decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                self.workers.explain(exc)
+                raise
+            assert isinstance(msg, RankOutputs)
+            self.stats[rank - 1] = msg.stats
+            outputs += msg.outputs
+            failures += [(rid, rebuild(code, detail, field)) for rid, code, detail, field in msg.failures]
+            for rid in [o.request_id for o in msg.outputs if o.finished] + [rid for rid, *_ in msg.failures]:
+                if self.owner.pop(rid, None) is not None:
+                    self.load[rank] -= 1
+        return outputs, failures
+
+
+def serve_requests(conn, replies, core) -> None:
+    """A data-parallel rank other than 0: per ``RankRequests`` take its requests, aborts and stop
+    strings, run one step of ``core`` (an ``EngineCore``; idle, it still runs its exchanges) and
+    answer with what changed; until ``Stop`` or until rank 0 closes the pipe."""
+    while True:
+        try:
+            msg = decoder.decode(conn.recv_bytes())
+        except EOFError:
+            return
+        if not isinstance(msg, RankRequests):
+            return
+        for a in msg.adds:
+            try:
+                core.add_request(a.request_id, a.prompt_token_ids, a.params)
+            except EngineError as exc:
+                core.failures.append((a.request_id, exc))
+        ended = [core.abort_request(rid) for rid in msg.aborts]
+        ended += [core.finish_sequence(rid, index, stop) for rid, index, stop in msg.finishes]
+        outputs = [o for o in ended if o is not None] + core.step_outputs()
+        failures = [(rid, exc.code.value, exc.detail, exc.field) for rid, exc in core.take_failures()]
+        s = core.stats()
+        stats = RankStats(s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+                          s.num_preemptions)
+        replies.send_bytes(encoder.encode(RankOutputs(outputs, failures, stats)))

@@ -1,0 +1,122 @@
+"""Data-parallel attention end to end: DeepSeek-V4 (tiny-dsv4-py) on 2 processes over gloo, each
+rank serving its own requests through attention with its own KV cache and scheduler, the experts
+partitioned over both (all_to_all), gives the greedy tokens of one process: through chunked
+prefill, preemption (few pages per rank) and prefix-cache hits on the rank that holds the prefix;
+with one rank idle while the other works (either way round); a killed rank fails the engine naming
+it. One 2-rank engine per module (the failure test kills it last)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.errors import EngineDeadError
+from engine.server.engine_args import add_engine_args, engine_config
+
+from tp_helpers import TIMEOUT_S, within
+
+OPTS = dict(dtype="float32", page_size=4, chunked_prefill_size=32, max_num_batched_tokens=64, max_num_seqs=8,
+            progress=False)
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dsv4(shared_dir):
+    return shared_dir / "models" / "tiny-dsv4-py"
+
+
+@pytest.fixture(scope="module")
+def single(dsv4) -> LLM:
+    return LLM(dsv4, num_pages=512, **OPTS)
+
+
+@pytest.fixture(scope="module")
+def dp2(dsv4):
+    # few pages: the 3 prompts each rank gets cannot all run at once, so sequences are preempted
+    llm = within(TIMEOUT_S, lambda: LLM(dsv4, num_pages=48, tensor_parallel_size=2, data_parallel_size=2,
+                                        enable_dp_attention=True, expert_parallel=True,
+                                        distributed_timeout=TIMEOUT_S, **OPTS))
+    yield llm
+    llm.engine.shutdown()
+
+
+def tokens(llm: LLM, batch: list[list[int]], params=PARAMS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in within(TIMEOUT_S, lambda: llm.generate(batch, params))]
+
+
+def test_ranks_serve_their_own_requests_as_one_process_does(single, dp2, run_seed):
+    rng, vocab = random.Random(run_seed), single.engine.vocab_size
+    torch.set_num_threads(1)  # as the ranks run: on a busy 2-core host spinning threads cost 10x
+    batch = [[rng.randrange(3, vocab) for _ in range(rng.randint(66, 90))] for _ in range(6)]
+    long = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # the running outgrow the pages left
+    expected = tokens(single, batch, long)
+    assert tokens(dp2, batch, long) == expected  # placed alternately: prompts 0, 2, 4 on rank 0, 1, 3, 5 on rank 1
+    # the last two extended by their outputs: each on the rank that ran it, which still caches its prefix
+    again = [p + out + [rng.randrange(3, vocab) for _ in range(5)] for p, out in zip(batch[4:], expected[4:])]
+    assert tokens(dp2, again) == tokens(single, again)
+    stats, own = dp2.engine.stats(), dp2.engine.kv_manager.stats()
+    assert stats.num_preemptions > 0, "the batch was meant to run short of pages"
+    assert stats.prefix_cache_hits > own.prefix_hits > 0  # both ranks hit their own prefixes
+    assert 0 < own.prefix_queries < stats.prefix_cache_queries  # rank 0 saw its share of the prompts only
+    assert not dp2.engine.has_unfinished_requests() and stats.num_running == 0
+    layer = dp2.engine.components.model.model.layers[2]
+    whole = single.engine.components.model.model.layers[2]
+    assert layer.attn.num_heads == whole.attn.num_heads  # attention whole on every rank
+    assert layer.ffn.experts.gate_up.shape[0] == whole.ffn.num_experts // 2  # half the experts
+
+
+def test_one_rank_idle_while_the_other_works(single, dp2, run_seed):
+    rng, vocab = random.Random(run_seed + 1), single.engine.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(70)]
+    # one request: rank 0 serves it, rank 1 runs idle steps with it
+    assert tokens(dp2, [prompt]) == tokens(single, [prompt])
+    # a short one on rank 0 and a long one on rank 1: rank 0 idles for the rest of rank 1's request
+    batch = [prompt[:40], prompt[10:]]
+    params = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    got = tokens(dp2, batch, params)
+    assert got == tokens(single, batch, params) and [len(t) for t in got] == [1, 12]
+
+
+def test_an_abort_reaches_the_rank_that_runs_the_request(dp2):
+    engine = dp2.engine
+    for rid in ("a", "b"):  # "b" goes to rank 1
+        engine.add_request(rid, list(range(10, 60)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    within(TIMEOUT_S, engine.step)
+    assert engine.abort_request("b") is None  # its last output comes with the next step
+    ended = within(TIMEOUT_S, engine.step) + within(TIMEOUT_S, engine.step)
+    assert [o.outputs[0].finish_reason for o in ended if o.request_id == "b" and o.finished] == ["abort"]
+    assert engine.abort_request("a").outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_flags_and_what_is_refused(tmp_path):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", str(tmp_path), "--tensor-parallel-size", "4", "--data-parallel-size", "4",
+                         "--enable-dp-attention", "--expert-parallel"])
+    c = engine_config(args)
+    assert (c.tensor_parallel_size, c.data_parallel_size, c.enable_dp_attention, c.expert_parallel) == (4, 4, True, True)
+    with pytest.raises(ValueError, match="needs enable_dp_attention"):
+        EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size equal to tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=2, enable_dp_attention=True)
+    with pytest.raises(ValueError, match="speculative_config with enable_dp_attention"):
+        EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2, enable_dp_attention=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_killed_rank_fails_the_engine_naming_it(dp2):
+    (worker,) = dp2.engine.workers.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+        within(10, lambda: dp2.generate([list(range(10, 60)), list(range(20, 70))], PARAMS))
+    dp2.engine.shutdown()
+    assert worker.poll() is not None
