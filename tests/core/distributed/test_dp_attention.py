@@ -20,21 +20,10 @@ from engine.core.config import EngineConfig
 from engine.core.errors import EngineDeadError
 from engine.server.engine_args import add_engine_args, engine_config
 
-from tp_helpers import TIMEOUT_S, within
+from tp_helpers import DSV4_OPTS, TIMEOUT_S, within
 
-OPTS = dict(dtype="float32", page_size=4, chunked_prefill_size=32, max_num_batched_tokens=64, max_num_seqs=8,
-            progress=False)
+OPTS = {k: v for k, v in DSV4_OPTS.items() if k != "num_pages"}
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def dsv4(shared_dir):
-    return shared_dir / "models" / "tiny-dsv4-py"
-
-
-@pytest.fixture(scope="module")
-def single(dsv4) -> LLM:
-    return LLM(dsv4, num_pages=512, **OPTS)
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,10 @@ import torch
 
 from engine import LLM, SamplingParams
 
-from tp_helpers import TIMEOUT_S, within
+from tp_helpers import DSV4_OPTS, TIMEOUT_S, within
 
-OPTS = dict(dtype="float32", page_size=4, chunked_prefill_size=32, max_num_batched_tokens=64, max_num_seqs=8,
-            num_pages=256, progress=False)
+OPTS = DSV4_OPTS
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def dsv4(shared_dir):
-    return shared_dir / "models" / "tiny-dsv4-py"
-
-
-@pytest.fixture(scope="module")
-def single(dsv4) -> LLM:
-    return LLM(dsv4, **OPTS)
 
 
 @pytest.fixture(scope="module")

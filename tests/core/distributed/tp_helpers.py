@@ -16,6 +16,9 @@ from engine.core.startup import build
 
 TIMEOUT_S = 60.0  # the engines' collective timeout in these tests, and how long a call may take
 PAGE_SIZE = 4
+# tiny-dsv4-py engines: chunked prefill past the sliding window, greedy tokens
+DSV4_OPTS = dict(dtype="float32", page_size=PAGE_SIZE, chunked_prefill_size=32, max_num_batched_tokens=64,
+                 max_num_seqs=8, num_pages=256, progress=False)
 
 
 def within(seconds: float, fn: Callable[[], Any]) -> Any:
