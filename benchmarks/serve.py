@@ -5,7 +5,9 @@ Requests arrive as a Poisson process at ``--request-rate`` (``inf``: all at once
 lengths (``random``) or a few shared prefixes plus random suffixes (``shared-prefix``), and
 ``ignore_eos`` so output lengths are what was asked. Reports request and token throughput and
 mean/p50/p99 of TTFT, TPOT (per output token after the first), ITL (between chunks) and
-end-to-end latency, as text and (``--json``) as JSON.
+end-to-end latency, as text and (``--json``) as JSON. Two progress bars follow the run: first
+tokens (prefills done) and completed requests; the HTTP client's per-request log lines are shown
+only at ``--log-level DEBUG``.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Callable
 
 from .offline import _commit
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -38,18 +42,19 @@ class Result:
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--api-key", default=None, help="the server's API key, if it wants one")
+    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random",
+                   help="random token-id prompts, or a few shared prefixes each followed by a random suffix")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests to send")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (shared-prefix: after the prefix)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens each request generates (ignore_eos)")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each shared prefix")
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson; inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--bench-seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    p.add_argument("--bench-seed", type=int, default=0, help="seeds the prompts and the arrival times")
     p.add_argument("--json", default=None, help="also write the result as JSON to this path")
 
 
@@ -66,7 +71,9 @@ def dataset(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [prefixes[i % args.num_prefixes] + tokens(args.input_len) for i in range(args.num_prompts)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+async def _one(client: httpx.AsyncClient, url: str, body: dict, first_token: Callable[[], None]) -> Result:
+    import httpx
+
     res = Result(input_tokens=len(body["prompt"]))
     start = last = time.perf_counter()
     try:
@@ -88,6 +95,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> Result:
                 elif chunk["choices"]:
                     if res.ttft == 0.0:
                         res.ttft = now - start
+                        first_token()
                     else:
                         res.itl.append(now - last)
                     last = now
@@ -108,6 +116,9 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 async def _run(args: argparse.Namespace) -> dict:
+    import httpx
+    from tqdm import tqdm
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 10_000, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30), headers=headers, limits=limits) as client:
@@ -116,16 +127,17 @@ async def _run(args: argparse.Namespace) -> dict:
         prompts = dataset(args, info.get("vocab_size", 1000))
         rng = random.Random(args.bench_seed + 1)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = tqdm(total=len(prompts), desc="requests", unit="req")
+        firsts = tqdm(total=len(prompts), desc="first tokens", unit="req", position=0)
+        bar = tqdm(total=len(prompts), desc="completed", unit="req", position=1)
 
         async def send(prompt: list[int]) -> Result:
             body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
                     "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
             if gate is None:
-                res = await _one(client, args.url, body)
+                res = await _one(client, args.url, body, firsts.update)
             else:
                 async with gate:
-                    res = await _one(client, args.url, body)
+                    res = await _one(client, args.url, body, firsts.update)
             bar.update(1)
             return res
 
@@ -137,6 +149,7 @@ async def _run(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        firsts.close()
         bar.close()
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -173,6 +186,9 @@ def report(result: dict) -> str:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):  # a line per request hides the progress bars
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     result = asyncio.run(_run(args))
     print(report(result))
     if args.json:

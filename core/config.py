@@ -5,22 +5,27 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from .model_path import cached_snapshot, missing_model
+from .sizes import parse_size
 from .disagg.config import DisaggConfig
 from .spec.config import SpecConfigError, SpeculativeConfig
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch's attribute names (torch is imported where a dtype is made, so that the
+# command line's help and argument errors never wait for it)
 DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -31,10 +36,12 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return DTYPES[name.lower()]
+        return getattr(torch, DTYPES[name.lower()])
     except KeyError:
         raise ValueError(f"dtype must be one of auto, {', '.join(sorted(DTYPES))}; got {name!r}") from None
 
@@ -57,7 +64,7 @@ class ModelConfig:
         path = Path(path).expanduser()
         config_file = path / "config.json"
         if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
+            raise FileNotFoundError(missing_model(str(path)))
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} is missing: a model directory needs config.json")
         hf = json.loads(config_file.read_text())
@@ -66,7 +73,8 @@ class ModelConfig:
             raise ValueError(f"{config_file} names no architectures")
         if dtype == "auto":
             # bf16 matmuls are slow on most CPUs and fp16 is incomplete there: fp32 on the host.
-            resolved = torch.float32 if device == "cpu" else parse_dtype(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+            name = "float32" if device == "cpu" else hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+            resolved = parse_dtype(name)
         else:
             resolved = parse_dtype(dtype)
         limit = int(hf.get("max_position_embeddings") or 4096)
@@ -85,12 +93,13 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str | None = None  # None: the detected platform's device
-    seed: int = 0
+    seed: int | None = None  # seeds draws of requests without a seed of their own; None: random
     max_model_len: int | None = None
     page_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for KV pages; None: a fraction of free device memory
+    # sizes in bytes, or as strings such as "4GiB" or "512MB" (core/sizes.py)
+    kv_cache_memory: int | str | None = None  # bytes for KV pages; None: a fraction of free device memory
     gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_memory: int = 2 * 2**30  # the default budget on the host, where free memory is shared
+    cpu_kv_cache_memory: int | str = 2 * 2**30  # the default budget on the host, where free memory is shared
     num_pages: int | None = None  # an exact page count overrides the memory budget (tests, benchmarks)
     window_pages: int | None = None  # an exact window page count (models with windowed KV, core/kv/window.py)
     max_num_seqs: int = 256
@@ -107,7 +116,7 @@ class EngineConfig:
     graph_backend: str | None = None
     enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
-    graph_memory: int | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
+    graph_memory: int | str | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
     # run the step shapes a server meets once at start-up, so no request waits for a kernel to
     # compile (core/warmup.py); None: where kernels compile just in time (CUDA and HIP devices)
     warmup: bool | None = None
@@ -140,10 +149,22 @@ class EngineConfig:
     # structured outputs (core/structured/): a grammar must compile within this many seconds, and the
     # compiled grammars kept for reuse take at most this many bytes
     grammar_compile_timeout: float = 10.0
-    grammar_cache_memory: int = 256 * 2**20
+    grammar_cache_memory: int | str = 256 * 2**20
+    # torch's CPU threads in the engine; None: torch's own choice (`engine serve` passes the cores its
+    # engine process may use, less one for the API process: core/threads.py)
+    cpu_threads: int | None = None
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not Path(self.model).expanduser().exists() and (snapshot := cached_snapshot(self.model)):
+            object.__setattr__(self, "model", snapshot)  # a hub id in the local Hugging Face cache
+        for name in ("kv_cache_memory", "cpu_kv_cache_memory", "graph_memory", "grammar_cache_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, parse_size(value))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:
@@ -156,6 +177,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.num_pages is not None and self.num_pages < 2:

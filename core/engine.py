@@ -115,7 +115,8 @@ class EngineCore:
         self.vocab_size = c.model_config.vocab_size
         self.kv_manager = c.kv_manager
         self.token_table = TokenTable(config.max_num_seqs, c.device)
-        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling)
+        self.sampler = Sampler(self.vocab_size, self.tokenizer.eos_token_ids, self.token_table, c.sampling,
+                               config.seed)
         self.speculator = None
         if c.proposer is not None:
             self.speculator = Speculator(c.proposer, config.speculative_config.num_speculative_tokens, self.sampler,

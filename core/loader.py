@@ -40,7 +40,7 @@ def iter_checkpoint(path: str | Path, progress: bool = True,
     files = checkpoint_files(path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(list(h.keys())) for h in handles)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress)
     try:
         for f, h in zip(files, handles):
             for name in h.keys():

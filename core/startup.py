@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 
@@ -26,6 +25,7 @@ from .registry import Selection, SelectionContext, SelectionError, describe_cand
 from .spec.config import SpecConfigError
 from .loader import iter_checkpoint
 from .models.weights import resident_bytes
+from .threads import set_cpu_threads, usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,9 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         device = rank_device(device, rendezvous.rank)
         group = rendezvous.connect(device)
         if device.type == "cpu":  # the ranks share the host's cores: threads that spin on a busy core stall all
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
+            set_cpu_threads(max(1, (config.cpu_threads or usable_cores()) // group.size))
+    if config.cpu_threads and (group.size == 1 or device.type != "cpu"):
+        set_cpu_threads(config.cpu_threads)
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len,
                                         config.quantization)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)

@@ -22,6 +22,7 @@ from .native_routes import GenerateRequest, generate
 from .openai_serving import Serving, create_chat_completion, create_completion
 from .protocol import ChatCompletionRequest, CompletionRequest, pydantic_error_to_api
 from .request_body import parse_json_object
+from .tokenize_routes import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .worker_info import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ def build_app(state: ServerState, lifespan=None) -> Callable:
     app.add_api_route("/generate", route(GenerateRequest, generate), methods=["POST"])
     app.add_api_route(HICACHE_PATH, route(AttachStorageRequest, attach_storage), methods=["PUT"])
     add_hicache_routes(app, state)
+    app.add_api_route("/tokenize", route(TokenizeRequest, tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", route(DetokenizeRequest, detokenize), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

@@ -22,7 +22,8 @@ FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill/decode disaggregation (behind `engine gateway --pd-disaggregation`)")
-    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
+    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="prefill: run prompts and hand their KV pages on; decode: take them and generate")
     g.add_argument("--disaggregation-transfer-backend", default="tcp", help="a kv_transport (`engine plugins`)")
     g.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
                    help="prefill: the port decode engines fetch KV pages from")

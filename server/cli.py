@@ -10,7 +10,32 @@ from dataclasses import asdict
 from ..benchmarks.serve import add_bench_serve_args
 from .engine_args import add_engine_args, engine_config
 from .gateway import add_gateway_args
-from .serve import add_serve_args
+from .serve_args import add_serve_args, bind
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default shown after its help, unless the help already speaks of it or there is
+    none to show (an unset option, a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, True, argparse.SUPPRESS) or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
+def _sized_to_the_prompt(args: argparse.Namespace, fields: dict) -> dict:
+    """The engine fields that size the KV cache to this one prompt and its completions (the default
+    would reserve 2GiB on a CPU), unless the cache's size or the context was given."""
+    from ..core.config import ModelConfig
+    from ..core.tokenizer import Tokenizer
+
+    if any(fields[k] is not None for k in ("kv_cache_memory", "num_pages", "max_model_len")):
+        return {}
+    need = len(Tokenizer.from_dir(fields["model"]).encode(args.prompt)) + args.max_tokens
+    if need > ModelConfig.from_dir(fields["model"]).max_model_len:
+        return {}  # the request is refused as too long, as ever
+    return {"max_model_len": need, "max_num_seqs": min(fields["max_num_seqs"], args.n)}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -18,6 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ..core.sampling_params import SamplingParams
 
     fields = asdict(engine_config(args))
+    fields.update(_sized_to_the_prompt(args, fields))
     llm = LLM(fields.pop("model"), **fields)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.sampling_seed,
@@ -41,7 +67,7 @@ def _plugins(args: argparse.Namespace) -> int:
     model_config, engine = None, None
     if args.model:
         engine = engine_config(args)
-        model_config = ModelConfig.from_dir(args.model, args.dtype, engine.device or platform.torch_device)
+        model_config = ModelConfig.from_dir(engine.model, args.dtype, engine.device or platform.torch_device)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=engine)
     requested = engine.requested_backends() if engine else None
     print(report(plugins, ctx, requested))
@@ -61,9 +87,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    sock = bind(args.host, args.port)  # before anything slow: a port in use fails at once
     from .serve import run_server
 
-    return run_server(args)
+    return run_server(args, sock)
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -73,49 +100,60 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine")
-    p.add_argument("--log-level", default="INFO")
+    p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"],
+                   help="the least severe log lines shown (before the subcommand: engine --log-level DEBUG serve)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    def command(parent, name: str, **kwargs) -> argparse.ArgumentParser:
+        return parent.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+
+    g = command(sub, "generate", help="generate text for one prompt")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--prompt", required=True, help="the prompt text (no chat template is applied)")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass")
+    s.add_argument("--top-k", type=int, default=0, help="keep this many most likely tokens (0: all)")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one")
+    s.add_argument("--n", type=int, default=1, help="completions of the prompt")
+    s.add_argument("--sampling-seed", type=int, default=None,
+                   help="this request's own seed: the same seed draws the same tokens (unlike --seed, which "
+                        "seeds the engine as a whole)")
+    s.add_argument("--stop", action="append", default=[],
+                   help="end the text where this string appears (repeat for several)")
+    s.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens past end-of-sequence tokens")
     g.set_defaults(func=_generate)
 
-    sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    sv = command(sub, "serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(sv)
     add_serve_args(sv)
     sv.set_defaults(func=_serve)
 
-    gw = sub.add_parser("gateway", help="run the gateway (smg) in front of engine workers; other flags go to it",
+    gw = command(sub, "gateway", help="run the gateway (smg) in front of engine workers; other flags go to it",
                         allow_abbrev=False)
     add_gateway_args(gw)
     gw.set_defaults(func=_gateway)
 
-    pl = sub.add_parser("plugins", help="what was discovered and what each family would select")
+    pl = command(sub, "plugins", help="what was discovered and what each family would select")
     add_engine_args(pl)
     pl.set_defaults(func=_plugins)
 
-    b = sub.add_parser("bench", help="benchmarks")
+    b = command(sub, "bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    off = bsub.add_parser("offline", help="offline throughput (256 sequences, lengths in [100, 1024])")
+    off = command(bsub, "offline", help="offline throughput (256 sequences, lengths in [100, 1024])")
     add_engine_args(off)
-    off.add_argument("--num-seqs", type=int, default=256)
-    off.add_argument("--min-len", type=int, default=100)
-    off.add_argument("--max-len", type=int, default=1024)
-    off.add_argument("--bench-seed", type=int, default=0)
+    off.add_argument("--num-seqs", type=int, default=256, help="sequences, all submitted at once")
+    off.add_argument("--min-len", type=int, default=100, help="shortest prompt and output, in tokens")
+    off.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, in tokens")
+    off.add_argument("--bench-seed", type=int, default=0, help="seeds the drawn prompts and lengths")
     off.add_argument("--json", default=None, help="also write the result as JSON to this path")
     off.set_defaults(func=_bench)
-    srv = bsub.add_parser("serve", help="load a running server over HTTP: throughput, TTFT, ITL, latency")
+    srv = command(bsub, "serve", help="load a running server over HTTP: throughput, TTFT, ITL, latency")
     add_bench_serve_args(srv)
     srv.set_defaults(func=_bench_serve)
     return p
@@ -128,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         args.passthrough = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 

@@ -5,25 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import re
 
+from ..core import sizes
 from ..core.config import HICACHE_MEM_LAYOUTS, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, EngineConfig
+from ..core.model_path import resolve_model
 from ..core.spec.config import SpecConfigError, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
 
 def parse_size(text: str) -> int:
-    """'2GiB', '512MB', '1073741824' -> bytes."""
-    m = _SIZE.match(text)
-    unit = (m[2] or "").lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 2GiB, 512MiB, 1073741824)")
-    return int(float(m[1]) * _UNITS[unit])
+    """A size flag's value in bytes (core/sizes.py), or the argument error that shows the forms."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -40,19 +36,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory; without it, the embedded default model (random weights)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: fp32 on CPU)")
     g.add_argument("--device", default=None, help="torch device; default: the detected platform's")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--seed", type=int, default=None,
+                   help="seeds the engine's draws for requests that bring no seed of their own, so a run of the "
+                        "same requests repeats (default: random); a request's own seed (`generate "
+                        "--sampling-seed`, the API's `seed`) gives the same output whatever runs beside it")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="bytes for KV pages (e.g. 4GiB); default: a fraction of free GPU memory, 2GiB on CPU")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="fraction of the GPU's free memory (after the weights) the KV cache takes, when "
+                        "--kv-cache-memory is not given")
     g.add_argument("--num-pages", type=int, default=None, help="exact KV page count (overrides the budget)")
     g.add_argument("--window-pages", type=int, default=None,
                    help="exact window page count (DeepSeek-V4's per-token components near each sequence's end)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step may run")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens one step may run")
     g.add_argument("--chunked-prefill-size", type=int, default=2048, help="0 turns chunked prefill off")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="never reuse the KV pages of a prompt prefix seen before")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA/HIP graphs")
     g.add_argument("--max-graph-batch", type=int, default=256, help="capture decode graphs up to this batch size")
     g.add_argument("--graph-memory", type=parse_size, default=None,
@@ -78,15 +81,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-dp-attention", action="store_true",
                    help="attention and its KV cache data-parallel (each rank its own requests), the MoE layers "
                         "over every rank (DeepSeek-V4, Qwen3-MoE)")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch CPU threads of the engine (default: serve: the cores the process may use less one, "
+                        "left to the API process; generate and bench: torch's choice)")
     g.add_argument("--distributed-timeout", type=float, default=300.0,
                    help="seconds a collective or a rank's start-up may take before the engine fails")
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     g.add_argument("--grammar-compile-timeout", type=float, default=defaults["grammar_compile_timeout"],
                    help="seconds a structured-output grammar may take to compile; longer is a 400 (default %(default)s)")
-    g.add_argument("--grammar-cache-memory", type=parse_size, default=defaults["grammar_cache_memory"],
+    g.add_argument("--grammar-cache-memory", type=parse_size, default="256MiB",
                    help="bytes of compiled grammars kept for reuse, least recently used dropped (default %(default)s)")
     h = p.add_argument_group("hierarchical KV cache (the prefix cache's pages kept in host memory too)")
-    h.add_argument("--enable-hierarchical-cache", action="store_true")
+    h.add_argument("--enable-hierarchical-cache", action="store_true", help="keep the prefix cache's pages in host "
+                   "memory too, and bring them back to the device when a prompt matches")
     h.add_argument("--hicache-ratio", type=float, default=2.0,
                    help="host memory records per device KV page (and window page)")
     h.add_argument("--hicache-size", type=float, default=0.0, metavar="GiB",
@@ -108,9 +115,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_dir(args: argparse.Namespace) -> str:
-    """The --model directory, or the embedded default written on first use."""
+    """The --model directory (a hub id resolved from the local Hugging Face cache), or the embedded
+    default written on first use; a model that is neither ends the command with one line saying why."""
     if args.model:
-        return args.model
+        try:
+            return resolve_model(args.model)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"engine: error: {exc}") from None
     from ..checkpoints import ensure_default_model
 
     path = ensure_default_model()
@@ -136,7 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
-        distributed_timeout=args.distributed_timeout,
+        distributed_timeout=args.distributed_timeout, cpu_threads=args.cpu_threads,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
         hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,

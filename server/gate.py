@@ -21,7 +21,8 @@ from .errors import APIError, error_body
 from .openai_serving import Serving
 from .worker_info import WorkerInfo
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+# the routes that read a body and need the engine's tokenizer (tokenize_routes.py counts)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"})
 PUBLIC_PATHS = frozenset({"/health"})
 
 

@@ -23,11 +23,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway", "every other flag goes to `smg launch` unchanged")
     g.add_argument("--worker-urls", nargs="+", default=None, metavar="URL", help="the engine workers to route to")
     g.add_argument("--policy", default="cache_aware",
-                   help="cache_aware (default), round_robin, power_of_two, least_load, random, ...")
+                   help="cache_aware, round_robin, power_of_two, least_load, random, ...")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--port", type=int, default=30000, help="port to listen on")
     g.add_argument("--prometheus-host", default="127.0.0.1", help="address of the gateway's /metrics listener")
-    g.add_argument("--prometheus-port", type=int, default=29000)
+    g.add_argument("--prometheus-port", type=int, default=29000, help="port of the gateway's /metrics listener")
     g.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
                    help="the workers' key: the gateway sends it to them and requires it of its own clients "
                         "(default: $ENGINE_API_KEY)")

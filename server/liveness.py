@@ -19,7 +19,6 @@ import time
 
 import zmq
 
-from . import wire
 
 BEAT_S = 0.5
 SILENCE_S = 4.0  # the API process's threshold: eight missed beats
@@ -44,6 +43,8 @@ class Liveness:
         return self._loop_thread.is_alive() and time.monotonic() - self._iteration_began < self.stall_s
 
     def _beat(self) -> None:
+        from . import wire  # here, so the command line reads this module's bounds without the engine's imports
+
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)

@@ -186,9 +186,10 @@ def _stream(events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _usage(runs: list[PromptRun]) -> Usage:
+def _usage(runs: list[PromptRun], generated: bool = True) -> Usage:
+    """``generated``: False where the drawn tokens are dropped (echo with max_tokens 0)."""
     prompt = sum(len(r.prompt_token_ids) for r in runs)
-    completion = sum(len(c.token_ids) for r in runs for c in r.completions)
+    completion = sum(len(c.token_ids) for r in runs for c in r.completions) if generated else 0
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -232,6 +233,8 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
                               client_field_names(req)))
     n = params.n
     want_logprobs = req.logprobs is not None
+    # the prompt scored, nothing generated (vLLM's echo with max_tokens 0): one token is drawn and dropped
+    echo_only = req.echo and req.max_tokens == 0
     check_logprob_entries("logprobs", [len(r.prompt_token_ids) * req.echo + _room(s, r) for r in runs], n,
                           req.logprobs, s.limits)
 
@@ -243,20 +246,28 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
             return None
         return completion_logprobs(texts, c.token_ids[start:start + count], c.logprobs[start:start + count], offset)
 
+    def prompt_logprobs(r: PromptRun, texts: TokenTexts) -> dict | None:
+        """The echoed prompt's logprobs (once per prompt, shared by its choices)."""
+        if not (req.echo and want_logprobs):
+            return None
+        return completion_logprobs(texts, r.prompt_token_ids, r.prompt_logprobs or [None] * len(r.prompt_token_ids), 0)
+
+    def echoed(c: Completion, head: dict | None, tail: dict | None) -> tuple[dict | None, str | None]:
+        """A choice's logprobs with its prompt's before them, and its finish_reason."""
+        if echo_only:
+            return head, "abort" if c.finish_reason == "abort" else "length"
+        return (joined(head, tail) if head is not None else tail), c.finish_reason
+
     def answer() -> dict:
         texts, choices = TokenTexts(s.token_text), []
         for i, r in enumerate(runs):
             prompt = echo_text(r) if req.echo else ""
-            head = None
-            if req.echo and want_logprobs:  # once per prompt, shared by its choices
-                head = completion_logprobs(texts, r.prompt_token_ids,
-                                           r.prompt_logprobs or [None] * len(r.prompt_token_ids), 0)
+            head = prompt_logprobs(r, texts)
             for c in r.completions:
-                lps = logprobs_of(c, 0, len(c.token_ids), len(prompt), texts)
-                choices.append({"index": i * n + c.index, "text": prompt + c.text,
-                                "logprobs": joined(head, lps) if head is not None else lps,
-                                "finish_reason": c.finish_reason})
-        return {**CompletionResponse(model=s.model_name, choices=[], usage=_usage(runs)).model_dump(),
+                lps, finish = echoed(c, head, logprobs_of(c, 0, len(c.token_ids), len(prompt), texts))
+                choices.append({"index": i * n + c.index, "text": prompt + ("" if echo_only else c.text),
+                                "logprobs": lps, "finish_reason": finish})
+        return {**CompletionResponse(model=s.model_name, choices=[], usage=_usage(runs, not echo_only)).model_dump(),
                 "choices": choices}
 
     if not req.stream:
@@ -270,23 +281,30 @@ async def create_completion(s: Serving, req: CompletionRequest, request: Request
                                usage=usage).model_dump_json()
 
     async def events() -> AsyncIterator[str]:
-        if req.echo:
-            echoes = await asyncio.to_thread(lambda: [echo_text(r) for r in runs])
-            for i, r in enumerate(runs):
-                for c in r.completions:
-                    yield chunk([CompletionChoice(index=i * n + c.index, text=echoes[i])])
+        # as vLLM streams it: each choice's first chunk carries its echoed prompt and the prompt's
+        # logprobs (they come with the first token), and text offsets count from the prompt's start
+        echoes = await asyncio.to_thread(lambda: [echo_text(r) for r in runs]) if req.echo else [""] * len(runs)
         offsets: dict[tuple[int, int], int] = {}
         texts = TokenTexts(s.token_text)
+        heads: dict[int, dict | None] = {}
         async for i, u in _merged(runs, s, arrival):
             c = u.completion
             key = (i, c.index)
-            off = offsets.get(key, 0)
+            if echo_only and not u.finished:
+                continue  # the drawn token is dropped; the prompt goes out once the run has ended
+            first = key not in offsets
+            off = offsets.get(key, len(echoes[i]))
             offsets[key] = off + len(u.text)
-            yield chunk([CompletionChoice(index=i * n + c.index, text=u.text,
-                                          logprobs=logprobs_of(c, u.first_token, u.num_tokens, off, texts),
-                                          finish_reason=c.finish_reason if u.finished else None)])
+            text, lps, finish = u.text, logprobs_of(c, u.first_token, u.num_tokens, off, texts), c.finish_reason
+            if first and req.echo:
+                if i not in heads:
+                    heads[i] = prompt_logprobs(runs[i], texts)
+                lps, finish = echoed(c, heads[i], lps)
+                text = echoes[i] + ("" if echo_only else text)
+            yield chunk([CompletionChoice(index=i * n + c.index, text=text, logprobs=lps,
+                                          finish_reason=finish if u.finished else None)])
         if include_usage:
-            yield chunk([], _usage(runs))
+            yield chunk([], _usage(runs, not echo_only))
 
     return _stream(events)
 

@@ -306,7 +306,9 @@ def _length_and_logprobs(req: CompletionRequest | ChatCompletionRequest) -> dict
     """The engine fields whose names or meaning differ between the two endpoints: their values, and
     the request field each came from."""
     if isinstance(req, CompletionRequest):
-        return {"max_tokens": (req.max_tokens, "max_tokens"), "logprobs": (req.logprobs, "logprobs"),
+        # echo with max_tokens 0 scores the prompt: one token is drawn and dropped (openai_serving.py)
+        max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
+        return {"max_tokens": (max_tokens, "max_tokens"), "logprobs": (req.logprobs, "logprobs"),
                 "prompt_logprobs": (req.logprobs if req.echo else None, "logprobs")}
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")

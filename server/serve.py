@@ -16,89 +16,33 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-from pathlib import Path
+import socket
 
+import torch
 import uvicorn
 
+from ..core.model_path import served_name
+from ..core.threads import usable_cores
 from ..core.tokenizer import Tokenizer
 from .app import build_app
-from .bootstrap import add_disagg_args, disagg_config
+from .bootstrap import disagg_config
 from .chat_template import ChatTemplate
 from ..core.structured.compiler import GrammarCompiler
-from .engine_args import engine_config, parse_size
+from .engine_args import engine_config
 from .engine_client import EngineClient
 from .gate import ServerState
 from .http_guard import ConnectionGuard
 from .limits import Limits
-from .liveness import DEFAULT_STALL_S, SILENCE_S
 from .metrics import ServerMetrics
 from .openai_serving import Serving
-from .reasoning import reasoning_parser, serving_reasoning_parser
-from .tool_parsers import serving_tool_format, tool_call_format
+from .reasoning import serving_reasoning_parser
+from .tool_parsers import serving_tool_format
 from .worker_info import WorkerInfo, worker_disagg
 
 logger = logging.getLogger(__name__)
 
 ENGINE_DEATH_LINGER_S = 2.0
 ABORT_GRACE_S = 2.0  # after aborting the rest, how long their clients get to hear it
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
-                   help="require this key on every route but /health (default: $ENGINE_API_KEY)")
-    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model directory's name)")
-    g.add_argument("--max-concurrent-requests", type=int, default=1024,
-                   help="answer 429 past this many requests in flight (0: no limit)")
-    g.add_argument("--max-request-body", type=parse_size, default=32 * 2**20,
-                   help="refuse larger request bodies with 413 (default 32MiB)")
-    g.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection has to send a request's headers (from opening, or from its last "
-                        "response); then it is closed")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request has to send its whole body once its headers are in (408 past it)")
-    g.add_argument("--max-connections-per-client", type=int, default=256,
-                   help="open connections one client address may hold; more are answered 429 and closed "
-                        "(0: no limit; raise it behind a proxy, where every client has the proxy's address)")
-    g.add_argument("--on-engine-death", choices=["exit", "restart"], default="exit",
-                   help="when the engine process dies: exit 1 (for a supervisor to restart), or start a new one")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run on after SIGTERM before they are aborted")
-    g.add_argument("--max-n", type=int, default=Limits.max_n)
-    g.add_argument("--max-logprobs", type=int, default=Limits.max_logprobs)
-    g.add_argument("--max-stop-sequences", type=int, default=Limits.max_stop_sequences)
-    g.add_argument("--max-seqs-per-request", type=int, default=Limits.max_seqs_per_request,
-                   help="prompts x n one request may start (400 past it)")
-    g.add_argument("--max-logprob-entries", type=int, default=Limits.max_logprob_entries,
-                   help="logprob values one answer may carry: tokens x choices x (logprobs + 1), echoed "
-                        "prompt tokens counted in every choice (400 past it)")
-    g.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_S,
-                   help="seconds one engine step may run before /health turns 503 (a stopped or dead engine "
-                        f"turns it 503 after {SILENCE_S:g} s of silence whatever this is)")
-    g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
-    g.add_argument("--tool-call-parser", default="auto", type=_known(tool_call_format), metavar="NAME",
-                   help="how the model writes tool calls: hermes (Qwen3), deepseek_v3, deepseek_v31, deepseek_v4 "
-                        "(DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
-    g.add_argument("--reasoning-parser", default="auto", type=_known(reasoning_parser), metavar="NAME",
-                   help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1, deepseek_v3, "
-                        "deepseek_v4, or none; auto (default): where the chat template writes <think>, or the "
-                        "tokenizer has it as a token")
-    add_disagg_args(p)
-
-
-def _known(check):
-    """An argparse type: ``auto``, ``none``, or a name ``check`` knows."""
-    def parse(name: str) -> str:
-        if name not in ("auto", "none"):
-            try:
-                check(name)
-            except ValueError as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
-        return name
-    return parse
 
 
 class DrainingServer(uvicorn.Server):
@@ -143,14 +87,23 @@ class DrainingServer(uvicorn.Server):
             self._loop.create_task(restart())
 
 
-def run_server(args: argparse.Namespace) -> int:
-    config = dataclasses.replace(engine_config(args), disaggregation=disagg_config(args))
+def engine_process_threads() -> int:
+    """Torch threads for the engine process: the cores it may use, less one for this process."""
+    return max(1, usable_cores() - 1)
+
+
+def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serve on ``sock``, bound already (serve_args.bind)."""
+    config = engine_config(args)
+    config = dataclasses.replace(config, disaggregation=disagg_config(args),
+                                 cpu_threads=config.cpu_threads or engine_process_threads())
+    torch.set_num_threads(1)  # the API process: tokenizing and detokenizing beside the engine's threads
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop_sequences=args.max_stop_sequences,
                     max_seqs_per_request=args.max_seqs_per_request, max_logprob_entries=args.max_logprob_entries)
     state = ServerState(api_key=args.api_key or None, max_concurrent_requests=args.max_concurrent_requests or None,
                         max_body_bytes=args.max_request_body, body_timeout=args.body_timeout)
     guard = ConnectionGuard(args.header_timeout, args.max_connections_per_client or None)
-    name = args.served_model_name or Path(config.model).name
+    name = args.served_model_name or served_name(args.model or config.model, config.model)
     server: DrainingServer | None = None
 
     def new_client() -> EngineClient:
@@ -207,7 +160,7 @@ def run_server(args: argparse.Namespace) -> int:
                         timeout_graceful_shutdown=5, access_log=False, lifespan="on", http=guard.protocol(),
                         ws="none")
     server = DrainingServer(uv, state, args.shutdown_timeout)
-    server.run()
+    server.run(sockets=[sock])
     if state.serving is None and server.exit_code == 0:
         return 1  # never started
     return server.exit_code

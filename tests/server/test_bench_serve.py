@@ -14,6 +14,9 @@ def _bench(server, tmp_path, *args) -> dict:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TTFT (ms)" in proc.stdout and "output token throughput" in proc.stdout
+    assert "HTTP Request" not in proc.stderr  # quiet: no log line per request
+    prompts = int(args[args.index("--num-prompts") + 1])
+    assert "first tokens: 100%" in proc.stderr and f"{prompts}/{prompts}" in proc.stderr
     return json.loads(out.read_text())
 
 

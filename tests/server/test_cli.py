@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -17,12 +20,18 @@ def run_engine(*args: str, env_extra: dict | None = None, timeout: int = 300) ->
 
 
 def test_generate_with_the_embedded_default_model(tmp_path):
-    res = run_engine("generate", "--prompt", "def f(x):", "--max-tokens", "5", "--ignore-eos",
-                     env_extra={"ENGINE_CACHE_DIR": str(tmp_path)})
+    res = run_engine("generate", "--prompt", "def f(x):", "--max-tokens", "5", "--ignore-eos", "--n", "2",
+                     "--temperature", "1", "--cpu-threads", "1", env_extra={"ENGINE_CACHE_DIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr
     assert "RANDOM weights" in res.stdout
-    assert "(5 tokens, finish_reason=length)" in res.stderr
+    assert res.stderr.count("(5 tokens, finish_reason=length)") == 2
     assert any(p.name.startswith("default-qwen3-") for p in tmp_path.iterdir())
+    assert "1 torch CPU threads" in res.stderr
+    # the KV cache holds this prompt's two completions, not the 2GiB default
+    pages = int(re.search(r"KV cache (\d+) pages of 16 tokens", res.stderr)[1])
+    assert pages <= 2 * 2 + 1
+    # the weight-loading bar ends its line: the next log line starts one of its own
+    assert re.search(r"\n\S+ \S+ INFO engine.core.loader: read", res.stderr)
 
 
 def test_generate_trained_model_is_greedy_and_repeatable(tiny_qwen3):
@@ -93,3 +102,73 @@ def test_gateway_keeps_its_defaults_and_passes_every_other_flag_through(monkeypa
     assert gateway.run_gateway(args, unknown) == 2  # smg missing: no exec, a hint instead
     assert "pip install 'engine[gateway]'" in capsys.readouterr().err
 
+
+
+def test_help_and_argument_errors_import_neither_torch_nor_the_server():
+    probe = ("import sys\nfrom engine.server.cli import main\n"
+             "for argv in (['--help'], ['serve', '--help'], ['generate', '--bogus']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'httpx') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _parsers(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+    yield path, parser
+
+
+def test_every_flag_says_what_it_does_and_shows_its_default():
+    from engine.server.cli import build_parser
+
+    for path, parser in _parsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, f"engine {' '.join(path)} {action.option_strings[0]} has no help"
+            if action.default not in (None, False, True, []) and "default" not in action.help:
+                assert f"(default: {action.default})" in text, (path, action.option_strings[0])
+    serve = dict(_parsers(build_parser()))[("serve",)]
+    assert "(default: 8000)" in " ".join(serve.format_help().split())
+
+
+def test_a_missing_model_is_one_line_and_a_hub_id_says_the_engine_does_not_download(tmp_path):
+    res = run_engine("generate", "--model", str(tmp_path / "absent"), "--prompt", "x")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == f"engine: error: model directory {tmp_path / 'absent'} does not exist"
+    res = run_engine("serve", "--model", "acme/absent", "--port", "0",
+                     env_extra={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "acme/absent" in res.stderr and "does not download" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_hub_id_resolves_from_the_local_hugging_face_cache(tiny_qwen3, tmp_path):
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    for f in tiny_qwen3.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    res = run_engine("plugins", "--model", "acme/tiny", env_extra={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert res.returncode == 0, res.stderr
+    assert "selects Qwen3ForCausalLM" in res.stdout
+    res = run_engine("plugins", "--model", "acme/tiny", env_extra={"HF_HOME": str(tmp_path)})
+    assert res.returncode == 0 and "selects Qwen3ForCausalLM" in res.stdout, res.stderr
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tiny_qwen3):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_engine("serve", "--model", str(tiny_qwen3), "--port", str(port), timeout=120)
+    assert res.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "in use" in res.stderr
+    assert "loading" not in res.stderr and "serving" not in res.stderr
