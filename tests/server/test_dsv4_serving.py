@@ -1,8 +1,11 @@
-"""DeepSeek-V4 behind `engine serve` and `engine generate`, as any other family: the same tokens as LLM."""
+"""DeepSeek-V4 behind `engine serve` and `engine generate`, as any other family: the same tokens as LLM;
+and served with data-parallel attention over 2 processes (gloo), concurrent requests spread over
+both ranks, stop strings ended on the rank that runs the request."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -45,3 +48,29 @@ def test_generate_command_equals_the_offline_engine(dsv4, expected):
                      "--temperature", "0")
     assert res.returncode == 0, res.stderr
     assert res.stdout == PROMPT + expected + "\n"
+
+
+def test_served_under_data_parallel_attention_equals_the_offline_engine(dsv4, tmp_path):
+    prompts = [PROMPT, "class Stack:\n    ", "import os\n", "# sort a list\n"]
+    llm = LLM(str(dsv4), progress=False, max_model_len=512)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    texts = [o.outputs[0].text for o in llm.generate(prompts, greedy)]
+    stops = [t[4:7] for t in texts]  # each ends inside its output, on whichever rank runs it
+    stopped = [o.outputs[0].text for o in llm.generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[s]) for s in stops])]
+    assert all(len(s) == 3 for s in stops) and all(len(a) < len(b) for a, b in zip(stopped, texts))
+    server = LiveServer(str(dsv4), "--max-model-len", "512", "--tensor-parallel-size", "2", "--data-parallel-size",
+                        "2", "--enable-dp-attention", "--expert-parallel", log=tmp_path / "dp.log").wait_ready()
+    try:
+        def complete(i: int) -> str:
+            body = {"model": server.model_name, "prompt": prompts[i % 4], "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, **({"stop": [stops[i % 4]]} if i >= 4 else {})}
+            res = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=120)
+            assert res.status_code == 200, res.text
+            return res.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(complete, range(8))) == texts + stopped
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    finally:
+        assert server.stop() == 0
