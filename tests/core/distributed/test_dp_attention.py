@@ -3,7 +3,7 @@ rank serving its own requests through attention with its own KV cache and schedu
 partitioned over both (all_to_all), gives the greedy tokens of one process: through chunked
 prefill, preemption (few pages per rank) and prefix-cache hits on the rank that holds the prefix;
 with one rank idle while the other works (either way round); a killed rank fails the engine naming
-it. One 2-rank engine per module (the failure test kills it last)."""
+it. And 4 processes with the experts split (the ranks' tokens gathered), each rank its share. One 2-rank engine per module (the failure test kills it last)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,21 @@ def test_an_abort_reaches_the_rank_that_runs_the_request(dp2):
     assert [o.outputs[0].finish_reason for o in ended if o.request_id == "b" and o.finished] == ["abort"]
     assert engine.abort_request("a").outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+
+
+def test_four_ranks_each_serve_a_share(single, dsv4, run_seed):
+    """Split experts (gathered tokens) this time, 4 processes: 6 prompts placed 2, 2, 1, 1."""
+    rng, vocab = random.Random(run_seed + 2), single.engine.vocab_size
+    batch = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 70))] for _ in range(6)]
+    llm = within(TIMEOUT_S, lambda: LLM(dsv4, num_pages=128, tensor_parallel_size=4, data_parallel_size=4,
+                                        enable_dp_attention=True, distributed_timeout=TIMEOUT_S, **OPTS))
+    try:
+        assert tokens(llm, batch) == tokens(single, batch)
+        looked_up = [len(p) - 1 for p in batch]  # a prompt's last token is always computed, never looked up
+        assert llm.engine.kv_manager.stats().prefix_queries == looked_up[0] + looked_up[4]  # rank 0's share
+        assert llm.engine.stats().prefix_cache_queries == sum(looked_up)  # the ranks' together
+    finally:
+        llm.engine.shutdown()
 
 
 def test_the_flags_and_what_is_refused(tmp_path):
