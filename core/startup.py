@@ -173,7 +173,10 @@ def proposer_kv(config: EngineConfig, model, device: torch.device, dtype: torch.
     """A proposer's own KV cache and manager for ``model`` (its ``kv_layer_specs`` and
     ``window_reach``), sized by the engine's config as the target's is, in this one process."""
     window_pages = _window_pages(config, model, max_model_len, max_rollback)
-    num_pages = _kv_pages(config, model, device, dtype, max_model_len, window_pages)
+    if config.num_pages is None and all(s.windowed for s in model.kv_layer_specs()):
+        num_pages = config.max_num_seqs * -(-max_model_len // config.page_size) + 1  # hold no bytes: ids only
+    else:
+        num_pages = _kv_pages(config, model, device, dtype, max_model_len, window_pages)
     window_pages = min(window_pages, num_pages)
     kv = KVCache(model.kv_layer_specs(), num_pages, config.page_size, dtype, device, window_pages)
     return kv, KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,

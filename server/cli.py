@@ -99,6 +99,26 @@ def _gateway(args: argparse.Namespace) -> int:
     return run_gateway(args, args.passthrough)
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..core.spec.train_mtp import train_mtp
+
+    files = []
+    for d in args.data:
+        p = Path(d)
+        files += sorted(str(f) for f in p.rglob(args.glob) if f.is_file()) if p.is_dir() else [str(p)]
+    report = train_mtp(args.model, files, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch_size,
+                       lr=args.lr, max_tokens=args.max_tokens, seed=args.seed, eval_file=args.eval,
+                       num_speculative_tokens=args.num_speculative_tokens)
+    print(f"trained {report.steps} steps on {report.tokens} tokens in {report.seconds:.0f} s: loss "
+          f"{report.first_loss:.3f} -> {report.last_loss:.3f}; wrote {args.out}")
+    if report.acceptance_length is not None:
+        print(f"held out ({args.eval}): mean acceptance length {report.acceptance_length:.3f} "
+              f"at K = {report.num_speculative_tokens}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine",
                                 formatter_class=HelpFormatter)
@@ -142,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl = command(sub, "plugins", help="what was discovered and what each family would select")
     add_engine_args(pl)
     pl.set_defaults(func=_plugins)
+
+    t = command(sub, "train-drafter", help="train a speculative-decoding drafter for a checkpoint from text")
+    t.add_argument("--model", required=True, help="the target checkpoint directory")
+    t.add_argument("--method", required=True, choices=["mtp"], help="mtp: DeepSeek-V4's next-n layer")
+    t.add_argument("--data", required=True, nargs="+", help="text files, or directories searched for --glob")
+    t.add_argument("--glob", default="*.py", help="the files a --data directory gives")
+    t.add_argument("--out", required=True, help="the drafter directory to write (speculative_config.model)")
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    t.add_argument("--seq-len", type=int, default=128, help="tokens of one training window")
+    t.add_argument("--batch-size", type=int, default=4, help="windows of one step")
+    t.add_argument("--lr", type=float, default=2e-3, help="the one-cycle schedule's peak learning rate")
+    t.add_argument("--max-tokens", type=int, default=2_000_000, help="tokens of --data read at most")
+    t.add_argument("--seed", type=int, default=0, help="seeds the start and the windows drawn")
+    t.add_argument("--eval", default=None, help="held-out text: report the mean acceptance length on it")
+    t.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the held-out report")
+    t.set_defaults(func=_train_drafter)
 
     b = command(sub, "bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

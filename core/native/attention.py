@@ -63,7 +63,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     if layer.sinks is not None:
         lse = torch.logaddexp(lse, layer.sinks.float().view(layer.num_kv_heads, -1, 1, 1))
-    probs = scores.sub_(lse).exp_().view(*lead, group * tq, -1)
+    # in place where nothing differentiates it; a drafter in training (core/spec/train_mtp.py) keeps the scores
+    probs = ((scores - lse).exp() if scores.requires_grad else scores.sub_(lse).exp_()).view(*lead, group * tq, -1)
     return (probs @ v).view(*lead, group, tq, -1)
 
 

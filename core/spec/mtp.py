@@ -1,5 +1,7 @@
 """The MTP proposer: DeepSeek-V4's next-n layer (core/models/deepseek_v4/nextn.py) drafts ``k``
-tokens autoregressively, from the target's residual streams and its own.
+tokens autoregressively, from the target's residual streams and its own. The layer is the
+checkpoint's own (``mtp.*`` tensors) or, with ``speculative_config.model``, one trained for it
+(``engine train-drafter``, drafter.py).
 
 At position ``p`` the layer reads the target's streams at ``p`` and the token ``x[p + 1]`` and
 predicts ``x[p + 2]``. The target hands back its streams for every token it computes (prefill
@@ -33,9 +35,9 @@ def mtp_reasons(ctx) -> list[str]:
     """Why the target cannot draft with its next-n layers."""
     from ..models.deepseek_v4.nextn import checkpoint_has_nextn
 
+    from .drafter import drafter_reasons
+
     spec, target = ctx.engine_config.speculative_config, ctx.model_config
-    if spec is not None and spec.model is not None:
-        return ["speculative_config.model: MTP drafts with the target checkpoint's own mtp.* layers"]
     if target is None:
         return []
     if target.architecture != ARCHITECTURE:
@@ -44,6 +46,8 @@ def mtp_reasons(ctx) -> list[str]:
         return ["the model's config.json has no next-n layers (num_nextn_predict_layers is 0)"]
     if ctx.engine_config.tensor_parallel_size > 1:
         return ["MTP under tensor parallelism is not built (the ranks do not hand back their streams)"]
+    if spec is not None and spec.model is not None:  # a next-n layer trained for it (engine train-drafter)
+        return drafter_reasons(spec.model, "mtp", target.path)
     if not checkpoint_has_nextn(target.path):
         return [f"the checkpoint in {target.path} has no mtp.* tensors, though num_nextn_predict_layers is "
                 f"{target.get('num_nextn_predict_layers')}: it has no next-n layer to draft with"]
@@ -57,12 +61,14 @@ class MTPProposer(OwnKVProposer):
     def __init__(self, ctx) -> None:
         from ..models.deepseek_v4.nextn import build_nextn
         from ..startup import proposer_kv
+        from .drafter import load_drafter
 
         super().__init__(ctx)
         config, target = ctx.engine_config, ctx.target
-        k = config.speculative_config.num_speculative_tokens
+        spec = config.speculative_config
+        k = spec.num_speculative_tokens
         try:
-            self.layer = build_nextn(target)
+            self.layer = build_nextn(target, load_drafter(spec.model) if spec.model is not None else None)
         except Exception as exc:
             raise SpecConfigError("method", f"the checkpoint's next-n layer does not load: "
                                             f"{type(exc).__name__}: {exc}") from exc

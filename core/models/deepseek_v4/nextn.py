@@ -17,6 +17,7 @@ from the target. The target keeps them aside when it loads (``DeepseekV4ForCausa
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,27 +90,48 @@ class NextN(DecoderLayer):
         out = self.mhc.post(state.block_out, state.streams, state.post, state.comb)
         return out, self.hc_head(state, self.norm)
 
-    def load(self, tensors: dict[str, torch.Tensor], index: int = 0) -> None:
-        """Fill the layer from the target's ``mtp.{index}.*`` tensors."""
+    @contextmanager
+    def _names(self):
+        """Checkpoint name -> Target in this layer (None: a shared tensor), through the target's
+        resolver, which finds the layer's expert stacks while it is the target's ``nextn``."""
         target = self.target[0]
-        target.add_module("nextn", self)  # so the target's resolver finds its experts' stacks
+        target.add_module("nextn", self)
+
+        def resolve(name: str):
+            rest = MTP_NAME.match(name)[2]
+            if rest.startswith(_SHARED):
+                return None
+            t = target.resolve("nextn." + _HEAD.get(rest, rest))
+            return replace(t, param=t.param.removeprefix("nextn."))
         try:
-            def resolve(name: str):
-                rest = MTP_NAME.match(name)[2]
-                if rest.startswith(_SHARED):
-                    return None
-                t = target.resolve("nextn." + _HEAD.get(rest, rest))
-                return replace(t, param=t.param.removeprefix("nextn."))
-            load_into(self, [(k, v) for k, v in tensors.items() if int(MTP_NAME.match(k)[1]) == index], resolve)
+            yield resolve
         finally:
             del target._modules["nextn"]
+
+    def load(self, tensors: dict[str, torch.Tensor], index: int = 0) -> None:
+        """Fill the layer from ``mtp.{index}.*`` tensors."""
+        with self._names() as resolve:
+            load_into(self, [(k, v) for k, v in tensors.items() if int(MTP_NAME.match(k)[1]) == index], resolve)
         self.attn.x_proj.fuse()
 
+    def export(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The layer's weights under the checkpoint names ``names`` (as :meth:`load` read them)."""
+        out = {}
+        with self._names() as resolve:
+            for name in names:
+                if (t := resolve(name)) is None:
+                    continue
+                p = self.get_parameter(t.param).detach()
+                p = p[t.expert] if t.expert is not None else p
+                out[name] = (p.narrow(0, *t.rows) if t.rows is not None else p).clone()
+        return out
 
-def build_nextn(target: DeepseekV4ForCausalLM) -> NextN:
-    """The target's first next-n layer, loaded from the tensors it kept aside."""
+
+def build_nextn(target: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor] | None = None) -> NextN:
+    """The target's first next-n layer, loaded from ``tensors`` (a drafter's, drafter.py) or the
+    ones the target kept aside from its own checkpoint."""
     hf = _normalised(target.config.hf)
     layer = NextN(hf, hf["num_hidden_layers"], target)
     with torch.no_grad():
-        layer.load(target.mtp)
+        layer.load(target.mtp if tensors is None else tensors)
     return layer.eval()

@@ -105,7 +105,7 @@ def test_a_target_that_cannot_draft_with_mtp_is_refused_at_start_up_with_the_rea
     models = shared_dir / "models"
     cases = [(models / "tiny-dsv4-py", {}, "has no mtp.* tensors, though num_nextn_predict_layers is 1"),
              (models / "tiny-qwen3-py", {}, "MTP runs DeepSeek-V4's next-n layers; Qwen3ForCausalLM has none"),
-             (with_nextn, {"model": str(models / "tiny-qwen3-py")}, "MTP drafts with the target checkpoint's own")]
+             (with_nextn, {"model": str(models / "tiny-qwen3-py")}, "is not a drafter directory")]
     for path, extra, reason in cases:
         with pytest.raises(SpecConfigError, match="speculative_config.method: 'mtp' cannot run here") as err:
             LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, **extra},
