@@ -122,13 +122,17 @@ def _train_drafter(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description="LLM inference and serving engine",
                                 formatter_class=HelpFormatter)
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"],
-                   help="the least severe log lines shown (before the subcommand: engine --log-level DEBUG serve)")
+    levels = ["DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"]
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=levels,
+                   help="the least severe log lines shown (also after the command: engine serve --log-level DEBUG)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(parent, name: str, **kwargs) -> argparse.ArgumentParser:
-        return parent.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+        c = parent.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+        # after the command too, where a user types it; unset there, the one before it holds
+        c.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=levels,
+                       help="the least severe log lines shown (default: INFO)")
+        return c
 
     g = command(sub, "generate", help="generate text for one prompt")
     add_engine_args(g)

@@ -133,6 +133,10 @@ def test_every_flag_says_what_it_does_and_shows_its_default():
             assert action.help, f"engine {' '.join(path)} {action.option_strings[0]} has no help"
             if action.default not in (None, False, True, []) and "default" not in action.help:
                 assert f"(default: {action.default})" in text, (path, action.option_strings[0])
+    for argv in (["--log-level", "debug", "serve"], ["serve", "--log-level", "debug"],
+                 ["--log-level", "error", "bench", "serve", "--log-level", "debug"]):
+        assert build_parser().parse_args(argv).log_level == "DEBUG"
+    assert build_parser().parse_args(["--log-level", "error", "serve"]).log_level == "ERROR"
     serve = dict(_parsers(build_parser()))[("serve",)]
     assert "(default: 8000)" in " ".join(serve.format_help().split())
 
