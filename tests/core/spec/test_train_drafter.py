@@ -59,7 +59,7 @@ def test_the_trained_next_n_layer_keeps_drafts_and_the_targets_output(target, pl
     params = greedy(32)
     assert completions(spec.generate(prompts, params)) == completions(plain.generate(prompts, params))
     c = spec.engine.speculator.counters
-    assert c.num_drafts > 30 and c.mean_acceptance_length > 1.15, c
+    assert c.num_drafts > 30 and c.mean_acceptance_length > 1.2, c
 
 
 def test_a_drafter_for_another_model_or_method_is_refused_at_start_up(target, shared_dir, tmp_path):
