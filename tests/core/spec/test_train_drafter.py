@@ -73,3 +73,15 @@ def test_a_drafter_for_another_model_or_method_is_refused_at_start_up(target, sh
         with pytest.raises(SpecConfigError, match="speculative_config.method: 'mtp' cannot run here") as err:
             mtp(target, bad)
         assert reason in str(err.value)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_trained_next_n_layer_keeps_drafts_and_the_targets_output(target, eval_text, seed):
+    """fp32 on the CUDA backends (steps that hand back the streams run eagerly)."""
+    plain = LLM(str(target), dtype="float32", page_size=4, num_pages=400, device="cuda", progress=False,
+                enable_prefix_caching=False)
+    spec = mtp(target, ASSET, device="cuda")
+    prompts = [text_ids(plain, eval_text, 48) for _ in range(6)]
+    params = greedy(32)
+    assert completions(spec.generate(prompts, params)) == completions(plain.generate(prompts, params))
+    assert spec.engine.speculator.counters.mean_acceptance_length > 1.2
