@@ -141,10 +141,10 @@ def test_a_store_that_fills_up_is_detached_logged_once_and_serving_goes_on(share
     kv.check_consistency()
 
 
-def test_the_flags_reach_the_config_and_bad_values_are_refused():
+def test_the_flags_reach_the_config_and_bad_values_are_refused(tiny_qwen3):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--model", "m", "--enable-hierarchical-cache", "--hicache-size", "1.5",
+    args = parser.parse_args(["--model", str(tiny_qwen3), "--enable-hierarchical-cache", "--hicache-size", "1.5",
                               "--hicache-write-policy", "write_through_selective", "--hicache-mem-layout", "page_first"])
     c = engine_config(args)
     assert (c.enable_hierarchical_cache, c.hicache_size, c.hicache_write_policy, c.hicache_mem_layout) == \

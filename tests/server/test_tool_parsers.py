@@ -175,7 +175,7 @@ def test_an_unknown_parser_name_lists_the_known_ones():
 def test_the_flags_take_known_names_auto_and_none():
     import argparse
 
-    from engine.server.serve import add_serve_args
+    from engine.server.serve_args import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
