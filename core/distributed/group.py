@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .multicast import multicast_off
+
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
@@ -107,7 +109,9 @@ class Rendezvous:
 
 def connect(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
             name: str = "tp") -> ParallelGroup:
-    """This rank's group over ``store``: NCCL (RCCL) on a CUDA device, gloo on the host."""
+    """This rank's group over ``store``: NCCL (RCCL) on a CUDA device, gloo on the host; NVLink
+    multicast off (multicast.py)."""
+    multicast_off()
     store = dist.PrefixStore(name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":

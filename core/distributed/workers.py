@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from ..errors import EngineDeadError
 from ..runner import StepInputs
 from .group import ParallelGroup, Rendezvous, master_store
 from .messages import Failed, Ready, Step, Stop, decoder, encoder
+from .multicast import multicast_off
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class Workers:
                 cmd += ["--replies-fd", str(theirs_r.fileno())]
                 fds.append(theirs_r)
                 self.replies.append(Connection(ours_r.detach()))
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[f.fileno() for f in fds])
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[f.fileno() for f in fds],
+                                    env=multicast_off(dict(os.environ)))
             for f in fds:
                 f.close()
             proc.stdin.write(payload)

@@ -1,14 +1,17 @@
 """A tensor-parallel rank that dies is reported: the engine fails with an error naming the rank,
-within seconds, never a hang; and it stops its other ranks. One 2-rank engine per module."""
+within seconds, never a hang; and it stops its other ranks. Every rank starts with NVLink multicast
+off, unless its user set otherwise. One 2-rank engine per module."""
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.distributed.multicast import MULTICAST_OFF, multicast_off
 from engine.core.errors import EngineDeadError
 
 from tp_helpers import TIMEOUT_S, within
@@ -20,6 +23,16 @@ def tp2(tiny_qwen3):
                                         tensor_parallel_size=2, distributed_timeout=TIMEOUT_S))
     yield llm
     llm.engine.shutdown()
+
+
+def test_every_rank_starts_with_multicast_off(tp2):
+    (worker,) = tp2.engine.workers.procs
+    raw = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
+    environ = dict(entry.decode().partition("=")[::2] for entry in raw if entry)
+    for name, value in MULTICAST_OFF.items():
+        assert environ[name] == os.environ[name] == value  # rank 1's, and rank 0's (this process)
+    user = {"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"}
+    assert multicast_off(user) == {**MULTICAST_OFF, **user}  # what its user set stands
 
 
 def test_a_killed_rank_fails_the_engine_naming_it(tp2):
