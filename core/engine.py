@@ -313,7 +313,10 @@ class EngineCore:
         return out
 
     def reset_counters(self) -> None:
-        """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits, drafts."""
+        """Zero every counter the metrics read: requests, tokens, preemptions, prefix-cache hits, drafts;
+        under data-parallel attention every rank's."""
+        if self.dp is not None:
+            self.dp.reset_counters()
         self.counters = EngineCounters()
         self.scheduler.stats = SchedulerStats()
         if self.speculator is not None:
@@ -364,6 +367,7 @@ class EngineCore:
             self.workers.explain(exc)
             raise
         self.failures += failures
+        self._count_remote(remote)
         return outputs + remote
 
     def _step_outputs(self) -> list[EngineCoreOutput]:
@@ -509,6 +513,16 @@ class EngineCore:
     def _count_finish(self, req: Request) -> None:
         for s in req.seqs:
             self.counters.finished[s.finish_reason] = self.counters.finished.get(s.finish_reason, 0) + 1
+
+    def _count_remote(self, outputs: list[EngineCoreOutput]) -> None:
+        """Count the tokens and ends of other data-parallel ranks' outputs (their prompts were counted
+        as they were routed)."""
+        finished = self.counters.finished
+        for o in outputs:
+            for c in o.completions:
+                self.counters.generation_tokens += len(c.token_ids)
+                if c.finish_reason is not None:
+                    finished[c.finish_reason] = finished.get(c.finish_reason, 0) + 1
 
 
 class LLMEngine(EngineCore):

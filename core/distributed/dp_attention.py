@@ -82,6 +82,12 @@ class DataParallelRanks:
     def finish(self, request_id: str, index: int, stop: str) -> None:
         self._next[self.owner[request_id] - 1].finishes.append((request_id, index, stop))
 
+    def reset_counters(self) -> None:
+        """Zero every rank's counters with the next step; their totals read as zero until then."""
+        for msg in self._next:
+            msg.reset_counters = True
+        self.stats = [RankStats(r.num_running, r.num_waiting, r.kv_usage, 0, 0, 0) for r in self.stats]
+
     def busy(self) -> bool:
         return bool(self.owner)
 
@@ -126,6 +132,8 @@ def serve_requests(conn, replies, core) -> None:
             return
         if not isinstance(msg, RankRequests):
             return
+        if msg.reset_counters:
+            core.reset_counters()
         for a in msg.adds:
             try:
                 core.add_request(a.request_id, a.prompt_token_ids, a.params)

@@ -43,11 +43,13 @@ class AddRequest(msgspec.Struct, array_like=True):
 
 
 class RankRequests(msgspec.Struct, tag=True):
-    """A data-parallel step: run one step, after taking these."""
+    """A data-parallel step: run one step, after taking these (and zeroing the rank's counters first
+    if rank 0's were zeroed since the last step)."""
 
     adds: list[AddRequest]
     aborts: list[str]
     finishes: list[tuple[str, int, str]]  # (request id, completion index, stop string)
+    reset_counters: bool = False
 
 
 class RankStats(msgspec.Struct, array_like=True):

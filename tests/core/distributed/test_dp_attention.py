@@ -2,8 +2,8 @@
 rank serving its own requests through attention with its own KV cache and scheduler, the experts
 partitioned over both (all_to_all), gives the greedy tokens of one process: through chunked
 prefill, preemption (few pages per rank) and prefix-cache hits on the rank that holds the prefix;
-with one rank idle while the other works (either way round); a killed rank fails the engine naming
-it. And 4 processes with the experts split (the ranks' tokens gathered), each rank its share. One 2-rank engine per module (the failure test kills it last)."""
+with one rank idle while the other works (either way round); zeroing the counters zeroes every
+rank's; a killed rank fails the engine naming it. And 4 processes with the experts split (the ranks' tokens gathered), each rank its share. One 2-rank engine per module (the failure test kills it last)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
+from engine.core.engine import EngineCounters
 from engine.core.errors import EngineDeadError
 from engine.server.engine_args import add_engine_args, engine_config
 
@@ -84,6 +85,22 @@ def test_an_abort_reaches_the_rank_that_runs_the_request(dp2):
     assert [o.outputs[0].finish_reason for o in ended if o.request_id == "b" and o.finished] == ["abort"]
     assert engine.abort_request("a").outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+
+
+def test_zeroed_counters_are_every_ranks(dp2):
+    engine = dp2.engine
+    batch = [list(range(10, 50)), list(range(60, 100))]  # the first to rank 0, the second to rank 1
+    tokens(dp2, batch)
+    assert engine.stats().prefix_cache_queries > engine.kv_manager.stats().prefix_queries > 0
+    engine.reset_counters()
+    s = engine.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions) == (0, 0, 0)
+    assert engine.counters == EngineCounters()
+    tokens(dp2, batch)  # again, each on the rank that caches it
+    s = engine.stats()
+    assert s.prefix_cache_queries == 2 * 39  # both ranks' since the reset only (last tokens are never looked up)
+    assert s.prefix_cache_hits > engine.kv_manager.stats().prefix_hits > 0
+    assert engine.counters == EngineCounters(80, 2 * PARAMS.max_tokens, {"length": 2})  # rank 1's tokens too
 
 
 def test_four_ranks_each_serve_a_share(single, dsv4, run_seed):
