@@ -12,7 +12,6 @@ import enum
 class ErrorCode(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"  # a field the caller can fix
     ENGINE_DEAD = "engine_dead"  # the engine loop or process is gone
-    KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt's KV did not arrive from the prefill engine
 
 
 class EngineError(Exception):
@@ -48,20 +47,9 @@ class EngineDeadError(EngineError, RuntimeError):
         super().__init__(detail)
 
 
-class KVTransferError(EngineError, RuntimeError):
-    """Prefill/decode disaggregation: the request's prompt KV could not be fetched or was not whole."""
-
-    code = ErrorCode.KV_TRANSFER_FAILED
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-
-
 def rebuild(code: str, detail: str, field: str | None) -> EngineError:
     """The error another process sent as its parts (an unknown code is refused)."""
     code = ErrorCode(code)
     if code is ErrorCode.INVALID_REQUEST:
         return InvalidRequest(field, detail)
-    if code is ErrorCode.KV_TRANSFER_FAILED:
-        return KVTransferError(detail)
     return EngineDeadError(detail)

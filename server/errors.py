@@ -31,7 +31,6 @@ def invalid(param: str | None, message: str) -> APIError:
 _STATUS: dict[ErrorCode, tuple[int, str, str | None]] = {
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
     ErrorCode.ENGINE_DEAD: (500, "internal_server_error", "engine_dead"),
-    ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable", "kv_transfer_failed"),
 }
 
 

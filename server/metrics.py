@@ -97,7 +97,9 @@ class ServerMetrics:
             self._hicache(h, metric)
         if (t := stats.kv_transfer) is not None:  # a decode engine's KV transfers (prefill/decode disaggregation)
             one("kv_transfer_total", "counter", "Prompt KV transfers received whole.", t.num_transfers)
-            one("kv_transfer_failed_total", "counter", "Prompt KV transfers that failed.", t.num_failed)
+            one("kv_transfer_failed_total", "counter",
+                "Prompt KV transfers that failed (checksum, peer, timeout): each prompt computed here instead.",
+                t.num_failed)
             one("kv_transfer_pages_total", "counter", "KV pages received.", t.pages_received)
             one("kv_transfer_bytes_total", "counter", "KV bytes received.", t.bytes_received)
             one("kv_transfer_pages_reused_total", "counter", "KV pages not sent: the prefix cache held them.",

@@ -10,7 +10,7 @@ import msgspec
 
 
 class TransferCounters(msgspec.Struct):
-    """Since start-up: transfers done and failed, the pages and bytes received, and the pages not
+    """Since start-up: transfers done and failed (a failed one's prompt is computed here), the pages and bytes received, and the pages not
     sent because the prefix cache held them already."""
 
     num_transfers: int = 0

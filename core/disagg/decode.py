@@ -6,9 +6,11 @@ holds is shared from there, as in a colocated engine) and the rest of the room i
 prefill engine the request names: only the pages past the cache hit move. When the pages arrived whole (sizes, digests and every checksum checked,
 payload.py) they are written into the KV cache and the request joins the running batch with its
 prompt computed but for the last token, which its first step computes, drawing the first token as
-a colocated engine would. A transfer that fails (the prefill engine gone or refusing, a page cut
-short or corrupt) fails the request with ``KVTransferError`` and gives its pages back; so does an
-abort. ``transfers`` counts what moved (engine:kv_transfer_* on /metrics).
+a colocated engine would. A transfer that fails (the prefill engine gone, refusing or out of time,
+a page cut short or corrupt) gives the pages back and queues the request as a colocated engine
+would: this engine computes its prompt (its prefix cache still serving what it holds), so the
+answer is the one a colocated engine gives, later. An abort gives the pages back too.
+``transfers`` counts what moved and what failed (engine:kv_transfer_* on /metrics).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..engine import EngineCore, EngineStats
-from ..errors import InvalidRequest, KVTransferError
+from ..errors import InvalidRequest
 from ..families.kv_transport import Fetch, TransferStatus
 from ..request import Request
 from ..sampling_params import SamplingParams
@@ -99,10 +101,9 @@ class DecodeEngine(EngineCore):
             if status is TransferStatus.FAILED:
                 del self._arriving[request_id]
                 kvm.free(seq, cache=False)
-                del self.requests[request_id]
-                logger.warning("request %s failed: %s", request_id, a.fetch.error)
+                logger.warning("request %s: computing its prompt here: %s", request_id, a.fetch.error)
                 self.transfers.num_failed += 1
-                self.failures.append((request_id, KVTransferError(a.fetch.error)))
+                super()._queue(a.req)
                 continue
             if not a.imported:
                 payload = a.fetch.payload()

@@ -6,7 +6,8 @@ asks first waits; the request runs as one of at most one token (as SGLang's pref
 step that computes the end of its prompt exports the prompt's pages (payload.py) and publishes
 them, before the request ends and its pages go back. What was published stays staged in the
 transport until the decode engine fetched it or ``timeout`` passed, then is dropped; an aborted
-request withdraws its room.
+request withdraws its room. A room the transport still knows is refused (``InvalidRequest``): a
+client must not take over another request's room.
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ class PrefillEngine(EngineCore):
         if peer is None:
             raise InvalidRequest("bootstrap_room", "is required: a prefill engine serves requests the gateway "
                                  "sends with a bootstrap host, port and room")
-        req = super().add_request(request_id, ids, dataclasses.replace(params, max_tokens=1, min_tokens=0))
-        self._offers[request_id] = self.transport.offer(peer.room)
+        try:
+            offer = self.transport.offer(peer.room)
+        except ValueError as exc:
+            raise InvalidRequest("bootstrap_room", f"{peer.room} is refused: {exc}") from None
+        try:
+            req = super().add_request(request_id, ids, dataclasses.replace(params, max_tokens=1, min_tokens=0))
+        except BaseException:
+            offer.cancel()
+            raise
+        self._offers[request_id] = offer
         return req
 
     def abort_request(self, request_id: str):

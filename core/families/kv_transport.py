@@ -117,7 +117,9 @@ class KVTransport(ABC):
 
     @abstractmethod
     def offer(self, room: int) -> Offer:
-        """Prefill side: a decode engine may fetch ``room`` from now on (it waits for the pages)."""
+        """Prefill side: a decode engine may fetch ``room`` from now on (it waits for the pages).
+        ValueError for a room still known here (a forged or replayed room must not take another
+        request's place)."""
 
     @abstractmethod
     def fetch(self, peer: KVPeer, expect: KVExpectation) -> Fetch:

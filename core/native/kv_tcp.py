@@ -222,6 +222,8 @@ class TcpTransport(KVTransport):
 
     def offer(self, room: int) -> Offer:
         with self._cond:
+            if room in self._rooms:
+                raise ValueError(f"room {room} is in use")
             offer = self._rooms[room] = _Offer(room, self.timeout, self._cond, self._rooms)
             self._cond.notify_all()
         return offer

@@ -2,8 +2,10 @@
 `engine gateway --pd-disaggregation` (SGLang's smg drives SGLang's bootstrap protocol), on
 tiny-qwen3-py and tiny-dsv4-py over the tcp transport, tiny-qwen3-py over nixl where installed and
 over cuda_ipc on a GPU (two engine processes sharing it).
-Greedy answers equal a single engine's; bootstrap fields are checked at the edge; a decode whose prefill never sends, and a killed prefill, fail their requests
-with a clear error while the decode server holds no page and keeps serving."""
+Greedy answers equal a single engine's; bootstrap fields are checked at the edge and a room in
+use is refused on the prefill server; a decode whose prefill never sends computes the prompt itself
+(counted) and answers as a single engine does; a killed prefill fails its requests through the
+gateway with a clear error while the decode server holds no page and keeps serving."""
 
 from __future__ import annotations
 
@@ -105,14 +107,14 @@ def test_a_repeated_prompt_moves_only_the_pages_the_decode_lacks(pd):
     assert 0 < moved[1]["bytes"] < moved[0]["bytes"]
 
 
-def _settled_metrics(server: LiveServer, before: dict[str, float], within: float = 3.0) -> dict[str, float]:
-    """/metrics once the engine reported the transfer the last request made (it reports its totals
-    with each step's outputs and every 0.5 s)."""
+def _settled_metrics(server: LiveServer, before: dict[str, float], counter: str = "engine:kv_transfer_total",
+                     within: float = 3.0) -> dict[str, float]:
+    """/metrics once ``counter`` counted the transfer the last request made (the engine reports its
+    totals with each step's outputs and every 0.5 s)."""
     deadline = time.monotonic() + within
     while True:
         m = server.metrics()
-        if m.get("engine:kv_transfer_total", 0) > before.get("engine:kv_transfer_total", 0) \
-                or time.monotonic() > deadline:
+        if m.get(counter, 0) > before.get(counter, 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
 
@@ -124,6 +126,11 @@ def _settled_metrics(server: LiveServer, before: dict[str, float], within: float
     ({"bootstrap_room": -1}, "bootstrap_room"),
     ({"bootstrap_room": "7"}, "bootstrap_room"),
     ({"bootstrap_room": [1, 2]}, "bootstrap_room"),
+    ({"bootstrap_room": True}, "bootstrap_room"),
+    ({"bootstrap_room": 2**63}, "bootstrap_room"),
+    ({"bootstrap_port": 8998.0}, "bootstrap_port"),
+    ({"bootstrap_host": "127.0.0.1\x00.evil"}, "bootstrap_host"),
+    ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),  # vLLM's, incomplete
 ])
 def test_bootstrap_fields_are_checked_before_the_engine(pd, fields, param):
     _, decode, _, port, _ = pd
@@ -135,13 +142,33 @@ def test_bootstrap_fields_are_checked_before_the_engine(pd, fields, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_a_decode_whose_prefill_never_sends_fails_and_holds_nothing(pd):
-    _, decode, _, port, _ = pd
-    body = {"prompt": "def main():\n    return 1", "max_tokens": 2, "bootstrap_host": "127.0.0.1",
+def test_a_room_in_use_on_the_prefill_is_refused(pd):
+    """A client must not take over another request's room: the prefill server keeps a published
+    room until it is fetched or its timeout passes, and refuses it to anyone else meanwhile."""
+    prefill, _, _, port, _ = pd
+    body = {"prompt": PROMPTS[1], "max_tokens": 1, "bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+            "bootstrap_room": random.randrange(2**63)}
+    first = httpx.post(prefill.url + "/v1/completions", json=body, headers=prefill.headers, timeout=60)
+    assert first.status_code == 200, first.text
+    again = httpx.post(prefill.url + "/v1/completions", json=body | {"prompt": "import sys"},
+                       headers=prefill.headers, timeout=60)
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["param"] == "bootstrap_room" and "in use" in again.json()["error"]["message"]
+    assert _used_tokens(prefill) == 0
+
+
+def test_a_decode_whose_prefill_never_sends_computes_the_prompt_itself(pd):
+    """The room is unknown to the prefill server, which says so after its timeout: the decode server
+    counts the failed transfer, computes the prompt and answers as a single engine does."""
+    _, decode, _, port, want = pd
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": port, "bootstrap_room": random.randrange(2**63)}
+    before = decode.metrics()
     r = httpx.post(decode.url + "/v1/completions", json=body, headers=decode.headers, timeout=60)
-    assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == "kv_transfer_failed" and "no request in room" in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want[0]
+    failed = "engine:kv_transfer_failed_total"
+    assert _settled_metrics(decode, before, failed)[failed] == before.get(failed, 0) + 1
     assert _used_tokens(decode) == 0
 
 

@@ -1,14 +1,18 @@
 """Prefill/decode disaggregation between two engines in this process over the tcp transport
 (loopback), over nixl where it is installed and over cuda_ipc on a GPU: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
-page back afterwards; an aborted request gives its pages back on both sides; a prefill engine that
-dies mid-transfer, or sends a corrupt page, fails the request with KVTransferError and the decode
-engine holds no page for it."""
+page back afterwards; an aborted request gives its pages back on both sides; a room in use is
+refused on the prefill engine; a transfer that fails (a prefill engine that dies mid-page, sends a
+corrupt page, refuses, is not one, or is gone) is counted and the decode engine computes the prompt
+itself, answering as a colocated engine does and holding no page afterwards."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import random
+import re
+import socket
 import time
 
 import pytest
@@ -18,7 +22,7 @@ from engine.core.config import EngineConfig
 from engine.core.disagg import engine_class
 from engine.core.disagg.payload import expectation
 from engine.core.engine import EngineCore
-from engine.core.errors import KVTransferError
+from engine.core.errors import InvalidRequest
 from engine.core.registry import SelectionError
 from engine.core.families.cache_tier import page_checksum
 from engine.core.families.kv_transport import KVPeer
@@ -139,26 +143,57 @@ def test_an_aborted_request_gives_its_pages_back_on_both_sides(engines):
         assert_idle(e)
 
 
+def test_a_room_in_use_is_refused_and_its_request_served(engines, seed):
+    """A client naming another request's room on the prefill engine must not take its place."""
+    pair, reference = engines
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [random.randrange(5, 4000) for _ in range(40)]
+    params = dataclasses.replace(greedy, kv_transfer=pair.peer())
+    pair.prefill.add_request("owner", ids, params)
+    pair.decode.add_request("owner", ids, params)
+    with pytest.raises(InvalidRequest, match="bootstrap_room .* is in use"):
+        pair.prefill.add_request("thief", [random.randrange(5, 4000) for _ in range(40)], params)
+    failed = pair.decode.stats().kv_transfer.num_failed
+    got, failures = drive(pair.prefill, pair.decode, 60)
+    assert not failures and got == colocated(reference, {"owner": (ids, greedy)})
+    assert pair.decode.stats().kv_transfer.num_failed == failed
+    for e in (pair.prefill, pair.decode):
+        assert_idle(e)
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+FAULTS = {"dies mid-page": "closed the connection", "corrupt page": "failed its checksum",
+          "refuses": "refused .*no request in room", "answers junk": "not authenticated",
+          "peer gone": "Connection refused"}
+
+
 @pytest.mark.parametrize("engines", OVER_TCP, indirect=True, ids=lambda p: "-".join(p))  # a fake tcp prefill
-@pytest.mark.parametrize("fault", ["dies mid-page", "corrupt page"])
-def test_a_failed_transfer_fails_the_request_and_leaks_no_page(engines, fault):
-    pair, _ = engines
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_failed_transfer_is_computed_here_with_the_colocated_answer(engines, fault, caplog, seed):
+    pair, reference = engines
     dec = pair.decode
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ids = [random.randrange(5, 4000) for _ in range(70)]
-    expect = expectation(dec.kv_manager, dec.components.kv, ids)
-    pages = [random.randbytes(size) for size in expect.page_sizes]
-    checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
-    if fault == "corrupt page":
-        pages[-1] = bytes([pages[-1][0] ^ 1]) + pages[-1][1:]
-    fake = FakePrefill(dec.config.disaggregation.secret.encode(), pages, checksums,
-                       cut=len(pages[0]) // 2 if fault == "dies mid-page" else None)
-    params = SamplingParams(temperature=0, max_tokens=4, kv_transfer=KVPeer("127.0.0.1", fake.port, 7))
-    dec.add_request("doomed", ids, params)
-    got, failures = drive(None, dec, 60)
-    assert not got and set(failures) == {"doomed"}
-    exc = failures["doomed"]
-    assert isinstance(exc, KVTransferError)
-    assert ("closed the connection" if fault == "dies mid-page" else "failed its checksum") in str(exc)
+    want = colocated(reference, {"doomed": (ids, greedy)})
+    port = _closed_port()
+    if fault != "peer gone":
+        expect = expectation(dec.kv_manager, dec.components.kv, ids)
+        pages = [random.randbytes(size) for size in expect.page_sizes]
+        checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
+        if fault == "corrupt page":
+            pages[-1] = bytes([pages[-1][0] ^ 1]) + pages[-1][1:]
+        port = FakePrefill(dec.config.disaggregation.secret.encode(), pages, checksums, fault).port
+    failed = dec.stats().kv_transfer.num_failed
+    dec.add_request("doomed", ids, dataclasses.replace(greedy, kv_transfer=KVPeer("127.0.0.1", port, 7)))
+    with caplog.at_level(logging.WARNING, logger="engine.core.disagg.decode"):
+        got, failures = drive(None, dec, 60)
+    assert not failures and got == want
+    assert re.search(f"request doomed: computing its prompt here: .*{FAULTS[fault]}", caplog.text)
+    assert dec.stats().kv_transfer.num_failed == failed + 1
     assert_idle(dec)
 
 
