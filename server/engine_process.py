@@ -4,7 +4,8 @@ Started by the API process as ``python -m engine.server.engine_process`` with th
 as JSON on stdin and two socket addresses the API process has bound. It sends ``Ready`` once the
 model is loaded, then per step the core's typed outputs (token deltas) of the requests it changed, and a heartbeat
 with the gauges while idle; a thread says ``Alive`` while the loop makes progress (liveness.py).
-A dead loop says ``Failed`` and exits non-zero; a vanished parent ends it too, and then it removes
+A dead loop says ``Failed``, stops its other tensor-parallel ranks (a rank that died
+ends the loop) and exits non-zero; a vanished parent ends it too, and then it removes
 the sockets' directory itself, so neither the engine nor its sockets outlive the server.
 
 It runs in its own session (the API process starts it so): Ctrl-C in a terminal or a signal to the
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     push.setsockopt(zmq.LINGER, 2000)
     pull.connect(args.input)
     push.connect(args.output)
+    engine = None
     try:
         config = EngineConfig(**json.loads(sys.stdin.read()))
         engine = engine_class(config)(config)
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("engine loop died")
         push.send(wire.encoder.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
         push.close(linger=2000)
+        if engine is not None:  # its other tensor-parallel ranks stopped and reaped here, not left to a
+            engine.shutdown()  # finalizer that may run in a daemon thread cut off at exit
         return 1
     push.close()
     pull.close()

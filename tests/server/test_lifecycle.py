@@ -1,4 +1,4 @@
-"""Engine death, a stopped engine, SIGTERM/SIGINT drain (to the process or its whole group), abort on
+"""Engine death (of the engine process, or of one of its tensor-parallel ranks), a stopped engine, SIGTERM/SIGINT drain (to the process or its whole group), abort on
 shutdown timeout, 429 past the concurrency cap, and no engine or sockets left after a killed server."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from engine.server.liveness import SILENCE_S
-from live_server import LiveServer
+from live_server import LiveServer, engine_children
 
 
 def _body(max_tokens: int, stream: bool = True) -> dict:
@@ -101,6 +101,31 @@ def test_killed_engine_turns_health_503_fails_requests_and_exits(tiny_qwen3, tmp
     assert refused.status_code == 503 and refused.json()["error"]["message"]
     assert server.proc.wait(20) == 1
     assert _gone(engine)
+
+
+def test_a_killed_rank_turns_health_503_and_every_rank_exits(tiny_qwen3, tmp_path):
+    """4 tensor-parallel ranks over gloo, streams in flight: rank 2 killed. The others, rank 0 (the
+    engine process) included, are stopped and reaped by the time the server has exited."""
+    server = _start(tiny_qwen3, tmp_path, "--tensor-parallel-size", "4", "--num-pages", "256")
+    engine = server.engine_pid()
+    ranks = {int(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[4]): pid for pid in engine_children(engine)}
+    assert sorted(ranks) == [1, 2, 3]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            jobs = await _started_streams(client, server, 2, 900)
+            os.kill(ranks[2], signal.SIGKILL)
+            t0 = time.monotonic()
+            while (health := await client.get(server.url + "/health")).status_code != 503:
+                assert time.monotonic() - t0 < 5, "/health still 200 five seconds after a rank died"
+                await asyncio.sleep(0.05)
+            return health.json()["error"]["message"], await asyncio.gather(*jobs)
+
+    why, reasons = asyncio.run(main())
+    assert "tensor-parallel rank 2 died (exit code -9)" in why
+    assert reasons == ["error", "error"]
+    assert server.proc.wait(20) == 1
+    assert [pid for pid in (engine, *ranks.values()) if not _gone(pid)] == []  # none left, not even a zombie
 
 
 def test_sigterm_drains_in_flight_and_refuses_new_work(tiny_qwen3, tmp_path):
