@@ -340,7 +340,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     def message(c: Completion) -> tuple[ChatResponseMessage, str]:
         parser = prompt.output_parser()
         out = parser.feed(c.text, final=True)
-        calls = [ResponseToolCall.of(call_id, call) for call_id, call in out.calls] or None
+        calls = [ResponseToolCall.of(call_id, call) for call_id, call in out.tool_calls()] or None
         content = None if calls and not out.content else out.content
         return (ChatResponseMessage(content=content, reasoning_content=out.reasoning or None, tool_calls=calls),
                 finish_reason(c, parser))
@@ -366,16 +366,15 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
                                    usage=usage).model_dump_json()
 
     def deltas(parser: ChatOutputParser, text: str, final: bool) -> list[ChatDelta]:
-        """The update's deltas: reasoning, then content, then each new call (its name, then its arguments)."""
-        first_call = parser.num_calls
+        """The update's deltas: reasoning, then content, then the calls' pieces (a call's name, then its arguments)."""
         out = parser.feed(text, final)
         found = [ChatDelta(reasoning_content=out.reasoning)] if out.reasoning else []
         if out.content:
             found.append(ChatDelta(content=out.content))
-        for k, (call_id, call) in enumerate(out.calls):
-            index = first_call + k
-            found.append(ChatDelta(tool_calls=[DeltaToolCall.named(index, call_id, call.name)]))
-            found.append(ChatDelta(tool_calls=[DeltaToolCall.arguments_of(index, call.arguments)]))
+        for d in out.calls:
+            call = (DeltaToolCall.named(d.index, out.ids[d.index], d.name) if d.name is not None
+                    else DeltaToolCall.arguments_of(d.index, d.arguments))
+            found.append(ChatDelta(tool_calls=[call]))
         return found
 
     async def events() -> AsyncIterator[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import CallScanner, ToolCall, ToolCallFormat
+from .base import CallDelta, CallScanner, ToolCall, ToolCallFormat, joined_calls
 from .deepseek_v3 import DeepSeekV31Format, DeepSeekV3Format
 from .deepseek_v4 import DeepSeekV4Format
 from .hermes import HermesFormat
@@ -38,5 +38,5 @@ def serving_tool_format(choice: str, chat_template: str | None, added_tokens: li
     return tool_call_format(choice)
 
 
-__all__ = ["CallScanner", "FORMATS", "ToolCall", "ToolCallFormat", "detect_tool_call_format", "serving_tool_format",
-           "tool_call_format"]
+__all__ = ["CallDelta", "CallScanner", "FORMATS", "ToolCall", "ToolCallFormat", "detect_tool_call_format", "serving_tool_format",
+           "tool_call_format", "joined_calls"]

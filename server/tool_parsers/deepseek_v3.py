@@ -29,6 +29,8 @@ class DeepSeekV3Format(_DeepSeekBlock):
     name = "deepseek_v3"
     separator = "\n"
     template_markers = (CALLS_BEGIN, "function" + SEP, "```json")
+    HEADER = re.compile(r"\s*function" + SEP + r"(?P<name>[^\n]+)\n```(?:json)?\n\s*(?=\{)")
+    trailer = "```"
     _BODY = re.compile(r"\s*function" + SEP + r"(?P<name>[^\n]+)\n```(?:json)?\n(?P<args>.*)\n```\s*", re.DOTALL)
 
     def read_call(self, body: str) -> tuple[str, dict] | None:
@@ -43,6 +45,7 @@ class DeepSeekV3Format(_DeepSeekBlock):
 class DeepSeekV31Format(_DeepSeekBlock):
     name = "deepseek_v31"
     template_markers = (CALLS_BEGIN, SEP)
+    HEADER = re.compile(r"\s*(?P<name>[^<]+)" + SEP + r"\s*(?=\{)")
 
     def read_call(self, body: str) -> tuple[str, dict] | None:
         name, sep, args = body.partition(SEP)

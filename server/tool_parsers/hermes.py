@@ -4,6 +4,7 @@ one block per call."""
 from __future__ import annotations
 
 import json
+import re
 
 from .base import ToolCallFormat, json_schema_format
 
@@ -14,6 +15,8 @@ class HermesFormat(ToolCallFormat):
     call_end = "</tool_call>"
     separator = "\n"
     template_markers = ("<tool_call>", "</tool_call>")
+    HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+    trailer = "}"  # the call's object around the arguments
 
     def read_call(self, body: str) -> tuple[str, dict] | None:
         call = json.loads(body)

@@ -14,7 +14,7 @@ import pytest
 
 from engine.server.chat_output import ChatOutputParser
 from engine.server.reasoning import ReasoningSplitter, opening, serving_reasoning_parser
-from engine.server.tool_parsers import ToolCall, tool_call_format
+from engine.server.tool_parsers import ToolCall, joined_calls, tool_call_format
 
 pytest.importorskip("xgrammar")
 
@@ -34,12 +34,12 @@ CASES = [
 def _split(state, text, pieces=None, tools=False):
     scanner = tool_call_format("hermes").scanner({"f"}) if tools else None
     parser = ChatOutputParser(ReasoningSplitter(state), scanner)
-    reasoning, content, calls, so_far = "", "", [], ""
+    reasoning, content, deltas, so_far = "", "", [], ""
     for k, piece in enumerate(pieces or [text]):
         so_far += piece
         d = parser.feed(so_far, k == len(pieces or [text]) - 1)
-        reasoning, content, calls = reasoning + d.reasoning, content + d.content, calls + [c for _, c in d.calls]
-    return reasoning, content, calls
+        reasoning, content, deltas = reasoning + d.reasoning, content + d.content, deltas + d.calls
+    return reasoning, content, joined_calls(deltas)
 
 
 def _pieces(text: str, rng: random.Random) -> list[str]:

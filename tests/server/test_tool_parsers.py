@@ -1,6 +1,8 @@
 """Tool-call parsers on hand-written outputs in each format: calls read back with their arguments,
-malformed ones left as content (never an error), the same answer when the text comes in random
-pieces as a stream, and every well-formed output accepted by the grammar that forces that format."""
+malformed markup left as content (never an error), the same answer when the text comes in pieces
+as a stream (cut anywhere, or at the tiny tokenizer's tokens), a call's name and then its arguments
+streamed while it is being written, and every well-formed output accepted by the grammar that forces
+that format."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from engine.server.chat_output import ChatOutputParser
 from engine.server.reasoning import ReasoningSplitter, constraint_prefix
-from engine.server.tool_parsers import FORMATS, ToolCall, detect_tool_call_format, tool_call_format
+from engine.server.tool_parsers import FORMATS, ToolCall, detect_tool_call_format, joined_calls, tool_call_format
 
 NAMES = {"get_weather", "search"}
 PARIS = ToolCall("get_weather", '{"city": "Paris", "days": 3}')
@@ -52,12 +54,15 @@ CASES = [
     ("hermes", "Let me look.\n" + _hermes("get_weather", P_ARGS), "Let me look.", [PARIS]),
     ("hermes", _hermes("get_weather", P_ARGS) + "\n" + _hermes("search", C_ARGS), "", [PARIS, CATS]),
     ("hermes", "no calls here, only <tool text", "no calls here, only <tool text", []),
-    ("hermes", _hermes("get_weather", '{"city": "Par'), None, []),  # arguments that do not parse
+    # a call whose header read has gone out by name: its arguments are what the model wrote
+    ("hermes", _hermes("get_weather", '{"city": "Par'), "", [ToolCall("get_weather", '{"city": "Par')]),
+    ("hermes", '<tool_call>\n{"name": "get_weather" "arguments": {}}\n</tool_call>', None, []),  # no comma
     ("hermes", _hermes("unknown_tool", P_ARGS), None, []),
     ("hermes", '<tool_call>\n{"name": "search", "arguments": [1]}\n</tool_call>', None, []),  # not an object
     ("hermes", '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": 1}"}\n</tool_call>', "",
      [ToolCall("search", '{"q": 1}')]),  # arguments as a JSON string
     ("hermes", "A\n" + _hermes("search", C_ARGS)[:-len("</tool_call>")], "A", [CATS]),  # closed by the end
+    ("hermes", "A\n" + _hermes("search", C_ARGS)[:-1], "A", [CATS]),  # cut short in its end marker
     ("hermes", _hermes("bad", "{}") + " then " + _hermes("search", C_ARGS),
      _hermes("bad", "{}") + " then", [CATS]),
     ("deepseek_v3", "Sure." + CB + _v3("get_weather", P_ARGS) + "\n" + _v3("search", C_ARGS) + CE, "Sure.",
@@ -67,15 +72,17 @@ CASES = [
     ("deepseek_v3", CB + _v3("get_weather", P_ARGS), "", [PARIS]),  # the block left open
     ("deepseek_v31", CB + _v31("get_weather", P_ARGS) + _v31("search", C_ARGS) + CE + " done", " done",
      [PARIS, CATS]),
-    ("deepseek_v31", CB + _v31("get_weather", "{oops}") + _v31("search", C_ARGS) + CE,
-     _v31("get_weather", "{oops}"), [CATS]),
+    ("deepseek_v31", CB + _v31("get_weather", "{oops}") + _v31("search", C_ARGS) + CE, "",
+     [ToolCall("get_weather", "{oops}"), CATS]),
+    ("deepseek_v31", CB + _v31("nothing", "{}") + CE, _v31("nothing", "{}"), []),
     ("deepseek_v31", "x" + CB + "junk" + CE, "xjunk", []),
     ("deepseek_v4", "Checking." + _v4_block(_v4("get_weather", P_PARAMS), _v4("search", C_PARAMS)), "Checking.",
      [PARIS, CATS]),
     ("deepseek_v4", _v4_block(f'<{D}invoke name="get_weather">\n<{D}parameter name="days" string="false">'
-                              f'three</{D}parameter>\n</{D}invoke>\n'),
-     f'\n\n<{D}invoke name="get_weather">\n<{D}parameter name="days" string="false">three</{D}parameter>\n</{D}invoke>',
-     []),  # not JSON where string="false"
+                              f'three</{D}parameter>\n</{D}invoke>\n'), "",
+     [ToolCall("get_weather", '{"days": "three"}')]),  # not JSON where string="false": a string
+    ("deepseek_v4", _v4_block(_v4("search", {"query": 'a "quoted"\nline', "filters": {"k": [1, 2]}})), "",
+     [ToolCall("search", '{"query": "a \\"quoted\\"\\nline", "filters": {"k": [1, 2]}}')]),
     ("deepseek_v4", _v4_block(_v4("nope", P_PARAMS)), "\n\n" + _v4("nope", P_PARAMS).rstrip(), []),
 ]
 
@@ -86,15 +93,13 @@ def _expected_content(text: str, content: str | None) -> str:
 
 def _read(fmt: str, text: str, pieces: list[str] | None = None, parallel: bool = True):
     scanner = tool_call_format(fmt).scanner(NAMES, None if parallel else 1)
-    if pieces is None:
-        return scanner.feed(text, True)
-    content, calls, so_far = "", [], ""
-    for k, piece in enumerate(pieces):
+    content, deltas, so_far = "", [], ""
+    for k, piece in enumerate(pieces or [text]):
         so_far += piece
-        c, new = scanner.feed(so_far, k == len(pieces) - 1)
+        c, new = scanner.feed(so_far, k == len(pieces or [text]) - 1)
         content += c
-        calls += new
-    return content, calls
+        deltas += new
+    return content, joined_calls(deltas)
 
 
 def _random_pieces(text: str, rng: random.Random) -> list[str]:
@@ -107,8 +112,6 @@ def test_outputs_read_into_content_and_calls(fmt, text, content, calls):
     got_content, got_calls = _read(fmt, text)
     assert got_calls == calls
     assert got_content == _expected_content(text, content)
-    for call in got_calls:
-        assert isinstance(json.loads(call.arguments), dict)
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -118,6 +121,47 @@ def test_streamed_pieces_add_up_to_the_whole(fmt, text, content, calls, seed):
     for _ in range(20):
         assert _read(fmt, text, _random_pieces(text, rng)) == whole
     assert _read(fmt, text, list(text)) == whole  # a character at a time
+    for cut in range(1, len(text)):  # every split point
+        assert _read(fmt, text, [text[:cut], text[cut:]]) == whole
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shared_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(shared_dir / "models" / "tiny-qwen3-py" / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_token_streams_add_up_to_the_whole(fmt, text, content, calls, tokenizer):
+    """The text in the pieces a model writes it in: the tiny tokenizer's tokens (the markers are
+    no special tokens there, so they arrive split over several)."""
+    ends = sorted({end for _, end in tokenizer.encode(text, add_special_tokens=False).offsets} - {0} | {len(text)})
+    pieces = [text[a:b] for a, b in zip([0, *ends], ends)]
+    assert len(pieces) > 5 and _read(fmt, text, pieces) == _read(fmt, text)
+
+
+STREAMED = [("hermes", "Hm. " + _hermes("search", C_ARGS)), ("deepseek_v3", CB + _v3("search", C_ARGS) + CE),
+            ("deepseek_v31", CB + _v31("search", C_ARGS) + CE),
+            ("deepseek_v4", _v4_block(_v4("search", C_PARAMS)))]
+
+
+@pytest.mark.parametrize("fmt,text", STREAMED, ids=[f for f, _ in STREAMED])
+def test_arguments_stream_while_the_call_is_written(fmt, text):
+    """A call's name goes out once its header is in, then its arguments grow with the text, before
+    the call closes: every prefix's arguments begin the final ones, and the string in them streams."""
+    scanner = tool_call_format(fmt).scanner(NAMES)
+    sent: list = []
+    at_cats = None
+    for cut in range(1, len(text) + 1):
+        sent += scanner.feed(text[:cut], cut == len(text))[1]
+        if at_cats is None and text[:cut].endswith("cats <"):
+            at_cats = list(sent)
+    assert sent[0].name == "search" and all(d.name is None for d in sent[1:])
+    assert joined_calls(sent) == [CATS]
+    args_then = "".join(d.arguments for d in at_cats)
+    assert at_cats[0].name == "search" and args_then.startswith('{"query": "cats') and CATS.arguments.startswith(args_then)
+    assert len(sent) > 10  # in many pieces
 
 
 def test_only_the_first_call_where_parallel_calls_are_off():
@@ -148,7 +192,7 @@ def test_the_forcing_grammar_accepts_what_the_parser_reads(fmt):
             assert not _is_grammar_accept_string(grammar, prefix + one.replace("3", "x3"))
             parser = ChatOutputParser(ReasoningSplitter(state), f.scanner(set(schemas)))
             out = parser.feed(prefix + one, True)
-            assert out.calls[0][1] == PARIS and out.content == "" and out.reasoning == ("a thought" if prefix else "")
+            assert out.tool_calls()[0][1] == PARIS and out.content == "" and out.reasoning == ("a thought" if prefix else "")
     bad = {**schemas, "get_weather": {"type": "object", "properties": {"days": {"type": "integer"}},
                                       "required": ["days"], "additionalProperties": False}}
     assert not _is_grammar_accept_string(xgr.Grammar.from_structural_tag(
