@@ -53,8 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"turns it 503 after {SILENCE_S:g} s of silence whatever this is)")
     g.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
     g.add_argument("--tool-call-parser", default="auto", type=_known(tool_call_format), metavar="NAME",
-                   help="how the model writes tool calls: hermes (Qwen3), deepseek_v3, deepseek_v31, deepseek_v4 "
-                        "(DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
+                   help="how the model writes tool calls: hermes (Qwen3), deepseek_v3, deepseek_v31, deepseek_v32, "
+                        "deepseek_v4 (DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
     g.add_argument("--reasoning-parser", default="auto", type=_known(reasoning_parser), metavar="NAME",
                    help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1, deepseek_v3, "
                         "deepseek_v4, or none; auto (default): where the chat template writes <think>, or the "

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from .base import CallDelta, CallScanner, ToolCall, ToolCallFormat, joined_calls
 from .deepseek_v3 import DeepSeekV31Format, DeepSeekV3Format
+from .deepseek_v32 import DeepSeekV32Format
 from .deepseek_v4 import DeepSeekV4Format
 from .hermes import HermesFormat
 
 # the most specific first: detection takes the first whose markers are all in the template
-FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (DeepSeekV4Format(), DeepSeekV3Format(),
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (DeepSeekV32Format(), DeepSeekV4Format(), DeepSeekV3Format(),
                                                           DeepSeekV31Format(), HermesFormat())}
 ALIASES = {"qwen3": "hermes", "qwen25": "hermes", "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31",
+           "deepseekv32": "deepseek_v32",
            "deepseekv4": "deepseek_v4"}
 
 

@@ -1,5 +1,5 @@
 """DeepSeek-V4's tool calls, in DSML (its published chat encoding, encoding/encoding_dsv4.py; V3.2's
-``encoding_dsv32.py`` writes the same calls in a ``function_calls`` block, server/tool_parsers/deepseek_v32.py):
+writes the same calls in a ``function_calls`` block, server/tool_parsers/deepseek_v32.py):
 
     <｜DSML｜tool_calls>
     <｜DSML｜invoke name="NAME">

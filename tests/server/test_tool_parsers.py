@@ -42,8 +42,8 @@ def _v4(name, params):
     return f'<{D}invoke name="{name}">\n{body}</{D}invoke>\n'
 
 
-def _v4_block(*calls):
-    return f"\n\n<{D}tool_calls>\n{''.join(calls)}</{D}tool_calls>"
+def _v4_block(*calls, block="tool_calls"):
+    return f"\n\n<{D}{block}>\n{''.join(calls)}</{D}{block}>"
 
 
 P_ARGS, C_ARGS = '{"city": "Paris", "days": 3}', '{"query": "cats <b>", "limit": null}'
@@ -84,6 +84,10 @@ CASES = [
     ("deepseek_v4", _v4_block(_v4("search", {"query": 'a "quoted"\nline', "filters": {"k": [1, 2]}})), "",
      [ToolCall("search", '{"query": "a \\"quoted\\"\\nline", "filters": {"k": [1, 2]}}')]),
     ("deepseek_v4", _v4_block(_v4("nope", P_PARAMS)), "\n\n" + _v4("nope", P_PARAMS).rstrip(), []),
+    ("deepseek_v32", "Checking." + _v4_block(_v4("get_weather", P_PARAMS), _v4("search", C_PARAMS),
+                                             block="function_calls"), "Checking.", [PARIS, CATS]),
+    ("deepseek_v32", _v4_block(_v4("get_weather", P_PARAMS)), _v4_block(_v4("get_weather", P_PARAMS)),
+     []),  # V4's block name is not V3.2's
 ]
 
 
@@ -143,7 +147,8 @@ def test_token_streams_add_up_to_the_whole(fmt, text, content, calls, tokenizer)
 
 STREAMED = [("hermes", "Hm. " + _hermes("search", C_ARGS)), ("deepseek_v3", CB + _v3("search", C_ARGS) + CE),
             ("deepseek_v31", CB + _v31("search", C_ARGS) + CE),
-            ("deepseek_v4", _v4_block(_v4("search", C_PARAMS)))]
+            ("deepseek_v4", _v4_block(_v4("search", C_PARAMS))),
+            ("deepseek_v32", _v4_block(_v4("search", C_PARAMS), block="function_calls"))]
 
 
 @pytest.mark.parametrize("fmt,text", STREAMED, ids=[f for f, _ in STREAMED])
@@ -182,7 +187,8 @@ def test_the_forcing_grammar_accepts_what_the_parser_reads(fmt):
     schemas = {"get_weather": weather, "search": None}
     one = {"hermes": _hermes("get_weather", P_ARGS), "deepseek_v3": CB + _v3("get_weather", P_ARGS) + CE,
            "deepseek_v31": CB + _v31("get_weather", P_ARGS) + CE,
-           "deepseek_v4": _v4_block(_v4("get_weather", P_PARAMS)).lstrip()}[fmt]
+           "deepseek_v4": _v4_block(_v4("get_weather", P_PARAMS)).lstrip(),
+           "deepseek_v32": _v4_block(_v4("get_weather", P_PARAMS), block="function_calls").lstrip()}[fmt]
     f = FORMATS[fmt]
     for forced in ("get_weather", None):
         for state, prefix in (("closed", ""), ("open", "a thought</think>"), ("maybe", "<think>a thought</think>")):
@@ -204,6 +210,7 @@ def test_the_forcing_grammar_accepts_what_the_parser_reads(fmt):
     (f"{CB}{B}function{SEP}{{{{ name }}}}\n```json\n", [], "deepseek_v3"),
     (f"{CB}{B}{{{{ name }}}}{SEP}", [], "deepseek_v31"),
     (None, ["<｜DSML｜", "<think>"], "deepseek_v4"),
+    ("{{ '<｜DSML｜function_calls>' }}", [], "deepseek_v32"),
     ("{{ messages }}", [], None),
 ])
 def test_the_format_is_detected_from_the_template_or_the_tokens(template, tokens, name):
