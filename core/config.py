@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .model_path import cached_snapshot, missing_model
 from .sizes import parse_size
 from .disagg.config import DisaggConfig
+from .distributed.dp_router import METHODS as LOAD_BALANCE_METHODS
 from .spec.config import SpecConfigError, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -143,6 +144,10 @@ class EngineConfig:
     # own requests through attention with its own KV cache and scheduler; the MoE layers span every rank
     data_parallel_size: int = 1
     enable_dp_attention: bool = False
+    # which rank a new request goes to (core/distributed/dp_router.py): prefix | shortest_queue | round_robin;
+    # prefix passes over ranks with more than load_balance_threshold requests above the least loaded one's
+    load_balance_method: str = "prefix"
+    load_balance_threshold: int = 4
     distributed_timeout: float = 300.0  # seconds a collective or a rank's start-up may take before the engine fails
     # prefill/decode disaggregation (core/disagg/): a DisaggConfig or its fields as a mapping; None: neither
     disaggregation: DisaggConfig | None = None
@@ -189,6 +194,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size > 1 or self.enable_dp_attention:
             self._check_dp_attention()
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got "
+                             f"{self.load_balance_method!r}")
+        if self.load_balance_threshold < 0:
+            raise ValueError(f"load_balance_threshold must be >= 0, got {self.load_balance_threshold}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.quantization not in QUANTIZATIONS:

@@ -126,7 +126,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
         # data-parallel attention: each rank runs its own batches, rank 0 routes requests to the others
         self.idle_steps = config.enable_dp_attention  # every step runs a forward, with no tokens if need be
-        self.dp = DataParallelRanks(self.workers) if self.idle_steps and self.workers is not None else None
+        self.dp = (DataParallelRanks(self.workers, config, c.kv_manager.num_pages)
+                   if self.idle_steps and self.workers is not None else None)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
                                   c.device, c.graphs, *((SINGLE, None) if self.idle_steps else (c.group, self.workers)))
         if c.proposer is not None:
@@ -161,7 +162,7 @@ class EngineCore:
         if request_id in self.requests or (self.dp is not None and self.dp.owns(request_id)):
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         self.validate(ids, params)
-        if self.dp is not None and (rank := self.dp.place(len(self.requests))):
+        if self.dp is not None and (rank := self.dp.place(ids, len(self.requests))):
             self.dp.add(rank, request_id, ids, params)
             self.counters.prompt_tokens += len(ids)
             return None

@@ -7,7 +7,8 @@ import dataclasses
 import logging
 
 from ..core import sizes
-from ..core.config import HICACHE_MEM_LAYOUTS, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, EngineConfig
+from ..core.config import (HICACHE_MEM_LAYOUTS, HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES, LOAD_BALANCE_METHODS,
+                           EngineConfig)
 from ..core.model_path import resolve_model
 from ..core.spec.config import SpecConfigError, SpeculativeConfig
 
@@ -81,6 +82,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-dp-attention", action="store_true",
                    help="attention and its KV cache data-parallel (each rank its own requests), the MoE layers "
                         "over every rank (DeepSeek-V4, Qwen3-MoE)")
+    g.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS, default="prefix",
+                   help="with --enable-dp-attention: the rank a new request goes to: the one caching its longest "
+                        "prefix (prefix), the one with the fewest outstanding requests (shortest_queue), or each in "
+                        "turn (round_robin)")
+    g.add_argument("--load-balance-threshold", type=int, default=4,
+                   help="with --load-balance-method prefix: ranks with more than this many outstanding requests "
+                        "above the least loaded one's are passed over")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads of the engine (default: serve: the cores the process may use less one, "
                         "left to the API process; generate and bench: torch's choice)")
@@ -147,6 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
+        load_balance_method=args.load_balance_method, load_balance_threshold=args.load_balance_threshold,
         distributed_timeout=args.distributed_timeout, cpu_threads=args.cpu_threads,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_memory=args.grammar_cache_memory,
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,

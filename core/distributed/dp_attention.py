@@ -15,7 +15,7 @@ What runs where (``--tensor-parallel-size N --data-parallel-size N --enable-dp-a
   holds a share of every expert, the ranks' tokens are all-gathered, the shares all-reduced, and
   each rank keeps its rows.
 - Rank 0 (the engine process the front talks to) is also the controller: each new request goes to
-  the rank with the fewest requests outstanding (the lowest rank among equals), which keeps it to
+  the rank that caches its longest prefix, or the least loaded (dp_router.py), which keeps it to
   the end; aborts and stop strings follow it there. Other ranks are worker processes
   (worker.py) that get, with each step, the requests, aborts and stop strings rank 0 routed to them
   (``RankRequests``), run one step of their core, and answer with its outputs (``RankOutputs``).
@@ -25,16 +25,18 @@ What runs where (``--tensor-parallel-size N --data-parallel-size N --enable-dp-a
 
 Not built: tensor-parallel attention inside a data-parallel rank (data_parallel_size equal to
 tensor_parallel_size is required), CUDA graphs (the exchanges' sizes are read on the host), the
-start-up warm-up and speculative decoding under it, and load balancing by anything but request count.
+start-up warm-up and speculative decoding under it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import EngineConfig
 from ..errors import EngineError, rebuild
 from ..outputs import EngineCoreOutput
 from ..sampling_params import SamplingParams
+from .dp_router import DataParallelRouter
 from .messages import AddRequest, RankOutputs, RankRequests, RankStats, decoder, encoder
 from .workers import Workers
 
@@ -55,18 +57,20 @@ class DataParallelRanks:
     """Rank 0's view of the other data-parallel ranks: whose each request is, what to tell each rank
     with the next step, and their outputs and gauges after it."""
 
-    def __init__(self, workers: Workers) -> None:
+    def __init__(self, workers: Workers, config: EngineConfig, pages_per_rank: int) -> None:
         self.workers = workers
         self.ranks = len(workers.conns) + 1
+        self.router = DataParallelRouter(self.ranks, config.load_balance_method, config.load_balance_threshold,
+                                         config.page_size, pages_per_rank)
         self.owner: dict[str, int] = {}  # request id -> its rank (1..), until its last output
         self.load = [0] * self.ranks  # requests outstanding per rank (rank 0's are counted by the core)
         self.stats: list[RankStats] = [RankStats(0, 0, 0.0, 0, 0, 0)] * (self.ranks - 1)
         self._next = [RankRequests([], [], []) for _ in range(self.ranks - 1)]
 
-    def place(self, local_load: int) -> int:
-        """The rank a new request goes to: the least loaded, rank 0 (whose load is ``local_load``) first."""
+    def place(self, ids: list[int], local_load: int) -> int:
+        """The rank a new prompt ``ids`` goes to (rank 0's load is ``local_load``)."""
         self.load[0] = local_load
-        return min(range(self.ranks), key=lambda r: (self.load[r], r))
+        return self.router.place(ids, self.load)
 
     def add(self, rank: int, request_id: str, ids: list[int], params: SamplingParams) -> None:
         self.owner[request_id] = rank

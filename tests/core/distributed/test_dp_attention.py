@@ -77,9 +77,11 @@ def test_one_rank_idle_while_the_other_works(single, dp2, run_seed):
 
 def test_an_abort_reaches_the_rank_that_runs_the_request(dp2):
     engine = dp2.engine
-    for rid in ("a", "b"):  # "b" goes to rank 1
-        engine.add_request(rid, list(range(10, 60)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for rid, start in (("a", 10), ("b", 60)):  # "b" goes to rank 1 (no prefix in common with "a")
+        engine.add_request(rid, list(range(start, start + 50)),
+                           SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     within(TIMEOUT_S, engine.step)
+    assert engine.dp.owner == {"b": 1}
     assert engine.abort_request("b") is None  # its last output comes with the next step
     ended = within(TIMEOUT_S, engine.step) + within(TIMEOUT_S, engine.step)
     assert [o.outputs[0].finish_reason for o in ended if o.request_id == "b" and o.finished] == ["abort"]
@@ -122,9 +124,12 @@ def test_the_flags_and_what_is_refused(tmp_path):
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = p.parse_args(["--model", str(tmp_path), "--tensor-parallel-size", "4", "--data-parallel-size", "4",
-                         "--enable-dp-attention", "--expert-parallel"])
+                         "--enable-dp-attention", "--expert-parallel", "--load-balance-method", "round_robin"])
     c = engine_config(args)
     assert (c.tensor_parallel_size, c.data_parallel_size, c.enable_dp_attention, c.expert_parallel) == (4, 4, True, True)
+    assert (c.load_balance_method, c.load_balance_threshold) == ("round_robin", 4)
+    with pytest.raises(ValueError, match="load_balance_method must be one of prefix, shortest_queue, round_robin"):
+        EngineConfig(model="m", load_balance_method="random")
     with pytest.raises(ValueError, match="needs enable_dp_attention"):
         EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size equal to tensor_parallel_size"):
