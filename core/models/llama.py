@@ -21,6 +21,7 @@ from ..forward import ForwardBatch
 from ..kv.storage import KVCache, KVLayerSpec
 from ..native.rope import RotaryEmbedding, rope_from_hf
 from .base import Backends, CausalLM
+from .block_fp8 import SCALE, BlockFP8Weights, check_config, resolve_scale
 from .layers import RMSNorm
 from .weights import Target, checkpoint_part, load_into
 
@@ -123,6 +124,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, backends: Backends, device: torch.device | str = "cpu") -> None:
         super().__init__(config, backends)
         hf, dtype = config.hf, config.dtype
+        self.fp8 = check_config(hf)  # the fine-grained FP8 layout (block_fp8.py); else unquantized
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         rope = rope_from_hf(hf, device=device)
         layers = [
@@ -156,7 +158,10 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(hidden).float()
 
     def resolve(self, name: str) -> Target | None:
-        """Checkpoint name -> parameter (and row range of a fused projection)."""
+        """Checkpoint name -> parameter (and row range of a fused projection); an FP8 weight's
+        scale goes beside it."""
+        if self.fp8 and SCALE.match(name):
+            return resolve_scale(self, name)
         if name.endswith("rotary_emb.inv_freq"):
             return None
         if name == "lm_head.weight" and self.tied:
@@ -174,8 +179,15 @@ class LlamaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         shared = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else None
+        fp8 = None
+        if self.fp8:
+            moe = self.backends.moe.schemes if self.backends.moe is not None else ()
+            fp8 = BlockFP8Weights(self, self.config.quantization != "none", self.config.dtype, moe)
+            weights = fp8(weights)
         with torch.no_grad():
             load_into(self, weights, self.resolve, shared)
+        if fp8 is not None:
+            fp8.log()
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
