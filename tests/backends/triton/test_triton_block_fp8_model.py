@@ -1,0 +1,116 @@
+"""tiny-qwen3-py in the fine-grained FP8 layout on the Triton linear backend (its FP8 block GEMM,
+activations quantized per token and 128 channels on the way in) against the native backend given
+the same activation quantization (``QuantizedActivations``: quantized and dequantized by
+core/native/quant.py, which the Triton quantizer equals to the bit, then multiplied with the
+dequantized weight): in the interpreter on CPU, and on CUDA with every Triton backend.
+
+Only the order of the sums differs, so the logits agree within the dtype's bound (relative to their
+largest magnitude) and the greedy choice wherever the oracle's top two are further apart than
+twice that. Against the native backend without activation quantization (what the FP8 checkpoint's
+weights compute in full precision) tiny-qwen3-py's logits move by up to ACTIVATION_BOUND: its
+activations have outlier channels, and an E4M3 block of 128 channels keeps 3 mantissa bits
+relative to its largest.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.backends.triton.attention import TritonAttention
+from engine.backends.triton.linear import TritonLinear
+from engine.backends.triton.norm import TritonNorm
+from engine.checkpoints.fp8_block import write_fp8_block
+from engine.core.config import ModelConfig
+from engine.core.forward import ForwardBatch
+from engine.core.kv.storage import KVCache
+from engine.core.loader import iter_checkpoint
+from engine.core.models.base import Backends
+from engine.core.models.llama import Qwen3ForCausalLM
+from engine.core.native.attention import NativeAttention
+from engine.core.native.linear import NativeLinear
+from engine.core.families.linear import LinearWeight
+from engine.core.native.norm import NativeNorm
+from engine.core.native.quant import dequantize_fp8_token_group, quantize_fp8_token_group
+
+PAGE = 16
+BOUND = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+ACTIVATION_BOUND = 0.08
+
+
+class QuantizedActivations(NativeLinear):
+    """The native linear with an fp8_block weight's input quantized as the FP8 GEMM quantizes it."""
+
+    def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "fp8_block":
+            x = dequantize_fp8_token_group(*quantize_fp8_token_group(x), dtype=x.dtype)
+        return super().apply(x, w)
+
+
+@pytest.fixture(scope="module")
+def fp8_qwen3(tiny_qwen3, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / "tiny-qwen3-py-fp8"
+    write_fp8_block(tiny_qwen3, path)
+    return path
+
+
+def _model(path, backends: Backends, dtype: str, device: str) -> Qwen3ForCausalLM:
+    config = ModelConfig.from_dir(path, dtype, device, 256)
+    model = Qwen3ForCausalLM(config, backends, device=device)
+    model.load_weights(iter_checkpoint(config.path, progress=False))
+    return model
+
+
+def _logits(model, prompts: list[list[int]], dtype: torch.dtype, device: str) -> torch.Tensor:
+    lens, tables, nxt = [len(p) for p in prompts], [], 1
+    for n in lens:
+        tables.append(list(range(nxt, nxt + -(-n // PAGE))))
+        nxt += len(tables[-1])
+    kv = KVCache(model.kv_layer_specs(), nxt, PAGE, dtype, device)
+    batch = ForwardBatch.build([t for p in prompts for t in p], lens, [0] * len(lens), tables, PAGE,
+                               list(range(sum(lens))), device)
+    with torch.inference_mode():
+        batch.attn_metadata = model.prepare(batch)
+        return model.compute_logits(model(batch, kv))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _compare(path, fast: Backends, dtype: torch.dtype, device: str, lens: list[int], seed: int) -> None:
+    """Logits and greedy choices of ``fast`` against the native oracles over packed prompts of ``lens``."""
+    name = str(dtype).removeprefix("torch.")
+    model = _model(path, fast, name, device)
+    assert all(m.scheme == "fp8_block" for n, m in model.named_modules() if n.endswith("_proj"))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, model.config.vocab_size) for _ in range(n)] for n in lens]
+    got = _logits(model, prompts, dtype, device).float().cpu()
+    oracles = [_model(path, Backends(attention=NativeAttention(None), linear=linear, norm=NativeNorm(None)), name,
+                      device) for linear in (QuantizedActivations(None), NativeLinear(None))]
+    want, unquantized = (_logits(m, prompts, dtype, device).float().cpu() for m in oracles)
+    err, moved = _rel(got, want), _rel(got, unquantized)
+    assert err < BOUND[dtype], f"logits relative error {err:.2e}"
+    assert moved < ACTIVATION_BOUND, f"activation quantization moved the logits by {moved:.3f}"
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * BOUND[dtype] * want.abs().max()
+    assert clear.any() and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    print(f"{name}: relative error {err:.2e} ({moved:.3f} from unquantized activations); greedy compared at "
+          f"{int(clear.sum())} of {len(clear)} positions")
+
+
+@pytest.mark.interpret
+def test_fp8_gemm_model_in_interpreter(fp8_qwen3, seed):
+    """The FP8 block GEMM serves every projection (attention and norms native, to keep it cheap)."""
+    fast = Backends(attention=NativeAttention(None), linear=TritonLinear(None), norm=NativeNorm(None))
+    _compare(fp8_qwen3, fast, torch.float32, "cpu", [9, 3], seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_model_on_cuda(fp8_qwen3, seed, dtype):
+    """Every Triton backend against the native ones, over a batch of prompts."""
+    fast = Backends(attention=TritonAttention(None), linear=TritonLinear(None), norm=TritonNorm(None))
+    _compare(fp8_qwen3, fast, dtype, "cuda", [1, 17, 64, 130], seed)
