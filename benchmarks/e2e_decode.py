@@ -1,5 +1,11 @@
 """End-to-end decode on the device with random bf16 weights, next to its roofline and to HF.
 
+A preset ending in ``-fp8`` is its bf16 checkpoint written in the fine-grained FP8 layout
+(``write_fp8_block``: E4M3 projections with 128x128 fp32 block scales, as Qwen's ``*-FP8``
+checkpoints are published), served resident through the FP8 block GEMM; its roofline counts the
+bytes it holds, its rows say ``fp8_vs_bf16`` beside the bf16 preset's where both ran, and HF is
+not run on it.
+
 For each batch size the engine generates ``--decode`` tokens after a 1K-token prompt (ignore_eos,
 greedy, prefix cache off); decode tokens/s is batch x decode over the time beyond a
 one-token run of the same prompts (prefill and first token), so prefill stays out of it. The
@@ -13,6 +19,9 @@ programmatic dependent launch (``ENGINE_PDL=0``).
     python benchmarks/e2e_decode.py --json benchmarks/results/e2e-h200.json
 
 ``E2E_PRESETS=qwen3-0.6b`` (comma-separated) measures only those presets; ``E2E_HF=0`` leaves HF out.
+FP8 against bf16 at the Llama-3.1-8B shape:
+
+    E2E_PRESETS=llama-3.1-8b,llama-3.1-8b-fp8 E2E_HF=0 python benchmarks/e2e_decode.py --json benchmarks/results/e2e-fp8-h200.json
 """
 
 from __future__ import annotations
@@ -32,13 +41,15 @@ import torch
 from engine import LLM, SamplingParams
 from engine.backends.triton import pdl
 from engine.checkpoints import write_checkpoint
+from engine.checkpoints.fp8_block import write_fp8_block
 
 try:
     from common import bench_main, measure_limits, sync
 except ImportError:
     from benchmarks.common import bench_main, measure_limits, sync
 
-CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
+CASES = (("llama-3.1-8b", (1, 8, 64, 256)), ("llama-3.1-8b-fp8", (1, 8, 64, 256)), ("qwen3-0.6b", (1,)))
+FP8 = "-fp8"
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 TOP_P = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
 HF_MAX_BATCH = 64  # HF's cache at 256 x 1K adds minutes for a figure nobody would serve with
@@ -78,6 +89,18 @@ def _cases(presets: str | None) -> tuple:
     if unknown := set(names) - {preset for preset, _ in CASES}:
         raise ValueError(f"E2E_PRESETS: unknown {sorted(unknown)}; known: {[preset for preset, _ in CASES]}")
     return tuple(case for case in CASES if case[0] in names)
+
+
+def _checkpoint(root: Path, preset: str, device: torch.device) -> Path:
+    """The preset's random-weight checkpoint under ``root``; an FP8 one from its bf16 checkpoint."""
+    base = preset.removesuffix(FP8)
+    path = root / base
+    if not path.exists():
+        write_checkpoint(path, base)
+    if preset == base:
+        return path
+    write_fp8_block(path, root / preset, device)
+    return root / preset
 
 
 def _engine_decode(llm: LLM, prompts, decode: int, params: SamplingParams = GREEDY) -> float:
@@ -125,7 +148,7 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
     results = []
     root = Path(tempfile.mkdtemp(prefix="engine-e2e-"))
     for preset, batches in cases:
-        path = write_checkpoint(root / preset, preset)
+        path = _checkpoint(root, preset, device)
         config = json.loads((path / "config.json").read_text())
         weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         llm = LLM(str(path), dtype="bfloat16", enable_prefix_caching=False, max_model_len=prompt_len + decode + 8,
@@ -156,7 +179,7 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-        if hf:
+        if hf and not preset.endswith(FP8):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -173,6 +196,10 @@ def run(device: torch.device, limits: dict | None = None, prompt_len: int = 1024
             del model
             gc.collect()
             torch.cuda.empty_cache()
+        bf16 = next((c for c in results if c["preset"] == preset.removesuffix(FP8)), None)
+        if preset.endswith(FP8) and bf16 is not None:
+            for row, base in zip(rows, bf16["rows"]):
+                row["fp8_vs_bf16"] = round(row["engine_tok_s"] / base["engine_tok_s"], 3)
         results.append({"preset": preset, "weight_bytes": weight_bytes, "backends": backends, "rows": rows})
     return {"benchmark": "e2e_decode", "prompt_len": prompt_len, "decode_tokens": decode, "limits": limits,
             "cases": results}

@@ -2,7 +2,8 @@
 activations quantized per token and 128 channels on the way in) against the native backend given
 the same activation quantization (``QuantizedActivations``: quantized and dequantized by
 core/native/quant.py, which the Triton quantizer equals to the bit, then multiplied with the
-dequantized weight): in the interpreter on CPU, and on CUDA with every Triton backend.
+dequantized weight): in the interpreter on CPU, and on CUDA, where the Llama-3.1-8B shape (two of
+its layers, random weights) is served too, decoding from CUDA graphs as eagerly.
 
 Only the order of the sums differs, so the logits agree within the dtype's bound (relative to their
 largest magnitude) and the greedy choice wherever the oracle's top two are further apart than
@@ -22,6 +23,8 @@ import torch
 from engine.backends.triton.attention import TritonAttention
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.norm import TritonNorm
+from engine import LLM, SamplingParams
+from engine.checkpoints import PRESETS, write_checkpoint
 from engine.checkpoints.fp8_block import write_fp8_block
 from engine.core.config import ModelConfig
 from engine.core.forward import ForwardBatch
@@ -36,8 +39,8 @@ from engine.core.native.norm import NativeNorm
 from engine.core.native.quant import dequantize_fp8_token_group, quantize_fp8_token_group
 
 PAGE = 16
-BOUND = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 ACTIVATION_BOUND = 0.08
+LLAMA_8B_TWO_LAYERS = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 2}
 
 
 class QuantizedActivations(NativeLinear):
@@ -80,7 +83,15 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def _compare(path, fast: Backends, dtype: torch.dtype, device: str, lens: list[int], seed: int) -> None:
+@pytest.fixture(scope="module")
+def fp8_llama_8b(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama-8b")
+    write_fp8_block(write_checkpoint(root / "bf16", LLAMA_8B_TWO_LAYERS, progress=False), root / "fp8", "cuda")
+    return root / "fp8"
+
+
+def _compare(path, fast: Backends, dtype: torch.dtype, device: str, lens: list[int], seed: int,
+             bound: float) -> None:
     """Logits and greedy choices of ``fast`` against the native oracles over packed prompts of ``lens``."""
     name = str(dtype).removeprefix("torch.")
     model = _model(path, fast, name, device)
@@ -92,10 +103,10 @@ def _compare(path, fast: Backends, dtype: torch.dtype, device: str, lens: list[i
                       device) for linear in (QuantizedActivations(None), NativeLinear(None))]
     want, unquantized = (_logits(m, prompts, dtype, device).float().cpu() for m in oracles)
     err, moved = _rel(got, want), _rel(got, unquantized)
-    assert err < BOUND[dtype], f"logits relative error {err:.2e}"
+    assert err < bound, f"logits relative error {err:.2e}"
     assert moved < ACTIVATION_BOUND, f"activation quantization moved the logits by {moved:.3f}"
     top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * BOUND[dtype] * want.abs().max()
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * bound * want.abs().max()
     assert clear.any() and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     print(f"{name}: relative error {err:.2e} ({moved:.3f} from unquantized activations); greedy compared at "
           f"{int(clear.sum())} of {len(clear)} positions")
@@ -105,12 +116,36 @@ def _compare(path, fast: Backends, dtype: torch.dtype, device: str, lens: list[i
 def test_fp8_gemm_model_in_interpreter(fp8_qwen3, seed):
     """The FP8 block GEMM serves every projection (attention and norms native, to keep it cheap)."""
     fast = Backends(attention=NativeAttention(None), linear=TritonLinear(None), norm=NativeNorm(None))
-    _compare(fp8_qwen3, fast, torch.float32, "cpu", [9, 3], seed)
+    _compare(fp8_qwen3, fast, torch.float32, "cpu", [9, 3], seed, 1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_model_on_cuda(fp8_qwen3, seed, dtype):
-    """Every Triton backend against the native ones, over a batch of prompts."""
+def test_fp8_gemm_model_on_cuda_fp32(fp8_qwen3, seed):
+    """The compiled FP8 GEMM in fp32 (attention and norms native: Triton's attention runs TF32)."""
+    fast = Backends(attention=NativeAttention(None), linear=TritonLinear(None), norm=NativeNorm(None))
+    _compare(fp8_qwen3, fast, torch.float32, "cuda", [1, 17, 64, 130], seed, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["fp8_qwen3", "fp8_llama_8b"])
+def test_fp8_model_on_cuda_bf16(request, model, seed):
+    """Every Triton backend in bf16 against the native ones, over a batch of prompts."""
     fast = Backends(attention=TritonAttention(None), linear=TritonLinear(None), norm=TritonNorm(None))
-    _compare(fp8_qwen3, fast, dtype, "cuda", [1, 17, 64, 130], seed)
+    _compare(request.getfixturevalue(model), fast, torch.bfloat16, "cuda", [1, 17, 64, 250], seed, 5e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_llama_8b_decodes_from_graphs_as_eagerly(fp8_llama_8b, seed):
+    """The engine on the FP8 checkpoint: every projection E4M3 (a byte a weight and an fp32 scale per
+    128x128 block, the embedding and LM head bf16), greedy tokens from CUDA graphs equal to eager."""
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=512, kv_cache_memory="2GiB", progress=False)
+    graphs, eager = LLM(str(fp8_llama_8b), **kw), LLM(str(fp8_llama_8b), enforce_eager=True, **kw)
+    model = graphs.engine.components.model
+    for name, module in model.named_modules():
+        if name.endswith("_proj"):
+            assert module.scheme == "fp8_block" and module.weight.dtype == torch.float8_e4m3fn, name
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randint(1, 200))] for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
