@@ -175,7 +175,10 @@ class LlamaForCausalLM(CausalLM):
         return Target(name)
 
     def checkpoint_part(self, name: str) -> tuple[int, int, int] | bool | None:
-        return checkpoint_part(self, self.resolve, name)
+        part = checkpoint_part(self, self.resolve, name)
+        # FP8 weights are read whole: a rank's rows need not start on a scale block, and the
+        # weights dequantized at load are cut to the rank's part only after (load_into)
+        return None if self.fp8 and part is not False else part
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         shared = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else None

@@ -7,7 +7,8 @@ Qwen3-MoE with split experts and with expert parallelism (all_to_all) at 2 and 4
 DeepSeek-V4 (tiny-dsv4-py: heads and output groups split, the KV head, compressors and indexer
 whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2, and
 a tiny random DeepSeek-V4.1 the same way (CSA2 sharing, the candidate filter and Engram whole on
-each rank).
+each rank), and tiny-qwen3-py in the fine-grained FP8 layout at 2 ranks (the o/gate-up/down slices
+whole 128-row blocks, kept in E4M3; q/k/v not, 64-row KV slices, dequantized at load).
 
 Under data-parallel attention each rank runs its own batch (prompts of other lengths on each) and
 gets the logits one process computes for that batch, while the MoE layers span the ranks (experts
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from engine.checkpoints import write_checkpoint
+from engine.checkpoints.fp8_block import write_fp8_block
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.distributed.dp_attention import idle_forward
 
@@ -38,7 +40,13 @@ def models(tmp_path_factory, shared_dir) -> dict:
     return {"qwen3": shared_dir / "models" / "tiny-qwen3-py", "dsv4": shared_dir / "models" / "tiny-dsv4-py",
             "llama": write_checkpoint(out / "llama", "tiny-llama", dtype=torch.float32, progress=False),
             "qwen3-moe": write_checkpoint(out / "moe", "tiny-qwen3-moe", dtype=torch.float32, progress=False),
-            "dsv41": random_v41_checkpoint(out / "dsv41", 0, v41_config(**DSV41), shared_dir / "models" / "tiny-dsv4-py")}
+            "dsv41": random_v41_checkpoint(out / "dsv41", 0, v41_config(**DSV41), shared_dir / "models" / "tiny-dsv4-py"),
+            "qwen3-fp8": _fp8(shared_dir / "models" / "tiny-qwen3-py", out / "qwen3-fp8")}
+
+
+def _fp8(src, dst):
+    write_fp8_block(src, dst)
+    return dst
 
 
 @pytest.mark.parametrize("which,size,expert_parallel", [
@@ -55,6 +63,22 @@ def test_every_rank_computes_the_logits_of_one_process(which, size, expert_paral
     for got in ranks:
         for g, e, step in zip(got, expected, inputs):
             assert g.shape == e.shape == (len(step.logits_indices), vocab)
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_ranks_keep_the_slices_that_fill_whole_blocks(models, seed):
+    config = EngineConfig(model=str(models["qwen3-fp8"]), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
+    inputs = steps(ModelConfig.from_dir(config.model).vocab_size)
+    expected = single(config, inputs)
+
+    def body(r, runner):
+        schemes = {n.rpartition(".")[2]: m.scheme for n, m in runner.model.named_modules() if n.endswith("_proj")}
+        return schemes, [runner.run(step) for step in inputs]
+
+    for schemes, got in run_ranks(dataclasses.replace(config, tensor_parallel_size=2), 2, body):
+        assert schemes == {"qkv_proj": "dense", "o_proj": "fp8_block", "gate_up_proj": "fp8_block",
+                           "down_proj": "fp8_block"}
+        for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
