@@ -16,7 +16,7 @@ from typing import Any
 
 from ..core.sampling_params import SamplingParams
 from .chat_output import ChatOutputParser
-from .chat_template import ChatTemplate
+from .chat_format import ChatRenderer
 from .errors import invalid
 from .protocol import ChatCompletionRequest, ChatMessage
 from .reasoning import Opening, ReasoningSplitter, constraint_prefix, opening
@@ -26,9 +26,24 @@ from .tool_use import ToolUse, tool_use_of
 THINKING_SWITCHES = ("enable_thinking", "thinking")  # Qwen3's and DeepSeek's template variables
 
 
+class ToolArguments(dict):
+    """A call's arguments that are a JSON object, as templates read them: a mapping (Qwen3's writes
+    it with ``tojson``) that is its JSON text where a template joins it to a string (DeepSeek-V3.1's
+    ``'<｜tool▁sep｜>' + arguments``) or prints it."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: str) -> str:
+        return str(self) + other
+
+    def __radd__(self, other: str) -> str:
+        return other + str(self)
+
+
 def template_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: content as text, a call's arguments as a mapping where
-    they are a JSON object (templates write them with ``tojson``)."""
+    """A message as chat templates read it: content as text, a call's arguments as ``ToolArguments``
+    where they are a JSON object."""
     out: dict[str, Any] = {"role": m.role, "content": m.text}
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(m, key) is not None:
@@ -45,7 +60,7 @@ def _arguments(text: str) -> Any:
         value = json.loads(text)
     except ValueError:
         return text
-    return value if isinstance(value, dict) else text
+    return ToolArguments(value) if isinstance(value, dict) else text
 
 
 @dataclass
@@ -73,7 +88,7 @@ class ChatPrompt:
                                 self.tools.scanner() if self.tools else None)
 
 
-def chat_prompt(req: ChatCompletionRequest, template: ChatTemplate, tool_format: ToolCallFormat | None,
+def chat_prompt(req: ChatCompletionRequest, template: ChatRenderer, tool_format: ToolCallFormat | None,
                 reasoning_parser: str | None) -> ChatPrompt:
     """Render the request (in a worker thread: the template runs up to its deadline)."""
     use = tool_use_of(req, tool_format)

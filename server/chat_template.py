@@ -61,6 +61,13 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """``tojson`` as Hugging Face's chat templates have it (keys in their order, no HTML escaping):
+    the prompts the models were trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(f"the chat template refused the conversation: {message}")
 
@@ -70,6 +77,7 @@ class ChatTemplate:
         self.source = source
         self._env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
+        self._env.filters["tojson"] = _tojson
         self._env.globals.update(raise_exception=_raise_exception,
                                  strftime_now=lambda fmt: datetime.now().strftime(fmt), range=self._range)
         self._template = self._env.from_string(source) if source else None

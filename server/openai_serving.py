@@ -26,7 +26,7 @@ from ..core.sampling_params import SamplingParams
 from ..core.structured.compiler import GrammarCompiler
 from ..core.tokenizer import Tokenizer
 from .bootstrap import kv_peers
-from .chat_template import ChatTemplate
+from .chat_format import ChatRenderer
 from .engine_client import EngineClient
 from .errors import APIError, engine_error, error_body, invalid
 from .generation import PromptRun
@@ -51,7 +51,7 @@ class Serving:
 
     client: EngineClient
     tokenizer: Tokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatRenderer
     metrics: ServerMetrics
     limits: Limits
     model_name: str

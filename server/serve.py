@@ -26,7 +26,7 @@ from ..core.threads import usable_cores
 from ..core.tokenizer import Tokenizer
 from .app import build_app
 from .bootstrap import disagg_config
-from .chat_template import ChatTemplate
+from .chat_format import chat_renderer
 from ..core.structured.compiler import GrammarCompiler
 from .engine_args import engine_config
 from .engine_client import EngineClient
@@ -135,12 +135,13 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
             info = await client.start(args.engine_start_timeout)
             tokenizer = Tokenizer.from_dir(config.model)
             token = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
-            template = ChatTemplate(tokenizer.chat_template, token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
+            template = chat_renderer(args.chat_template, config.model, tokenizer.chat_template,
+                                     token(tokenizer.bos_token_id), token(tokenizer.eos_token_id))
             grammars = GrammarCompiler(tokenizer, info.vocab_size, config.grammar_compile_timeout,
                                        config.grammar_cache_memory)
             added = [t.content for t in tokenizer.backend.get_added_tokens_decoder().values()]
-            tools = serving_tool_format(args.tool_call_parser, tokenizer.chat_template, added)
-            reasoning = serving_reasoning_parser(args.reasoning_parser, tokenizer.chat_template, added)
+            tools = serving_tool_format(args.tool_call_parser, template.source, added)
+            reasoning = serving_reasoning_parser(args.reasoning_parser, template.source, added)
             logger.info("tool-call parser: %s; reasoning parser: %s", tools.name if tools else "none", reasoning or "none")
             state.serving = Serving(client, tokenizer, template, ServerMetrics(name, info.page_size, info.num_pages),
                                     limits, name, info.max_model_len, info.vocab_size, grammars, config.disaggregation,

@@ -55,6 +55,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default="auto", type=_known(tool_call_format), metavar="NAME",
                    help="how the model writes tool calls: hermes (Qwen3), deepseek_v3, deepseek_v31, deepseek_v32, "
                         "deepseek_v4 (DSML), or none; auto (default): read from the chat template and the tokenizer's tokens")
+    g.add_argument("--chat-template", default=None, type=_chat_template, metavar="FILE|NAME",
+                   help="how chat requests become prompts: a Jinja template file, or deepseek_v4 (DeepSeek-V4's "
+                        "encoding); default: the tokenizer's template, else the architecture's encoding "
+                        "(DeepSeek-V4's for DeepseekV4ForCausalLM), else role: content lines")
     g.add_argument("--reasoning-parser", default="auto", type=_known(reasoning_parser), metavar="NAME",
                    help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1, deepseek_v3, "
                         "deepseek_v4, or none; auto (default): where the chat template writes <think>, or the "
@@ -72,6 +76,15 @@ def _known(check):
                 raise argparse.ArgumentTypeError(str(exc)) from None
         return name
     return parse
+
+
+def _chat_template(choice: str) -> str:
+    from .chat_format import check_chat_template  # jinja2: only where the flag is given
+
+    try:
+        return check_chat_template(choice)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -176,7 +176,7 @@ class CallScanner:
     max_calls: int | None = None  # past it (parallel_tool_calls false), markup is content
     pos: int = 0  # text before it is decided
     in_block: bool = False
-    pending_space: str = ""  # whitespace at the end of the content: dropped if calls follow and nothing else
+    pending_space: str = ""  # whitespace at the end of the content: dropped if a call follows, or ends the text after calls
     count: int = 0  # calls so far
     open: _OpenCall | None = None  # the call being read
 
@@ -185,7 +185,7 @@ class CallScanner:
         content: list[str] = []
         deltas: list[CallDelta] = []
         while self.pos < len(text):
-            if self.open is None and self.max_calls is not None and self.count >= self.max_calls:
+            if self._full() and not self.in_block:
                 self._content(content, text[self.pos:])
                 self.pos = len(text)
             elif self.in_block:
@@ -194,10 +194,14 @@ class CallScanner:
             elif not self._outside(text, final, content, deltas):
                 break
         if final:
-            if self.pending_space and not self.count:
+            if not self.count:
                 content.append(self.pending_space)
             self.pending_space = ""
         return "".join(content), deltas
+
+    def _full(self) -> bool:
+        """No call may begin (the open one, already counted, goes on)."""
+        return self.open is None and self.max_calls is not None and self.count >= self.max_calls
 
     def _content(self, out: list[str], piece: str) -> None:
         """Take content, holding back its trailing whitespace until something follows it."""
@@ -228,6 +232,15 @@ class CallScanner:
 
     def _in_block(self, text: str, final: bool, content: list[str], deltas: list[CallDelta]) -> bool:
         f = self.fmt
+        if self._full():  # no more calls: the rest of the block is content, its end a marker
+            k = text.find(f.block_end, self.pos)
+            end = k if k >= 0 else len(text) if final else len(text) - marker_prefix_len(text[self.pos:], f.block_end)
+            self._content(content, text[self.pos:end])
+            if k >= 0:
+                self.pending_space = ""  # before the block's end
+            self.pos = end if k < 0 else k + len(f.block_end)
+            self.in_block = k < 0
+            return k >= 0
         p = self.pos
         while p < len(text) and text[p].isspace():
             p += 1
@@ -267,6 +280,7 @@ class CallScanner:
             if head is not None and head[0] in self.names:
                 call.index, call.args_at = self.count, body_start + head[1]
                 self.count += 1
+                self.pending_space = ""
                 deltas.append(CallDelta(call.index, name=head[0]))
         if call.index is not None:
             args = f.arguments(text[call.args_at:stop], closed)
@@ -283,6 +297,7 @@ class CallScanner:
             else:
                 deltas += [CallDelta(self.count, name=whole.name), CallDelta(self.count, arguments=whole.arguments)]
                 self.count += 1
+                self.pending_space = ""
         self.open = None
         self.pos = len(text) if j < 0 else j + len(f.call_end)
         return True

@@ -173,6 +173,14 @@ def test_only_the_first_call_where_parallel_calls_are_off():
     text = _hermes("get_weather", P_ARGS) + "\n" + _hermes("search", C_ARGS)
     content, calls = _read("hermes", text, parallel=False)
     assert calls == [PARIS] and content == "\n" + _hermes("search", C_ARGS)
+    # in a block: the block's end is no content, a second call is
+    one = _v4_block(_v4("get_weather", P_PARAMS))
+    for text in (one, one + " done"):
+        assert _read("deepseek_v4", text, list(text), parallel=False) == _read("deepseek_v4", text, parallel=False)
+        assert _read("deepseek_v4", text, parallel=False) == (text[len(one):], [PARIS])
+    two = _v4_block(_v4("get_weather", P_PARAMS), _v4("search", C_PARAMS))
+    for pieces in (None, list(two)):
+        assert _read("deepseek_v4", two, pieces, parallel=False) == ("\n" + _v4("search", C_PARAMS).rstrip(), [PARIS])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
