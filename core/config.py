@@ -141,7 +141,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False  # MoE experts partitioned over those processes (all_to_all), not split
     # data-parallel attention (core/distributed/dp_attention.py): each of data_parallel_size ranks runs its
-    # own requests through attention with its own KV cache and scheduler; the MoE layers span every rank
+    # own requests through attention (tensor-parallel over tensor_parallel_size / data_parallel_size
+    # processes) with its own KV cache and scheduler; the MoE layers span every process
     data_parallel_size: int = 1
     enable_dp_attention: bool = False
     # which rank a new request goes to (core/distributed/dp_router.py): prefix | shortest_queue | round_robin;
@@ -241,16 +242,24 @@ class EngineConfig:
         if not self.enable_dp_attention:
             raise ValueError(f"data_parallel_size {self.data_parallel_size} needs enable_dp_attention: data-parallel "
                              "replicas of a whole engine run as separate servers behind `engine gateway`")
-        if self.data_parallel_size != self.tensor_parallel_size or self.data_parallel_size < 2:
-            raise ValueError("enable_dp_attention needs data_parallel_size equal to tensor_parallel_size and at least 2 "
-                             f"(attention whole on each rank; tensor-parallel attention inside a data-parallel rank is "
-                             f"not built), got data_parallel_size {self.data_parallel_size} and tensor_parallel_size "
-                             f"{self.tensor_parallel_size}")
+        if self.data_parallel_size < 2 or self.tensor_parallel_size % self.data_parallel_size:
+            raise ValueError("enable_dp_attention needs a data_parallel_size of at least 2 that divides "
+                             "tensor_parallel_size (each data-parallel rank's attention tensor-parallel over "
+                             f"tensor_parallel_size / data_parallel_size processes), got data_parallel_size "
+                             f"{self.data_parallel_size} and tensor_parallel_size {self.tensor_parallel_size}")
         if self.speculative_config is not None:
             raise ValueError("speculative_config with enable_dp_attention is not built yet")
         if self.warmup:
             raise ValueError("warmup with enable_dp_attention is not built yet (the ranks' steps are driven by "
                              "their requests)")
+
+    @property
+    def attention_tp_size(self) -> int:
+        """The processes one request's attention is split over: all of them, or under data-parallel
+        attention those of its data-parallel rank."""
+        if self.enable_dp_attention:
+            return self.tensor_parallel_size // self.data_parallel_size
+        return self.tensor_parallel_size
 
     @property
     def chunk_size(self) -> int | None:

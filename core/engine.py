@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -21,7 +22,8 @@ from .config import EngineConfig
 from .context import check_context
 from .disagg.counters import TransferCounters
 from .distributed.dp_attention import DataParallelRanks, idle_forward
-from .distributed.group import SINGLE, Rendezvous
+from .distributed.followers import Followers
+from .distributed.group import Rendezvous
 from .distributed.workers import Workers
 from .errors import EngineError, InvalidRequest
 from .kv.hicache_stats import HiCacheStats
@@ -93,9 +95,10 @@ class EngineCore:
     find (output_processor.py), and its reader ends such a completion with ``finish_sequence``."""
 
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
-                 rendezvous: Rendezvous | None = None) -> None:
+                 rendezvous: Rendezvous | None = None, followers: list[Connection] | None = None) -> None:
         """``rendezvous``: this core is a data-parallel rank other than 0, started by rank 0
-        (core/distributed/dp_attention.py); else it is rank 0 and spawns the others, if any."""
+        (core/distributed/dp_attention.py), and ``followers`` the sockets to the other processes of its
+        rank; else it is rank 0 and spawns the others, if any."""
         self.config = config
         # under tensor parallelism this process is rank 0 and spawns the others (core/distributed)
         self.workers = Workers(config) if config.tensor_parallel_size > 1 and rendezvous is None else None
@@ -103,7 +106,7 @@ class EngineCore:
             c = build(config, plugins, progress=progress,
                       rendezvous=rendezvous or (self.workers.rendezvous if self.workers is not None else None))
             if self.workers is not None:
-                self.workers.ready(c.group)
+                self.workers.ready(c.group, c.attention_group)
         except BaseException:
             self.shutdown()
             raise
@@ -128,8 +131,15 @@ class EngineCore:
         self.idle_steps = config.enable_dp_attention  # every step runs a forward, with no tokens if need be
         self.dp = (DataParallelRanks(self.workers, config, c.kv_manager.num_pages)
                    if self.idle_steps and self.workers is not None else None)
+        peers = self.workers  # every other rank follows this one's steps, or under DP attention those of its rank
+        if self.idle_steps:
+            peers = None
+            if self.workers is not None and config.attention_tp_size > 1:
+                peers = Followers(self.workers.conns[:config.attention_tp_size - 1], self.workers)
+            elif followers:
+                peers = Followers(followers)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
-                                  c.device, c.graphs, *((SINGLE, None) if self.idle_steps else (c.group, self.workers)))
+                                  c.device, c.graphs, c.attention_group, peers)
         if c.proposer is not None:
             self.runner.feature = c.proposer.feature
         self.requests: dict[str, Request] = {}
@@ -389,6 +399,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched:
             if self.idle_steps:  # the other data-parallel ranks' MoE exchanges wait for this rank's
+                if self.runner.peers is not None:
+                    self.runner.peers.send_idle()
                 idle_forward(self.components.model)
             return None
         now = time.monotonic()

@@ -49,7 +49,8 @@ class StepInputs(msgspec.Struct, array_like=True, gc=False):
 
 
 class Peers(Protocol):
-    """The other ranks of a tensor-parallel group, seen from rank 0."""
+    """The other ranks of a tensor-parallel group, seen from the one that schedules (rank 0, or under
+    data-parallel attention each data-parallel rank's first process)."""
 
     def send_step(self, inputs: StepInputs) -> None: ...
 

@@ -47,6 +47,7 @@ class Components:
     graphs: DecodeGraphs | None = None
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
     group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
+    attention_group: ParallelGroup = SINGLE  # the ranks its attention is split over: ``group`` but under DP attention
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -229,10 +230,12 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
     platform = plugins.detect_platform()
     device = torch.device(config.device or platform.torch_device)
-    group = SINGLE
+    group = attention = SINGLE
     if rendezvous is not None:
         device = rank_device(device, rendezvous.rank)
-        group = rendezvous.connect(device)
+        group = attention = rendezvous.connect(device)
+        if config.enable_dp_attention:  # each data-parallel rank's processes (dp_attention.py)
+            attention = rendezvous.split(device, config.attention_tp_size, "attention")
         if device.type == "cpu":  # the ranks share the host's cores: threads that spin on a busy core stall all
             set_cpu_threads(max(1, (config.cpu_threads or usable_cores()) // group.size))
     if config.cpu_threads and (group.size == 1 or device.type != "cpu"):
@@ -244,11 +247,11 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
     graph_selection = select_graphs(plugins, ctx, config)
     proposer_selection = select_proposer(plugins, ctx, config)
-    # under data-parallel attention the layers but the MoE ones are whole on every rank (dp_attention.py)
-    dp = config.enable_dp_attention
+    # under data-parallel attention the layers but the MoE ones are split over the data-parallel rank's
+    # processes only (dp_attention.py)
     backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()},
-                        tp=SINGLE if dp else group, expert_parallel=config.expert_parallel, moe_group=group,
-                        dp_attention=dp)
+                        tp=attention, expert_parallel=config.expert_parallel, moe_group=group,
+                        dp_attention=config.enable_dp_attention)
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     if proposer_selection is not None:
         selections["spec"] = proposer_selection
@@ -290,4 +293,4 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
     proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, proposer, group)
+                      selections["sampling"].create(ctx), graphs, proposer, group, attention)

@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="place whole MoE experts on the tensor-parallel ranks (all_to_all dispatch) instead of "
                         "splitting every expert over them")
     g.add_argument("--data-parallel-size", type=int, default=1,
-                   help="with --enable-dp-attention: data-parallel attention ranks (equal to --tensor-parallel-size)")
+                   help="with --enable-dp-attention: data-parallel attention ranks, dividing --tensor-parallel-size "
+                        "(each rank's attention tensor-parallel over the quotient of processes)")
     g.add_argument("--enable-dp-attention", action="store_true",
                    help="attention and its KV cache data-parallel (each rank its own requests), the MoE layers "
                         "over every rank (DeepSeek-V4, Qwen3-MoE)")

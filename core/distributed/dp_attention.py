@@ -1,31 +1,35 @@
 """Data-parallel attention: each rank serves its own requests through attention, the MoE layers
-span every rank. This is how SGLang serves DeepSeek models (``--enable-dp-attention``), and fits
+span every process. This is how SGLang serves DeepSeek models (``--enable-dp-attention``), and fits
 DeepSeek-V4, whose single KV head, compressors and indexer cannot be split over heads: under tensor
-parallelism every rank holds the whole KV cache of every request, under DP attention each holds the
-cache of its own requests only, so N ranks hold N times the requests.
+parallelism every process holds the whole KV cache of every request, under DP attention each rank
+holds the cache of its own requests only, so D ranks hold D times the requests.
 
-What runs where (``--tensor-parallel-size N --data-parallel-size N --enable-dp-attention``):
+What runs where (``--tensor-parallel-size N --data-parallel-size D --enable-dp-attention``, D
+dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
 
-- Every rank is a whole engine core (core/engine.py) with its own scheduler, KV manager (radix
-  cache, page pools, windows), token table and sampler, and the whole model but for the experts:
-  attention, compressors, indexer, embedding and LM head whole on every rank (SGLang's
-  ``--enable-dp-lm-head``), no collective outside the MoE layers.
-- The MoE layers span all N ranks (core/distributed/moe.py): with ``--expert-parallel`` each rank
-  holds E/N experts and sends its own tokens to them and back with all_to_all; otherwise every rank
-  holds a share of every expert, the ranks' tokens are all-gathered, the shares all-reduced, and
-  each rank keeps its rows.
+- Every data-parallel rank is a whole engine core (core/engine.py) with its own scheduler, KV
+  manager (radix cache, page pools, windows), token table and sampler, in its first process, and
+  the whole model but for the experts, tensor-parallel over its N/D processes as the model is
+  under tensor parallelism alone (config.attention_tp_size; at D = N attention, compressors,
+  indexer, embedding and LM head are whole on every process, SGLang's ``--enable-dp-lm-head``, and
+  there is no collective outside the MoE layers). The rank's other processes follow its steps as
+  tensor-parallel ranks do (``Step``, or ``Idle`` when it has nothing scheduled; followers.py).
+- The MoE layers span all N processes (core/distributed/moe.py): with ``--expert-parallel`` each
+  holds E/N experts and sends its tokens to them and back with all_to_all; otherwise every process
+  holds a share of every expert, the processes' tokens are all-gathered, the shares all-reduced,
+  and each keeps its rows. The processes of one rank hold the same tokens, so each sends or
+  gathers its own copy (redundant work at N > D, correct all the same).
 - Rank 0 (the engine process the front talks to) is also the controller: each new request goes to
   the rank that caches its longest prefix, or the least loaded (dp_router.py), which keeps it to
-  the end; aborts and stop strings follow it there. Other ranks are worker processes
-  (worker.py) that get, with each step, the requests, aborts and stop strings rank 0 routed to them
-  (``RankRequests``), run one step of their core, and answer with its outputs (``RankOutputs``).
+  the end; aborts, stop strings and the zeroing of counters follow it there. The first process of
+  every other rank is a worker process (worker.py) that gets, with each step, what rank 0 routed to
+  it (``RankRequests``), runs one step of its core, and answers with its outputs (``RankOutputs``).
 - Lockstep: every step of rank 0 is one step of every rank, and every step runs exactly one
-  forward on every rank. A rank with nothing scheduled runs an idle forward (``idle_forward``):
+  forward on every process. A rank with nothing scheduled runs an idle forward (``idle_forward``):
   its MoE layers' exchanges, in layer order, with zero tokens, so the others' collectives meet it.
 
-Not built: tensor-parallel attention inside a data-parallel rank (data_parallel_size equal to
-tensor_parallel_size is required), CUDA graphs (the exchanges' sizes are read on the host), the
-start-up warm-up and speculative decoding under it.
+Not built: CUDA graphs (the exchanges' sizes are read on the host), the start-up warm-up and
+speculative decoding under it.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ class DataParallelRanks:
 
     def __init__(self, workers: Workers, config: EngineConfig, pages_per_rank: int) -> None:
         self.workers = workers
-        self.ranks = len(workers.conns) + 1
+        self.ranks = config.data_parallel_size
+        # the sockets of each data-parallel rank's first process (it schedules the rank), in rank order
+        self.conns = workers.conns[config.attention_tp_size - 1::config.attention_tp_size]
         self.router = DataParallelRouter(self.ranks, config.load_balance_method, config.load_balance_threshold,
                                          config.page_size, pages_per_rank)
         self.owner: dict[str, int] = {}  # request id -> its rank (1..), until its last output
@@ -99,7 +105,7 @@ class DataParallelRanks:
         """Start a step on every other rank, with what was routed to it since the last one."""
         self.workers.check()
         try:
-            for conn, msg in zip(self.workers.conns, self._next):
+            for conn, msg in zip(self.conns, self._next):
                 conn.send_bytes(encoder.encode(msg))
         except OSError as exc:
             self.workers.explain(exc)

@@ -106,6 +106,12 @@ class Rendezvous:
     def connect(self, device: torch.device, name: str = "tp") -> ParallelGroup:
         return connect(self.store, self.rank, self.size, device, self.timeout_s, name)
 
+    def split(self, device: torch.device, size: int, name: str) -> ParallelGroup:
+        """This rank's group of ``size`` consecutive ranks (k*size .. (k+1)*size - 1); one process: ``SINGLE``."""
+        if size == 1:
+            return SINGLE
+        return connect(self.store, self.rank % size, size, device, self.timeout_s, f"{name}{self.rank // size}")
+
 
 def connect(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
             name: str = "tp") -> ParallelGroup:

@@ -36,6 +36,10 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
+class Idle(msgspec.Struct, tag=True):
+    """A step in which a data-parallel rank has nothing scheduled: its processes run the MoE exchanges."""
+
+
 class AddRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -71,7 +75,7 @@ class RankOutputs(msgspec.Struct, tag=True):
     stats: RankStats
 
 
-Message = Ready | Failed | Step | Stop | RankRequests | RankOutputs
+Message = Ready | Failed | Step | Stop | Idle | RankRequests | RankOutputs
 
 
 def _enc(obj: Any) -> Any:

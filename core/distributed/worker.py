@@ -1,7 +1,8 @@
 """A tensor-parallel rank other than 0: a process that holds its slices of the weights and of the KV
 cache and runs every step rank 0 sends it, until told to stop or rank 0 is gone. Under
-data-parallel attention it is an engine core of its own instead, serving the requests rank 0 routes
-to it one step at a time (dp_attention.py).
+data-parallel attention the first process of each data-parallel rank is an engine core of its own
+instead, serving the requests rank 0 routes to it one step at a time (dp_attention.py), and sends
+each step to the other processes of its rank, which run it as above.
 
 Started by rank 0 as ``python -m engine.core.distributed.worker`` (workers.py) with the engine
 config as JSON on stdin and one end of a socket pair as a file descriptor. It schedules nothing and
@@ -24,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from .group import Rendezvous, join_store
-from .messages import Failed, Ready, Step, Stop, decoder, encoder
+from .messages import Failed, Idle, Ready, Step, Stop, decoder, encoder
 
 logger = logging.getLogger("engine.core.distributed.worker")
 
@@ -41,7 +42,9 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def serve(conn: Connection, runner) -> None:
-    """Run steps until ``Stop`` or until rank 0 closes the socket."""
+    """Run steps until ``Stop`` or until the process that schedules them closes the socket."""
+    from .dp_attention import idle_forward
+
     while True:
         try:
             msg = decoder.decode(conn.recv_bytes())
@@ -51,6 +54,8 @@ def serve(conn: Connection, runner) -> None:
             return
         if isinstance(msg, Step):
             runner.follow(msg.inputs)
+        elif isinstance(msg, Idle):
+            idle_forward(runner.model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True, help="this rank's end of the socket pair to rank 0")
     p.add_argument("--replies-fd", type=int, default=None,
                    help="data-parallel attention: this rank's end of the pipe its step outputs go back on")
+    p.add_argument("--follower-fd", type=int, action="append", default=[],
+                   help="data-parallel attention: the socket to another process of this data-parallel rank")
+    p.add_argument("--leader-fd", type=int, default=None,
+                   help="data-parallel attention: the socket from the process that schedules this one's rank "
+                        "(default: --fd, rank 0's)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -76,23 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(**json.loads(sys.stdin.read()))
         store = join_store(args.port, args.size, config.distributed_timeout)
         rendezvous = Rendezvous(args.rank, args.size, store, config.distributed_timeout)
-        if config.enable_dp_attention:  # a whole engine of its own requests (dp_attention.py)
-            core = EngineCore(config, progress=False, rendezvous=rendezvous)
+        # under data-parallel attention the first process of each data-parallel rank schedules it, a whole
+        # engine of its own requests (dp_attention.py); the others follow it as tensor-parallel ranks
+        schedules = config.enable_dp_attention and args.rank % config.attention_tp_size == 0
+        if schedules:
+            core = EngineCore(config, progress=False, rendezvous=rendezvous,
+                              followers=[Connection(fd) for fd in args.follower_fd])
             c = core.components
         else:
             c = build(config, progress=False, rendezvous=rendezvous)
-            runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.group)
+            runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.attention_group)
         conn.send_bytes(encoder.encode(Ready(args.rank)))
     except BaseException as exc:
         logger.exception("could not start")
         conn.send_bytes(encoder.encode(Failed(args.rank, f"{type(exc).__name__}: {exc}")))
         return 1
     try:
-        if config.enable_dp_attention:
+        if schedules:
             serve_requests(conn, Connection(args.replies_fd), core)
         else:
-            serve(conn, runner)
+            serve(Connection(args.leader_fd) if args.leader_fd is not None else conn, runner)
     finally:
+        c.attention_group.close()
         c.group.close()
     return 0
 

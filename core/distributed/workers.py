@@ -7,7 +7,9 @@ does not re-run the caller's main script, so ``LLM(..., tensor_parallel_size=2)`
 without a ``__main__`` guard. It gets the engine config as JSON on stdin and the port of rank 0's
 TCP store, and joins the group from there (group.py). A socket pair per rank carries msgpack
 messages (messages.py): ``Ready`` or ``Failed`` once built, then ``Step`` per step, ``Stop`` at the end;
-under data-parallel attention ``RankRequests`` per step, answered on a second pair (dp_attention.py).
+under data-parallel attention ``RankRequests`` per step to the process that schedules each
+data-parallel rank, answered on a second pair (dp_attention.py), and from that process ``Step`` or
+``Idle`` to the others of its rank, on a pair rank 0 made for them (followers.py).
 
 A rank that dies closes its socket; a thread waiting on the sockets records which rank and aborts
 the group, so a collective rank 0 waits in fails at once instead of at its timeout (gloo fails it
@@ -47,7 +49,7 @@ class Workers:
         self.timeout = timeout
         self.store = master_store(size, timeout)
         self.rendezvous = Rendezvous(0, size, self.store, timeout)
-        self.group: ParallelGroup | None = None
+        self.groups: list[ParallelGroup] = []  # rank 0's, aborted when a rank dies
         self.dead: tuple[int, int | None] | None = None  # (rank, exit code) of the first rank that died
         self._closed = False
         payload = json.dumps(asdict(config)).encode()
@@ -55,16 +57,25 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.replies: list[Connection] = []  # data-parallel ranks answer each step here (the watchdog reads conns)
+        per_dp = config.attention_tp_size if config.enable_dp_attention else size  # processes of a DP rank
+        from_leader: dict[int, socket.socket] = {}  # a process's end of its leader's socket (DP ranks but 0)
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
             cmd = [sys.executable, "-m", f"{__package__}.worker", "--rank", str(rank), "--size", str(size),
                    "--port", str(self.store.port), "--fd", str(theirs.fileno()), "--log-level", level]
             fds = [theirs]
-            if config.enable_dp_attention:
+            if config.enable_dp_attention and rank % per_dp == 0:  # it schedules a data-parallel rank
                 ours_r, theirs_r = socket.socketpair()
                 cmd += ["--replies-fd", str(theirs_r.fileno())]
                 fds.append(theirs_r)
                 self.replies.append(Connection(ours_r.detach()))
+                for follower in range(rank + 1, rank + per_dp):
+                    to_follower, from_leader[follower] = socket.socketpair()
+                    cmd += ["--follower-fd", str(to_follower.fileno())]
+                    fds.append(to_follower)
+            elif rank in from_leader:
+                cmd += ["--leader-fd", str(from_leader[rank].fileno())]
+                fds.append(from_leader.pop(rank))
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=[f.fileno() for f in fds],
                                     env=multicast_off(dict(os.environ)))
             for f in fds:
@@ -78,10 +89,10 @@ class Workers:
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def ready(self, group: ParallelGroup) -> None:
-        """Wait until every rank is built (rank 0 is, with ``group``), then watch them; raise the
+    def ready(self, *groups: ParallelGroup) -> None:
+        """Wait until every rank is built (rank 0 is, with ``groups``), then watch them; raise the
         first that failed to start."""
-        self.group = group
+        self.groups = list(groups)
         deadline = time.monotonic() + self.timeout
         for rank, conn in enumerate(self.conns, start=1):
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -133,8 +144,8 @@ class Workers:
             code = None  # its socket closed, the process lingers: dead to the group all the same
         self.dead = (rank, code)
         logger.error("tensor-parallel rank %d (pid %d) died with exit code %s", rank, proc.pid, code)
-        if self.group is not None:
-            self.group.close(abort=True)
+        for group in self.groups:
+            group.close(abort=True)
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -144,8 +155,9 @@ class Workers:
             return
         self._closed = True
         self._finalizer()
-        if self.group is not None and self.dead is None:
-            self.group.close()
+        if self.dead is None:
+            for group in self.groups:
+                group.close()
 
     @staticmethod
     def _stop(procs: list[subprocess.Popen], conns: list[Connection], replies: list[Connection],

@@ -3,7 +3,9 @@ rank serving its own requests through attention with its own KV cache and schedu
 partitioned over both (all_to_all), gives the greedy tokens of one process: through chunked
 prefill, preemption (few pages per rank) and prefix-cache hits on the rank that holds the prefix;
 with one rank idle while the other works (either way round); zeroing the counters zeroes every
-rank's; a killed rank fails the engine naming it. And 4 processes with the experts split (the ranks' tokens gathered), each rank its share. One 2-rank engine per module (the failure test kills it last)."""
+rank's; a killed rank fails the engine naming it. And 4 processes in 2 data-parallel ranks, each
+rank's attention tensor-parallel over 2 of them, the experts split (the ranks' tokens gathered).
+One 2-rank engine per module (the failure test kills it last)."""
 
 from __future__ import annotations
 
@@ -105,17 +107,28 @@ def test_zeroed_counters_are_every_ranks(dp2):
     assert engine.counters == EngineCounters(80, 2 * PARAMS.max_tokens, {"length": 2})  # rank 1's tokens too
 
 
-def test_four_ranks_each_serve_a_share(single, dsv4, run_seed):
-    """Split experts (gathered tokens) this time, 4 processes: 6 prompts placed 2, 2, 1, 1."""
+def test_two_ranks_of_two_processes_each(single, dsv4, run_seed):
+    """4 processes, 2 data-parallel ranks, each rank's attention split over its 2 processes (half the
+    heads on each) and the experts split over all 4 (the ranks' tokens gathered): 6 prompts placed 3
+    and 3, then one prompt on each rank in turn, the other idle; a killed process of rank 1 that does
+    not schedule fails the engine naming it."""
     rng, vocab = random.Random(run_seed + 2), single.engine.vocab_size
     batch = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 70))] for _ in range(6)]
-    llm = within(TIMEOUT_S, lambda: LLM(dsv4, num_pages=128, tensor_parallel_size=4, data_parallel_size=4,
+    llm = within(TIMEOUT_S, lambda: LLM(dsv4, num_pages=128, tensor_parallel_size=4, data_parallel_size=2,
                                         enable_dp_attention=True, distributed_timeout=TIMEOUT_S, **OPTS))
     try:
         assert tokens(llm, batch) == tokens(single, batch)
         looked_up = [len(p) - 1 for p in batch]  # a prompt's last token is always computed, never looked up
-        assert llm.engine.kv_manager.stats().prefix_queries == looked_up[0] + looked_up[4]  # rank 0's share
+        assert llm.engine.kv_manager.stats().prefix_queries == sum(looked_up[::2])  # rank 0's share
         assert llm.engine.stats().prefix_cache_queries == sum(looked_up)  # the ranks' together
+        for alone in (batch[1:2], batch[:1]):  # to the rank that caches it: the other rank's 2 processes idle
+            assert tokens(llm, alone) == tokens(single, alone)
+        layer, whole = llm.engine.components.model.model.layers[2], single.engine.components.model.model.layers[2]
+        assert layer.attn.num_heads == whole.attn.num_heads // 2
+        assert layer.ffn.experts.gate_up.shape[1] == whole.ffn.experts.gate_up.shape[1] // 4
+        os.kill(llm.engine.workers.procs[2].pid, signal.SIGKILL)  # rank 3
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 3 died \(exit code -9\)"):
+            within(10, lambda: llm.generate(batch[:2], PARAMS))
     finally:
         llm.engine.shutdown()
 
@@ -132,8 +145,9 @@ def test_the_flags_and_what_is_refused(tmp_path):
         EngineConfig(model="m", load_balance_method="random")
     with pytest.raises(ValueError, match="needs enable_dp_attention"):
         EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)
-    with pytest.raises(ValueError, match="data_parallel_size equal to tensor_parallel_size"):
-        EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=2, enable_dp_attention=True)
+    with pytest.raises(ValueError, match="data_parallel_size of at least 2 that divides tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=3, enable_dp_attention=True)
+    assert EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=2, enable_dp_attention=True).attention_tp_size == 2
     with pytest.raises(ValueError, match="speculative_config with enable_dp_attention"):
         EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2, enable_dp_attention=True,
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -13,7 +13,8 @@ whole 128-row blocks, kept in E4M3; q/k/v not, 64-row KV slices, dequantized at 
 Under data-parallel attention each rank runs its own batch (prompts of other lengths on each) and
 gets the logits one process computes for that batch, while the MoE layers span the ranks (experts
 partitioned, or split with the ranks' tokens gathered); one rank has no batch and runs idle
-forwards in step, and a first step where every rank is idle exchanges nothing."""
+forwards in step, and a first step where every rank is idle exchanges nothing. With 4 threads in 2
+data-parallel ranks each rank's attention is split over its 2 threads, which run its batch together."""
 
 from __future__ import annotations
 
@@ -82,27 +83,31 @@ def test_fp8_ranks_keep_the_slices_that_fill_whole_blocks(models, seed):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("which,size,expert_parallel,idle", [
-    ("dsv4", 2, True, None), ("dsv4", 2, False, 1), ("dsv4", 4, True, 0), ("qwen3-moe", 4, True, 2),
-    ("qwen3-moe", 4, False, 3), ("dsv41", 2, True, 1)])
-def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, expert_parallel, idle, models, seed):
+@pytest.mark.parametrize("which,size,dp,expert_parallel,idle", [
+    ("dsv4", 2, 2, True, None), ("dsv4", 2, 2, False, 1), ("dsv4", 4, 4, True, 0), ("qwen3-moe", 4, 4, True, 2),
+    ("qwen3-moe", 4, 4, False, 3), ("dsv41", 2, 2, True, 1), ("dsv4", 4, 2, True, 1), ("qwen3-moe", 4, 2, False, None)])
+def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, dp, expert_parallel, idle, models, seed):
+    """``size`` processes in ``dp`` data-parallel ranks, each rank's attention split over size / dp of them."""
     model = models[which]
     config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
     vocab = ModelConfig.from_dir(model).vocab_size
-    batches = [None if r == idle else steps(vocab, (20 + 7 * r, 8 + 5 * r)) for r in range(size)]
+    batches = [None if d == idle else steps(vocab, (20 + 7 * d, 8 + 5 * d)) for d in range(dp)]
     expected = [single(config, b) if b is not None else None for b in batches]
+    per_rank = size // dp  # processes of a data-parallel rank, which run its batch together
 
     def rank(r: int, runner) -> list[torch.Tensor] | None:
         idle_forward(runner.model)
-        if batches[r] is None:
+        batch = batches[r // per_rank]
+        if batch is None:
             for _ in range(4):
                 idle_forward(runner.model)
             return None
-        return [runner.run(step) for step in batches[r]]
+        return [runner.run(step) for step in batch]
 
-    ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, data_parallel_size=size,
+    ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, data_parallel_size=dp,
                                           enable_dp_attention=True, expert_parallel=expert_parallel), size, rank)
-    for got, want, batch in zip(ranks, expected, batches):
+    for r, got in enumerate(ranks):
+        want, batch = expected[r // per_rank], batches[r // per_rank]
         assert (got is None) == (batch is None)
         for g, e, step in zip(got or [], want or [], batch or []):
             assert g.shape == e.shape == (len(step.logits_indices), vocab)

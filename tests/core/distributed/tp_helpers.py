@@ -66,6 +66,7 @@ def run_ranks(config: EngineConfig, size: int, body: Callable[[int, ModelRunner]
             c = build(config, progress=False, rendezvous=Rendezvous(r, size, st, TIMEOUT_S))
             results[r] = body(r, ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.group))
             c.group.close()
+            c.attention_group.close()
         except BaseException as exc:
             errors.append(exc)
 
