@@ -37,6 +37,9 @@ def _quantize_blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tenso
 def _dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
                        dtype: torch.dtype) -> torch.Tensor:
     n, k = data.shape
+    nb, kb = scale.shape
+    if (n, k) == (nb * rows, kb * cols):  # whole blocks: each scale broadcast over its block, nothing expanded
+        return (data.float().reshape(nb, rows, kb, cols) * scale[:, None, :, None]).reshape(n, k).to(dtype)
     expanded = scale.repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols, dim=1)[:, :k]
     return (data.float() * expanded).to(dtype)
 
