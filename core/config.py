@@ -31,6 +31,7 @@ DTYPES = {
 
 
 QUANTIZATIONS = (None, "none")  # None: as the checkpoint stores the weights
+ENGRAM_PLACEMENTS = ("device", "host")  # where DeepSeek-V4.1's Engram tables live (core/models/deepseek_v4/engram_host.py)
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -58,10 +59,12 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     quantization: str | None = None  # EngineConfig.quantization
+    engram_placement: str = "device"  # EngineConfig.engram_placement
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
-                 max_model_len: int | None = None, quantization: str | None = None) -> "ModelConfig":
+                 max_model_len: int | None = None, quantization: str | None = None,
+                 engram_placement: str = "device") -> "ModelConfig":
         path = Path(path).expanduser()
         config_file = path / "config.json"
         if not path.is_dir():
@@ -81,7 +84,8 @@ class ModelConfig:
         limit = int(hf.get("max_position_embeddings") or 4096)
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]), quantization)
+        return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]), quantization,
+                   engram_placement)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.hf.get(key, default)
@@ -125,6 +129,9 @@ class EngineConfig:
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load
     quantization: str | None = None
+    # DeepSeek-V4.1's Engram tables: "device" memory, or "host" memory (pinned on CUDA), the rows each
+    # step needs gathered there and copied to the device while the layers before them compute
+    engram_placement: str = "device"
     # the hierarchical KV cache (core/kv/hierarchy.py): the prefix cache's pages kept in host memory too
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host records per device page (and window page)
@@ -204,6 +211,9 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.engram_placement not in ENGRAM_PLACEMENTS:
+            raise ValueError(f"engram_placement must be one of {', '.join(ENGRAM_PLACEMENTS)}, "
+                             f"got {self.engram_placement!r}")
         if self.disaggregation is not None:
             object.__setattr__(self, "disaggregation", DisaggConfig.of(self.disaggregation))
             if self.tensor_parallel_size > 1:

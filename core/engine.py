@@ -124,8 +124,9 @@ class EngineCore:
         if c.proposer is not None:
             self.speculator = Speculator(c.proposer, config.speculative_config.num_speculative_tokens, self.sampler,
                                          self.vocab_size)
-        # drafts are proposed from each sequence's latest token, so with them every step is read first
-        self.overlap = config.overlap_decode and self.speculator is None
+        # drafts are proposed from each sequence's latest token, and a model that reads each step's ids on
+        # the host (host-placed Engram) needs them there: with either, every step is read first
+        self.overlap = config.overlap_decode and self.speculator is None and not c.model.token_history
         self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
         # data-parallel attention: each rank runs its own batches, rank 0 routes requests to the others
         self.idle_steps = config.enable_dp_attention  # every step runs a forward, with no tokens if need be

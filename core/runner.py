@@ -46,6 +46,8 @@ class StepInputs(msgspec.Struct, array_like=True, gc=False):
     in_flight: list[int]  # packed rows whose input token is on rank 0's device only (ascending)
     page_copies: list[tuple[int, int]]  # KV pages to copy (src, dst) before the forward
     windows: list[tuple[int, int]] = []  # window pages the KV manager assigned since the last step (page, window)
+    # per sequence the model's ``token_history`` ids before its new ones (-1 before its start), where it reads them
+    history: list[list[int]] = []
 
 
 class Peers(Protocol):
@@ -113,6 +115,8 @@ class ModelRunner:
             src, dst = zip(*inputs.page_copies)
             self.kv.copy_pages(list(src), list(dst))
         fill = self._fill(inputs.in_flight, slots)
+        if inputs.history:  # the model's host work from the step's ids (host-placed Engram rows), before its layers
+            self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
         if features is None and self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
                                                            len(inputs.logits_indices)):
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
@@ -155,8 +159,16 @@ class ModelRunner:
         rows: list[tuple[int, int]] = []
         table_rows: list[int] = []
         slots: list[int] = []
+        back = self.model.token_history
+        history: list[list[int]] = []
         for s in step.scheduled:
             seq, start = s.seq, len(input_ids)
+            if back:
+                if s.in_flight:
+                    raise RuntimeError(f"{type(self.model).__name__} reads each step's token ids on the host, but "
+                                       f"sequence {seq.request_id}'s is still on the device (decode overlap)")
+                before = seq.token_slice(max(0, s.context_len - back), s.context_len)
+                history.append([-1] * (back - len(before)) + before)
             if s.in_flight:  # its token is not on the host yet: a 0 here, the table's value in the batch
                 table_rows.append(start)
                 slots.append(seq.slot)
@@ -175,5 +187,5 @@ class ModelRunner:
             else:
                 rows.append((len(logits_indices), 0))
         inputs = StepInputs(input_ids, query_lens, context_lens, tables, logits_indices, table_rows,
-                            step.page_copies, self.kv.staged_windows() if self.peers is not None else [])
+                            step.page_copies, self.kv.staged_windows() if self.peers is not None else [], history)
         return inputs, rows, slots

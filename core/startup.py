@@ -241,7 +241,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if config.cpu_threads and (group.size == 1 or device.type != "cpu"):
         set_cpu_threads(config.cpu_threads)
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len,
-                                        config.quantization)
+                                        config.quantization, config.engram_placement)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
     model_cls = select_model_class(plugins, ctx, model_config.architecture)
     selections = select_backends(plugins, ctx, config, model_families(model_cls))

@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["none"],
                    help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
                         "them in their stored formats, FP8 / FP4, where the backends run them)")
+    g.add_argument("--engram-placement", default="device", choices=["device", "host"],
+                   help="where DeepSeek-V4.1's Engram tables live: device memory, or host memory (pinned on "
+                        "CUDA) with each step's rows gathered there and copied while earlier layers compute")
     g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (methods: `engine plugins`, family spec)')
@@ -153,7 +156,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
-        quantization=args.quantization, speculative_config=args.speculative_config,
+        quantization=args.quantization, engram_placement=args.engram_placement, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
         load_balance_method=args.load_balance_method, load_balance_threshold=args.load_balance_threshold,

@@ -57,6 +57,9 @@ class CausalLM(nn.Module, ABC):
     # True if forward reads the batch's shape only from device tensors and its attention backend's
     # metadata, so a decode step can be captured in a graph (core/graph_runner.py)
     graph_safe: bool = True
+    # token ids before each step's first new one that ``stage`` reads on the host (0: it reads none);
+    # a model that reads some needs every input id of a step on the host when the step is formed
+    token_history: int = 0
     # what runs each block: a backend family's name (its selection serves it) or where its own code is
     blocks: tuple[tuple[str, str], ...] = (("attention, RoPE + KV page store", "attention"),
                                            ("projections, LM head", "linear"),
@@ -79,6 +82,12 @@ class CausalLM(nn.Module, ABC):
         """Per-step attention metadata, made once before ``forward`` (and once for a captured graph,
         whose replays must find it still true): the attention backend's."""
         return self.backends.attention.prepare(batch)
+
+    def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
+        """Host work for a step from its token ids, before its forward (or its graph's replay): each
+        sequence's new ``input_ids`` (packed) and the ``token_history`` ids before them (-1 before
+        its start). Called only where ``token_history`` > 0."""
+        raise NotImplementedError(f"{type(self).__name__} reads no token history on the host")
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:

@@ -41,6 +41,8 @@ class Echo:
     """Each token's output row: its id, position and slot, its sequence's lengths and query span, and
     the page ids its sequence's length needs (-1 past them: no kernel reads those)."""
 
+    token_history = 0  # no ids read on the host (CausalLM.token_history)
+
     def __init__(self, page_size: int, width: int) -> None:
         self.page_size, self.width = page_size, width
         self.last: torch.Tensor | None = None

@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1's Engram layers (conditional n-gram memory), with the tables on the device.
+"""DeepSeek-V4.1's Engram layers (conditional n-gram memory), with the tables on the device (or in
+host memory: engram_host.py).
 
 What is fixed before any weight is read, from config.json and the tokenizer (``EngramLayout``): the
 tokenizer's compression table (each token's text normalised, NFKC, NFD, accents stripped, lower
@@ -8,7 +9,7 @@ multiplier fits in int64) and the table's bucket ranges: consecutive primes from
 ``engram_vocab_size``, one per (order, head), layer after layer, so the ranges never share a prime
 (this reproduces V4.1-Flash's ``engram_num_embeddings`` exactly).
 
-Per step (``NgramHistory``): the new tokens' compressed ids go into a windowed cache component,
+Per step on the device (``NgramHistory``): the new tokens' compressed ids go into a windowed cache component,
 one int32 per token, and each token reads back its own and the N - 1 before it, so a chunk, a
 prefix hit or a recomputed sequence finds the same n-grams; positions before 0 read the pad id.
 Per Engram layer (``Engram``), before its attention sublayer: the rows of its n-grams, one value
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import sympy
@@ -33,6 +35,9 @@ from ...native.quant import FP8, dequantize_fp8_token_group
 from ..base import Backends
 from ..layers import Linear, empty_param
 from .cache import flat
+
+if TYPE_CHECKING:
+    from .engram_host import HostEngram
 
 SEED_STRIDE = 10007  # a layer's multipliers come from the generator seeded with this x its id
 
@@ -149,51 +154,73 @@ class NgramHistory(nn.Module):
 
 class Rows(nn.Module):
     """An Engram table: rows in the model's dtype, or kept as V4.1 publishes them (E4M3, one scale per
-    ``GROUP`` of a row), each gathered row then dequantized."""
+    ``GROUP`` of a row), each gathered row then dequantized. ``pinned``: held in pinned host memory
+    (host placement on CUDA, engram_host.py)."""
 
     GROUP = 32
 
-    def __init__(self, rows: int, width: int, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, rows: int, width: int, *, dtype: torch.dtype, device, pinned: bool = False) -> None:
         super().__init__()
-        self.weight = empty_param(rows, width, dtype=dtype, device=device)
+        self.pinned = pinned
+        self.weight = self._empty(rows, width, dtype=dtype, device=device)
         self.weight_scale: torch.Tensor | None = None
         self.dtype = dtype
+
+    def _empty(self, *shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+        if not self.pinned:
+            return empty_param(*shape, dtype=dtype, device=device)
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, pin_memory=True), requires_grad=False)
 
     def keep_fp8(self, scale_shape: tuple[int, ...]) -> None:
         """Hold the rows as stored: E4M3 data and fp32 scales of ``scale_shape``, empty until loaded."""
         device = self.weight.device
-        self.weight = empty_param(*self.weight.shape, dtype=FP8, device=device)
-        self.weight_scale = empty_param(*scale_shape, dtype=torch.float32, device=device)
+        self.weight = self._empty(*self.weight.shape, dtype=FP8, device=device)
+        self.weight_scale = self._empty(*scale_shape, dtype=torch.float32, device=device)
         self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [...] int64 -> [..., width] in the model's dtype."""
         if self.weight_scale is None:
             return self.weight[rows]
-        data = self.weight.view(torch.uint8)[rows].view(FP8)  # (no E4M3 gather on the CPU)
-        return dequantize_fp8_token_group(data, self.weight_scale[rows], self.GROUP, self.dtype)
+        return self.as_rows(self.weight.view(torch.uint8)[rows], self.weight_scale[rows])
+
+    def as_rows(self, data: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Gathered rows as stored (E4M3 ones as bytes, with their scales) -> the model's dtype."""
+        if self.weight_scale is None:
+            return data
+        return dequantize_fp8_token_group(data.view(FP8), scale, self.GROUP, self.dtype)
 
 
 class Engram(nn.Module):
-    """One Engram layer: its table, the projection of its rows to keys and a value, the gate's weights."""
+    """One Engram layer: its table, the projection of its rows to keys and a value, the gate's weights.
+    With ``host`` (host placement) the table lives in host memory and the step's rows come from there."""
 
     def __init__(self, hf: dict, layout: EngramLayout, layer_id: int, backends: Backends, *, dtype: torch.dtype,
-                 device) -> None:
+                 device, host: HostEngram | None = None) -> None:
         super().__init__()
         t = layout.layers[layer_id]
         hidden, self.streams = hf["hidden_size"], hf.get("hc_mult", 4)
-        self.embed = Rows(t.rows, layout.head_dim, dtype=dtype, device=device)
+        self.layer_id, self.host = layer_id, host
+        if host is None:
+            self.embed = Rows(t.rows, layout.head_dim, dtype=dtype, device=device)
+            for name in ("multipliers", "primes", "offsets"):
+                self.register_buffer(name, getattr(t, name).to(device), persistent=False)
+        else:
+            self.embed = Rows(t.rows, layout.head_dim, dtype=dtype, device="cpu", pinned=host.pinned)
+            host.register(layer_id, self.embed, t)
         self.wkv = Linear((layout.order - 1) * layout.heads * layout.head_dim, (self.streams + 1) * hidden,
                           backends.linear, dtype=dtype, device=device)
         self.q_weight = empty_param(self.streams, hidden, dtype=torch.float32, device=device)
         self.k_weight = empty_param(self.streams, hidden, dtype=torch.float32, device=device)
-        for name in ("multipliers", "primes", "offsets"):
-            self.register_buffer(name, getattr(t, name).to(device), persistent=False)
         self.eps = hf.get("rms_norm_eps", 1e-6)
 
-    def forward(self, streams: torch.Tensor, ngram_ids: torch.Tensor) -> torch.Tensor:
-        """streams [T, n, D] (every sublayer before mixed in), ngram_ids [T, N] -> new streams."""
-        rows = self.embed(ngram_rows(ngram_ids, self.multipliers, self.primes, self.offsets))
+    def forward(self, streams: torch.Tensor, ngram_ids: torch.Tensor | None) -> torch.Tensor:
+        """streams [T, n, D] (every sublayer before mixed in), ngram_ids [T, N] (device placement;
+        None with host placement: the rows staged for the step) -> new streams."""
+        if self.host is not None:
+            rows = self.host.rows(self.layer_id, streams.shape[0])
+        else:
+            rows = self.embed(ngram_rows(ngram_ids, self.multipliers, self.primes, self.offsets))
         kv = self.wkv(rows.flatten(1).to(streams.dtype))
         hidden = streams.shape[-1]
         keys, value = kv[:, :self.streams * hidden].view(-1, self.streams, hidden), kv[:, self.streams * hidden:]

@@ -33,6 +33,7 @@ from .cache import LayerCache, cache_layout, window_reach
 from .checkpoint import BLOCK, SCALE, Quantized, check_quantization_config, fp8_block, paired
 from .moe import SparseMoE
 from .engram import Engram, EngramLayout, NgramHistory, Rows
+from .engram_host import HostEngram
 from .topology import CSA2_RATIOS, csa2_roles
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,12 @@ class Streams(NamedTuple):
 class DecoderLayer(nn.Module):
     def __init__(self, hf: dict, layer_id: int, cache: LayerCache, backends: Backends,
                  ropes: dict[str, RotaryEmbedding], *, dtype: torch.dtype, device, fold_shared: bool,
-                 engram: EngramLayout | None = None) -> None:
+                 engram: EngramLayout | None = None, host_engram: HostEngram | None = None) -> None:
         super().__init__()
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         self.engram = None
         if engram is not None and layer_id in engram.layers:
-            self.engram = Engram(hf, engram, layer_id, backends, dtype=dtype, device=device)
+            self.engram = Engram(hf, engram, layer_id, backends, dtype=dtype, device=device, host=host_engram)
         self.attn = Attention(hf, layer_id, cache, backends, ropes, dtype=dtype, device=device)
         self.ffn = SparseMoE(hf, hf["mlp_layer_types"][layer_id] == "hash_moe", backends, dtype=dtype,
                              device=device, fold_shared=fold_shared)
@@ -126,15 +127,16 @@ class HyperHead(nn.Module):
 
 class Decoder(nn.Module):
     def __init__(self, hf: dict, caches: list[LayerCache], backends: Backends, *, dtype: torch.dtype,
-                 device, fold_shared: bool, engram: EngramLayout | None = None, ngram_cache: int | None = None) -> None:
+                 device, fold_shared: bool, engram: EngramLayout | None = None, ngram_cache: int | None = None,
+                 host_engram: HostEngram | None = None) -> None:
         super().__init__()
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], backends.tp, dtype=dtype,
                                                    device=device)
         self.layers = nn.ModuleList(DecoderLayer(hf, i, cache, backends, ropes, dtype=dtype, device=device,
-                                                 fold_shared=fold_shared, engram=engram)
+                                                 fold_shared=fold_shared, engram=engram, host_engram=host_engram)
                                     for i, cache in enumerate(caches))
-        self.ngrams = None if engram is None else NgramHistory(engram, ngram_cache, device)
+        self.ngrams = None if ngram_cache is None else NgramHistory(engram, ngram_cache, device)
         for layer in self.layers:  # a CSA2 layer reads its KV source's entries and index keys
             if (role := layer.attn.role) is not None:
                 layer.attn.source = (self.layers[role.kv_source].attn,)
@@ -178,15 +180,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.cache_specs, caches = cache_layout(hf["head_dim"], rates, overlaps, hf.get("index_head_dim", 128),
                                                 fp8_index_keys=published, roles=roles)
         self.reach = window_reach(hf["sliding_window"], rates, overlaps)
-        engram, ngram_cache = None, None
-        if hf.get("engram_layer_ids"):  # n-gram memory: the tokens' compressed ids, per token, near the end
+        engram, ngram_cache, self.host_engram = None, None, None
+        if hf.get("engram_layer_ids"):
             engram = EngramLayout.from_config(hf, config.path)
-            ngram_cache = len(self.cache_specs)
-            self.cache_specs.append(KVLayerSpec(1, 1, 0, windowed=True, k_dtype=torch.int32))
-            self.reach = max(self.reach, engram.order - 1)
+            if config.engram_placement == "host":  # the tables in host memory, the rows found from the ids there
+                self.host_engram = HostEngram(engram, device)
+                self.token_history = engram.order - 1
+            else:  # the tokens' compressed ids kept per token, in a windowed cache component near the end
+                ngram_cache = len(self.cache_specs)
+                self.cache_specs.append(KVLayerSpec(1, 1, 0, windowed=True, k_dtype=torch.int32))
+                self.reach = max(self.reach, engram.order - 1)
         fold = moe.FOLD_SHARED and not published
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold, engram=engram,
-                             ngram_cache=ngram_cache)
+                             ngram_cache=ngram_cache, host_engram=self.host_engram)
         self.head = ParallelLMHead(hf["hidden_size"], config.vocab_size, backends.linear, backends.tp, dtype=dtype,
                                    device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
@@ -199,6 +205,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def prepare(self, batch: ForwardBatch) -> None:
         return None  # the V4 attention family prepares inside the step
+
+    def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
+        self.host_engram.stage(input_ids, query_lens, history)
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         return self.model(batch, kv)

@@ -34,6 +34,9 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
             continue
         batch = ForwardBatch.build(ids, qlens, ctx, tables, page_size, logits_rows)
         with torch.inference_mode():
+            if back := c.model.token_history:  # the ids before each chunk, as the runner passes them
+                c.model.stage(ids, qlens, [[-1] * (back - min(back, lo)) + p[max(0, lo - back):lo]
+                                           for p, lo in zip(prompts, ctx)])
             batch.attn_metadata = c.model.prepare(batch)
             logits = c.model.compute_logits(c.model(batch, c.kv)[batch.logits_indices])
         start = 0
