@@ -115,7 +115,11 @@ class ModelRunner:
             src, dst = zip(*inputs.page_copies)
             self.kv.copy_pages(list(src), list(dst))
         fill = self._fill(inputs.in_flight, slots)
-        if inputs.history:  # the model's host work from the step's ids (host-placed Engram rows), before its layers
+        if self.model.token_history:  # its host work from the step's ids (host-placed Engram rows), before its layers
+            if len(inputs.history) != len(inputs.query_lens):
+                raise RuntimeError(f"{type(self.model).__name__} reads {self.model.token_history} ids before each "
+                                   f"sequence's step on the host, but the step brings them for "
+                                   f"{len(inputs.history)} of {len(inputs.query_lens)} sequences")
             self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
         if features is None and self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
                                                            len(inputs.logits_indices)):
