@@ -43,6 +43,7 @@ from .startup import attach_storage_tier, build
 from .structured.compiler import GrammarCompiler, GrammarHandle
 from .to_device import to_device
 from .token_table import TokenTable
+from .spec.verify_length import LoadAwareLength, profile_verify
 from .warmup import WarmupReport, warm_up
 from .tokenizer import Tokenizer
 
@@ -143,6 +144,10 @@ class EngineCore:
                                   c.device, c.graphs, c.attention_group, peers)
         if c.proposer is not None:
             self.runner.feature = c.proposer.feature
+            self.runner.feature_layers = c.proposer.feature_layers
+            if c.proposer.load_aware:
+                self.speculator.verify_length = LoadAwareLength(profile_verify(self, self.speculator.k),
+                                                                self.speculator.k)
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, EngineError]] = []  # requests that failed after admission (take_failures)
         self.counters = EngineCounters()

@@ -182,6 +182,9 @@ class ForwardBatch:
     # where the runner asks for them (speculative decoding's MTP): the model puts per-token features
     # here by name (DeepSeek-V4: "streams", its residual streams before the head)
     features: dict[str, torch.Tensor] | None = None
+    # with features: the layers whose outputs the model puts in features["layers"], one after
+    # another per token (CausalLM.layer_feature_size wide each; what a DSpark drafter reads)
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:

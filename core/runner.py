@@ -79,6 +79,7 @@ class ModelRunner:
         # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: such
         # steps run eagerly, since a decode graph hands back logits only
         self.feature: str | None = None
+        self.feature_layers: tuple[int, ...] = ()  # where the feature is "layers": which
 
     def execute(self, step: SchedulerOutput) -> StepLogits:
         inputs, rows, slots = self._gather(step)
@@ -130,6 +131,8 @@ class ModelRunner:
         if fill is not None:
             fill(batch.input_ids)
         batch.features = features
+        if features is not None:
+            batch.feature_layers = self.feature_layers
         self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
         try:
             batch.attn_metadata = self.model.prepare(batch)

@@ -30,10 +30,13 @@ class DraftRequest:
 class Drafts:
     """Per sequence up to ``k`` draft tokens, a chain; ``probs`` the draft distribution of each token,
     rows packed in sequence order, which rejection sampling needs (``None``: the proposer is
-    deterministic, its distribution one-hot on the token, as n-gram lookup is)."""
+    deterministic, its distribution one-hot on the token, as n-gram lookup is); ``confidence``
+    per draft the proposer's estimate that the target keeps it given it kept those before (DSpark's
+    confidence head), from which a load-aware verify length is chosen (core/spec/verify_length.py)."""
 
     token_ids: list[list[int]]
     probs: torch.Tensor | None = None  # [sum of lengths, vocab]
+    confidence: list[list[float]] | None = None  # one per draft, in [0, 1]
 
     def check(self, requests: list[DraftRequest]) -> None:
         """Raise ValueError naming the field when the drafts do not answer ``requests``."""
@@ -42,6 +45,8 @@ class Drafts:
         for req, ids in zip(requests, self.token_ids):
             if len(ids) > req.k:
                 raise ValueError(f"token_ids: {len(ids)} drafts for sequence {req.seq_id}, at most k={req.k}")
+        if self.confidence is not None and list(map(len, self.confidence)) != list(map(len, self.token_ids)):
+            raise ValueError("confidence: not one per draft")
         rows = sum(map(len, self.token_ids))
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != rows):
             raise ValueError(f"probs: shape {list(self.probs.shape)}, want [{rows}, vocab]")
@@ -53,6 +58,9 @@ class SpecProposer(ABC):
     name: str = "?"
     feature: str | None = None  # a per-token feature of the target's (ForwardBatch.features) it drafts from
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states verification hands back (DSpark, MTP)
+    # drafts come with confidence: the engine times its verify step at start-up and chooses each
+    # request's verify length by load (core/spec/verify_length.py)
+    load_aware: bool = False
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx

@@ -93,6 +93,10 @@ class CausalLM(nn.Module, ABC):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Hidden states [T, hidden] of every packed token after the final norm."""
 
+    def layer_feature_size(self) -> int:
+        """The width of one layer's output in ``ForwardBatch.features["layers"]``."""
+        return self.config.hf["hidden_size"]
+
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""

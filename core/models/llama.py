@@ -109,8 +109,13 @@ class Decoder(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        kept = []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch, kv)
+            if i in batch.feature_layers:
+                kept.append(x + residual)
+        if kept:
+            batch.features["layers"] = torch.cat(kept, -1)
         return self.norm.add_forward(x, residual)[0]
 
 

@@ -75,7 +75,15 @@ def engine_register_spec_proposers() -> list[Descriptor]:
             Descriptor("spec", "draft_model", _instance("engine.core.spec.draft_model:DraftModelProposer"),
                        priority=NATIVE_PRIORITY, check=_draft_reasons),
             Descriptor("spec", "mtp", _instance("engine.core.spec.mtp:MTPProposer"), priority=NATIVE_PRIORITY,
-                       check=_mtp_reasons)]
+                       check=_mtp_reasons),
+            Descriptor("spec", "dspark", _instance("engine.core.spec.dspark.proposer:DSparkProposer"),
+                       priority=NATIVE_PRIORITY, check=_dspark_reasons)]
+
+
+def _dspark_reasons(ctx) -> list[str]:
+    from ..spec.dspark.proposer import dspark_reasons
+
+    return dspark_reasons(ctx)
 
 
 def _mtp_reasons(ctx) -> list[str]:

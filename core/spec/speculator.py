@@ -18,6 +18,7 @@ step's tokens before it schedules the next (no overlap, core/engine.py).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from ..host_copy import HostCopy
 from ..to_device import to_device
 from . import rejection
 from .counters import SpecCounters
+from .verify_length import LoadAwareLength, choose_lengths
 
 if TYPE_CHECKING:
     from ..sampler import Sampler
@@ -116,6 +118,8 @@ class Speculator:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.reset_counters()
+        # drafts with confidence: each request's verify length chosen by load (verify_length.py)
+        self.verify_length: LoadAwareLength | None = None
         self._probs: dict[int, torch.Tensor] = {}  # seq id -> draft distribution rows of this step's drafts
 
     def reset_counters(self) -> None:
@@ -132,17 +136,27 @@ class Speculator:
                 budget -= k
         if not requests:
             return {}
+        load = self.verify_length
+        if load is not None and not load.worth_drafting(len(requests), len(seqs) - len(requests)):
+            return {}
+        started = time.perf_counter()
         drafts = self.proposer.propose(requests)
         drafts.check(requests)
+        lengths = list(map(len, drafts.token_ids))
+        if load is not None and drafts.confidence is not None:
+            seconds = time.perf_counter() - started
+            load.drafted(len(requests), seconds, drafts.confidence)
+            lengths = choose_lengths(drafts.confidence, load.curve, seconds, len(seqs) - len(requests))
         out, self._probs, row = {}, {}, 0
-        for req, ids in zip(requests, drafts.token_ids):
+        for req, ids, n in zip(requests, drafts.token_ids, lengths):
+            drafted, ids = ids, ids[:n]
             if ids:
                 if not all(0 <= t < self.vocab_size for t in ids):
                     raise ValueError(f"proposer {self.proposer.name} drafted ids outside [0, {self.vocab_size})")
                 out[req.seq_id] = list(ids)
                 if drafts.probs is not None:
                     self._probs[req.seq_id] = drafts.probs[row:row + len(ids)]
-            row += len(ids)
+            row += len(drafted)
         return out
 
     def observe(self, scheduled: list[ScheduledSeq], features: torch.Tensor) -> None:

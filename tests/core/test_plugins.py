@@ -389,7 +389,8 @@ def test_report_names_every_family_and_the_platform(dummy):
     assert "linear: selects triton (plugin cuda)" in text
     assert "norm: selects triton (plugin cuda)" in text
     assert "sampling: selects triton (plugin cuda)" in text
-    assert "spec: off (--speculative-config names a proposer as its method); registered: draft_model, mtp, ngram" in text
+    assert ("spec: off (--speculative-config names a proposer as its method); registered: draft_model, dspark, mtp, "
+            "ngram") in text
     assert "DummyForCausalLM" in text
 
     model_config = SimpleNamespace(architecture="DummyForCausalLM")

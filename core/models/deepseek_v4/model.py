@@ -151,8 +151,13 @@ class Decoder(nn.Module):
         state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous())
         meta = self.attention.prepare(batch, kv)
         share = StepShare(ngram_ids=None if self.ngrams is None else self.ngrams(batch, kv))
-        for layer in self.layers:
+        kept = []
+        for i, layer in enumerate(self.layers):
             state = layer(state, batch, kv, meta, share)
+            if i in batch.feature_layers:  # the layer's residual streams, side by side
+                kept.append(self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb).flatten(1))
+        if kept:
+            batch.features["layers"] = torch.cat(kept, -1)
         if batch.features is not None:  # what the next-n layer (nextn.py) drafts from
             batch.features["streams"] = self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb)
         return self.hc_head(state, self.norm)
@@ -214,6 +219,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
+
+    def layer_feature_size(self) -> int:
+        return self.model.hc_mult * self.config.hf["hidden_size"]  # every residual stream
 
     def resolve(self, name: str) -> Target | None:
         """Checkpoint name (as HF writes it, or in the published layout without ``model.``) -> parameter;

@@ -69,7 +69,8 @@ def test_ngram_is_the_native_plugins_proposer_and_engine_plugins_lists_it():
     assert drafts.token_ids == [[7, 5, 6], [7], []] and drafts.probs is None
 
     text = report(plugins, SelectionContext(platform=CPU_PLATFORM))
-    assert "spec: off (--speculative-config names a proposer as its method); registered: draft_model, mtp, ngram" in text
+    assert ("spec: off (--speculative-config names a proposer as its method); registered: draft_model, dspark, mtp, "
+            "ngram") in text
     text = report(plugins, ctx(), ctx().engine_config.requested_backends())
     assert "spec (requested 'ngram'): selects ngram (plugin native)" in text
 

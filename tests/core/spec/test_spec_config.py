@@ -61,7 +61,7 @@ def test_drafts_must_fit_the_step_budget():
     EngineConfig(model="m", max_num_batched_tokens=5, speculative_config={**NGRAM, "num_speculative_tokens": 4})
 
 
-@pytest.mark.parametrize("method", ["dspark", "eagle"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_a_method_without_a_proposer_fails_at_start_up(tiny_qwen3, method):
     with pytest.raises(SpecConfigError, match=f"speculative_config.method: no proposer '{method}' is registered"):
         LLM(str(tiny_qwen3), speculative_config={"method": method, "num_speculative_tokens": 2, "model": "d"},
@@ -85,6 +85,6 @@ def test_the_command_line_refuses_a_bad_config_naming_the_field(tiny_qwen3):
 
 def test_serve_with_a_method_without_a_proposer_exits_at_start_up(tiny_qwen3):
     res = engine_cli("--log-level", "WARNING", "serve", "--model", str(tiny_qwen3), "--port", "1",
-                     "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 2}')
+                     "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
     assert res.returncode != 0
-    assert "the engine failed to start: SpecConfigError: speculative_config.method: no proposer 'dspark'" in res.stderr
+    assert "the engine failed to start: SpecConfigError: speculative_config.method: no proposer 'eagle'" in res.stderr

@@ -1,0 +1,125 @@
+"""The DSpark proposer (``speculative_config {"method": "dspark", "model": DIR}``): a drafter that
+``engine train-drafter --method dspark`` trained for the target (model.py) drafts a block per
+decode in one pass, each draft then following the one before through its Markov head, with a
+confidence per draft that the verify length is chosen from (verify_length.py).
+
+The target hands back the hidden states of the drafter's chosen layers for every token it computes
+(``feature_layers``; prefill chunks, decodes, verify rows: ``observe``). Each position's context
+keys and values are computed from them once and kept per sequence, by position: positions the
+target computes again (after rejected drafts, whose rows it handed back too) overwrite theirs. A
+block reads the positions before its anchor, the sequence's last token, whose own features come
+with the next verification. A prefix hit gives the target's features from the hit's end on only:
+the block reads what there is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...families.spec import DraftRequest, Drafts, SpecProposer
+from ..config import SpecConfigError
+from .weights import METHOD, build_drafter, read_drafter
+
+logger = logging.getLogger(__name__)
+
+
+def dspark_reasons(ctx) -> list[str]:
+    """Why the drafter ``speculative_config.model`` cannot draft for the target."""
+    from ..drafter import drafter_reasons
+
+    spec, target = ctx.engine_config.speculative_config, ctx.model_config
+    if spec is None or spec.model is None:
+        return ["speculative_config.model: DSpark needs a drafter directory (engine train-drafter --method dspark "
+                "writes one)"]
+    if target is None:
+        return []
+    if ctx.engine_config.tensor_parallel_size > 1:
+        return ["DSpark under tensor parallelism is not built (the ranks do not hand back their hidden states)"]
+    if reasons := drafter_reasons(spec.model, METHOD, target.path):
+        return reasons
+    shape, _ = read_drafter(spec.model)
+    if spec.num_speculative_tokens > shape.block_size:
+        return [f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} is more than the "
+                f"drafter's block of {shape.block_size}"]
+    return []
+
+
+class _Context:
+    """One sequence's context keys and values, every drafter layer's, for positions ``start``..``end``."""
+
+    def __init__(self, start: int, rows: torch.Tensor) -> None:
+        self.start, self.end = start, start
+        self.rows = rows  # [layers, 2, capacity, kv heads, head dim]
+
+    def put(self, start: int, kv: torch.Tensor) -> None:
+        """Positions ``start``.. (``kv`` [layers, 2, n, ...]); those after them dropped."""
+        at, n = start - self.start, kv.shape[2]
+        if at + n > self.rows.shape[2]:
+            grown = self.rows.new_empty(*self.rows.shape[:2], 2 * (at + n), *self.rows.shape[3:])
+            grown[:, :, :at] = self.rows[:, :, :at]
+            self.rows = grown
+        self.rows[:, :, at:at + n] = kv
+        self.end = start + n
+
+
+class DSparkProposer(SpecProposer):
+    name = METHOD
+    feature = "layers"
+    load_aware = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        spec, target = ctx.engine_config.speculative_config, ctx.target
+        try:
+            shape, tensors = read_drafter(spec.model)
+            self.drafter = build_drafter(target, shape, tensors, ctx.model_config.dtype).eval()
+        except Exception as exc:
+            raise SpecConfigError("model", f"the DSpark drafter {spec.model} does not load: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+        self.feature_layers = shape.target_layer_ids
+        self.device = next(self.drafter.parameters()).device
+        self._contexts: dict[int, _Context] = {}
+        logger.info("DSpark: a block of %d from target layers %s, %d drafts a step at most", shape.block_size,
+                    list(shape.target_layer_ids), spec.num_speculative_tokens)
+
+    @torch.inference_mode()
+    def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
+        positions = torch.arange(start, start + features.shape[0], device=self.device)
+        kv = torch.stack([torch.stack(pair) for pair in self.drafter.context_kv(features, positions)])
+        c = self._contexts.get(seq_id)
+        if c is None or not c.start <= start <= c.end:
+            c = self._contexts[seq_id] = _Context(start, kv.new_empty(*kv.shape[:2], 2 * kv.shape[2], *kv.shape[3:]))
+        c.put(start, kv)
+
+    def release(self, seq_id: int) -> None:
+        self._contexts.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], features=None) -> Drafts:
+        rows = []  # (request, its context) of those whose positions before the anchor the target gave
+        for r in requests:
+            c = self._contexts.get(r.seq_id)
+            if c is not None and c.start < len(r.token_ids) - 1 <= c.end:
+                rows.append((r, c))
+        drafts: dict[int, tuple[list[int], list[float]]] = {r.seq_id: ([], []) for r in requests}
+        if rows:
+            for (r, _), ids, conf in zip(rows, *self._draft(rows)):
+                drafts[r.seq_id] = (ids[:r.k], conf[:r.k])
+        return Drafts([drafts[r.seq_id][0] for r in requests], confidence=[drafts[r.seq_id][1] for r in requests])
+
+    def _draft(self, rows: list[tuple[DraftRequest, _Context]]) -> tuple[list[list[int]], list[list[float]]]:
+        """One block per row over its context rows before the anchor, padded to the longest."""
+        lengths = [len(r.token_ids) - 1 - c.start for r, c in rows]
+        width = max(lengths)
+        first = rows[0][1].rows
+        ctx = first.new_zeros(first.shape[0], 2, len(rows), width, *first.shape[3:])
+        for i, ((_, c), n) in enumerate(zip(rows, lengths)):
+            ctx[:, :, i, :n] = c.rows[:, :, :n]
+        valid = torch.arange(width, device=self.device) < torch.tensor(lengths, device=self.device).unsqueeze(1)
+        anchors = torch.tensor([r.token_ids[-1] for r, _ in rows], device=self.device)
+        at = torch.tensor([len(r.token_ids) - 1 for r, _ in rows], device=self.device)
+        hidden = self.drafter.block(anchors, at, [(layer[0], layer[1]) for layer in ctx], valid)
+        tokens, conf = self.drafter.draft(hidden, anchors, max(r.k for r, _ in rows))
+        return tokens.tolist(), conf.float().tolist()
