@@ -140,7 +140,9 @@ def profile_verify(engine, k: int) -> StepCurve:
                         kv.free(s, cache=False)
                 break
             tables = kv.page_table.gather([st.row for st in states], -(-n // config.page_size))
-            inputs = StepInputs([0] * (batch * n), [n] * batch, [0] * batch, tables, list(range(batch * n)), [], [])
+            back = runner.model.token_history  # ids before each sequence's step the model reads: none here
+            inputs = StepInputs([0] * (batch * n), [n] * batch, [0] * batch, tables, list(range(batch * n)), [], [],
+                                history=[[-1] * back] * batch if back else [])
             runs = []
             for _ in range(4):  # the first warms up
                 started = time.perf_counter()
