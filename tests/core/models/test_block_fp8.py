@@ -8,6 +8,7 @@ backends dequantize on every call to what the reference holds, so logits agree w
 RESIDENT_BOUND (the order of fp32 sums) and greedy tokens are identical; ``quantization="none"``
 dequantizes at load to the reference's parameters exactly. The bytes resident are the stored ones.
 A config naming another method, block size, format or activation scheme is refused at start-up.
+On a GPU (``gpu``) each model on the Triton backends is compared with the native ones.
 """
 
 from __future__ import annotations
@@ -154,3 +155,23 @@ def test_refused_at_start_up_naming_the_field(tiny_qwen3, tmp_path, field, value
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {**q, field: value}}))
     with pytest.raises(ValueError, match=f"quantization_config.{field} is"):
         _llm(tmp_path)
+
+
+@pytest.mark.gpu
+def test_resident_on_the_gpu_backends(checkpoints, seed):
+    """The FP8 checkpoint on the GPU in bf16: the Triton FP8 block GEMM (and for Qwen3-MoE the fused
+    MoE's FP8 path), E4M3 activations, against the native backends dequantizing the same resident
+    weights on the fly; prompt logprobs within 0.3 (DeepSeek-V4's bound for the same formats)."""
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=512, kv_cache_memory="1GiB", progress=False)
+    fast = LLM(str(checkpoints[0]), **common)
+    oracle = LLM(str(checkpoints[0]), **common, moe_backend="native", linear_backend="native")
+    chosen = {f: s.chosen.name for f, s in fast.engine.components.selections.items()}
+    assert chosen["linear"] == "triton" and chosen.get("moe", "triton") == "triton"
+    assert any(p.dtype == torch.float8_e4m3fn for p in fast.engine.components.model.parameters())
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 512) for _ in range(rng.randint(2, 300))] for _ in range(4)]
+    sampling = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for a, b in zip(fast.generate(prompts, sampling), oracle.generate(prompts, sampling)):
+        la = torch.tensor([next(iter(d.values())) for d in a.prompt_logprobs[1:]])
+        lb = torch.tensor([next(iter(d.values())) for d in b.prompt_logprobs[1:]])
+        assert (la - lb).abs().max() < 0.3
