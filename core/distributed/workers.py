@@ -142,18 +142,25 @@ class Workers:
             code = proc.wait(1.0)
         except subprocess.TimeoutExpired:
             code = None  # its socket closed, the process lingers: dead to the group all the same
-        self.dead = (rank, code)
         logger.error("tensor-parallel rank %d (pid %d) died with exit code %s", rank, proc.pid, code)
         for group in self.groups:
             group.close(abort=True)
+        # last: a failed step waits for this (explain), and its engine may be dropped at once; this thread
+        # then holds the last reference only for a moment (a finalizer run here may be cut off at exit)
+        self.dead = (rank, code)
 
     # -- the end --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop every rank and release the group."""
+        """Stop every rank and release the group; after a rank died, kill the others (of no use
+        without it, and slow to unwind from their failed collectives on a busy host)."""
         if self._closed:
             return
         self._closed = True
+        if self.dead is not None:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
         self._finalizer()
         if self.dead is None:
             for group in self.groups:
