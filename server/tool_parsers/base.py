@@ -241,21 +241,22 @@ class CallScanner:
             self.pos = end if k < 0 else k + len(f.block_end)
             self.in_block = k < 0
             return k >= 0
-        p = self.pos
-        while p < len(text) and text[p].isspace():
-            p += 1
-        self.pos = p
-        rest = text[p:]
-        if rest.startswith(f.block_end):
-            self.pos = p + len(f.block_end)
+        p = q = self.pos
+        while q < len(text) and text[q].isspace():
+            q += 1
+        rest = text[q:]
+        if rest.startswith(f.block_end):  # whitespace before a marker is dropped
+            self.pos = q + len(f.block_end)
             self.in_block = False
+            self.pending_space = ""
             return True
         if rest.startswith(f.call_start):
-            return self._call(text, p, final, content, deltas)
+            self._content(content, text[p:q])  # held: dropped if the call reads
+            return self._call(text, q, final, content, deltas)
         if not final and (f.block_end.startswith(rest) or f.call_start.startswith(rest)):
             return False  # may still become a marker
-        # text in the block that is no call: content, up to the next marker
-        stops = [k for k in (text.find(f.call_start, p), text.find(f.block_end, p)) if k >= 0]
+        # text in the block that is no call: content (its whitespace too), up to the next marker
+        stops = [k for k in (text.find(f.call_start, q), text.find(f.block_end, q)) if k >= 0]
         if stops:
             end = min(stops)
         else:

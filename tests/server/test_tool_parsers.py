@@ -83,7 +83,7 @@ CASES = [
      [ToolCall("get_weather", '{"days": "three"}')]),  # not JSON where string="false": a string
     ("deepseek_v4", _v4_block(_v4("search", {"query": 'a "quoted"\nline', "filters": {"k": [1, 2]}})), "",
      [ToolCall("search", '{"query": "a \\"quoted\\"\\nline", "filters": {"k": [1, 2]}}')]),
-    ("deepseek_v4", _v4_block(_v4("nope", P_PARAMS)), "\n\n" + _v4("nope", P_PARAMS).rstrip(), []),
+    ("deepseek_v4", _v4_block(_v4("nope", P_PARAMS)), "\n\n\n" + _v4("nope", P_PARAMS).rstrip(), []),
     ("deepseek_v32", "Checking." + _v4_block(_v4("get_weather", P_PARAMS), _v4("search", C_PARAMS),
                                              block="function_calls"), "Checking.", [PARIS, CATS]),
     ("deepseek_v32", _v4_block(_v4("get_weather", P_PARAMS)), _v4_block(_v4("get_weather", P_PARAMS)),
@@ -96,6 +96,7 @@ def _expected_content(text: str, content: str | None) -> str:
 
 
 def _read(fmt: str, text: str, pieces: list[str] | None = None, parallel: bool = True):
+    """(content, calls) of ``text`` fed whole, or in ``pieces`` as a stream."""
     scanner = tool_call_format(fmt).scanner(NAMES, None if parallel else 1)
     content, deltas, so_far = "", [], ""
     for k, piece in enumerate(pieces or [text]):
@@ -127,6 +128,26 @@ def test_streamed_pieces_add_up_to_the_whole(fmt, text, content, calls, seed):
     assert _read(fmt, text, list(text)) == whole  # a character at a time
     for cut in range(1, len(text)):  # every split point
         assert _read(fmt, text, [text[:cut], text[cut:]]) == whole
+
+
+# pieces of every format's markup, whole and broken, and what goes between: soups of them must read
+# the same however they are cut (no format may lose or duplicate text at a cut, nor hang)
+SOUP = ["<tool_call>", "</tool_call>", "<tool_", "\n", " ", '{"name": "get_weather", "arguments": ', P_ARGS, "}", "{",
+        '"', "x", CB, CE, B, E, SEP, f"function{SEP}search\n```json\n", "\n```", f"search{SEP}",
+        f"<{D}tool_calls>", f"</{D}tool_calls>", f"<{D}function_calls>", f"</{D}function_calls>",
+        f'<{D}invoke name="search">', f"</{D}invoke>", f'<{D}parameter name="query" string="true">',
+        f'<{D}parameter name="limit" string="false">', f"</{D}parameter>", f"<{D}", "[1]"]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_marker_soups_read_the_same_however_cut(fmt, seed):
+    rng = random.Random(seed)
+    for _ in range(150):
+        text = "".join(rng.choice(SOUP) for _ in range(rng.randint(1, 12)))
+        for parallel in (True, False):
+            whole = _read(fmt, text, parallel=parallel)
+            assert _read(fmt, text, list(text), parallel=parallel) == whole, text
+            assert _read(fmt, text, _random_pieces(text, rng), parallel=parallel) == whole, text
 
 
 @pytest.fixture(scope="module")
