@@ -102,15 +102,18 @@ def _gateway(args: argparse.Namespace) -> int:
 def _train_drafter(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..core.spec.train_mtp import train_mtp
-
     files = []
     for d in args.data:
         p = Path(d)
         files += sorted(str(f) for f in p.rglob(args.glob) if f.is_file()) if p.is_dir() else [str(p)]
-    report = train_mtp(args.model, files, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch_size,
-                       lr=args.lr, max_tokens=args.max_tokens, seed=args.seed, eval_file=args.eval,
-                       num_speculative_tokens=args.num_speculative_tokens)
+    if args.method == "mtp":
+        from ..core.spec.train_mtp import train_mtp as train
+    else:
+        from ..core.spec.dspark.train import train_dspark as train
+    k = args.num_speculative_tokens or (3 if args.method == "mtp" else 5)
+    report = train(args.model, files, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch_size,
+                   lr=args.lr, max_tokens=args.max_tokens, seed=args.seed, eval_file=args.eval,
+                   num_speculative_tokens=k)
     print(f"trained {report.steps} steps on {report.tokens} tokens in {report.seconds:.0f} s: loss "
           f"{report.first_loss:.3f} -> {report.last_loss:.3f}; wrote {args.out}")
     if report.acceptance_length is not None:
@@ -169,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = command(sub, "train-drafter", help="train a speculative-decoding drafter for a checkpoint from text")
     t.add_argument("--model", required=True, help="the target checkpoint directory")
-    t.add_argument("--method", required=True, choices=["mtp"], help="mtp: DeepSeek-V4's next-n layer")
+    t.add_argument("--method", required=True, choices=["mtp", "dspark"],
+                   help="mtp: DeepSeek-V4's next-n layer; dspark: a DSpark block drafter (its block: "
+                        "--num-speculative-tokens)")
     t.add_argument("--data", required=True, nargs="+", help="text files, or directories searched for --glob")
     t.add_argument("--glob", default="*.py", help="the files a --data directory gives")
     t.add_argument("--out", required=True, help="the drafter directory to write (speculative_config.model)")
@@ -180,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=2_000_000, help="tokens of --data read at most")
     t.add_argument("--seed", type=int, default=0, help="seeds the start and the windows drawn")
     t.add_argument("--eval", default=None, help="held-out text: report the mean acceptance length on it")
-    t.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the held-out report")
+    t.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K of the held-out report (default: 3 for mtp, 5 for dspark, its block)")
     t.set_defaults(func=_train_drafter)
 
     b = command(sub, "bench", help="benchmarks")

@@ -13,48 +13,16 @@ prompts of an evaluation text and reads its mean acceptance length.
 
 from __future__ import annotations
 
-import logging
-import random
 import re
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 import torch
-from tqdm import tqdm
 
-from ..config import EngineConfig
-from ..forward import ForwardBatch
 from ..loader import iter_checkpoint
-from .draft_model import DraftSeq
-
-logger = logging.getLogger(__name__)
+from .train_drafter import PAGE, FrozenTarget, TrainReport, fit, held_out_acceptance, report, step_batch
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.*)$")
 _HEAD = re.compile(r"^(?:model\.hc_head\.hc_|hc_head_)(fn|base|scale)$")
-
-
-@dataclass
-class TrainReport:
-    steps: int
-    tokens: int
-    first_loss: float  # mean over the first tenth of the steps
-    last_loss: float  # mean over the last tenth
-    seconds: float
-    acceptance_length: float | None = None  # held out, through the engine
-    num_speculative_tokens: int | None = None
-
-
-def corpus(tokenizer, files: list[str], max_tokens: int) -> list[int]:
-    """The files' tokens, one after another with the tokenizer's EOS between, at most ``max_tokens``."""
-    ids: list[int] = []
-    for f in files:
-        ids += tokenizer.encode(Path(f).read_text(errors="replace"), add_special_tokens=False)
-        if tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)
-        if len(ids) >= max_tokens:
-            break
-    return ids[:max_tokens]
 
 
 def initial_nextn(target, seed: int) -> dict[str, torch.Tensor]:
@@ -85,113 +53,49 @@ def initial_nextn(target, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step_batch(kv_manager, windows: list[list[int]], page_size: int, shift: int = 0):
-    """A prefill batch of ``windows`` (from their token ``shift`` on) on pages of ``kv_manager``,
-    and the draft sequences holding them (to free)."""
-    seqs = [DraftSeq(i, w, list(w)) for i, w in enumerate(windows)]
-    n = len(windows[0]) - shift
-    rows = []
-    for s in seqs:
-        st = kv_manager.allocate(s, n)
-        if st is None:
-            raise RuntimeError("the training KV cache is too small for a batch")
-        rows.append(st.row)
-    tables = kv_manager.page_table.gather(rows, -(-n // page_size))
-    ids = [t for w in windows for t in w[shift:]]
-    return ForwardBatch.build(ids, [n] * len(windows), [0] * len(windows), tables, page_size, list(range(len(ids)))), seqs
-
-
 def train_mtp(model: str, files: list[str], out: str, steps: int = 300, seq_len: int = 128, batch: int = 4,
               lr: float = 2e-3, max_tokens: int = 2_000_000, seed: int = 0, eval_file: str | None = None,
               num_speculative_tokens: int = 3, progress: bool = True) -> TrainReport:
     from ..models.deepseek_v4.nextn import NextN, build_nextn
-    from ..startup import build, proposer_kv
-    from ..tokenizer import Tokenizer
+    from ..startup import proposer_kv
     from .drafter import save_drafter
 
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    page = 16
-    config = EngineConfig(model=model, dtype="float32", page_size=page, num_pages=batch * -(-seq_len // page) + 8,
-                          enforce_eager=True, enable_prefix_caching=False, warmup=False, max_model_len=seq_len + page)
-    c = build(config, progress=progress)
-    target = c.model
-    target.requires_grad_(False)
-    tokenizer = Tokenizer.from_dir(model)
-    ids = corpus(tokenizer, files, max_tokens)
-    if len(ids) < seq_len * batch:
-        raise ValueError(f"the data has {len(ids)} tokens, fewer than a batch of {batch} windows of {seq_len}")
-    logger.info("train-drafter: %d tokens from %d files", len(ids), len(files))
-    start = initial_nextn(target, seed)
-    layer: NextN = build_nextn(target, start)
+    target = FrozenTarget(model, files, seq_len, batch, max_tokens, seed, progress)
+    start = initial_nextn(target.model, seed)
+    layer: NextN = build_nextn(target.model, start)
     layer.train()
     # the attention's input projections run as one fused weight whose parts' parameters are views
     # of it: that weight is what trains
     fused = [w.data for w, names, _ in layer.attn.x_proj.groups if len(names) > 1]
     params = [p for p in layer.parameters() if all(p.data_ptr() != f.data_ptr() and not _inside(p, f) for f in fused)]
     params += fused
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses: list[float] = []
-    started = time.monotonic()
-    bar = tqdm(range(steps), desc="training the next-n layer", unit="step", disable=not progress)
-    for _ in bar:
-        windows = [ids[s:s + seq_len] for s in (rng.randrange(len(ids) - seq_len) for _ in range(batch))]
-        with torch.inference_mode():
-            b, seqs = _step_batch(c.kv_manager, windows, page)
-            b.features = {}
-            b.attn_metadata = target.prepare(b)
-            target(b, c.kv)
-        streams = b.features["streams"].clone()  # out of inference mode: autograd may keep it
-        for s in seqs:
-            c.kv_manager.free(s, cache=False)
+
+    def loss_of() -> torch.Tensor:
+        windows = target.windows()
+        _, features = target.run(windows)
+        streams = features["streams"].clone()  # out of inference mode: autograd may keep it
         # the layer at positions 0..L-2 reads x[p + 1] and the streams at p, and predicts x[p + 2]
-        cache, kv_manager = proposer_kv(config, layer, c.device, torch.float32, seq_len + page, 0)
-        b, _ = _step_batch(kv_manager, windows, page, shift=1)
+        cache, kv_manager = proposer_kv(target.config, layer, target.components.device, torch.float32,
+                                        seq_len + PAGE, 0)
+        b, _ = step_batch(kv_manager, windows, PAGE, shift=1)
         rows = streams.view(batch, seq_len, *streams.shape[1:])[:, :-1].reshape(-1, *streams.shape[1:])
         _, hidden = layer(b, cache, rows)
-        logits = target.compute_logits(hidden).view(batch, seq_len - 1, -1)[:, :-1]
+        logits = target.model.compute_logits(hidden).view(batch, seq_len - 1, -1)[:, :-1]
         want = torch.tensor([w[2:] for w in windows])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    tenth = max(1, steps // 10)
-    report = TrainReport(steps, steps * batch * seq_len, sum(losses[:tenth]) / tenth, sum(losses[-tenth:]) / tenth,
-                         time.monotonic() - started)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
+
+    losses, seconds = fit(params, loss_of, steps, lr, "training the next-n layer", progress)
+    result = report(losses, seconds, target)
     tensors = layer.export(list(start))
-    save_drafter(out, "mtp", model, tensors, asdict(report))
+    save_drafter(out, "mtp", model, tensors, asdict(result))
     if eval_file is not None:
-        report.acceptance_length = held_out_acceptance(model, out, eval_file, num_speculative_tokens, seed)
-        report.num_speculative_tokens = num_speculative_tokens
-        save_drafter(out, "mtp", model, tensors, asdict(report))
-    return report
+        result.acceptance_length = held_out_acceptance(model, "mtp", out, eval_file, num_speculative_tokens, seed)
+        result.num_speculative_tokens = num_speculative_tokens
+        save_drafter(out, "mtp", model, tensors, asdict(result))
+    return result
 
 
 def _inside(p: torch.Tensor, whole: torch.Tensor) -> bool:
     """Whether ``p``'s memory lies within ``whole``'s."""
     a, n = whole.data_ptr(), whole.numel() * whole.element_size()
     return a <= p.data_ptr() < a + n
-
-
-def held_out_acceptance(model: str, drafter: str, eval_file: str, k: int, seed: int, num_prompts: int = 16,
-                        prompt_len: int = 64, max_tokens: int = 32) -> float:
-    """Mean acceptance length of the drafter at ``k`` over greedy continuations of prompts cut from
-    ``eval_file``, through the engine."""
-    from ..llm import LLM
-    from ..sampling_params import SamplingParams
-
-    llm = LLM(model, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k,
-                                                          "model": str(drafter)}, progress=False)
-    text = Path(eval_file).read_text(errors="replace")
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    rng = random.Random(seed)
-    prompts = [ids[s:s + prompt_len] for s in (rng.randrange(len(ids) - prompt_len) for _ in range(num_prompts))]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return llm.engine.speculator.counters.mean_acceptance_length
