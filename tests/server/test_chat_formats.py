@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.server.chat_format import DeepSeekV4Chat, chat_renderer
@@ -26,6 +27,7 @@ from engine.server.deepseek_v4_chat import TOOLS_SECTION
 from engine.server.protocol import ChatMessage
 from engine.server.reasoning import ReasoningSplitter, opening, serving_reasoning_parser
 from engine.server.tool_parsers import ToolCall, serving_tool_format, tool_call_format
+from live_server import LiveServer
 
 TEMPLATES = Path(__file__).parent.parent / "assets" / "chat_templates"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -170,3 +172,29 @@ def test_the_chat_template_flag():
     assert p.parse_args([]).chat_template is None
     with pytest.raises(SystemExit):
         p.parse_args(["--chat-template", "/no/such/template.jinja"])
+
+
+def test_a_served_template_file_renders_and_its_calls_read_back(tiny_qwen3, tmp_path):
+    """``--chat-template`` with Qwen3's published template on tiny-qwen3-py (which has none): prompts
+    are that template's, the hermes parser is found from it (without one, tools are a 400), and a
+    forced call in its format comes back as a call."""
+    qwen3 = TEMPLATES / "Qwen-Qwen3-0.6B.jinja"
+    server = LiveServer(str(tiny_qwen3), "--max-model-len", "1024", "--chat-template", str(qwen3),
+                        log=tmp_path / "server.log").wait_ready()
+    try:
+        post = lambda path, body: httpx.post(server.url + path, json={"model": server.model_name, **body},  # noqa: E731
+                                             headers=server.headers, timeout=120)
+        hi = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        ids = post("/tokenize", {"messages": hi}).json()["tokens"]
+        assert post("/detokenize", {"tokens": ids}).json()["prompt"] == ChatTemplate(qwen3.read_text()).render(
+            _messages(*hi))
+        res = post("/v1/chat/completions", {
+            "messages": hi, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 80, "temperature": 1.0, "seed": 0, "chat_template_kwargs": {"enable_thinking": False}})
+        assert res.status_code == 200, res.text
+        choice = res.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and isinstance(json.loads(call["function"]["arguments"]), dict)
+    finally:
+        server.stop()
