@@ -133,14 +133,17 @@ class HostEngram:
     def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
         """Find, gather and send every Engram layer's rows for a step, in layer order."""
         ids = self.ngram_ids(input_ids, query_lens, history)
+        layers = [self.layers[k] for k in sorted(self.layers)]
+        for layer in layers:  # made (and zeroed) on the step's stream before the side stream waits for it
+            layer.buffers(len(input_ids))
         stream = None
         if self.side is not None:
             stream = torch.cuda.current_stream(self.device)
             if self.prefetch:  # behind the step queued before, which may still read the buffers
                 self.side.wait_stream(stream)
                 stream = self.side
-        for layer_id in sorted(self.layers):
-            self.layers[layer_id].stage(ids, stream)
+        for layer in layers:
+            layer.stage(ids, stream)
 
     def rows(self, layer_id: int, num_tokens: int) -> torch.Tensor:
         """Layer ``layer_id``'s rows of the step staged last: [num_tokens, (N - 1) K, head_dim]."""
