@@ -74,9 +74,10 @@ def config(stack: dict, engram_vocab: int) -> dict:
     }
 
 
-def write_checkpoint(path: Path, hf: dict) -> int:
-    """``hf`` with random weights (shapes from the model built on the meta device) under ``path``,
-    the Engram tables each in a file of its own; returns the tables' rows."""
+def write_checkpoint(path: Path, hf: dict, device: torch.device) -> int:
+    """``hf`` with random weights (shapes from the model built on the meta device, drawn on ``device``:
+    a GPU draws the tables' billions in seconds) under ``path``, the Engram tables each in a file of
+    its own; returns the tables' rows."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf))
     for name, text in tokenizer_files(hf["max_position_embeddings"]).items():
@@ -88,16 +89,17 @@ def write_checkpoint(path: Path, hf: dict) -> int:
     selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
     model = DeepseekV4ForCausalLM(model_config, Backends(**{f: s.create(ctx) for f, s in selections.items()}),
                                   device="meta")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     rest, rows = {}, 0
     for name, t in model.state_dict().items():
         if name.endswith("tid2eid"):
-            w = torch.stack([torch.randperm(hf["n_routed_experts"], generator=gen)[:hf["num_experts_per_tok"]]
-                             for _ in range(t.shape[0])]).to(t.dtype)
+            w = torch.stack([torch.randperm(hf["n_routed_experts"], generator=gen, device=device)
+                             [:hf["num_experts_per_tok"]] for _ in range(t.shape[0])]).to(t.dtype)
         elif "norm" in name or name.endswith(("scale", "q_weight", "k_weight")):
-            w = (torch.rand(t.shape, generator=gen) + 0.5).to(t.dtype)
+            w = (torch.rand(t.shape, generator=gen, device=device) + 0.5).to(t.dtype)
         else:
-            w = (torch.randn(t.shape, generator=gen) * 0.02).to(t.dtype)
+            w = (torch.randn(t.shape, generator=gen, device=device) * 0.02).to(t.dtype)
+        w = w.cpu()
         if name.endswith("engram.embed.weight"):
             rows += t.shape[0]
             save_file({name: w}, str(path / f"{name}.safetensors"))
@@ -150,7 +152,7 @@ def run(device: torch.device, stack: dict = STACK, engram_vocab: int | None = No
         path = Path(tmp) / "v41"
         hf = config(stack, engram_vocab)
         started = time.monotonic()
-        rows = write_checkpoint(path, hf)
+        rows = write_checkpoint(path, hf, device)
         layout = EngramLayout.from_config(hf, path)
         result = {"engram_rows": rows, "flash_engram_rows": FLASH_ENGRAM_ROWS,
                   "engram_table_gb_bf16": round(rows * layout.head_dim * 2 / 1e9, 2),
