@@ -1,6 +1,6 @@
 """Engram's tables in host memory (``engram_placement="host"``) against on the device, on the tiny
 random V4.1 of test_dsv41 (Engram before layers 0 and 5), in fp32: the same rows reach the same
-layers, so logits are equal bit for bit, in one step or cut at any offset (the
+layers, so logits are equal bit for bit, packed or alone, in one step or cut at any offset (the
 runner's ids before each chunk standing in for the device's n-gram cache), and the engine's
 greedy tokens are equal through chunked prefill, prefix hits and preemption."""
 
@@ -47,6 +47,9 @@ def test_host_rows_give_the_device_logits_at_any_cut_and_batch(placements, seed)
     for split in (None, rng.uniform(0.05, 0.5), rng.uniform(0.5, 0.95)):
         for got, want in zip(engine_logits(host, prompts, 4, split), engine_logits(device, prompts, 4, split)):
             assert torch.equal(got, want), split
+    alone = [rng.choice(prompts[2:])]  # another batch: the rows follow each token, not its place in the batch
+    cut = rng.uniform(0.05, 0.95)
+    assert torch.equal(engine_logits(host, alone, 4, cut)[0], engine_logits(device, alone, 4, cut)[0])
 
 
 def test_each_layer_reads_its_own_tables_rows(placements, seed):
@@ -71,9 +74,10 @@ def _greedy(tiny, prompts: list[list[int]], tokens: int, **engine) -> dict:
     its pages then serve prefix hits where prefix caching is on), and the host engine's outputs."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     got = {}
-    for placement in ("device", "host"):  # the same steps either way: the host's needs every id read first
+    for placement in ("device", "host"):  # the same steps: host placement reads every step's ids before the next
         llm = LLM(str(tiny), dtype="float32", progress=False, page_size=4, engram_placement=placement,
-                  overlap_decode=False, **engine)
+                  **({"overlap_decode": False} if placement == "device" else {}), **engine)
+        assert not llm.engine.overlap
         first = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
         outs = llm.generate(prompts, params)
         got[placement] = [first] + [o.outputs[0].token_ids for o in outs]
