@@ -64,7 +64,7 @@ def run_ranks(config: EngineConfig, size: int, body: Callable[[int, ModelRunner]
         try:
             st = store if r == 0 else join_store(store.port, size, TIMEOUT_S)
             c = build(config, progress=False, rendezvous=Rendezvous(r, size, st, TIMEOUT_S))
-            results[r] = body(r, ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.group))
+            results[r] = body(r, ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.attention_group))
             c.group.close()
             c.attention_group.close()
         except BaseException as exc:
