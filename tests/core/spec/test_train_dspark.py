@@ -70,7 +70,7 @@ def test_the_trained_drafter_keeps_drafts_and_the_targets_output(target, plain, 
     params = greedy(24)
     assert completions(spec.generate(prompts, params)) == completions(plain.generate(prompts, params))
     c = spec.engine.speculator.counters
-    assert c.num_drafts > 10 and c.mean_acceptance_length > 1.1, c
+    assert c.num_drafts > 10 and c.mean_acceptance_length > 1.25, c
 
 
 @pytest.mark.gpu
