@@ -16,7 +16,7 @@ over the wall time of a configuration. Configurations, each a fresh engine:
 In the same run, on CUDA: the host-to-device copy rate of one large pinned buffer, and what the
 engine's layer-by-layer loader moves (the KV cache's own ``write_records`` staging and copy
 stream, timed with CUDA events) and what the host side of a load checks and gathers per second
-(the BLAKE2b checksum of every record and the gather into one pinned batch), each over the
+(the checksum of every record and the gather into one pinned batch), each over the
 pinned rate where it is one.
 
     python benchmarks/hicache_multiturn.py --json benchmarks/results/hicache-multiturn-h200.json

@@ -8,7 +8,7 @@ SGLang's integration reads): ``master_server_address`` (MOONCAKE_MASTER), ``meta
 (MOONCAKE_LOCAL_HOSTNAME, default "localhost"), ``protocol`` (MOONCAKE_PROTOCOL, "tcp"),
 ``device_name`` (MOONCAKE_DEVICE, "" picks RDMA devices itself), ``global_segment_size`` and
 ``local_buffer_size`` (bytes; 4 GiB and 512 MiB). The store evicts by its own policy, so the
-tier never deletes. Refused, with the reason, where the package is missing or no master is named.
+tier deletes only a bad record (``reject``); a read the store fails is a counted miss. Refused, with the reason, where the package is missing or no master is named.
 """
 
 from __future__ import annotations
@@ -78,7 +78,11 @@ class MooncakeTier(CacheTier):
     def get(self, keys: list[str]) -> list[TierPage | None]:
         out: list[TierPage | None] = []
         for k in keys:
-            raw = self.store.get(k)
+            try:
+                raw = self.store.get(k)
+            except Exception as exc:  # an unreachable store: a counted miss, serving goes on
+                self._read_failed(f"get of {k}: {exc}")
+                raw = None
             if not raw:
                 out.append(None)
                 continue
@@ -86,12 +90,35 @@ class MooncakeTier(CacheTier):
                 out.append(decode(k, bytes(raw)))
             except ValueError as exc:
                 self.rejected += 1
-                logger.warning("hierarchical cache: Mooncake's %s is not a record of its key (%s); a miss", k, exc)
+                logger.warning("hierarchical cache: Mooncake's %s is not a record of its key (%s); a miss, removed",
+                               k, exc)
+                self.reject(k)
                 out.append(None)
         return out
 
     def contains(self, keys: list[str]) -> int:
-        return next((i for i, k in enumerate(keys) if self.store.is_exist(k) != 1), len(keys))
+        for i, k in enumerate(keys):
+            try:
+                held = self.store.is_exist(k) == 1
+            except Exception as exc:
+                self._read_failed(f"is_exist of {k}: {exc}")
+                held = False
+            if not held:
+                return i
+        return len(keys)
+
+    def reject(self, key: str) -> None:
+        try:
+            self.store.remove(key)
+        except Exception as exc:
+            self.last_error = f"remove of {key}: {exc}"
+
+    def _read_failed(self, why: str) -> None:
+        self.read_failures += 1
+        self.last_error = why
+        if self.read_failures == 1 or self.read_failures % 1000 == 0:
+            logger.warning("hierarchical cache: reading the Mooncake store failed (%s; %d failed reads so far); "
+                           "a miss", why, self.read_failures)
 
 
 @hookimpl

@@ -18,14 +18,24 @@ from __future__ import annotations
 
 import hashlib
 
+import blake3
 import numpy as np
 import torch
 
-from ..families.cache_tier import page_checksum
 from ..families.kv_transport import KVExpectation, KVPayload
 from ..kv.manager import KVManager
 from ..kv.storage import KVCache
 from ..sequence import Sequence
+
+DIGEST_BYTES = 16
+
+
+def page_digest(page) -> bytes:
+    """A moved page's digest (any bytes-like object): BLAKE3, a cryptographic hash, since the
+    transports authenticate the page headers that carry it, not the bytes themselves, so it must
+    not be forgeable (XXH3, the tiers' checksum, is not); 6x BLAKE2b's rate here
+    (benchmarks/page_checksums.py)."""
+    return blake3.blake3(page).digest(DIGEST_BYTES)
 
 
 def tokens_to_move(prompt_token_ids: list[int]) -> int:
@@ -59,9 +69,9 @@ def export_payload(kvm: KVManager, kv: KVCache, seq: Sequence) -> KVPayload:
     prompt = seq.prompt_token_ids
     n = tokens_to_move(prompt)
     flags = window_flags(kvm, n)
-    blobs = kv.read_pages(kvm.export_pages(seq)[:len(flags)], flags)
-    return KVPayload(n, token_digest(prompt[:n]), layout_digest(kv, kvm.window_reach),
-                     [b.numpy().tobytes() for b in blobs], [bytes.fromhex(page_checksum(b)) for b in blobs])
+    pages = [b.numpy().tobytes() for b in kv.read_pages(kvm.export_pages(seq)[:len(flags)], flags)]
+    return KVPayload(n, token_digest(prompt[:n]), layout_digest(kv, kvm.window_reach), pages,
+                     [page_digest(p) for p in pages])
 
 
 def expectation(kvm: KVManager, kv: KVCache, prompt_token_ids: list[int], first_page: int = 0) -> KVExpectation:
@@ -80,7 +90,7 @@ def checked(payload: KVPayload, expect: KVExpectation) -> str | None:
     if [len(p) for p in payload.pages] != expect.page_sizes or len(payload.checksums) != len(payload.pages):
         return "the pages' number or sizes differ from this engine's"
     for i, (page, checksum) in enumerate(zip(payload.pages, payload.checksums)):
-        if bytes.fromhex(page_checksum(torch.frombuffer(bytearray(page), dtype=torch.uint8))) != checksum:
+        if page_digest(page) != checksum:
             return f"page {i} failed its checksum"
     return None
 

@@ -4,7 +4,8 @@ Pages are addressed by content: a hash of the token prefix they end, the model a
 layout, so engines that share a store share hits. A page travels as one record: its bytes in
 every KV component (``TierLayout`` says which segments, in order), and a checksum taken when it
 was written. A record that is absent, truncated, foreign or fails its checksum is a miss (its
-tokens are recomputed), never wrong output.
+tokens are recomputed), never wrong output; one there but bad is counted, and dropped from the
+tier (``reject``) so a good one can take its place.
 
 Records come in kinds of fixed size: ``"page"`` (a KV page's components that live with its
 tokens) and, for models with windowed components (DeepSeek-V4's sliding window and compressor
@@ -20,12 +21,19 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
+
+
+CHECKSUM = "xxh3-128"  # named in the tiers' content keys (hierarchy.tier_layout): records checked otherwise never meet
 
 
 def page_checksum(data: torch.Tensor) -> str:
-    """A checksum of a record's bytes (all of its KV components, as the tier stores them)."""
+    """A checksum of a record's bytes (all of its KV components, as the tier stores them): XXH3's
+    128 bits, against damage (a flipped bit, a torn or cut-short write), at tens of GB/s a core
+    (benchmarks/page_checksums.py; BLAKE2b's 0.3 GB/s bounded a load's host side). Not a defence
+    against a forger: whoever can write a record can write its checksum too."""
     raw = data.detach().contiguous().cpu().view(torch.uint8).numpy()  # hashed in place, not copied to bytes
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    return xxhash.xxh3_128_hexdigest(raw)
 
 
 def prefix_keys(tokens: list[int], page_size: int, model: str) -> list[str]:
@@ -108,6 +116,11 @@ class CacheTier(ABC):
     def contains(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, the tier holds: the length of a prefix hit, asked
         before a prefetch is worth starting."""
+
+    def reject(self, key: str) -> None:
+        """The record read under ``key`` failed its checksum: remove it where the tier can, so a
+        good one can be written in its place (a shared store's bad copy is bad for every engine).
+        By default nothing happens."""
 
     def discard(self, keys: list[str]) -> None:
         """Forget the records under ``keys`` (a bounded tier frees their room). A shared store may

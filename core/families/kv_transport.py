@@ -8,7 +8,7 @@ them through the KV manager, *fetches* the room from the peer (core/disagg/decod
 come first. Handles are polled once a step, so no step waits on the network.
 
 Pages move as bytes, one blob per page with every KV component of it (``KVCache.read_pages``),
-each with its checksum (``cache_tier.page_checksum``). Transfers are prefix-aware: the fetcher says
+each with its digest (``disagg.payload.page_digest``). Transfers are prefix-aware: the fetcher says
 how many leading pages it holds already (a hit in its own prefix cache) and only the rest move. It
 states what it expects (token count, a digest of the token ids, the page layout, the pages it
 holds, each other page's size) and anything else (a foreign
@@ -52,7 +52,7 @@ class KVPayload:
     token_digest: bytes  # of the token ids those pages hold (payload.token_digest)
     layout: bytes  # digest of the page layout (layers, element types, page size, window reach)
     pages: list[bytes]  # one blob per page: every KV component of it
-    checksums: list[bytes]  # one per page (cache_tier.page_checksum, 16 bytes)
+    checksums: list[bytes]  # one per page (disagg.payload.page_digest, 16 bytes)
     first_page: int = 0
 
     def from_page(self, first_page: int) -> KVPayload:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..config import HICACHE_WRITE_POLICIES
-from ..families.cache_tier import CacheTier, TierLayout, TierPage, prefix_keys
+from ..families.cache_tier import CHECKSUM, CacheTier, TierLayout, TierPage, prefix_keys
 from .pages import PagePool
 from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
@@ -82,11 +82,11 @@ class TierStats:
 
 def tier_layout(kv: KVCache, model: str) -> TierLayout:
     """The records a tier keeps for ``kv`` (a page's components, and a window page's where there are
-    windows), named in content keys by ``model`` and those records' layout."""
+    windows), named in content keys by ``model``, those records' layout and how they are checked."""
     segments = {"page": kv.record_segments()}
     if kv.num_window_pages:
         segments["window"] = kv.record_segments(windowed=True)
-    return TierLayout(segments, json.dumps([model, segments], sort_keys=True))
+    return TierLayout(segments, json.dumps([model, segments, CHECKSUM], sort_keys=True))
 
 
 def host_capacity(kv: KVCache, layout: TierLayout, ratio: float, size_bytes: int = 0) -> dict[str, int]:
@@ -265,15 +265,9 @@ class KVHierarchy:
         p = self._prefetches.pop(keys[0], None) or self.reader.start(keys, start)
         if p is None:
             return 0
-        records = []
         taken = self.reader.take(p)
         self.stats.storage_bytes_read += sum(r.data.numel() for r in taken)
-        pages = list(itertools.takewhile(lambda r: r.kind == "page", taken))
-        for rec, ok in zip(pages, self.intact(pages)):
-            if not ok:
-                self.stats.checksum_failures += 1
-                break
-            records.append(rec)
+        records = self._stored_intact(taken, "page")
         count, windows = len(records), None
         while count and self.window is not None:  # the end must bring its windows
             windows = self._stored_windows(keys[count - 1], start + count)
@@ -299,9 +293,20 @@ class KVHierarchy:
             return None
         got = self.reader.read_now(keys)
         self.stats.storage_bytes_read += sum(r.data.numel() for r in got)
-        if len(got) < len(keys) or not all(r.kind == "window" for r in got) or not all(self.intact(got)):
-            return None
-        return got
+        good = self._stored_intact(got, "window")
+        return good if len(good) == len(keys) else None
+
+    def _stored_intact(self, records: list[TierPage], kind: str) -> list[TierPage]:
+        """The leading ``records`` read from storage that are of ``kind`` and intact; the first that
+        is not is counted, and the storage tier drops it (``reject``) so a good one can be written."""
+        good = []
+        for rec, ok in zip(records, self.intact(records)):
+            if rec.kind != kind or not ok:
+                self.stats.checksum_failures += 1
+                self.reader.tier.reject(rec.key)
+                break
+            good.append(rec)
+        return good
 
     def _keys(self, node: _Node) -> list[str]:
         tokens = self.radix.prefix(node)

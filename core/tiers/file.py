@@ -8,8 +8,8 @@ engines writing the same record at once each rename a complete copy. The file ca
 (record.py): a file that is not a record, or names another key (foreign), is a miss; a truncated
 one fails its checksum where the caller checks it. A write that fails (a full disk, a gone mount)
 is logged and refused, and a read that fails other than by absence is a counted miss; serving
-goes on. Records are never deleted here: the directory is shared, and its size is the
-operator's to bound (the usage gauges report the file system's). Subclasses may move the bytes their own way (``_write``,
+goes on. Records are deleted only when bad (``reject``: not a record of their key, or failing
+their checksum): the directory is shared, and its size is the operator's to bound (the usage gauges report the file system's). Subclasses may move the bytes their own way (``_write``,
 ``_read``: NIXL's file plugins).
 """
 
@@ -108,8 +108,18 @@ class FileTier(CacheTier):
             return decode(key, raw)
         except ValueError as exc:
             self.rejected += 1
-            logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss", self._path(key), exc)
+            logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss, removed",
+                           self._path(key), exc)
+            self.reject(key)
             return None
+
+    def reject(self, key: str) -> None:
+        """Remove the file (atomic: an engine reading it meanwhile keeps its copy), so the next
+        engine to store the prefix writes a good one; where it cannot be removed, it stays a miss."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            self.last_error = f"removing {self._path(key)}: {exc}"
 
     def usage(self) -> tuple[int, int] | None:
         """The file system's bytes used and size (the directory is shared: its own size is not

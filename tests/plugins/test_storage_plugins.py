@@ -59,6 +59,7 @@ class FakeStore:
     """Mooncake's store API over a dict (setup, put, get, is_exist), one instance per 'cluster'."""
 
     data: dict[str, bytes] = {}
+    down = False  # every read raises, as an unreachable store's client does
 
     def setup(self, *args):
         self.args = args
@@ -69,10 +70,17 @@ class FakeStore:
         return 0
 
     def get(self, key):
+        if self.down:
+            raise RuntimeError("the master is unreachable")
         return self.data.get(key, b"")
 
     def is_exist(self, key):
+        if self.down:
+            raise RuntimeError("the master is unreachable")
         return int(key in self.data)
+
+    def remove(self, key):
+        return 0 if self.data.pop(key, None) is not None else -1
 
 
 @pytest.fixture
@@ -83,11 +91,12 @@ def fake_mooncake(monkeypatch):
     pkg.store = store
     monkeypatch.setitem(sys.modules, "mooncake", pkg)
     monkeypatch.setitem(sys.modules, "mooncake.store", store)
-    FakeStore.data = {}
+    FakeStore.data, FakeStore.down = {}, False
     return FakeStore
 
 
-def test_the_mooncake_tier_round_trips_records_and_refuses_foreign_ones(tmp_path, seed, fake_mooncake, monkeypatch):
+def test_the_mooncake_tier_round_trips_records_refuses_and_removes_bad_ones_and_counts_failed_reads(
+        tmp_path, seed, fake_mooncake, monkeypatch):
     monkeypatch.setenv("MOONCAKE_MASTER", "env-host:1")
     ctx = context(tmp_path, "mooncake", plugin_options={"mooncake": {"master_server_address": "master:50051"}})
     assert mooncake.mooncake_reasons(ctx) == []
@@ -99,3 +108,8 @@ def test_the_mooncake_tier_round_trips_records_and_refuses_foreign_ones(tmp_path
     assert got[3] is None and all(g.intact() and torch.equal(g.data, r.data) for g, r in zip(got[:3], recs))
     fake_mooncake.data["k0"] = fake_mooncake.data["k1"]  # the store hands back another key's record
     assert tier.get(["k0"]) == [None] and tier.rejected == 1
+    assert "k0" not in fake_mooncake.data  # removed: a good record may take its place
+    tier.reject("k1")  # what the hierarchy does with a record failing its checksum
+    assert "k1" not in fake_mooncake.data
+    fake_mooncake.down = True  # reads fail: counted misses, nothing raised
+    assert tier.get(["k2"]) == [None] and tier.contains(["k2"]) == 0 and tier.read_failures == 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.core.disagg.config import DisaggConfig
-from engine.core.families.cache_tier import page_checksum
+from engine.core.disagg.payload import page_digest
 from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
 from engine.core.native.kv_tcp import TcpTransport
 from engine.plugins.nixl_kv import NixlTransport
@@ -31,7 +31,7 @@ def _transport(mode: str, secret: str = "s3cret", kind: type[TcpTransport] = Tcp
 
 def _payload() -> KVPayload:
     pages = [random.randbytes(random.randint(1, 5000)) for _ in range(random.randint(1, 6))]
-    checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
+    checksums = [page_digest(p) for p in pages]
     return KVPayload(random.randint(1, 500), random.randbytes(16), random.randbytes(16), pages, checksums)
 
 

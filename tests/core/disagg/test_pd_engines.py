@@ -20,11 +20,10 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.disagg import engine_class
-from engine.core.disagg.payload import expectation
+from engine.core.disagg.payload import expectation, page_digest
 from engine.core.engine import EngineCore
 from engine.core.errors import InvalidRequest
 from engine.core.registry import SelectionError
-from engine.core.families.cache_tier import page_checksum
 from engine.core.families.kv_transport import KVPeer
 from engine.core.sampling_params import SamplingParams
 from fake_prefill import FakePrefill
@@ -183,7 +182,7 @@ def test_a_failed_transfer_is_computed_here_with_the_colocated_answer(engines, f
     if fault != "peer gone":
         expect = expectation(dec.kv_manager, dec.components.kv, ids)
         pages = [random.randbytes(size) for size in expect.page_sizes]
-        checksums = [bytes.fromhex(page_checksum(torch.frombuffer(bytearray(p), dtype=torch.uint8))) for p in pages]
+        checksums = [page_digest(p) for p in pages]
         if fault == "corrupt page":
             pages[-1] = bytes([pages[-1][0] ^ 1]) + pages[-1][1:]
         port = FakePrefill(dec.config.disaggregation.secret.encode(), pages, checksums, fault).port

@@ -1,6 +1,7 @@
 """The storage tier (L3) below host memory, at the KV manager: what one engine's host memory takes
 reaches a shared directory, and another engine with nothing cached finds it there, fetches it
-through host memory to the device with its bytes intact (windows too), by the prefetch policy."""
+through host memory to the device with its bytes intact (windows too), by the prefetch policy; a
+record damaged on disk is counted, removed and written again."""
 
 from __future__ import annotations
 
@@ -62,6 +63,29 @@ def test_a_short_storage_hit_is_not_fetched_and_a_corrupted_record_ends_it(tmp_p
     assert run_to_completion(second, h2, prompt + [3])[0] == 24
     assert second.lower.stats.checksum_failures == 1
     second.check_consistency()
+
+
+@pytest.mark.parametrize("kind", ["page", "window"])
+def test_a_bad_stored_record_is_counted_and_removed_and_a_good_one_takes_its_place(tmp_path, seed, kind):
+    """A stored page (or, for a model with windows, a window record) damaged on disk: the engine
+    reading it counts it, the file tier removes it, and the engine that computes those tokens again
+    writes a good record there, which a third engine hits."""
+    rng = random.Random(seed)
+    windowed = kind == "window"
+    first, h1, files = engine(tmp_path, windowed, rng)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    run_to_completion(first, h1, prompt + [1])
+    page_keys = prefix_keys(prompt, 4, first.lower.model_key)
+    path = rng.choice(sorted(tmp_path.rglob("*-w*.kv"))) if windowed else files._path(page_keys[6])
+    raw = bytearray(path.read_bytes())
+    raw[-1 - rng.randrange(16)] ^= 0x55
+    path.write_bytes(bytes(raw))
+    second, h2, _ = engine(tmp_path, windowed, rng)
+    assert run_to_completion(second, h2, prompt + [3])[0] < 40
+    assert second.lower.stats.checksum_failures == 1
+    second.check_consistency()
+    third, h3, _ = engine(tmp_path, windowed, rng)
+    assert run_to_completion(third, h3, prompt + [4])[0] == 40 and third.lower.stats.checksum_failures == 0
 
 
 class Slow:

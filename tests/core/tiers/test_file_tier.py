@@ -1,5 +1,5 @@
 """The file cache tier: records round-trip through files, a foreign, garbled or truncated file is
-never served as a record, a full disk refuses a write and serving goes on, and several processes
+never served as a record and is removed, a full disk refuses a write and serving goes on, and several processes
 writing one directory at once leave every record whole."""
 
 from __future__ import annotations
@@ -55,7 +55,11 @@ def test_a_foreign_garbled_or_truncated_file_is_never_a_good_record(tmp_path, se
     paths[2].write_bytes(raw[:len(raw) - rng.randint(1, 100)])  # cut short
     foreign, garbled, truncated = t.get([r.key for r in recs])
     assert foreign is None and garbled is None and t.rejected == 2
+    assert not paths[0].exists() and not paths[1].exists()  # removed: a good record may take their place
     assert not truncated.intact()
+    t.reject(recs[2].key)  # what the hierarchy does with a record failing its checksum
+    assert not paths[2].exists() and t.put(recs) == [True] * 3
+    assert all(g.intact() for g in t.get([r.key for r in recs]))
 
 
 def test_a_full_disk_refuses_the_write_and_leaves_nothing_behind(tmp_path, seed, monkeypatch):
