@@ -2,10 +2,11 @@
 registers NIXL's KV transport too (nixl_kv.py).
 
 NIXL (``pip install nixl``) moves bytes between registered memory and storage through plugins;
-its file plugins (POSIX, GDS, GDS_MT, 3FS) write and read a directory the way the ``file`` tier
-lays it out (core/tiers/file.py: one record per content key, written to a temporary name and
-renamed), so engines using either share one directory. Its object plugin (OBJ, S3) is not wired
-yet. Refused, with the reason, where the package is missing or no directory is named.
+its file plugins (the first of GDS_MT, GDS, 3FS and POSIX that starts here) write and read a
+directory the way the ``file`` tier lays it out (core/tiers/file.py: one record per content key,
+written to a temporary name and renamed), so engines using either share one directory. Its
+object plugin (OBJ, S3) is not wired yet. Refused, with the reason, where the package is missing
+or no directory is named.
 """
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ class NixlFileTier(FileTier):
         super().__init__(ctx)
         self.agent = nixl_agent(f"engine-hicache-{os.getpid()}", nixl_agent_config(backends=[]))
         offered = self.agent.get_plugin_list()
-        chosen = next((p for p in FILE_PLUGINS if p in offered), None)
-        if chosen is None:
-            raise RuntimeError(f"NIXL offers no file plugin ({', '.join(FILE_PLUGINS)}); it has {offered}")
-        self.agent.create_backend(chosen)
-        self.plugin = chosen
+        self.plugin, refused = None, []
+        for name in (p for p in FILE_PLUGINS if p in offered):
+            try:  # a plugin NIXL lists may still not start here (GDS without cuFile, 3FS without its library)
+                self.agent.create_backend(name)
+            except Exception as exc:
+                refused.append(f"{name}: {type(exc).__name__} {exc}")
+                continue
+            self.plugin = name
+            break
+        if self.plugin is None:
+            raise RuntimeError(f"NIXL starts no file plugin ({', '.join(FILE_PLUGINS)}); it lists {offered}"
+                               + (f", refused {'; '.join(refused)}" if refused else ""))
 
     def _transfer(self, op: str, buffer, fd: int, size: int) -> None:
         """One NIXL transfer between ``buffer`` (a host uint8 tensor) and ``size`` bytes of file ``fd``."""
