@@ -1,7 +1,7 @@
 """The Triton V4 window store and sparse attention at the DeepSeek-V4-Flash layer shape (64 heads of
 512, one K=V head, rope 64, window 128; CSA rate 4 picking 512; HCA rate 128), bf16 pages of 64
 tokens, beside the native torch composition they replace (NativeV4Attention.store and .attend:
-per sequence, gathered keys, SDPA-like fp32 attention, the rotations as torch ops).
+per sequence, gathered keys, SDPA-like fp32 attention, the norms and rotations as torch ops).
 
 Decode at batch 1, 32 and 128 at 1K and 16K context, and a 4K-token prefill from 0. A step's
 limit is the larger of its bytes over the copy bandwidth (each sequence's window keys and entries
@@ -58,7 +58,9 @@ def _layer(kind: str, cache, device) -> V4AttentionLayer:
                            torch.ones(HEAD_DIM, device=device), 1e-6, cache.projections, cache.entries)
     if kind == "csa":
         index = IndexerLayer(64, 128, TOP_K, comp)  # attend reads top_k only
-    return V4AttentionLayer(HEADS, HEAD_DIM, WINDOW, torch.randn(HEADS, device=device), rope, cache.window, comp, index)
+    kv_norm = 1 + 0.1 * torch.randn(HEAD_DIM, device=device)
+    return V4AttentionLayer(HEADS, HEAD_DIM, WINDOW, torch.randn(HEADS, device=device), rope, cache.window, kv_norm,
+                            1e-6, comp, index)
 
 
 class Step:

@@ -93,7 +93,8 @@ def _case(name: str, step: str, device, copy_gb_s: float) -> dict:
     rope = RotaryEmbedding(head_dim, ROPE_DIM, 8192, 10000.0, None, is_neox_style=False, device=device)
     comp = Compression(rate, overlap, torch.randn(rate, width, device=device),
                        1 + 0.1 * torch.randn(head_dim, device=device), 1e-6, projections=0, entries=1)
-    layer = V4AttentionLayer(1, head_dim, 128, torch.zeros(1, device=device), rope, 0, comp)
+    layer = V4AttentionLayer(1, head_dim, 128, torch.zeros(1, device=device), rope, 0,
+                             torch.ones(head_dim, device=device), 1e-6, comp)
     nbytes = _bytes(shape, lens)
     copies = max(1, min(16, COPIES_BYTES // nbytes))
     steps = [Step(shape, lens, device) for _ in range(copies)]

@@ -94,6 +94,7 @@ def _case(step: str, context: int, fp8: bool, device, limits: dict, rope: Rotary
     comp = Compression(RATE, True, torch.zeros(RATE, 2 * HEAD_DIM, device=device), torch.ones(HEAD_DIM, device=device),
                        1e-6, 0, 0)
     layer = V4AttentionLayer(HEADS, HEAD_DIM, 128, torch.zeros(HEADS, device=device), rope, 0,
+                             torch.ones(HEAD_DIM, device=device), 1e-6,
                              indexer=IndexerLayer(HEADS, HEAD_DIM, TOP_K, comp))
     native = NativeV4Attention(None)
     meta = native.prepare(s.batch, s.kv)  # bf16 keys: the native path has no FP8 keys

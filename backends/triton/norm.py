@@ -1,12 +1,10 @@
-"""RMSNorm, alone or after the residual add, with or without a weight, one row per program in a single
-pass over memory; and the norm family's Triton backend (with backends/triton/activation.py's
-SiLU-and-mul).
+"""RMSNorm, alone or after the residual add, one row per program in a single pass over memory; and
+the norm family's Triton backend (with backends/triton/activation.py's SiLU-and-mul).
 
 Rounding follows core/native/norm.py step for step, so the kernel and the oracle agree to the last
 bit wherever they agree on the fp32 sum of squares: the residual sum is rounded to x's dtype
 before it is normalised; a weight in x's dtype multiplies the normalised row after it is rounded
-to x's dtype, an fp32 weight multiplies before the one final rounding; without a weight the
-reciprocal root is rounded to x's dtype and then multiplies the row.
+to x's dtype, an fp32 weight multiplies before the one final rounding.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -55,14 +53,10 @@ def rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     h = x.to(tl.float32)
-    scale = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    if HAS_WEIGHT:
-        h = h * scale
-        if ROUND_BEFORE_WEIGHT:
-            h = h.to(x.dtype).to(tl.float32)
-        h = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * h
-    else:
-        h = h * scale.to(x.dtype).to(tl.float32)  # exact in fp32: one rounding, as x's dtype multiplies
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    if ROUND_BEFORE_WEIGHT:
+        h = h.to(x.dtype).to(tl.float32)
+    h = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) * h
     tl.store(out_ptr + row * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,7 +68,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x, residual, weight, eps, out, residual_out) -> None:
     hidden = x.shape[-1]
-    if weight is not None and weight.shape != (hidden,):
+    if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
     x2, o2 = _rows(x), out.view(-1, hidden)
     r2, ro2 = (_rows(residual), residual_out.view(-1, hidden)) if residual is not None else (x2, o2)
@@ -82,11 +76,11 @@ def _launch(x, residual, weight, eps, out, residual_out) -> None:
     block = triton.next_power_of_2(hidden)
     num_warps = max(1, min(cfg.max_warps, block // cfg.elements_per_warp))
     rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, x2 if weight is None else weight, o2, ro2,
+        x2, r2, weight, o2, ro2,
         x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        ROUND_BEFORE_WEIGHT=weight is not None and weight.dtype == x.dtype and x.dtype != torch.float32,
+        HAS_RESIDUAL=residual is not None,
+        ROUND_BEFORE_WEIGHT=weight.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK=block, num_warps=num_warps, **launch_options(x.device),
     )
 
@@ -95,13 +89,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     """x / rms(x) * weight over the last axis, in x's dtype (``out``: a contiguous tensor like x)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     _launch(x, None, weight, eps, out, None)
-    return out
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x / rms(x) over the last axis, in x's dtype, all rows (tokens x heads) in one launch."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, None, None, eps, out, None)
     return out
 
 
@@ -123,9 +110,6 @@ class TritonNorm(NormBackend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
-
-    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return unweighted_rms_norm(x, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,9 @@
 The whole step at once, with no per-sequence Python loop and no host sync: ``prepare`` turns the
 batch into per-token device tensors (each token's sequence and window slot), and every piece
 reads the rest (positions, page table, window table) from the device. One module per piece:
-the window store is here, ``attend`` is v4_sparse_attention.py, ``compress`` v4_compressor.py and
-``select`` (the lightning indexer) v4_indexer.py.
+the window store (with the KV's RMSNorm) is here, ``attend`` (with the query's) is
+v4_sparse_attention.py, ``compress`` v4_compressor.py and ``select`` (the lightning indexer)
+v4_indexer.py.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class TritonV4Attention(V4AttentionBackend):
 
     def store(self, kv_new: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
               meta: TritonV4Metadata) -> None:
-        store_window(kv_new, flat(kv, layer.window_kv)[0], layer.rope, batch.positions, meta.window_slots)
+        store_window(kv_new, layer.kv_norm, layer.eps, flat(kv, layer.window_kv)[0], layer.rope, batch.positions,
+                     meta.window_slots)
 
     def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
                  kv: KVCache, batch: ForwardBatch, meta: TritonV4Metadata) -> None:
@@ -79,8 +81,8 @@ class TritonV4Attention(V4AttentionBackend):
 
 
 @triton.jit
-def store_window_kernel(x_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, num_tokens,
-                        stride_x, stride_c, stride_cos,
+def store_window_kernel(x_ptr, norm_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, num_tokens,
+                        stride_x, stride_c, stride_cos, eps,
                         HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,6 +93,10 @@ def store_window_kernel(x_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots
     pos = tl.load(positions_ptr + tok, mask=t_ok, other=0)
     slot = tl.load(slots_ptr + tok, mask=t_ok, other=0)
     x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + d[None, :], mask=mask, other=0.0)
+    # the RMSNorm as backends/triton/norm.py's kernel runs it with an fp32 weight: one rounding
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=1) / HEAD_DIM + eps)[:, None]
+    x = (tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0)[None, :] * h).to(x.dtype)
     cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos[:, None], stride_cos, x.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
     y = rotate_pairs(x, cos, sin, BLOCK_T, BLOCK_D).to(x.dtype)
     tl.store(cache_ptr + slot[:, None] * stride_c + d[None, :], y.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -99,18 +105,24 @@ def store_window_kernel(x_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots
 STORE_ELEMENTS = {"cuda": 4096, "hip": 4096, "default": 1 << 16}  # row elements one program turns
 
 
-def store_window(x: torch.Tensor, cache: torch.Tensor, rope, positions: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotate the tail of each row of ``x`` [T, D] at ``positions`` [T] (rounded to x's dtype) and
-    write it to row ``slots[t]`` of ``cache`` [slots, D]."""
+def store_window(x: torch.Tensor, norm: torch.Tensor, eps: float, cache: torch.Tensor, rope, positions: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """RMS-normalise each row of ``x`` [T, D] by the fp32 weight ``norm`` [D] (rounded to x's dtype),
+    rotate its tail at ``positions`` [T] (rounded again) and write it to row ``slots[t]`` of
+    ``cache`` [slots, D]."""
     tokens, head_dim = x.shape
     if cache.shape[-1] != head_dim:
         raise ValueError(f"window KV rows of {cache.shape[-1]} channels cannot hold kv_new's {head_dim}")
+    if tuple(norm.shape) != (head_dim,) or norm.dtype != torch.float32:
+        raise ValueError(f"the KV norm's weight is {list(norm.shape)} {norm.dtype}; rows of {head_dim} need "
+                         f"[{head_dim}] torch.float32")
     if tokens == 0:
         return
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(triton.next_power_of_2(tokens), config_for(STORE_ELEMENTS, x.device) // block_d))
     store_window_kernel[(triton.cdiv(tokens, block_t),)](
-        x, cache, rope.cos, rope.sin, positions, slots, tokens, x.stride(0), cache.stride(0), rope.cos.stride(0),
+        x, norm, cache, rope.cos, rope.sin, positions, slots, tokens, x.stride(0), cache.stride(0),
+        rope.cos.stride(0), eps,
         HEAD_DIM=head_dim, ROT_HALF=rope.cos.shape[-1], BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4, enable_fp_fusion=False, **launch_options(x.device))

@@ -5,8 +5,8 @@ of its heads (the MMA's M dimension) and reads each key once for all of them: th
 (positions max(0, p - window + 1) .. p, through the page table into the window pages), then the
 compressed entries (HCA: every visible one, 0 .. (p + 1) // rate - 1; CSA: the indexer's
 ``picks``, -1 = none), in blocks of ``BLOCK_N`` with an online softmax in fp32. The sinks join
-the denominator at the end. q's rope tail is turned on load and the output's turned back, each
-rounded to q's dtype as core/native/v4_attention.py does.
+the denominator at the end. q is RMS-normalised per head and its rope tail turned on load, the
+output's tail turned back, each rounded to q's dtype as core/native/v4_attention.py does.
 
 Few tokens (decode) leave most of the chip idle, so each token's keys (window then entries, as
 one list) are cut into ``num_splits`` ranges of whole key blocks, one program each; the program
@@ -131,7 +131,7 @@ def sparse_attention_kernel(
     q_ptr, out_ptr, window_ptr, entries_ptr, picks_ptr, sinks_ptr, cos_ptr, sin_ptr,
     positions_ptr, token_seq_ptr, page_table_ptr, window_table_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_w, stride_e, stride_pick, stride_pt, stride_cos,
-    qk_scale, window,
+    qk_scale, window, eps,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MODE: tl.constexpr, RATE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr, TOP_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -159,6 +159,11 @@ def sparse_attention_kernel(
         pages_row = page_table_ptr + tl.load(token_seq_ptr + tok).to(tl.int64) * stride_pt
         q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=h_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        # each head's unweighted RMSNorm: the reciprocal root rounded to q's dtype, then one exact
+        # product in fp32 rounded once, as q's dtype multiplies in core/native/norm.py
+        h = q.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(h * h, axis=1) / HEAD_DIM + eps).to(q.dtype).to(tl.float32)
+        q = (h * scale[:, None]).to(q.dtype)
         cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos, stride_cos, q.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
         q = rotate_pairs(q, cos[None, :], sin[None, :], BLOCK_H, BLOCK_D).to(q.dtype)
 
@@ -223,7 +228,7 @@ def kernel_config(head_dim: int, device: torch.device) -> tuple[SparseConfig, Sp
 
 def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta,
                      picks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] (unrotated) -> [T, H, D] in q's dtype: the family's ``attend`` (see
+    """q [T, H, D] (raw: not normalised, unrotated) -> [T, H, D] in q's dtype: the family's ``attend`` (see
     core/families/v4_attention.py) for the whole step."""
     tokens, num_heads, head_dim = q.shape
     if (num_heads, head_dim) != (layer.num_heads, layer.head_dim):
@@ -262,7 +267,7 @@ def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batc
         batch.positions, meta.token_seq, batch.page_table, meta.window_table, part_out, part_lse, counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_kv.stride(0), entries.stride(0),
         picks.stride(0), batch.page_table.stride(0), layer.rope.cos.stride(0),
-        layer.scale * LOG2E.value, layer.window,
+        layer.scale * LOG2E.value, layer.window, layer.eps,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=layer.rope.cos.shape[-1], PAGE_SIZE=batch.page_size,
         MODE=mode.value, RATE=rate, ENTRIES_PER_PAGE=-(-batch.page_size // rate), TOP_K=top_k,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),

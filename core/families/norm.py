@@ -1,5 +1,5 @@
-"""Norm family: RMSNorm (weighted or not), residual add + RMSNorm, and SiLU-and-mul, the elementwise
-ops between GEMMs.
+"""Norm family: RMSNorm, residual add + RMSNorm, and SiLU-and-mul, the elementwise ops between
+GEMMs.
 
 Each reads and writes a whole activation once, so a backend runs each as one launch instead of the
 handful of torch ops the native definitions (core/native/norm.py, activation.py) take. A linear
@@ -25,11 +25,6 @@ class NormBackend(ABC):
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x / rms(x) * weight over the last axis, in x's dtype, rounded as core/native/norm.py rounds."""
-
-    @abstractmethod
-    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """x / rms(x) over the last axis (each head of a [T, heads, D] query), in x's dtype: the
-        reciprocal root rounded to x's dtype before the product, as core/native/norm.py does."""
 
     @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -7,8 +7,9 @@ KV pages is core/models/deepseek_v4/cache.py's layout; a backend reads and write
 
 Per layer the model calls, in order: ``store`` (the window KV), ``compress`` for each compressor
 (its projections, and the entries of windows that close in this step), ``select`` (CSA only),
-then ``attend``. ``prepare`` runs once per step, inside the step (so inside a captured graph), and
-its result is passed to every call.
+then ``attend``. The KV and the query come raw from their projections: ``store`` and ``attend``
+run their RMSNorms, so neither costs a launch of its own. ``prepare`` runs once per step, inside
+the step (so inside a captured graph), and its result is passed to every call.
 
 Masking, as the oracle (core/native/v4_attention.py) does it: a query at position p sees window
 keys at positions p - window + 1 .. p and entries 0 .. (p + 1) // rate - 1 (an entry is visible
@@ -93,6 +94,8 @@ class V4AttentionLayer:
     sinks: torch.Tensor  # [num_heads] fp32: a logit per head in the softmax denominator, no value
     rope: Any  # core.native.rope.RotaryEmbedding: cos/sin [max_pos, rope_dim // 2], interleaved pairs
     window_kv: int  # cache layer: per token, k = the normalised, rotated KV the window reads
+    kv_norm: torch.Tensor  # [head_dim] fp32: the weight of the KV's RMSNorm, which ``store`` runs
+    eps: float  # of the KV's RMSNorm and of the per-head query RMSNorm ``attend`` runs
     compression: Compression | None = None  # CSA or HCA entries
     indexer: IndexerLayer | None = None  # CSA
 
@@ -116,8 +119,9 @@ class V4AttentionBackend(ABC):
     @abstractmethod
     def store(self, kv_new: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
               meta: Any) -> None:
-        """Rotate the step's window KV [T, head_dim] (normalised) at its tokens' positions, rounded
-        to ``kv_new``'s dtype, and store it in ``layer.window_kv`` at their window slots."""
+        """RMS-normalise the step's window KV [T, head_dim] by ``layer.kv_norm`` (in fp32, rounded once
+        to ``kv_new``'s dtype), rotate it at its tokens' positions, rounded to that dtype again, and
+        store it in ``layer.window_kv`` at their window slots."""
 
     @abstractmethod
     def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
@@ -148,6 +152,8 @@ class V4AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: Any,
                picks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, H, D] (normalised, unrotated) -> [T, H, D] in q's dtype: rotate q, attend over its
-        window keys and its entries (``picks`` from ``select`` in CSA, every visible one in HCA)
-        with K = V and the sinks, round to q's dtype and rotate the output back."""
+        """q [T, H, D] (raw: not normalised, unrotated) -> [T, H, D] in q's dtype: RMS-normalise each
+        head without a weight (the statistic in fp32, its reciprocal root rounded to q's dtype before
+        the product, as HF's DeepseekV4UnweightedRMSNorm), rotate q, attend over its window keys and
+        its entries (``picks`` from ``select`` in CSA, every visible one in HCA) with K = V and the
+        sinks, round to q's dtype and rotate the output back."""

@@ -40,9 +40,6 @@ class NativeNorm(NormBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def unweighted_rms_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return unweighted_rms_norm(x, eps)
-
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, residual, weight, eps)

@@ -19,7 +19,7 @@ from ..models.deepseek_v4.cache import SeqView, entries_of, flat, sequences, win
 from .attention import CHUNK_ELEMENTS, attend
 from .compressor import entry_positions, pool_windows, visible_entries
 from .indexer import candidate_blocks, fp8_index_scores, in_blocks, index_scores, quantize_keys, top_entries
-from .norm import rms_norm
+from .norm import rms_norm, unweighted_rms_norm
 from .tail_rope import rotate_tail
 
 
@@ -44,7 +44,8 @@ class NativeV4Attention(V4AttentionBackend):
               meta: NativeV4Metadata) -> None:
         cos, sin = layer.rope.cos[batch.positions], layer.rope.sin[batch.positions]
         window_kv = flat(kv, layer.window_kv)[0]
-        window_kv.index_copy_(0, meta.window_slots, rotate_tail(kv_new, cos, sin).to(window_kv.dtype))
+        normed = rms_norm(kv_new, layer.kv_norm, layer.eps)
+        window_kv.index_copy_(0, meta.window_slots, rotate_tail(normed, cos, sin).to(window_kv.dtype))
 
     def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression,
                  layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: NativeV4Metadata) -> None:
@@ -138,7 +139,7 @@ class NativeV4Attention(V4AttentionBackend):
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
                meta: NativeV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = layer.rope.cos[batch.positions][:, None], layer.rope.sin[batch.positions][:, None]
-        q = rotate_tail(q, cos, sin)
+        q = rotate_tail(unweighted_rms_norm(q, layer.eps), cos, sin)
         out = torch.empty(*q.shape, dtype=torch.float32, device=q.device)
         for seq in meta.seqs:
             rows = slice(seq.start, seq.start + seq.new)

@@ -5,9 +5,10 @@ The projections are here, those of the attention input (the low-rank q, the KV, 
 the indexer's weights) as one GEMM per weight format, fed the input already normalised (the mHC
 family runs the attention's input RMSNorm in its pre's last launch, at every batch size and weight
 format, where a GEMM's prologue could take it only for one dense group of a few rows); everything
-that reads or writes the cache (the window store, the compressors' pooling, the lightning
-indexer's top-k, the attention itself, the rotations) is the V4 attention family's
-(core/families/v4_attention.py), called for the whole step at once.
+that reads or writes the cache (the window store and the KV's RMSNorm, the compressors' pooling,
+the lightning indexer's top-k, the attention itself and the query's per-head RMSNorm, the
+rotations) is the V4 attention family's (core/families/v4_attention.py), called for the whole
+step at once.
 """
 
 from __future__ import annotations
@@ -119,13 +120,13 @@ class Attention(nn.Module):
         self.rope = ropes["main" if self.layer_type == SLIDING else "compress"]
         self.cache = cache
         self.eps = eps
-        self.backend, self.norm_backend = backends.v4_attention, backends.norm
+        self.backend = backends.v4_attention
         self.wq_a = Linear(hidden, hf["q_lora_rank"], backends.linear, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hf["q_lora_rank"], eps, dtype=torch.float32, device=device, ops=backends.norm)
         self.wq_b = ColumnParallelLinear(hf["q_lora_rank"], heads * self.head_dim, backends.linear, tp, dtype=dtype,
                                          device=device)
         self.wkv = Linear(hidden, self.head_dim, backends.linear, dtype=dtype, device=device)
-        self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device, ops=backends.norm)
+        self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device)  # the family's store runs it
         self.wo_a = GroupedLinear(heads * self.head_dim // groups, self.o_rank, self.groups, dtype=dtype, device=device)
         self.wo_b = RowParallelLinear(groups * self.o_rank, hidden, backends.linear, tp, dtype=dtype, device=device)
         self.attn_sink = empty_param(self.num_heads, dtype=torch.float32, device=device)
@@ -188,7 +189,7 @@ class Attention(nn.Module):
                 indexer = IndexerLayer(idx.num_heads, idx.head_dim, idx.top_k, keys, role.candidate_blocks,
                                        role.candidate_block_size, role.filtered)
             self._spec = V4AttentionLayer(self.num_heads, self.head_dim, self.window, self.attn_sink, self.rope,
-                                          c.window, self._compression(), indexer)
+                                          c.window, self.norm.weight, self.eps, self._compression(), indexer)
         return self._spec
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any, share: StepShare) -> torch.Tensor:
@@ -197,8 +198,8 @@ class Attention(nn.Module):
         layer, backend = self.spec(), self.backend
         p = self.x_proj(x)
         q_low = self.q_norm(p["wq_a"])
-        q = self.norm_backend.unweighted_rms_norm(self.wq_b(q_low).view(-1, self.num_heads, self.head_dim), self.eps)
-        backend.store(self.norm(p["wkv"]), layer, kv, batch, meta)
+        q = self.wq_b(q_low).view(-1, self.num_heads, self.head_dim)  # attend normalises each head
+        backend.store(p["wkv"], layer, kv, batch, meta)
         if self.compressor is not None:
             backend.compress(p["compressor.wkv"], p.get("compressor.wgate"), layer.compression, layer, kv, batch, meta)
         picks = None

@@ -1,6 +1,7 @@
-"""The Triton V4 attention backend against the native oracle: the window store and the attention
-over window keys, entries (HCA: all visible; CSA: the picks) and sinks, with the rope tail turned
-on q and turned back on the output."""
+"""The Triton V4 attention backend against the native oracle: the window store (the KV's RMSNorm,
+then its rope tail turned) and the attention over window keys, entries (HCA: all visible; CSA: the
+picks) and sinks, with q's per-head RMSNorm and rope tail on load and the tail turned back on the
+output."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ class Case:
             index = IndexerLayer(16, INDEX_DIM, top_k, Compression(rate, True, torch.zeros(rate, 2 * INDEX_DIM),
                                                                   torch.ones(INDEX_DIM), 1e-6,
                                                                   cache.index_projections, cache.index_keys))
+        kv_norm = 1 + 0.5 * torch.randn(head_dim, device=device)
         self.layer = V4AttentionLayer(heads, head_dim, window, torch.randn(heads, device=device), self.rope,
-                                      cache.window, comp, index)
+                                      cache.window, kv_norm, 1e-6, comp, index)
         self.top_k = top_k
         self.native, self.triton = NativeV4Attention(None), TritonV4Attention(None)
 
@@ -94,8 +96,10 @@ class Case:
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def queries(self) -> torch.Tensor:
-        return torch.randn(self.batch.num_tokens, self.layer.num_heads, self.layer.head_dim,
-                           device=self.device).to(self.dtype)
+        """Raw queries, each head at its own scale (attend normalises them)."""
+        scale = torch.rand(1, self.layer.num_heads, 1, device=self.device) * 4 + 0.5
+        return (torch.randn(self.batch.num_tokens, self.layer.num_heads, self.layer.head_dim,
+                            device=self.device) * scale).to(self.dtype)
 
     def check_attend(self, padding_last: bool = False) -> None:
         self.fill()
@@ -106,7 +110,9 @@ class Case:
         torch.testing.assert_close(got, want, **TOL[self.dtype])
 
     def check_store(self) -> None:
-        kv_new = torch.randn(self.batch.num_tokens, self.layer.head_dim, device=self.device).to(self.dtype)
+        """The KV normalised and turned as the oracle does: the same rounding steps, so only a
+        different fp32 sum of squares can move a value (by an ulp of the dtype, in few elements)."""
+        kv_new = (torch.randn(self.batch.num_tokens, self.layer.head_dim, device=self.device) * 3).to(self.dtype)
         window_kv = flat(self.kv, self.layer.window_kv)[0]
         window_kv.fill_(float("nan"))
         self.native.store(kv_new, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv))
@@ -114,7 +120,11 @@ class Case:
         window_kv.fill_(float("nan"))
         self.triton.store(kv_new, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv))
         assert torch.equal(window_kv.isnan(), want.isnan())  # exactly the new tokens' slots written
-        torch.testing.assert_close(window_kv, want, equal_nan=True, rtol=0, atol=0)
+        written = ~want.isnan()
+        got, want = window_kv[written], want[written]
+        torch.testing.assert_close(got, want, **TOL[self.dtype])
+        if self.dtype != torch.float32:
+            assert (got == want).float().mean() > 0.98
 
 
 def mixed_lens(rng: random.Random, rate: int) -> list[tuple[int, int]]:
@@ -290,7 +300,7 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits):
                 "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32", "window_table_ptr": "*i32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
     strides = [n for n in sparse_attention_kernel.arg_names if n.startswith("stride_")]
-    signature = {**pointers, **{s: "i32" for s in strides}, "qk_scale": "fp32", "window": "i32"}
+    signature = {**pointers, **{s: "i32" for s in strides}, "qk_scale": "fp32", "window": "i32", "eps": "fp32"}
     heads, rot_half, rate = (64, 32, 4 if mode == PICKED.value else 128) if head_dim == 512 else (4, 8, 16)
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_HALF=rot_half, PAGE_SIZE=64, MODE=mode, RATE=rate,
                       ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, NUM_SPLITS=splits,
@@ -307,11 +317,11 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits):
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_store_window_compiles(target):
-    """V4-Flash's window KV rows (512 of bf16, rope 64), turned without a fused multiply-add that
-    would skip the oracle's rounding."""
-    signature = {"x_ptr": "*bf16", "cache_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+    """V4-Flash's window KV rows (512 of bf16, rope 64), normalised and turned without a fused
+    multiply-add that would skip the oracle's rounding."""
+    signature = {"x_ptr": "*bf16", "norm_ptr": "*fp32", "cache_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                  "positions_ptr": "*i64", "slots_ptr": "*i64", "num_tokens": "i32", "stride_x": "i32",
-                 "stride_c": "i32", "stride_cos": "i32"}
+                 "stride_c": "i32", "stride_cos": "i32", "eps": "fp32"}
     constexprs = dict(HEAD_DIM=512, ROT_HALF=32, BLOCK_T=8, BLOCK_D=512, PDL=pdl(target))
     asm = compile_asm(store_window_kernel, signature, constexprs, target, divisible_by_16=["stride_x", "stride_c"],
                       enable_fp_fusion=False)

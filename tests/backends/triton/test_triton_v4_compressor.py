@@ -65,7 +65,8 @@ class Case:
                                 norm_weight=1 + 0.5 * torch.randn(head_dim, device=device), eps=1e-6,
                                 projections=projections, entries=entries)
         self.layer = V4AttentionLayer(num_heads=1, head_dim=main_dim, window=4, sinks=torch.zeros(1, device=device),
-                                      rope=rope, window_kv=parts.window, compression=self.comp)
+                                      rope=rope, window_kv=parts.window, kv_norm=torch.ones(main_dim, device=device),
+                                      eps=1e-6, compression=self.comp)
         self.fill(lens)
 
     def fill(self, lens) -> None:

@@ -70,8 +70,8 @@ class Case:
         self.rope = RotaryEmbedding(head_dim, rope_dim, max_model_len, 10000.0, None, is_neox_style=False,
                                     device=device)
         comp = Compression(rate, True, torch.zeros(rate, 2 * head_dim), torch.ones(head_dim), 1e-6, 0, 0)
-        self.layer = V4AttentionLayer(heads, head_dim, 8, torch.zeros(heads), self.rope, 0,
-                                      indexer=IndexerLayer(heads, head_dim, top_k, comp))
+        self.layer = V4AttentionLayer(heads, head_dim, 8, torch.zeros(heads), self.rope, 0, torch.ones(head_dim),
+                                      1e-6, indexer=IndexerLayer(heads, head_dim, top_k, comp))
         token_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(qlens)).to(torch.int32)
         self.meta = SimpleNamespace(token_seq=token_seq.to(device), max_entries=-(-max_model_len // rate))
 

@@ -73,7 +73,8 @@ class Source:
         key = IndexKey(lambda latent: latent @ self.wk.T, self.key_norm_w, EPS, self.cache.index_keys)
         self.comp = Compression(rate, False, None, self.norm_w, EPS, self.cache.projections, self.cache.entries, key)
         keys = Compression(rate, False, None, self.key_norm_w, EPS, None, self.cache.index_keys)
-        self.layer = V4AttentionLayer(2, HEAD, 8, torch.zeros(2), self.rope, self.cache.window, self.comp,
+        self.layer = V4AttentionLayer(2, HEAD, 8, torch.zeros(2), self.rope, self.cache.window, torch.ones(HEAD), EPS,
+                                      self.comp,
                                       IndexerLayer(HEADS, INDEX, top_k, keys, blocks, block_size, filtered))
         self.backend = NativeV4Attention(None)
         self.kv_all = [torch.randn(e, HEAD) for e in ends]
@@ -160,7 +161,8 @@ def test_candidate_blocks_then_the_top_k_inside_them(seed, rate):
     rng = random.Random(seed)
     blocks, size, top_k = rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 6)
     src = prefilled(rate, 4, rng)
-    src.layer = V4AttentionLayer(2, HEAD, 8, torch.zeros(2), src.rope, src.cache.window, src.comp,
+    src.layer = V4AttentionLayer(2, HEAD, 8, torch.zeros(2), src.rope, src.cache.window, torch.ones(HEAD), EPS,
+                                 src.comp,
                                  IndexerLayer(HEADS, INDEX, top_k, src.layer.indexer.compression, blocks, size, True))
     spans = [(rng.randint(0, e - 1), e) for e in src.ends]
     batch = src.batch(spans)
