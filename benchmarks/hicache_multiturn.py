@@ -13,7 +13,8 @@ over the wall time of a configuration. Configurations, each a fresh engine:
 - ``l1_l2``: host memory below it, ``--host-ratio`` times the device's pages (8: the working set);
 - ``l1_l2_l3``: a smaller host tier (``--host-ratio-with-storage``) and a file storage tier.
 
-In the same run, on CUDA: the host-to-device copy rate of one large pinned buffer, and what the
+In the same run: with the storage tier, what its host side writes and reads per second (the KV's
+pages as records into files and back, through the page cache); on CUDA, the host-to-device copy rate of one large pinned buffer, and what the
 engine's layer-by-layer loader moves (the KV cache's own ``write_records`` staging and copy
 stream, timed with CUDA events) and what the host side of a load checks and gathers per second
 (the checksum of every record and the gather into one pinned batch), each over the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import platform
 import random
@@ -184,6 +186,34 @@ def load_bandwidth(core: EngineCore, device: torch.device, target_bytes: int) ->
             "host_side_over_pinned": round(nbytes / host_s / 1e9 / pinned, 3)}
 
 
+def storage_bandwidth(core: EngineCore, directory: Path, target_bytes: int, reps: int = 3) -> dict:
+    """GB/s of the storage tier's host side: ``target_bytes`` of the KV's pages put as records into
+    a fresh directory and got back, the best of ``reps`` rounds (fresh keys each): the copies
+    between the records and the files, through the page cache. Checksums are taken before and
+    checked after, untimed."""
+    tier = core.kv_manager.lower.reader.tier
+    kv = core.components.kv
+    record_bytes = sum(kv.record_segments())
+    count = max(1, target_bytes // record_bytes)
+    rows = kv.read_records([1 + i % (kv.num_pages - 1) for i in range(count)])  # the cache's pages, over again
+    ctx = dataclasses.replace(tier.ctx, engine_config=dataclasses.replace(tier.ctx.engine_config,
+                                                                          hicache_storage_dir=str(directory)))
+    files = type(tier)(ctx)
+    write_s = read_s = float("inf")
+    for rep in range(reps):
+        records = [TierPage.of(f"{rep:04x}{i:028x}", r) for i, r in enumerate(rows)]
+        start = time.perf_counter()
+        assert all(files.put(records))
+        write_s = min(write_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        got = files.get([r.key for r in records])
+        read_s = min(read_s, time.perf_counter() - start)
+        assert all(g is not None and g.intact() for g in got)
+    nbytes = rows.numel()
+    return {"bytes": nbytes, "records": count, "record_bytes": record_bytes, "tier": tier.name,
+            "write_gb_s": round(nbytes / write_s / 1e9, 3), "read_gb_s": round(nbytes / read_s / 1e9, 3)}
+
+
 def _release(core: EngineCore | None) -> None:
     if core is not None:
         core.shutdown()
@@ -211,7 +241,8 @@ def main() -> None:
     p.add_argument("--prefetch-policy", default="wait_complete", choices=("best_effort", "wait_complete", "timeout"))
     p.add_argument("--prefetch-threshold", type=int, default=256)
     p.add_argument("--configs", default="l1,l1_l2,l1_l2_l3")
-    p.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="bytes of pages the load bandwidth moves (CUDA)")
+    p.add_argument("--bandwidth-bytes", type=int, default=1 << 30,
+                   help="bytes of pages the load bandwidth (CUDA) and the storage tier's rates move")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -243,7 +274,7 @@ def main() -> None:
             raise SystemExit(f"--configs: unknown {sorted(unknown)}; known: {list(configs)}")
         vocab = ModelConfig.from_dir(args.model).vocab_size
         system, users = conversations(args.conversations, args.turns, args.system_len, args.user_len, vocab, args.seed)
-        results, bandwidth = [], None
+        results, bandwidth, storage_rate = [], None, None
         for name in chosen:
             core = None
             try:
@@ -253,6 +284,11 @@ def main() -> None:
                 print(f"{name}: TTFT mean {result['ttft_s'].get('mean')} s (later turns "
                       f"{result['ttft_later_turns_s'].get('mean')} s, hit rate {result['hit_rate_later_turns']}), "
                       f"{result['output_tokens_per_s']} output tok/s, {result['seconds']} s", flush=True)
+                if name == "l1_l2_l3":
+                    storage_rate = storage_bandwidth(core, scratch / "bandwidth", args.bandwidth_bytes)
+                    print(f"storage tier ({storage_rate['tier']}, {storage_rate['records']} records of "
+                          f"{storage_rate['record_bytes']} B): write {storage_rate['write_gb_s']} GB/s, read "
+                          f"{storage_rate['read_gb_s']} GB/s", flush=True)
                 if name == "l1_l2" and device.type == "cuda":
                     bandwidth = load_bandwidth(core, device, args.bandwidth_bytes)
                     print(f"host-to-device: pinned copy {bandwidth['pinned_copy_gb_s']} GB/s, layer-by-layer load "
@@ -270,7 +306,8 @@ def main() -> None:
                "device": device_info(device) if device.type == "cuda" else {"name": "cpu", "host": platform.node()},
                "workload": {k: getattr(args, k) for k in ("conversations", "turns", "system_len", "user_len",
                                                            "answer_len", "page_size", "cache_fraction", "seed")},
-               "working_set_tokens": ws, "device_pages": num_pages, "results": results, "load_bandwidth": bandwidth}
+               "working_set_tokens": ws, "device_pages": num_pages, "results": results, "load_bandwidth": bandwidth,
+               "storage_bandwidth": storage_rate}
         if args.json:
             write_result(args.json, out)
     finally:

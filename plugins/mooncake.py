@@ -69,7 +69,7 @@ class MooncakeTier(CacheTier):
         done = []
         for p in pages:
             try:
-                done.append(self.store.is_exist(p.key) == 1 or self.store.put(p.key, encode(p)) == 0)
+                done.append(self.store.is_exist(p.key) == 1 or self.store.put(p.key, b"".join(encode(p))) == 0)
             except Exception as exc:  # an unreachable store: logged and counted by the caller, serving goes on
                 self.last_error = f"put of {p.key}: {exc}"
                 done.append(False)
@@ -87,7 +87,7 @@ class MooncakeTier(CacheTier):
                 out.append(None)
                 continue
             try:
-                out.append(decode(k, bytes(raw)))
+                out.append(decode(k, bytearray(raw)))  # the one copy: the store hands back bytes
             except ValueError as exc:
                 self.rejected += 1
                 logger.warning("hierarchical cache: Mooncake's %s is not a record of its key (%s); a miss, removed",

@@ -69,15 +69,24 @@ class NixlFileTier(FileTier):
             self.agent.deregister_memory(files)
             self.agent.deregister_memory(mem)
 
-    def _write(self, fd: int, blob: bytes) -> None:
+    def _write(self, fd: int, parts: list) -> None:
+        """The parts gathered into one buffer NIXL registers (the one copy), written to ``fd``."""
+        import numpy as np
         import torch
 
         try:
-            self._transfer("WRITE", torch.frombuffer(bytearray(blob), dtype=torch.uint8), fd, len(blob))
+            views = [memoryview(p).cast("B") for p in parts]
+            buffer = torch.empty(sum(len(v) for v in views), dtype=torch.uint8)
+            out, at = buffer.numpy(), 0
+            for v in views:
+                out[at:at + len(v)] = np.frombuffer(v, dtype=np.uint8)
+                at += len(v)
+            self._transfer("WRITE", buffer, fd, at)
         finally:
             os.close(fd)
 
-    def _read(self, path: Path) -> bytes:
+    def _read(self, path: Path):
+        """The file read by NIXL into a buffer the record then lies over (no copy after)."""
         import torch
 
         fd = os.open(path, os.O_RDONLY)
@@ -86,7 +95,7 @@ class NixlFileTier(FileTier):
             buffer = torch.empty(size, dtype=torch.uint8)
             if size:
                 self._transfer("READ", buffer, fd, size)
-            return buffer.numpy().tobytes()
+            return buffer.numpy()
         finally:
             os.close(fd)
 

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ..families.cache_tier import CacheTier, TierContext, TierPage
 from .record import decode, encode
 
@@ -83,13 +85,21 @@ class FileTier(CacheTier):
                     pass
             return False
 
-    def _write(self, fd: int, blob: bytes) -> None:
-        """Write ``blob`` to the open file ``fd`` (a new, empty file) and close it."""
+    def _write(self, fd: int, parts: list) -> None:
+        """Write ``parts`` (buffers, in order) to the open file ``fd`` (a new, empty file) and close
+        it; a large part goes to the file from where it is, not through a copy."""
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            for part in parts:
+                f.write(part)
 
-    def _read(self, path: Path) -> bytes:
-        return path.read_bytes()
+    def _read(self, path: Path) -> np.ndarray:
+        """The file's bytes, read once into an uninitialised buffer the record then lies over."""
+        with open(path, "rb", buffering=0) as f:
+            buffer = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+            view, got = memoryview(buffer), 0
+            while got < len(buffer) and (n := f.readinto(view[got:])):
+                got += n
+        return buffer[:got]  # shorter where the file shrank meanwhile: it fails its checksum
 
     def get(self, keys: list[str]) -> list[TierPage | None]:
         return [self._get(k) for k in keys]

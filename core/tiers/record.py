@@ -3,6 +3,10 @@
 A header names the record's key, kind, checksum and length before its bytes, so a blob found
 under a key is checked to be that key's (a store's mix-up or a stale name is a miss, never
 another prefix's KV); the checksum, checked by the caller, catches damaged or truncated bytes.
+
+No copies on the way: ``encode`` gives the header and the record's own bytes as two buffers to
+write one after the other, and ``decode`` makes the record's tensor over the buffer the blob was
+read into.
 """
 
 from __future__ import annotations
@@ -16,23 +20,29 @@ from ..families.cache_tier import TierPage
 MAGIC = b"engine-kv-record 1\n"
 
 
-def encode(page: TierPage) -> bytes:
+def encode(page: TierPage) -> list:
+    """The record as buffers to store in order: its header, then its bytes (a view, not a copy)."""
     header = json.dumps({"key": page.key, "kind": page.kind, "checksum": page.checksum,
                          "bytes": page.data.numel()}).encode()
-    return MAGIC + len(header).to_bytes(4, "little") + header + page.data.contiguous().view(torch.uint8).numpy().tobytes()
+    return [MAGIC + len(header).to_bytes(4, "little") + header, page.data.contiguous().view(torch.uint8).numpy()]
 
 
-def decode(key: str, raw: bytes) -> TierPage:
-    """The record ``raw`` holds; ValueError where it is not a record of ``key``."""
+def decode(key: str, raw) -> TierPage:
+    """The record the writable buffer ``raw`` (a bytearray, a uint8 array) holds, its tensor over
+    ``raw``'s bytes; ValueError where it is not a record of ``key``."""
+    view = memoryview(raw).cast("B")
     start = len(MAGIC) + 4
-    if not raw.startswith(MAGIC):
+    if view[:len(MAGIC)] != MAGIC:
         raise ValueError("no record header")
-    size = int.from_bytes(raw[len(MAGIC):start], "little")
+    size = int.from_bytes(view[len(MAGIC):start], "little")
     try:
-        header = json.loads(raw[start:start + size])
+        header = json.loads(bytes(view[start:start + size]))
         if header["key"] != key:
             raise ValueError(f"a record of {header['key']!r}")
         checksum, kind = header["checksum"], header["kind"]
     except (KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"a broken header ({exc})") from None
-    return TierPage(key, torch.frombuffer(bytearray(raw[start + size:]), dtype=torch.uint8), checksum, kind)
+    offset = start + size
+    data = torch.frombuffer(view, dtype=torch.uint8, offset=offset) if len(view) > offset else \
+        torch.empty(0, dtype=torch.uint8)
+    return TierPage(key, data, checksum, kind)

@@ -25,6 +25,7 @@ def test_the_multiturn_benchmark_runs_every_configuration(shared_dir, tmp_path, 
     runs = {r["config"]: r for r in result["results"]}
     assert list(runs) == ["l1", "l1_l2", "l1_l2_l3"]
     assert result["working_set_tokens"] == 32 + 4 * 3 * (16 + 4) and result["load_bandwidth"] is None
+    assert result["storage_bandwidth"]["write_gb_s"] > 0 and result["storage_bandwidth"]["read_gb_s"] > 0
     assert runs["l1"]["hicache"] is None
     assert runs["l1_l2"]["hicache"]["hit_tokens"]["l2"] > 0
     assert runs["l1_l2"]["hit_rate_later_turns"] > runs["l1"]["hit_rate_later_turns"]
