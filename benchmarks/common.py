@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,15 @@ def sync() -> None:
     """Waits for the device where there is one (end-to-end helpers also run on the CPU in tests/core)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    """Seconds of one call of ``fn``, the device synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
 
 
 def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:

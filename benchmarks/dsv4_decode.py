@@ -66,10 +66,10 @@ from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.models.weights import resident_bytes
 
 try:
-    from common import bench_main, device_kernels, kernels_beyond, measure_limits, sync
+    from common import bench_main, device_kernels, kernels_beyond, measure_limits, timed
     from e2e_decode import _hf_decode, _prompts
 except ImportError:
-    from benchmarks.common import bench_main, device_kernels, kernels_beyond, measure_limits, sync
+    from benchmarks.common import bench_main, device_kernels, kernels_beyond, measure_limits, timed
     from benchmarks.e2e_decode import _hf_decode, _prompts
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -296,12 +296,6 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _timed(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 # --- the two sides: HF and the engine measure the same rows ---
@@ -309,7 +303,7 @@ def _timed(fn) -> float:
 def _engine_prefill(llm: LLM, length: int, vocab: int) -> float:
     """Prompt tokens/s of one prompt to its first token (a fresh prompt: no prefix hit)."""
     llm.generate(_prompts(1, length, vocab, length), greedy(1))  # warm-up: every kernel of this shape compiled
-    return length / _timed(lambda: llm.generate(_prompts(1, length, vocab, length + 1), greedy(1)))
+    return length / timed(lambda: llm.generate(_prompts(1, length, vocab, length + 1), greedy(1)))
 
 
 def _hf_prefill(model, length: int, vocab: int) -> float:
@@ -318,14 +312,14 @@ def _hf_prefill(model, length: int, vocab: int) -> float:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     run(length)
-    return length / _timed(lambda: run(length + 1))
+    return length / timed(lambda: run(length + 1))
 
 
 def _engine_decode(llm: LLM, prompts: list[list[int]], n: int) -> float:
     """Decode tokens/s: (1 + n) tokens beyond one, the prompts in the prefix cache from the warm-up."""
     def run(tokens: int) -> float:
         outs = []
-        seconds = _timed(lambda: outs.extend(llm.generate(prompts, greedy(tokens))))
+        seconds = timed(lambda: outs.extend(llm.generate(prompts, greedy(tokens))))
         missed = [len(p) - o.num_cached_tokens for p, o in zip(prompts, outs)]
         if max(missed) > llm.engine.config.page_size:
             raise RuntimeError(f"prompts missed the prefix cache ({max(missed)} tokens recomputed): "

@@ -39,14 +39,15 @@ from engine.core.config import EngineConfig, ModelConfig
 from engine.core.models.base import Backends
 from engine.core.models.deepseek_v4.engram import EngramLayout
 from engine.core.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from engine.core.models.deepseek_v4.publish import unstacked_experts
 from engine.core.plugins import load_plugins
 from engine.core.registry import SelectionContext
 from engine.core.startup import model_families, select_backends
 
 try:
-    from common import bench_main, sync
+    from common import bench_main, timed
 except ImportError:  # imported as benchmarks.engram_placement
-    from benchmarks.common import bench_main, sync
+    from benchmarks.common import bench_main, timed
 
 FLASH_ENGRAM_ROWS = 384006168 + 384016682  # V4.1-Flash's engram_num_embeddings
 ENGRAM = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
@@ -105,39 +106,18 @@ def write_checkpoint(path: Path, hf: dict, device: torch.device) -> int:
             save_file({name: w}, str(path / f"{name}.safetensors"))
         else:
             rest[name] = w
-    save_file(dict(_per_expert(rest, hf["n_routed_experts"])), str(path / "model.safetensors"))
+    save_file(dict(unstacked_experts(rest, hf["n_routed_experts"])), str(path / "model.safetensors"))
     return rows
 
 
-def _per_expert(weights: dict[str, torch.Tensor], routed: int):
-    """Stacked experts under a checkpoint's names (routed ``experts.<e>.w1/w3/w2``, then ``shared_experts``)."""
-    for name, t in weights.items():
-        stack, _, part = name.rpartition(".experts.")
-        if not stack or part not in ("gate_up", "down"):
-            yield name, t
-            continue
-        for e in range(t.shape[0]):
-            prefix = f"{stack}.experts.{e}" if e < routed else f"{stack}.shared_experts"
-            if part == "down":
-                yield f"{prefix}.w2.weight", t[e].contiguous()
-            else:
-                gate, up = t[e].chunk(2)
-                yield f"{prefix}.w1.weight", gate.contiguous()
-                yield f"{prefix}.w3.weight", up.contiguous()
 
 
-def _timed(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def step_ms(llm: LLM, prompts: list[list[int]], n: int) -> float:
     """A decode step's ms: (1 + n) greedy tokens beyond one, over n, the prompts in the prefix cache."""
     def run(tokens: int) -> float:
-        return _timed(lambda: llm.generate(prompts, SamplingParams(temperature=0, ignore_eos=True, max_tokens=tokens)))
+        return timed(lambda: llm.generate(prompts, SamplingParams(temperature=0, ignore_eos=True, max_tokens=tokens)))
 
     run(1 + n)  # warm-up: the prompts into the prefix cache, every shape met
     return 1e3 * (run(1 + n) - run(1)) / n

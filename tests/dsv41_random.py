@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.models.base import Backends
 from engine.core.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from engine.core.models.deepseek_v4.publish import unstacked_experts
 from engine.core.plugins import load_plugins
 from engine.core.registry import SelectionContext
 from engine.core.startup import model_families, select_backends
@@ -66,24 +67,6 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | Non
         else:
             w = torch.randn(t.shape, generator=gen) * 0.3
         weights[name] = w.to(t.dtype).contiguous()
-    save_file(dict(_per_expert(weights, hf)), str(path / "model.safetensors"))
+    save_file(dict(unstacked_experts(weights, hf["n_routed_experts"])), str(path / "model.safetensors"))
     return path
 
-
-def _per_expert(weights: dict[str, torch.Tensor], hf: dict):
-    """The stacked experts under the names a checkpoint gives them (routed ``experts.<e>.w1/w3/w2``,
-    the shared expert folded in last as ``shared_experts``), which publishing quantizes."""
-    routed = hf["n_routed_experts"]
-    for name, t in weights.items():
-        stack, _, part = name.rpartition(".experts.")
-        if not stack or part not in ("gate_up", "down"):
-            yield name, t
-            continue
-        for e in range(t.shape[0]):
-            prefix = f"{stack}.experts.{e}" if e < routed else f"{stack}.shared_experts"
-            if part == "down":
-                yield f"{prefix}.w2.weight", t[e].contiguous()
-            else:
-                gate, up = t[e].chunk(2)
-                yield f"{prefix}.w1.weight", gate.contiguous()
-                yield f"{prefix}.w3.weight", up.contiguous()

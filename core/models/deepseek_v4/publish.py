@@ -38,6 +38,25 @@ def published_name(name: str) -> str:
     return RENAMED.get(name, name.removeprefix("model."))
 
 
+def unstacked_experts(weights: dict[str, torch.Tensor], routed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model's state dict under a checkpoint's expert names: each stacked ``experts.gate_up`` /
+    ``experts.down`` split into routed ``experts.<e>.w1/w3/w2`` and, past ``routed``, the folded shared
+    expert as ``shared_experts``; what a random-weight checkpoint is written from."""
+    for name, t in weights.items():
+        stack, _, part = name.rpartition(".experts.")
+        if not stack or part not in ("gate_up", "down"):
+            yield name, t
+            continue
+        for e in range(t.shape[0]):
+            prefix = f"{stack}.experts.{e}" if e < routed else f"{stack}.shared_experts"
+            if part == "down":
+                yield f"{prefix}.w2.weight", t[e].contiguous()
+            else:
+                gate, up = t[e].chunk(2)
+                yield f"{prefix}.w1.weight", gate.contiguous()
+                yield f"{prefix}.w3.weight", up.contiguous()
+
+
 def weight_format(name: str, block: int = BLOCK) -> str | None:
     """'fp4' for a routed expert's weight, 'fp8' for an attention, shared-expert or Engram linear,
     'fp8 rows' for an Engram table in V4.1's layout, else None."""
