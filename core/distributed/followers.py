@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 from ..runner import StepInputs
 from .messages import Idle, Step, encoder
-from .workers import Workers
+from .workers import Workers, send_to_all
 
 
 class Followers:
@@ -32,9 +32,4 @@ class Followers:
     def _send(self, data: bytes) -> None:
         if self.watched is not None:
             self.watched.check()
-        try:
-            for conn in self.conns:
-                conn.send_bytes(data)
-        except OSError as exc:
-            self.explain(exc)
-            raise
+        send_to_all(self.conns, data, self.explain)

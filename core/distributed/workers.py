@@ -109,13 +109,7 @@ class Workers:
 
     def send_step(self, inputs: StepInputs) -> None:
         self.check()
-        data = encoder.encode(Step(inputs))
-        try:
-            for conn in self.conns:
-                conn.send_bytes(data)
-        except OSError as exc:
-            self.explain(exc)
-            raise
+        send_to_all(self.conns, encoder.encode(Step(inputs)), self.explain)
 
     def check(self) -> None:
         """Raise ``EngineDeadError`` if a rank has died."""
@@ -185,3 +179,14 @@ class Workers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def send_to_all(conns: list[Connection], data: bytes, explain) -> None:
+    """``data`` to every rank's socket; a failed send is first given to ``explain`` (which raises a
+    rank's death where one caused it), else it stands."""
+    try:
+        for conn in conns:
+            conn.send_bytes(data)
+    except OSError as exc:
+        explain(exc)
+        raise
