@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.core.families.linear import LinearBackend, LinearWeight
+from engine.core.families.linear import LinearBackend, LinearWeight, MXFP8Tensor
 from engine.core.families.norm import NormBackend
 
 from . import gemv
 from .fp8_gemm import fp8_block_linear
-from .mxfp8 import mxfp8_linear
+from .mxfp8 import mxfp8_grouped_gemm, mxfp8_linear
 
 QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
 
@@ -41,6 +41,11 @@ class TritonLinear(LinearBackend):
         if w.scale is None:
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
+
+    def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme != "mxfp8" or w.scale is None:
+            return super().grouped_mxfp8(x, w)  # which names what is wrong
+        return mxfp8_grouped_gemm(x.data, x.scale, w.data, w.scale, x.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
         if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):

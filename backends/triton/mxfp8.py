@@ -6,6 +6,14 @@ finite amax, zero and subnormals included, once clamped to E8M0's range). The GE
 E4M3 operands and their scales to ``tl.dot_scaled``: a block-scaled MMA on sm_100
 (``tcgen05.mma ... block_scale``) and gfx950 (``v_mfma_scale_f32``); elsewhere triton scales
 and upcasts to bf16 before an ordinary MMA, which is exact for E4M3 times a power of two.
+
+On sm_90 that upcast is the dequantize-in-registers path: each E4M3 tile is converted
+(``cvt.rn.f16x2.e4m3x2``), scaled by its E8M0 exponents in registers and fed to a bf16 ``wgmma``,
+so HBM carries 8.25 bits a value and no dequantized copy is written. An FP8 ``wgmma`` is not used:
+one instruction covers K = 32, exactly one scale block, so with a scale per 32 on both operands
+every instruction's product would need its own M x N fp32 promotion on the CUDA cores (DeepGEMM
+promotes once per 128), which costs as much as the MMA and stalls the asynchronous pipeline;
+reaching it would mean requantizing to coarser scales, which is another format.
 """
 
 from __future__ import annotations
@@ -29,6 +37,17 @@ def e8m0_to_float(e):
 
 
 @triton.jit
+def mxfp8_blocks(x):
+    """fp32 blocks [R, MX] -> (E4M3 [R, MX], biased E8M0 exponents [R] int32): each block's shared
+    exponent is floor(log2(amax)) - 8, read from amax's fp32 exponent field."""
+    amax = tl.max(tl.abs(x), axis=1)
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) - 8
+    biased = tl.minimum(tl.maximum(exponent, 0), E8M0_MAX)
+    y = tl.math.div_rn(x, e8m0_to_float(biased)[:, None])
+    return e4m3_rne(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)), biased
+
+
+@triton.jit
 def _mxfp8_quant_kernel(x_ptr, data_ptr, scale_ptr, T, blocks_per_row, stride_x, stride_data, stride_scale,
                         BLOCK_B: tl.constexpr, MX: tl.constexpr):
     """One program: BLOCK_B consecutive blocks of MX values, counted row-major over [T, K / MX]."""
@@ -38,12 +57,8 @@ def _mxfp8_quant_kernel(x_ptr, data_ptr, scale_ptr, T, blocks_per_row, stride_x,
     valid = row < T
     lanes = col[:, None] * MX + tl.arange(0, MX)[None, :]
     x = tl.load(x_ptr + row[:, None] * stride_x + lanes, mask=valid[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    exponent = (amax.to(tl.int32, bitcast=True) >> 23) - 8
-    biased = tl.minimum(tl.maximum(exponent, 0), E8M0_MAX)
-    y = tl.math.div_rn(x, e8m0_to_float(biased)[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    tl.store(data_ptr + row[:, None] * stride_data + lanes, e4m3_rne(y), mask=valid[:, None])
+    data, biased = mxfp8_blocks(x)
+    tl.store(data_ptr + row[:, None] * stride_data + lanes, data, mask=valid[:, None])
     tl.store(scale_ptr + row * stride_scale + col, biased.to(tl.uint8), mask=valid)
 
 
@@ -87,9 +102,18 @@ MXFP8_GEMM = {
 
 @triton.jit
 def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
-                       stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+                       stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_cm,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Group ``program_id(1)``: its N columns of c from its slice of a and its N rows of b."""
+    group = tl.program_id(1).to(tl.int64)
+    a_ptr += group * stride_ag
+    a_scale_ptr += group * stride_asg
+    b_ptr += group * N * stride_bn
+    b_scale_ptr += group * N * stride_bs
+    c_ptr += group * N
+    if HAS_BIAS:
+        bias_ptr += group * N
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,29 +141,57 @@ def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, 
     store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS)
 
 
+def _check_operands(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    groups: int) -> tuple[int, int, int]:
+    """(M, N per group, K) of a [M, (G,) K] and b [G * N, K] with their per-32 scales."""
+    m, k = a.shape[0], a.shape[-1]
+    n = b.shape[0] // groups
+    if b.shape != (groups * n, k) or k % MX_BLOCK:
+        raise ValueError(f"a is {list(a.shape)} and b {list(b.shape)}: K must match and be a multiple of "
+                         f"{MX_BLOCK}, and b's rows split into {groups} groups")
+    if a_scale.shape != (*a.shape[:-1], k // MX_BLOCK) or b_scale.shape != (groups * n, k // MX_BLOCK):
+        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
+                         f"a {list(a.shape)} and b {list(b.shape)} in blocks of {MX_BLOCK}")
+    return m, n, k
+
+
+def _launch(a, a_scale, b, b_scale, bias, out, m, n, k, groups):
+    if m == 0 or n == 0:
+        return out
+    cfg = config_for(MXFP8_GEMM, a.device).for_m(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), groups)
+    _mxfp8_gemm_kernel[grid](
+        a, a_scale, b, b_scale, bias, out, m, n, k,
+        a.stride(0), a.stride(1) if a.dim() == 3 else 0, a_scale.stride(0),
+        a_scale.stride(1) if a.dim() == 3 else 0, b.stride(0), b_scale.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        MX=MX_BLOCK, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
 def mxfp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] and b [N, K] E4M3 with E8M0 scales [M, K/32] and [N, K/32] (+ bias [N]) -> [M, N]
     in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N)."""
-    (m, k), n = a.shape, b.shape[0]
-    if b.shape[1] != k or k % MX_BLOCK:
-        raise ValueError(f"a is [{m}, {k}] and b {list(b.shape)}: K must match and be a multiple of {MX_BLOCK}")
-    if a_scale.shape != (m, k // MX_BLOCK) or b_scale.shape != (n, k // MX_BLOCK):
-        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
-                         f"a [{m}, {k}] and b [{n}, {k}] in blocks of {MX_BLOCK}")
+    if a.dim() != 2:
+        raise ValueError(f"a must be [M, K], not {list(a.shape)}")
+    m, n, k = _check_operands(a, a_scale, b, b_scale, 1)
     a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
-    out = output_for(m, n, out_dtype, a.device, out)
-    if m == 0 or n == 0:
-        return out
-    cfg = config_for(MXFP8_GEMM, a.device).for_m(m)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _mxfp8_gemm_kernel[grid](
-        a, a_scale, b, b_scale, bias, out, m, n, k,
-        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        MX=MX_BLOCK, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    return _launch(a, a_scale, b, b_scale, bias, output_for(m, n, out_dtype, a.device, out), m, n, k, 1)
+
+
+def mxfp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, G, K] E4M3 with E8M0 scales [M, G, K/32], b [G * N, K] with [G * N, K/32] -> [M, G * N]
+    in ``out_dtype`` (or written into ``out``), group g's N columns being a[:, g] @ b[g*N:(g+1)*N].T:
+    one launch for every group (DeepSeek-V4's grouped output projection)."""
+    if a.dim() != 3:
+        raise ValueError(f"a must be [M, G, K], not {list(a.shape)}")
+    m, n, k = _check_operands(a, a_scale, b, b_scale, a.shape[1])
+    a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
+    out = output_for(m, a.shape[1] * n, out_dtype, a.device, out)
+    return _launch(a, a_scale, b, b_scale, None, out, m, n, k, a.shape[1])
 
 
 def mxfp8_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,

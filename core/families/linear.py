@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
+from ..native.quant import dequantize_mxfp8
 from .norm import NormBackend
+
+MX_BLOCK = 32  # values per E8M0 scale in MXFP8
 
 
 @dataclass
@@ -28,6 +31,33 @@ class LinearWeight:
     @property
     def out_features(self) -> int:
         return int(self.data.shape[0])
+
+
+@dataclass(frozen=True)
+class MXFP8Tensor:
+    """Activations a kernel's epilogue already wrote as MXFP8 for the GEMM that reads them: E4M3
+    ``data`` [..., K] and one E8M0 exponent per 32 along K in ``scale`` [..., K/32] (uint8), as
+    core/native/quant.py's ``quantize_mxfp8`` makes them. ``dtype`` is what the values were before:
+    the dtype that GEMM returns."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def reshape(self, *shape: int) -> MXFP8Tensor:
+        """The same values as ``data.reshape(shape)``; each block of 32 stays within a row, so the new
+        last axis must be a multiple of 32 too (the old one is)."""
+        data = self.data.reshape(*shape)
+        if data.shape[-1] % MX_BLOCK:
+            raise ValueError(f"MXFP8 rows of {data.shape[-1]} values would split blocks of {MX_BLOCK}")
+        return MXFP8Tensor(data, self.scale.reshape(*data.shape[:-1], data.shape[-1] // MX_BLOCK), self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_mxfp8(self.data, self.scale, self.dtype)
 
 
 class LinearBackend(ABC):
@@ -54,6 +84,17 @@ class LinearBackend(ABC):
         else:
             h, summed = ops.add_rms_norm(x, residual, norm_weight, eps)
         return (self.gate_up_silu(h, w, ops) if silu_mul else self.apply(h, w)), summed
+
+    def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
+        """x [T, G, K] in MXFP8 times each group's [R, K] block of an "mxfp8" weight [G * R, K] ->
+        [T, G * R] in x's dtype (DeepSeek-V4's grouped output projection). Here the definition: both
+        dequantized exactly to fp32, multiplied there, rounded once; a backend may fuse the scales."""
+        if w.scheme != "mxfp8" or w.scale is None:
+            raise ValueError(f"a grouped MXFP8 product needs an mxfp8 weight with its scale, not {w.scheme!r}")
+        t, groups, k = x.shape
+        a = dequantize_mxfp8(x.data, x.scale).transpose(0, 1)  # [G, T, K]
+        b = dequantize_mxfp8(w.data, w.scale).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
+        return torch.bmm(a, b).transpose(0, 1).reshape(t, -1).to(x.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
         """silu_and_mul(apply(x, w)) for a gate/up projection w [2I, K], so the [.., 2I] product

@@ -14,13 +14,13 @@ import torch
 
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.mxfp8 import (MXFP8_GEMM, QUANT_BLOCKS, _mxfp8_gemm_kernel, _mxfp8_quant_kernel,
-                                          mxfp8_gemm, quantize_mxfp8)
+                                          mxfp8_gemm, mxfp8_grouped_gemm, quantize_mxfp8)
 from engine.backends.triton.target import pick
-from engine.core.families.linear import LinearWeight
+from engine.core.families.linear import LinearWeight, MXFP8Tensor
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 
-from aot import TARGETS, compile_asm
+from aot import TARGETS, compile_asm, local_memory_ops
 
 FP8 = torch.float8_e4m3fn
 
@@ -92,6 +92,36 @@ def test_triton_linear_mxfp8_matches_native(seed, lead, with_bias):
     assert rel_err(got, ref) < 0.06  # E4M3 keeps 3 mantissa bits of x
 
 
+def grouped_operands(m, groups, n, k, device="cpu"):
+    """MXFP8 activations [m, groups, k] (as an attention epilogue writes them) and an mxfp8 weight
+    [groups * n, k] quantized as the grouped projection keeps it (scales rounded up)."""
+    data, scale = quant.quantize_mxfp8(random_activations((m, groups, k), torch.float32, device))
+    w_data, w_scale = quant.quantize_fp8_block_e8m0(torch.randn(groups * n, k, device=device) * 0.05, 1, 32)
+    return MXFP8Tensor(data, scale, torch.float32), LinearWeight(w_data, "mxfp8", w_scale)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m,groups,n,k", [(1, 2, 48, 64), (5, 3, 16, 160), (37, 1, 40, 96)])
+def test_mxfp8_grouped_gemm_matches_dequantized_bmm(seed, m, groups, n, k):
+    """Each group's columns from its own slice of x and its own rows of w, K tails masked: the
+    native definition (dequantize both, bmm in fp32), to fp32 rounding."""
+    x, w = grouped_operands(m, groups, n, k)
+    out = torch.full((m, groups * n), float("nan"))
+    got = mxfp8_grouped_gemm(x.data, x.scale, w.data, w.scale, torch.float32, out=out)
+    ref = NativeLinear(None).grouped_mxfp8(x, w)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    x16 = MXFP8Tensor(x.data, x.scale, torch.float16)  # through the linear family, in the values' dtype
+    got16 = TritonLinear(None).grouped_mxfp8(x16, w)
+    assert got16.dtype == torch.float16 and rel_err(got16, ref) < 1e-3
+
+
+def test_grouped_mxfp8_refuses_a_dense_weight():
+    x, w = grouped_operands(2, 2, 16, 32)
+    with pytest.raises(ValueError, match="mxfp8 weight"):
+        TritonLinear(None).grouped_mxfp8(x, LinearWeight(quant.dequantize_mxfp8(w.data, w.scale)))
+
+
 def test_mxfp8_refuses_k_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of the block size"):
         quantize_mxfp8(torch.zeros(2, 48))
@@ -119,16 +149,18 @@ def test_mxfp8_quant_and_linear_gpu(seed, m, dtype):
 
 GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*u8",
                   "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                  "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32"}
+                  "stride_am": "i32", "stride_ag": "i32", "stride_as": "i32", "stride_asg": "i32", "stride_bn": "i32",
+                  "stride_bs": "i32", "stride_cm": "i32"}
 
 
-def compile_gemm(target: str, which: str, has_bias: bool = False) -> dict[str, str]:
+def compile_gemm(target: str, which: str, has_bias: bool = False, sass: bool = False) -> dict[str, str]:
     cfg = getattr(pick(MXFP8_GEMM, target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       MX=32, HAS_BIAS=has_bias)
     return compile_asm(_mxfp8_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages,
-                       divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bs", "stride_cm"])
+                       num_stages=cfg.num_stages, sass=sass,
+                       divisible_by_16=["K", "stride_am", "stride_ag", "stride_as", "stride_bn", "stride_bs",
+                                        "stride_cm"])
 
 
 @pytest.mark.aot
@@ -150,6 +182,18 @@ def test_mxfp8_gemm_uses_scaled_mfma_on_gfx950(which):
 def test_mxfp8_gemm_compiles_emulated(target, which):
     asm = compile_gemm(target, which, has_bias=True)
     assert ("ptx" if TARGETS[target].backend == "cuda" else "amdgcn") in asm
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_mxfp8_gemm_dequantizes_in_registers_on_sm90(which):
+    """Hopper has no block-scaled MMA: the E4M3 tiles are converted and scaled in registers and a
+    bf16 wgmma multiplies them (no FP8 wgmma, no dequantized copy, no spills)."""
+    asm = compile_gemm("sm_90", which, sass=True)
+    assert "cvt.rn.f16x2.e4m3x2" in asm["ptx"]
+    wgmmas = {line.split()[0] for line in asm["ptx"].splitlines() if "wgmma.mma_async" in line}
+    assert wgmmas and all(w.endswith(".bf16.bf16") for w in wgmmas)
+    assert local_memory_ops(asm["sass"]) == 0
 
 
 @pytest.mark.aot
