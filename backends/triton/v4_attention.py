@@ -25,7 +25,7 @@ from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
 from .target import config_for
 from .v4_compressor import compress
-from .v4_indexer import select
+from .v4_indexer import select, select_candidates
 from .v4_sparse_attention import sparse_attention
 
 
@@ -38,9 +38,11 @@ class TritonV4Metadata:
 
 
 def _min_rate(ctx) -> int:
-    """The smallest compression rate of the model's layers (1 for a backend built without a model)."""
+    """The smallest compression rate of the model's layers (1 for a backend built without a model):
+    by layer type, or where config.json gives ``compress_ratios`` per layer (V4.1's CSA2), by those."""
     hf = ctx.model_config.hf if getattr(ctx, "model_config", None) is not None else {}
-    rates = [r for t, r in (hf.get("compress_rates") or {}).items() if t in hf.get("layer_types", [])]
+    rates = [r for t, r in (hf.get("compress_rates") or {}).items() if t in (hf.get("layer_types") or [])]
+    rates += [r for r in (hf.get("compress_ratios") or [])[:hf.get("num_hidden_layers")] if r]
     return min(rates, default=1)
 
 
@@ -71,9 +73,11 @@ class TritonV4Attention(V4AttentionBackend):
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: TritonV4Metadata, candidates: torch.Tensor | None = None) -> torch.Tensor:
-        if candidates is not None:  # selection refuses V4.1 models (descriptors.py); this is the backstop
-            raise NotImplementedError("the Triton V4 indexer has no candidate filter (DeepSeek-V4.1)")
-        return select(q, weights, layer, kv, batch, meta)
+        return select(q, weights, layer, kv, batch, meta, candidates)
+
+    def select_candidates(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
+                          batch: ForwardBatch, meta: TritonV4Metadata) -> torch.Tensor:
+        return select_candidates(q, weights, layer, kv, batch, meta)
 
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
                meta: TritonV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,18 +111,48 @@ def _ordered(row, idx, mask):
 
 
 @triton.jit
-def stable_topk_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s, stride_o,
-                       TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _allowed(idx, n, allowed_row, CAND_SIZE: tl.constexpr, FILTERED: tl.constexpr):
+    """Which of ``idx`` count: the first n, and with the candidate filter only those whose block of
+    CAND_SIZE entries is marked in ``allowed_row``."""
+    ok = idx < n
+    if FILTERED:
+        ok = ok & (tl.load(allowed_row + idx // CAND_SIZE, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, allowed_ptr, out_ptr, max_entries, stride_s, stride_c,
+                       stride_a, stride_o,
+                       TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                       GROUP: tl.constexpr = 1, NUM_CAND: tl.constexpr = 0, CAND_SIZE: tl.constexpr = 1):
+    # GROUP: a score per group of that many entries (the candidate source's blocks). NUM_CAND > 0: the
+    # candidate filter; only entries in the row's NUM_CAND blocks of CAND_SIZE entries (cand_ptr, -1:
+    # none; allowed_ptr marks the same blocks, one int8 per block) count
     token = tl.program_id(0).to(tl.int64)
     wait_for_prior(PDL)
-    n = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)  # the entries it sees
+    visible = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)
+    n = tl.cdiv(visible, GROUP)  # the scores it sees
     row = scores_ptr + token * stride_s
+    allowed_row = allowed_ptr + token * stride_a
     out = out_ptr + token * stride_o
     lane = tl.arange(0, BLOCK)
-    if n <= TOP_K:
+    FILTERED: tl.constexpr = NUM_CAND > 0
+    count = n
+    if FILTERED:  # the blocks are distinct: the entries they hold, as many as are seen
+        count = 0
+        for c0 in range(0, NUM_CAND, BLOCK):
+            cands = tl.load(cand_ptr + token * stride_c + c0 + lane, mask=c0 + lane < NUM_CAND, other=-1)
+            count += tl.sum(tl.where(cands >= 0, tl.minimum(tl.maximum(n - cands * CAND_SIZE, 0), CAND_SIZE), 0), 0)
+    if count <= TOP_K:  # every allowed score, in order, then -1
+        taken = 0
+        for start in range(0, n, BLOCK):
+            idx = start + lane
+            take = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED).to(tl.int32)
+            tl.store(out + taken + tl.cumsum(take, 0) - take, idx, mask=take != 0)
+            taken += tl.sum(take, 0)
         for first in range(0, TOP_K, BLOCK):
             idx = first + lane
-            tl.store(out + idx, tl.where(idx < n, idx, -1), mask=idx < TOP_K)
+            tl.store(out + idx, -1, mask=(idx >= count) & (idx < TOP_K))
     else:
         # the top_k-th largest value, 8 bits at a time from the top; ``wanted``: how many of the
         # values that share the digits found so far are still to be taken
@@ -134,8 +164,8 @@ def stable_topk_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s
             hist = tl.zeros([256], tl.int32)
             for start in range(0, n, BLOCK):
                 idx = start + lane
-                key = _ordered(row, idx, idx < n)
-                mask = idx < n
+                mask = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED)
+                key = _ordered(row, idx, mask)
                 if p == 0:
                     digit = ((key >> 24) & 255) ^ 128  # the sign bit flipped: unsigned order
                 else:
@@ -152,13 +182,34 @@ def stable_topk_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s
         equal_before = 0
         for start in range(0, n, BLOCK):
             idx = start + lane
-            key = _ordered(row, idx, idx < n)
-            equal = ((key == threshold) & (idx < n)).to(tl.int32)
-            take = (((key > threshold) & (idx < n)) |
+            ok = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED)
+            key = _ordered(row, idx, ok)
+            equal = ((key == threshold) & ok).to(tl.int32)
+            take = (((key > threshold) & ok) |
                     ((equal != 0) & (equal_before + tl.cumsum(equal, 0) - equal < wanted))).to(tl.int32)
             tl.store(out + taken + tl.cumsum(take, 0) - take, idx, mask=take != 0)
             taken += tl.sum(take, 0)
             equal_before += tl.sum(equal, 0)
+
+
+@triton.jit
+def block_best_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s, stride_o,
+                      RATE: tl.constexpr, SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+                      PDL: tl.constexpr):
+    """The candidate filter's first level: per block of SIZE entries a token sees, its best score; the
+    block of its newest entry +inf (always a candidate)."""
+    token = tl.program_id(0).to(tl.int64)
+    wait_for_prior(PDL)
+    visible = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)
+    n = tl.cdiv(visible, SIZE)
+    e = tl.arange(0, BLOCK_E)
+    for b0 in range(0, n, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        idx = b[:, None] * SIZE + e[None, :]
+        s = tl.load(scores_ptr + token * stride_s + idx, mask=(e < SIZE)[None, :] & (idx < visible),
+                    other=float("-inf"))
+        best = tl.where(b == n - 1, float("inf"), tl.max(s, 1))
+        tl.store(out_ptr + token * stride_o + b, best, mask=b < n)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -166,20 +217,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
-               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
-               page_table: torch.Tensor, page_size: int, rate: int, top_k: int, max_entries: int) -> torch.Tensor:
-    """q [T, H, d] (unrotated), weights [T, H] fp32 -> int32 [T, top_k]: each token's best visible
-    entries by score, ties to the lowest index, -1 past the entries it sees; order within a row
-    unspecified.
-
-    ``keys`` [slots, d]: entry w of the sequence with page-table row r lies in the page of its
-    window's last token, i = (w*rate + rate - 1) // page_size, at slot
-    ``r[i] * ceil(page_size / rate) + w - i * page_size // rate`` (SeqView.entry_slots);
-    ``key_scales`` [slots] fp32 with E4M3 keys (None otherwise). ``cos``/``sin`` [max_pos, rope/2]
-    rotate the query's last ``rope`` channels. ``token_seq`` [T]: each token's page-table row.
-    ``max_entries``: the most entries a sequence can have (a static bound: it sizes the grid).
-    """
+def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+           cos: torch.Tensor) -> None:
     tokens, num_heads, head_dim = q.shape
     if weights.shape != (tokens, num_heads):
         raise ValueError(f"weights {tuple(weights.shape)} must be [tokens, heads] = [{tokens}, {num_heads}]")
@@ -192,13 +231,18 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
         raise ValueError(f"key_scales {tuple(key_scales.shape)} {key_scales.dtype} must be fp32 [{keys.shape[0]}]")
     if 2 * cos.shape[-1] > head_dim:
         raise ValueError(f"rope dim {2 * cos.shape[-1]} exceeds the indexer head dim {head_dim}")
-    picks = _empty((tokens, top_k), torch.int32, q.device)
-    if tokens == 0:
-        return picks
+
+
+def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+            cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
+            page_table: torch.Tensor, page_size: int, rate: int, max_entries: int, cfg: IndexerConfig):
+    """(a, b, scores [b - a, max_entries]) for chunks a..b of the step's tokens, each chunk's scores
+    launched just before it is yielded."""
+    tokens, num_heads, head_dim = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float().contiguous()
+    fp8 = key_scales is not None
     exact = fp8 or keys.dtype == q.dtype  # an E4M3 key converts exactly to fp32, fp16 and bf16
-    cfg = config_for(INDEXER, q.device)
     blocks = max(1, triton.cdiv(max_entries, cfg.block_n))
     step = max(1, SCRATCH_BYTES // (4 * max(1, max_entries)))
     for a in range(0, tokens, step):
@@ -217,22 +261,102 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
             enable_fp_fusion=False,  # a fused multiply-add skips the rotation's rounding steps
             **launch_options(q.device),
         )
-        stable_topk_kernel[(b - a,)](scores, positions[a:b], picks[a:b], max_entries, scores.stride(0),
-                                     picks.stride(0),
-                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, num_warps=cfg.topk_warps,
+        yield a, b, scores
+
+
+def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
+               page_table: torch.Tensor, page_size: int, rate: int, top_k: int, max_entries: int,
+               candidates: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
+    """q [T, H, d] (unrotated), weights [T, H] fp32 -> int32 [T, top_k]: each token's best visible
+    entries by score, ties to the lowest index, -1 past the entries it sees; order within a row
+    unspecified.
+
+    ``keys`` [slots, d]: entry w of the sequence with page-table row r lies in the page of its
+    window's last token, i = (w*rate + rate - 1) // page_size, at slot
+    ``r[i] * ceil(page_size / rate) + w - i * page_size // rate`` (SeqView.entry_slots);
+    ``key_scales`` [slots] fp32 with E4M3 keys (None otherwise). ``cos``/``sin`` [max_pos, rope/2]
+    rotate the query's last ``rope`` channels. ``token_seq`` [T]: each token's page-table row.
+    ``max_entries``: the most entries a sequence can have (a static bound: it sizes the grid).
+    ``candidates`` [T, B] int32 (-1: none): only the entries of those blocks of ``block_size`` count.
+    """
+    _check(q, weights, keys, key_scales, cos)
+    tokens = q.shape[0]
+    if candidates is not None and (candidates.dim() != 2 or candidates.shape[0] != tokens or block_size < 1):
+        raise ValueError(f"candidates {tuple(candidates.shape)} must be [tokens={tokens}, blocks] of blocks of "
+                         f"block_size {block_size} >= 1 entries")
+    picks = _empty((tokens, top_k), torch.int32, q.device)
+    cfg = config_for(INDEXER, q.device)
+    num_cand = 0 if candidates is None else candidates.shape[1]
+    cands = picks if candidates is None else candidates.contiguous()  # an unread placeholder without the filter
+    max_blocks = -(-max_entries // max(1, block_size))
+    for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
+                                rate, max_entries, cfg):
+        allowed = picks
+        if candidates is not None:  # one int8 per block: 1 where a candidate (a column past the last for -1)
+            allowed = torch.zeros(b - a, max_blocks + 1, dtype=torch.int8, device=q.device)
+            allowed.scatter_(1, torch.where(cands[a:b] < 0, max_blocks, cands[a:b]).long(), 1)
+        stable_topk_kernel[(b - a,)](scores, positions[a:b], cands[a:b], allowed, picks[a:b], max_entries,
+                                     scores.stride(0), cands.stride(0), allowed.stride(0), picks.stride(0),
+                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, NUM_CAND=num_cand,
+                                     CAND_SIZE=max(1, block_size), num_warps=cfg.topk_warps,
                                      **launch_options(q.device))
     return picks
 
 
-def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
-           meta) -> torch.Tensor:
-    """``V4AttentionBackend.select`` for the whole step: the index keys as the cache keeps them
-    (``layer.indexer.compression.entries``: the model's dtype, or E4M3 with their scales), the
-    rotation of ``layer.rope``."""
+def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
+                   page_table: torch.Tensor, page_size: int, rate: int, num_blocks: int, block_size: int,
+                   max_entries: int) -> torch.Tensor:
+    """DeepSeek-V4.1's candidate filter over the same scores as ``index_topk`` -> int32 [T, num_blocks]:
+    the blocks of ``block_size`` entries whose best visible score is highest, the block of each
+    token's newest visible entry always taken, ties to the lowest block, -1 where fewer blocks hold
+    a visible entry; order within a row unspecified."""
+    _check(q, weights, keys, key_scales, cos)
+    tokens = q.shape[0]
+    chosen = _empty((tokens, num_blocks), torch.int32, q.device)
+    cfg = config_for(INDEXER, q.device)
+    max_blocks = -(-max_entries // block_size)
+    block_e = triton.next_power_of_2(block_size)
+    for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
+                                rate, max_entries, cfg):
+        best = _empty((b - a, max_blocks), torch.float32, q.device)
+        block_best_kernel[(b - a,)](scores, positions[a:b], best, max_entries, scores.stride(0), best.stride(0),
+                                    RATE=rate, SIZE=block_size, BLOCK_B=max(1, cfg.topk_block // block_e),
+                                    BLOCK_E=block_e, num_warps=cfg.topk_warps, **launch_options(q.device))
+        stable_topk_kernel[(b - a,)](best, positions[a:b], chosen[a:b], chosen[a:b], chosen[a:b], max_entries,
+                                     best.stride(0), chosen.stride(0), chosen.stride(0), chosen.stride(0),
+                                     TOP_K=num_blocks, RATE=rate, BLOCK=cfg.topk_block, GROUP=block_size,
+                                     num_warps=cfg.topk_warps, **launch_options(q.device))
+    return chosen
+
+
+def _keys(layer: V4AttentionLayer, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
     indexer = layer.indexer
     if q.shape[1:] != (indexer.num_heads, indexer.head_dim):
         raise ValueError(f"q {tuple(q.shape)} must be [tokens, {indexer.num_heads}, {indexer.head_dim}] "
                          f"(the indexer's heads and head dim)")
-    keys, scales = entries_of(kv, indexer.compression.entries)
+    return entries_of(kv, indexer.compression.entries)
+
+
+def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+           meta, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """``V4AttentionBackend.select`` for the whole step: the index keys as the cache keeps them
+    (``layer.indexer.compression.entries``: the model's dtype, or E4M3 with their scales; a CSA2
+    index source's: those its KV source derives), the rotation of ``layer.rope``; ``candidates``
+    (the candidate source's blocks) narrow each row to their entries."""
+    indexer = layer.indexer
+    keys, scales = _keys(layer, q, kv)
     return index_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
-                      batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries)
+                      batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries,
+                      candidates, indexer.candidate_block_size)
+
+
+def select_candidates(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
+                      batch: ForwardBatch, meta) -> torch.Tensor:
+    """``V4AttentionBackend.select_candidates`` for the whole step (a CSA2 candidate source)."""
+    indexer = layer.indexer
+    keys, scales = _keys(layer, q, kv)
+    return candidate_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
+                          batch.page_table, batch.page_size, indexer.compression.rate, indexer.candidate_blocks,
+                          indexer.candidate_block_size, meta.max_entries)

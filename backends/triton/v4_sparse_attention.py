@@ -234,7 +234,8 @@ def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batc
     if (num_heads, head_dim) != (layer.num_heads, layer.head_dim):
         raise ValueError(f"q {tuple(q.shape)} does not fit the layer's {layer.num_heads} heads of {layer.head_dim}")
     comp = layer.compression
-    mode = SLIDING if comp is None else PICKED if layer.indexer is not None else DENSE
+    # a CSA2 layer without an indexer of its own attends to its index source's picks ("Reuse")
+    mode = SLIDING if comp is None else PICKED if layer.indexer is not None or picks is not None else DENSE
     if mode == PICKED and (picks is None or picks.dim() != 2 or picks.shape[0] != tokens):
         raise ValueError(f"a CSA layer needs picks [T={tokens}, top_k], got "
                          f"{None if picks is None else tuple(picks.shape)}")

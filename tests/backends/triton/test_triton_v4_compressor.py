@@ -1,5 +1,6 @@
 """DeepSeek-V4's compressors in one Triton launch against NativeV4Attention.compress, and the
-indexer's keys quantized to E4M3 where the compressor writes them."""
+indexer's keys quantized to E4M3 where the compressor writes them; DeepSeek-V4.1's CSA2 KV sources
+(pairs pooled with no position bias, ratio-1 entries with no gate) and the index keys they derive."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 from engine.backends.triton import v4_compressor
 from engine.backends.triton.target import pick
 from engine.backends.triton.v4_attention import TritonV4Attention
-from engine.backends.triton.v4_compressor import compress, compress_kernel, tiles
-from engine.core.families.v4_attention import Compression, V4AttentionLayer
+from engine.backends.triton.v4_compressor import compress, compress_kernel, index_key_kernel, tiles
+from engine.core.families.v4_attention import Compression, IndexKey, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, entries_of, flat
+from engine.core.models.deepseek_v4.topology import CSA2Role
 from engine.core.native.indexer import quantize_keys
 from engine.core.native.quant import FP8
 from engine.core.native.rope import RotaryEmbedding
@@ -31,7 +33,11 @@ TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.float16: dict(rtol=2e-3,
 
 def mixed_lens(rate: int) -> list[tuple[int, int]]:
     """(cached, new) per sequence: a decode row that closes a window, one that does not, a prefill
-    from 0 past two windows, and a chunk that starts inside a window after a cached prefix."""
+    from 0 past two windows, and a chunk that starts inside a window after a cached prefix (at rate
+    1, where every token closes its window: decode rows, a prefill and a chunk after a prefix)."""
+    if rate == 1:
+        return [(random.randint(0, 9), 1), (random.randint(1, 9), 1), (0, random.randint(2, 7)),
+                (random.randint(1, 9), random.randint(1, 5))]
     closing = random.randint(1, 3) * rate - 1
     open_ = random.choice([c for c in range(rate, 3 * rate) if (c + 1) % rate])
     inside = random.randint(1, 2) * rate + random.randint(1, rate - 1)
@@ -43,17 +49,20 @@ class Case:
     are random and every other projection slot and every entry slot is NaN. ``indexer``: the CSA
     indexer's compressor (its own cache layers) instead of the layer's. ``capacity``: positions each
     sequence's pages hold (a later ``fill`` may bring other lengths onto the same pages). ``fp8``: the
-    indexer's keys in E4M3 with their scales, as beside FP8 weights."""
+    indexer's keys in E4M3 with their scales, as beside FP8 weights. ``csa2``: a V4.1 KV source at
+    ``rate`` 1 or 2 (no position bias; no gate at rate 1) that derives index keys of 16 channels."""
 
     def __init__(self, lens, head_dim, rope_dim, rate, overlap, page_size, dtype, device, act_dtype=None,
-                 indexer=False, capacity=None, fp8=False):
+                 indexer=False, capacity=None, fp8=False, csa2=False):
         self.rate, self.page_size, self.dtype, self.device = rate, page_size, dtype, device
         self.act_dtype = act_dtype or dtype
         main_dim, index_dim = (64, head_dim) if indexer else (head_dim, 16)
-        self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim, fp8_index_keys=fp8)
+        roles = [CSA2Role(rate, 0, 0, keeps_index_keys=True)] if csa2 else None
+        self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim, fp8_index_keys=fp8, roles=roles)
         projections, entries = ((parts.index_projections, parts.index_keys) if indexer
                                 else (parts.projections, parts.entries))
         self.width = 2 * head_dim if overlap else head_dim
+        self.gated = projections is not None
         capacity = capacity or max(c + q for c, q in lens)
         per_seq = -(-capacity // page_size)
         self.num_pages = len(lens) * per_seq + 3
@@ -61,9 +70,16 @@ class Case:
         self.tables = [ids[i * per_seq:(i + 1) * per_seq] for i in range(len(lens))]
         self.windows = dict(zip(ids, random.sample(range(1, len(ids) + 3), len(ids))))
         rope = RotaryEmbedding(head_dim, rope_dim, capacity + rate, 10000.0, None, is_neox_style=False, device=device)
-        self.comp = Compression(rate=rate, overlap=overlap, ape=torch.randn(rate, self.width, device=device),
+        key = None
+        if csa2:
+            wk = torch.randn(index_dim, head_dim, device=device) * head_dim ** -0.5
+            key = IndexKey(lambda latent: latent @ wk.T.to(latent.dtype), 1 + 0.5 * torch.randn(index_dim, device=device),
+                           1e-6, parts.index_keys)
+        self.comp = Compression(rate=rate, overlap=overlap,
+                                ape=None if csa2 else torch.randn(rate, self.width, device=device),
                                 norm_weight=1 + 0.5 * torch.randn(head_dim, device=device), eps=1e-6,
-                                projections=projections, entries=entries)
+                                projections=projections, entries=entries, index_key=key)
+        self.written = [entries] + ([parts.index_keys] if csa2 else [])  # the per-entry layers a step writes
         self.layer = V4AttentionLayer(num_heads=1, head_dim=main_dim, window=4, sinks=torch.zeros(1, device=device),
                                       rope=rope, window_kv=parts.window, kv_norm=torch.ones(main_dim, device=device),
                                       eps=1e-6, compression=self.comp)
@@ -78,13 +94,16 @@ class Case:
                                         device=self.device)
         self.kv_proj = torch.randn(sum(new), self.width, device=self.device).to(self.act_dtype)
         self.gate_proj = (2 * torch.randn(sum(new), self.width, device=self.device)).to(self.act_dtype)
+        if not self.gated:
+            self.gate_proj = None
         kv = self.cache(None)
         table = kv.window_table()
-        for t in (*flat(kv, self.comp.projections), *flat(kv, self.comp.entries)):
+        projections = flat(kv, self.comp.projections) if self.gated else ()
+        for t in (*projections, *(t for i in self.written for t in flat(kv, i))):
             t.fill_(float("nan"))
         for c, pages in zip(ctx, self.tables):
             seq = SeqView(0, c, 0, torch.tensor(pages, dtype=torch.int32, device=self.device), table, self.page_size)
-            for t in flat(kv, self.comp.projections):
+            for t in projections:
                 t[seq.token_slots(0, c)] = torch.randn(c, t.shape[1], device=self.device).to(t.dtype)
         self.state = [t for i in range(kv.num_layers) for t in (kv.layer(i).k, kv.layer(i).v)]
 
@@ -124,10 +143,14 @@ class Case:
     def check(self, got: KVCache | None = None) -> None:
         want = self.native()
         got = self.triton() if got is None else got
-        for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
-            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
-        (entries, scales), (want_entries, want_scales) = entries_of(got, self.comp.entries), entries_of(
-            want, self.comp.entries)
+        if self.gated:
+            for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
+                torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+        for layer in self.written:
+            self._compare(got, want, layer)
+
+    def _compare(self, got: KVCache, want: KVCache, layer: int) -> None:
+        (entries, scales), (want_entries, want_scales) = entries_of(got, layer), entries_of(want, layer)
         written = ~want_entries.float().isnan().any(-1)
         assert int(written.sum()) == self.closed() > 0
         if want_scales is not None:  # E4M3: nearly every code agrees, and the values they stand for
@@ -178,6 +201,25 @@ def test_window_in_several_tiles_interpreted(seed, monkeypatch, rate, overlap):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rate,page_size", [(1, 3), (2, 3), (2, 4)])
+def test_csa2_kv_source_interpreted(seed, dtype, rate, page_size):
+    """DeepSeek-V4.1's CSA2 KV source that indexes: rate 2 pools each pair by a softmax over its two
+    gate scores with no position bias (a pair split over two steps reads its first token from the
+    window pages); rate 1 keeps each token's kv row, normalised and rotated, with no gate and no
+    projections. Both derive index keys from the entries' latents (projected, normalised, rotated
+    as the entries)."""
+    Case(mixed_lens(rate), 32, 16, rate, False, page_size, dtype, "cpu", csa2=True).check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rate", [1, 2])
+def test_csa2_fp8_index_keys_interpreted(seed, rate):
+    """The derived index keys in E4M3 with one fp32 scale each, as beside FP8 weights."""
+    Case(mixed_lens(rate), 32, 16, rate, False, 4, torch.float16, "cpu", csa2=True, fp8=True).check()
+
+
+@pytest.mark.interpret
 def test_indexer_compressor_interpreted(seed):
     """The CSA indexer's own compressor, in its own cache layers (fp32 activations into fp16 pages)."""
     Case(mixed_lens(4), 16, 8, 4, True, 4, torch.float16, "cpu", act_dtype=torch.float32, indexer=True).check()
@@ -224,7 +266,10 @@ def test_bad_projection_width_is_refused(seed):
 
 FLASH = {"csa": dict(head_dim=512, rate=4, overlap=True), "hca": dict(head_dim=512, rate=128, overlap=False),
          "indexer": dict(head_dim=128, rate=4, overlap=True, indexer=True),
-         "indexer-fp8": dict(head_dim=128, rate=4, overlap=True, indexer=True, fp8=True)}
+         "indexer-fp8": dict(head_dim=128, rate=4, overlap=True, indexer=True, fp8=True),
+         # V4.1-Flash's CSA2 KV sources (index keys of 16 channels here, 128 in the AOT test of their kernel)
+         "csa2-pairs": dict(head_dim=512, rate=2, overlap=False, csa2=True),
+         "csa2-tokens": dict(head_dim=512, rate=1, overlap=False, csa2=True, fp8=True)}
 
 
 def flash_case(kind: str, lens, capacity=None) -> Case:
@@ -279,24 +324,27 @@ def test_flash_decode_graph_gpu(seed, kind):
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("kind", sorted(FLASH))
 def test_compress_compiles(target, kind):
-    """V4-Flash's three compressors in bf16 (the indexer's also with E4M3 keys): 16-byte loads of the
-    window tiles, and (as launched, without FP fusion) no fused multiply-add that would skip one of
-    the oracle's roundings."""
+    """V4-Flash's three compressors in bf16 (the indexer's also with E4M3 keys) and V4.1-Flash's CSA2
+    KV sources (pairs without a position bias, tokens without a gate, each leaving its latents):
+    16-byte loads of the window tiles, and (as launched, without FP fusion) no fused multiply-add
+    that would skip one of the oracle's roundings."""
     shape = FLASH[kind]
-    head_dim, rate, overlap, fp8 = shape["head_dim"], shape["rate"], shape["overlap"], shape.get("fp8", False)
+    head_dim, rate, overlap, csa2 = shape["head_dim"], shape["rate"], shape["overlap"], shape.get("csa2", False)
+    fp8 = shape.get("fp8", False) and not csa2  # a CSA2 source's E4M3 keys are index_key_kernel's
     width = 2 * head_dim if overlap else head_dim
     strides = [name for name in compress_kernel.arg_names if name.startswith("stride_")]
     signature = {**{p: "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr")},
                  "entry_ptr": "*fp8e4nv" if fp8 else "*bf16",
                  **{p: "*fp32" for p in ("entry_scale_ptr", "ape_ptr", "norm_ptr", "cos_ptr", "sin_ptr")},
-                 "positions_ptr": "*i64", "window_slots_ptr": "*i64",
+                 "positions_ptr": "*i64", "window_slots_ptr": "*i64", "latent_ptr": "*bf16",
                  **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
                  "eps": "fp32", **{s: "i32" for s in strides}}
     num_slots = 2 * rate if overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, pick(v4_compressor.COMPRESS, target))
     constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
                       NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), QUANTIZE=fp8, BLOCK_W=width,
-                      BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target))
+                      BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target), GATED=rate > 1 or not csa2,
+                      HAS_APE=not csa2, LATENT=csa2)
     asm = compile_asm(compress_kernel, signature, constexprs, target, num_warps=num_warps, divisible_by_16=strides,
                       enable_fp_fusion=False)
     if target.startswith("sm_"):
@@ -309,3 +357,25 @@ def test_compress_compiles(target, kind):
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)
         assert "global_load_dwordx4" in gcn
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8e4nv"])
+def test_index_key_compiles(target, key_dtype):
+    """V4.1-Flash's derived index keys (128 channels, rope 64) from bf16 projected latents, kept in bf16
+    or E4M3 with their scales: no fused multiply-add skips a rounding of the norm or the rotation."""
+    strides = [name for name in index_key_kernel.arg_names if name.startswith("stride_")]
+    signature = {"proj_ptr": "*bf16", "key_ptr": f"*{key_dtype}", "positions_ptr": "*i64", "token_seq_ptr": "*i32",
+                 "page_table_ptr": "*i32", "eps": "fp32",
+                 **{p: "*fp32" for p in ("norm_ptr", "key_scale_ptr", "cos_ptr", "sin_ptr")},
+                 **{s: "i32" for s in strides}}
+    constexprs = dict(HEAD_DIM=128, ROPE_HALF=32, RATE=2, PAGE_SIZE=64, ENTRIES_PER_PAGE=32,
+                      QUANTIZE=key_dtype == "fp8e4nv", BLOCK_D=128, PDL=pdl(target))
+    asm = compile_asm(index_key_kernel, signature, constexprs, target, num_warps=1, divisible_by_16=strides,
+                      enable_fp_fusion=False)
+    if target.startswith("sm_"):
+        assert f".target {target}a" in asm["ptx"] and "fma.rn" not in asm["ptx"]
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])

@@ -1,8 +1,10 @@
 """The lightning indexer kernel (scores over paged index keys + stable top-k) against the native select,
-over keys in the model's dtype and over E4M3 keys with their scales, as the cache keeps either."""
+over keys in the model's dtype and over E4M3 keys with their scales, as the cache keeps either; and
+DeepSeek-V4.1's candidate filter (blocks, then the top-k inside them) at CSA2's rates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import random
@@ -14,7 +16,8 @@ import torch
 from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_indexer
-from engine.backends.triton.v4_indexer import index_scores_kernel, index_topk, select, stable_topk_kernel
+from engine.backends.triton.v4_indexer import (block_best_kernel, index_scores_kernel, index_topk, select,
+                                               select_candidates, stable_topk_kernel)
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache, KVLayerSpec
@@ -205,6 +208,32 @@ def test_fp8_keys_interpreted(seed, poisoned_scratch, page_size):
     Case(LENS, 4, 32, 16, 4, page_size, torch.float16, "cpu", kind="fp8").check(rtol=1e-3)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("rate", [1, 2])
+@pytest.mark.parametrize("kind,dtype", [("ties", torch.float32), ("fp8-ties", torch.float16)])
+@pytest.mark.parametrize("blocks,size", [(3, 4), (2, 1)])
+def test_candidate_filter_interpreted(seed, poisoned_scratch, monkeypatch, rate, kind, dtype, blocks, size):
+    """DeepSeek-V4.1's two-level indexer at CSA2's rates, on exact scores with many ties: the candidate
+    source's blocks (the best visible score of each, the newest block always, ties to the lowest
+    block, -1 past the visible blocks) and the top-k inside them equal the native ones exactly, where
+    the blocks hold more entries than top_k (3 of 4) and fewer (2 of 1)."""
+    monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(
+        block_n=16, num_warps=1, programs=8, topk_block=8, topk_warps=1))
+    case = Case(LENS + [(50, 3)], 5, 16, 8, 3, 4, dtype, "cpu", kind=kind, rate=rate)
+    layer = dataclasses.replace(case.layer, indexer=dataclasses.replace(
+        case.layer.indexer, candidate_blocks=blocks, candidate_block_size=size, filtered=True))
+    native = NativeV4Attention(None)
+    meta = native.prepare(case.batch, case.kv)
+    want_blocks = native.select_candidates(case.q, case.weights, layer, case.kv, case.batch, meta)
+    got_blocks = select_candidates(case.q, case.weights, layer, case.kv, case.batch, case.meta)
+    assert got_blocks.shape == (case.q.shape[0], blocks) and got_blocks.dtype == torch.int32
+    assert torch.equal(got_blocks.sort(1).values, want_blocks.sort(1).values)
+    want = native.select(case.q, case.weights, layer, case.kv, case.batch, meta, want_blocks)
+    got = select(case.q, case.weights, layer, case.kv, case.batch, case.meta, got_blocks)
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    assert (want >= 0).sum() < want.numel() and (want_blocks >= 0).sum() < want_blocks.numel()  # -1 rows shown
+
+
 def test_fp8_scores_stay_within_e4m3_of_the_exact_keys(seed):
     """Scores over E4M3 keys differ from those over the keys before quantizing by no more than E4M3
     allows: each channel off by half a step (2^-4 of it, or 2^-10 of the scale below the normal
@@ -287,15 +316,38 @@ def test_index_scores_compiles(target, key_dtype):
         assert "mfma" in asm["amdgcn"]
 
 
+TOPK_SIGNATURE = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "cand_ptr": "*i32", "allowed_ptr": "*i8",
+                  "out_ptr": "*i32", "max_entries": "i32", "stride_s": "i32", "stride_c": "i32", "stride_a": "i32",
+                  "stride_o": "i32"}
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_stable_topk_compiles(target):
-    """The top-512 select over a token's scores, as launched on the GPU."""
-    signature = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "out_ptr": "*i32", "max_entries": "i32",
-                 "stride_s": "i32", "stride_o": "i32"}
-    asm = compile_asm(stable_topk_kernel, signature, dict(TOP_K=512, RATE=4, BLOCK=1024, PDL=pdl(target)), target)
+@pytest.mark.parametrize("stage", ["top-512", "candidate-blocks", "inside-candidates"])
+def test_stable_topk_compiles(target, stage):
+    """The top-512 select over a token's scores, as launched on the GPU; and V4.1-Flash's candidate
+    filter (rate 1): the 2048 best blocks of 8 entries, then the top-512 inside them."""
+    constexprs = {"top-512": dict(TOP_K=512, RATE=4),
+                  "candidate-blocks": dict(TOP_K=2048, RATE=1, GROUP=8),
+                  "inside-candidates": dict(TOP_K=512, RATE=1, NUM_CAND=2048, CAND_SIZE=8)}[stage]
+    constexprs = dict(dict(GROUP=1, NUM_CAND=0, CAND_SIZE=1), **constexprs, BLOCK=1024, PDL=pdl(target))
+    asm = compile_asm(stable_topk_kernel, TOPK_SIGNATURE, constexprs, target)
     if target.startswith("sm_"):
         assert f".target {target}a" in asm["ptx"]
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_block_best_compiles(target):
+    """The candidate filter's block maxima at V4.1-Flash's blocks of 8 entries."""
+    signature = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "out_ptr": "*fp32", "max_entries": "i32",
+                 "stride_s": "i32", "stride_o": "i32"}
+    asm = compile_asm(block_best_kernel, signature, dict(RATE=1, SIZE=8, BLOCK_B=128, BLOCK_E=8, PDL=pdl(target)),
+                      target, divisible_by_16=["stride_s"])
+    if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])
