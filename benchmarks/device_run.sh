@@ -26,7 +26,8 @@ for step in $steps; do
     moe) timeout 300 python3 benchmarks/moe_bench.py --json "$OUT/moe-h200.json" 2>&1 | tail -30 ;;
     fp8_quant_diag) timeout 60 python3 benchmarks/fp8_quant_diag.py ;;
     dsv4_decode) timeout 570 python3 benchmarks/dsv4_decode.py --json "$OUT/dsv4_decode-h200.json" 2>&1 | tee "$OUT/dsv4_decode.log" | tail -40 ;;
-    models) mkdir -p ../shared/models && cp -r .models/* ../shared/models/ ;;
+    models) mkdir -p ../shared/models ../shared/data && cp -r .models/* ../shared/models/ \
+              && { [ ! -d .data ] || cp -r .data/* ../shared/data/; } ;;  # .data: python-eval.txt for the drafter tests
     serve) timeout 300 bash benchmarks/serve_on_device.sh 2>&1 | tail -45 ;;
     *) timeout 280 python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tee "$OUT/$step.log" | tail -30 ;;
   esac
