@@ -21,6 +21,7 @@ import torch
 from .distributed.group import SINGLE, ParallelGroup
 from .forward import ForwardBatch, HostStaging
 from .graph_runner import DecodeGraphs
+from .prefill_graphs import PrefillGraphs
 from .kv.page_table import PageTable
 from .kv.storage import KVCache
 from .models.base import CausalLM
@@ -63,9 +64,11 @@ class Peers(Protocol):
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable | None, page_table: PageTable | None,
                  page_size: int, device: torch.device, graphs: DecodeGraphs | None = None,
-                 group: ParallelGroup = SINGLE, peers: Peers | None = None) -> None:
+                 group: ParallelGroup = SINGLE, peers: Peers | None = None,
+                 prefill_graphs: PrefillGraphs | None = None) -> None:
         """``table`` and ``page_table`` belong to the rank that schedules (None on the others);
-        ``group`` is the tensor-parallel group, ``peers`` what rank 0 sends every step to."""
+        ``group`` is the tensor-parallel group, ``peers`` what rank 0 sends every step to;
+        ``prefill_graphs`` run the steps no decode graph holds, where their tokens fit."""
         self.model = model
         self.kv = kv
         self.table = table
@@ -73,6 +76,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.group = group
         self.peers = peers
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
@@ -133,10 +137,14 @@ class ModelRunner:
         batch.features = features
         if features is not None:
             batch.feature_layers = self.feature_layers
-        self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
+        graphed = features is None and self.prefill_graphs is not None and self.prefill_graphs.holds(batch.num_tokens)
+        if graphed:  # a replay asks no layer for its arrays: host-memory hits land first
+            self.kv.loads.flush()
+        else:
+            self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
         try:
             batch.attn_metadata = self.model.prepare(batch)
-            hidden = self.model(batch, self.kv)
+            hidden = self.prefill_graphs.run(batch) if graphed else self.model(batch, self.kv)
         finally:
             self.kv.loads.finish()
         if batch.logits_indices.numel() == 0:

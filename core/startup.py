@@ -14,7 +14,10 @@ from .distributed.group import SINGLE, ParallelGroup, Rendezvous, rank_device
 from .families.sampling import SamplingBackend
 from .families.spec import SpecProposer
 from .families.cache_tier import CacheTier, TierContext
+from .breaks import BreakPoints, break_families, breakable_backends
+from .families.graphs import GraphBackend
 from .graph_runner import DecodeGraphs
+from .prefill_graphs import MAX_TOKENS, PrefillGraphs
 from .kv.hierarchy import KVHierarchy, host_capacity, tier_layout
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
@@ -45,6 +48,7 @@ class Components:
     max_model_len: int
     sampling: SamplingBackend
     graphs: DecodeGraphs | None = None
+    prefill_graphs: PrefillGraphs | None = None
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
     group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
     attention_group: ParallelGroup = SINGLE  # the ranks its attention is split over: ``group`` but under DP attention
@@ -107,32 +111,66 @@ def select_proposer(plugins: Plugins, ctx: SelectionContext, config: EngineConfi
         raise SpecConfigError("method", f"{why}; proposers:\n{describe_candidates(exc.candidates)}") from None
 
 
-def capture_graphs(config: EngineConfig, ctx: SelectionContext, selection: Selection, model: CausalLM, kv: KVCache,
+def graph_refusals(config: EngineConfig) -> list[str]:
+    """Why no step of this engine can run in a graph (both kinds), if any."""
+    reasons = []
+    if config.expert_parallel and config.tensor_parallel_size > 1:
+        reasons.append("expert parallelism (its all_to_all sizes are read on the host)")
+    if config.enable_dp_attention:
+        reasons.append("data-parallel attention (the ranks' token counts are read on the host)")
+    return reasons
+
+
+def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, model: CausalLM, kv: KVCache,
                    max_model_len: int, device: torch.device, progress: bool) -> DecodeGraphs | None:
     unsafe = [f"{family} backend {b.name}" for family, b in vars(model.backends).items()
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
         unsafe.append(type(model).__name__)
-    if config.expert_parallel and config.tensor_parallel_size > 1:
-        unsafe.append("expert parallelism (its all_to_all sizes are read on the host)")
-    if config.enable_dp_attention:
-        unsafe.append("data-parallel attention (the ranks' token counts are read on the host)")
+    unsafe += graph_refusals(config)
     if unsafe:
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
-    budget = config.graph_memory
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] // 2
-    graphs = DecodeGraphs(model, kv, selection.create(ctx), config.page_size, max_model_len,
+    graphs = DecodeGraphs(model, kv, backend, config.page_size, max_model_len,
                           min(config.max_graph_batch, config.max_num_seqs), device)
     try:
-        graphs.capture(budget, progress=progress)
+        graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception:
-        if selection.explicit:
+        if explicit:
             raise
         logger.exception("capturing decode graphs failed; decode runs eagerly (--enforce-eager skips the attempt)")
         return None
     return graphs
+
+
+def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, points: BreakPoints,
+                           model: CausalLM, kv: KVCache, max_model_len: int, device: torch.device,
+                           progress: bool) -> PrefillGraphs | None:
+    """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here."""
+    reasons = graph_refusals(config) + model.breakable_refusals()
+    if not backend.breakable:
+        reasons.append(f"the {backend.name} graphs backend records no segments")
+    if reasons:
+        logger.info("no prefill graphs: %s", "; ".join(reasons))
+        return None
+    graphs = PrefillGraphs(model, kv, backend, points, config.page_size,
+                           min(MAX_TOKENS, config.max_num_batched_tokens, max_model_len), device)
+    try:
+        graphs.capture(_graph_budget(config, device), progress=progress)
+    except Exception as exc:
+        if explicit:
+            raise
+        logger.warning("capturing prefill graphs failed (%s: %s); prefill runs eagerly (--enforce-eager skips "
+                       "the attempt)", type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return None
+    return graphs
+
+
+def _graph_budget(config: EngineConfig, device: torch.device) -> int | None:
+    """Bytes each kind of graph may take: as configured, else half of what the device has free."""
+    if config.graph_memory is None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return config.graph_memory
 
 
 def _window_pages(config: EngineConfig, model: CausalLM, max_model_len: int, max_rollback: int) -> int:
@@ -249,8 +287,12 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     proposer_selection = select_proposer(plugins, ctx, config)
     # under data-parallel attention the layers but the MoE ones are split over the data-parallel rank's
     # processes only (dp_attention.py)
-    backends = Backends(**{family: sel.create(ctx) for family, sel in selections.items()},
-                        tp=attention, expert_parallel=config.expert_parallel, moe_group=group,
+    points = BreakPoints()  # where a recorded prefill breaks: the calls shaped by the step's sequences
+    families = {family: sel.create(ctx) for family, sel in selections.items()}
+    if graph_selection is not None:
+        families = breakable_backends(families, points)
+        logger.debug("prefill graphs break at the %s calls", ", ".join(break_families(families)))
+    backends = Backends(**families, tp=attention, expert_parallel=config.expert_parallel, moe_group=group,
                         dp_attention=config.enable_dp_attention)
     selections["sampling"] = plugins.select("sampling", ctx, config.requested_backends().get("sampling"))
     if proposer_selection is not None:
@@ -287,10 +329,13 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,
                 time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
                 per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
-    graphs = None
-    if graph_selection is not None:
+    graphs = prefill_graphs = None
+    if graph_selection is not None:  # one backend, one memory pool: prefill's largest bucket first
         selections["graphs"] = graph_selection
-        graphs = capture_graphs(config, ctx, graph_selection, model, kv, max_model_len, device, progress)
+        graph_backend, explicit = graph_selection.create(ctx), graph_selection.explicit
+        prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,
+                                                device, progress)
+        graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device, progress)
     proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, proposer, group, attention)
+                      selections["sampling"].create(ctx), graphs, prefill_graphs, proposer, group, attention)

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             c = core.components
         else:
             c = build(config, progress=False, rendezvous=rendezvous)
-            runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.attention_group)
+            runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.attention_group,
+                                 prefill_graphs=c.prefill_graphs)
         conn.send_bytes(encoder.encode(Ready(args.rank)))
     except BaseException as exc:
         logger.exception("could not start")

@@ -83,6 +83,13 @@ class CausalLM(nn.Module, ABC):
         whose replays must find it still true): the attention backend's."""
         return self.backends.attention.prepare(batch)
 
+    def breakable_refusals(self) -> list[str]:
+        """Why a step of this model cannot be recorded as segments around its backends' break points
+        (core/breaks.py): work shaped by the step that no backend family call does, if any."""
+        if self.token_history:
+            return [f"{type(self).__name__} stages {self.token_history} token ids before each step on the host"]
+        return []
+
     def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
         """Host work for a step from its token ids, before its forward (or its graph's replay): each
         sequence's new ``input_ids`` (packed) and the ``token_history`` ids before them (-1 before

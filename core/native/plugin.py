@@ -61,6 +61,19 @@ def engine_register_kv_transports() -> list[Descriptor]:
                        priority=NATIVE_PRIORITY)]
 
 
+@hookimpl
+def engine_register_graph_backends() -> list[Descriptor]:
+    return [Descriptor("graphs", "recorded", _instance("engine.core.native.graphs:RecordedOps"),
+                       priority=NATIVE_PRIORITY, check=_recorded_reasons)]
+
+
+def _recorded_reasons(ctx) -> list[str]:
+    if ctx.engine_config.requested_backends().get("graphs") != "recorded":
+        return ["replays recorded torch operations, no faster than running them: only where named "
+                "(--graph-backend recorded)"]
+    return []
+
+
 def _ngram_reasons(ctx) -> list[str]:
     spec = getattr(ctx.engine_config, "speculative_config", None)
     if spec is not None and spec.model is not None:

@@ -211,6 +211,12 @@ class DeepseekV4ForCausalLM(CausalLM):
     def prepare(self, batch: ForwardBatch) -> None:
         return None  # the V4 attention family prepares inside the step
 
+    def breakable_refusals(self) -> list[str]:
+        reasons = super().breakable_refusals()
+        if self.model.ngrams is not None:
+            reasons.append("its Engram layers read each step's n-gram ids from the KV pages outside the attention")
+        return reasons
+
     def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
         self.host_engram.stage(input_ids, query_lens, history)
 

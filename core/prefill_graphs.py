@@ -1,0 +1,125 @@
+"""Prefill steps through breakable graphs: the forward recorded in segments per token-count bucket.
+
+A step's work outside attention (embeddings, projections, norms, MLPs, graph-safe MoEs) is the
+same for any batch of its token count, so it is recorded once per bucket and replayed; the breaks
+between the segments (core/breaks.py) run eagerly on the step's own batch. The segments read two
+static buffers, the token ids and positions, where a step of ``n`` tokens is copied into the
+first ``n`` rows of the smallest bucket that holds it, the rest zero; the padding rows flow
+through the segments and never reach a break, so no padded token reads or writes a KV page. The
+logits are taken eagerly from the replay's hidden states, for the rows the step asks for.
+
+Every bucket is recorded once at start-up, largest first, on a placeholder batch of one
+sequence on the null page; all segments share the graph backend's memory pool, and what the
+recording freed is reused by what it allocated later (``GraphBackend.unowned``), so a bucket
+holds about one layer's temporaries. Steps that also run a decode graph, that ask for
+features, or that exceed the largest bucket run as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from .breaks import BreakPoints, SegmentRecorder
+from .families.graphs import GraphBackend
+from .forward import ForwardBatch
+from .kv.storage import KVCache
+from .models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENS = 8192  # the largest bucket, where the step's token budget allows
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """16, 32, .. doubling to 512, then every 512; ending at max_tokens."""
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        b = b * 2 if b < 512 else b + 512
+    return sizes + [max_tokens]
+
+
+class PrefillGraphs:
+    def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, points: BreakPoints, page_size: int,
+                 max_tokens: int, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.points = points
+        self.page_size = page_size
+        self.buckets = prefill_buckets(max_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.device = device
+        self._recorded: dict[int, tuple[SegmentRecorder, torch.Tensor]] = {}  # bucket -> its steps, hidden states
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def holds(self, num_tokens: int) -> bool:
+        return bool(self._recorded) and 0 < num_tokens <= self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def recorder(self, bucket: int) -> SegmentRecorder:
+        return self._recorded[bucket][0]
+
+    def _batch(self, b: int) -> ForwardBatch:
+        """One sequence of ``b`` tokens on the null page, its ids and positions in the static buffers."""
+        batch = ForwardBatch.build([0] * b, [b], [0], [[0] * -(-b // self.page_size)], self.page_size, [b - 1],
+                                   device=self.device)
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        batch.input_ids, batch.positions = self.input_ids[:b], self.positions[:b]
+        batch.attn_metadata = self.model.prepare(batch)
+        return batch
+
+    def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:
+        """Record every bucket, largest first, stopping early past ``memory_budget`` bytes."""
+        with torch.inference_mode():
+            self._capture(memory_budget, progress)
+
+    def _capture(self, memory_budget: int | None, progress: bool) -> None:
+        start, started = self.backend.memory_in_use(), time.monotonic()
+        self.kv.window_table()  # staged window pages and host-memory hits land before any recording
+        self.kv.loads.flush()
+        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing prefill graphs", disable=not progress):
+            batch = self._batch(b)
+            self.backend.warm_up(lambda: self.model(batch, self.kv))
+            recorder = SegmentRecorder(self.backend, batch)
+            self.points.recorder = recorder
+            try:
+                hidden = recorder.record(lambda: self.model(batch, self.kv))
+            finally:
+                self.points.recorder = None
+            self._recorded[b] = recorder, self.backend.unowned(hidden)  # read at once after each replay
+            used = self.backend.memory_in_use() - start
+            if memory_budget is not None and used > memory_budget:
+                logger.warning("prefill graphs took %.0f MiB, past the budget of %.0f MiB: stopped at %d tokens",
+                               used / 2**20, memory_budget / 2**20, b)
+                break
+        self.buckets = sorted(self._recorded)
+        breaks = len(self.recorder(self.buckets[-1]).breaks)
+        logger.info("captured %d prefill graphs (%d to %d tokens), each %d segments around %d eager breaks, "
+                    "in %.0f MiB and %.1fs", len(self.buckets), self.buckets[0], self.buckets[-1], breaks + 1,
+                    breaks, (self.backend.memory_in_use() - start) / 2**20, time.monotonic() - started)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step ``batch`` (its attention metadata prepared),
+        through the smallest bucket that holds it."""
+        n = batch.num_tokens
+        b = self.bucket(n)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.input_ids[n:b].zero_()
+        self.positions[n:b].zero_()
+        recorder, hidden = self._recorded[b]
+        recorder.replay(batch)
+        return hidden[:n]
