@@ -50,6 +50,15 @@ ACTIVATIONS = ("silu",)
 FP4_SCALED_MMA = {"sm_100": True, "gfx950": True, "default": False}
 # targets that unpack bf16 FP4 rows with inline PTX (fp4.py); the others with portable operations
 FP4_PTX_UNPACK = {"cuda": True, "default": False}
+# the PTX packs four bytes of a thread's registers into a word as if they were adjacent in the tile,
+# which holds when each thread holds one 16-byte vector of the packed weight tile: on an H100 every
+# tile of 16 bytes a thread unpacked right (12 configs) and every one of 32, 64 or 128 wrong (52)
+PTX_UNPACK_BYTES_PER_THREAD = 16
+
+
+def ptx_unpack_fits(cfg: GemmConfig) -> bool:
+    """Whether ``cfg``'s packed FP4 weight tile gives each thread exactly one 16-byte vector."""
+    return cfg.block_n * cfg.block_k // 2 == PTX_UNPACK_BYTES_PER_THREAD * 32 * cfg.num_warps
 
 # small: decode, a few rows per expert, so narrow N tiles spread each expert's weights over every
 # SM; large: prefill, full matrix-unit tiles. ``small_m`` counts rows per expert (T * top_k / E).
@@ -333,7 +342,8 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, FP8=fmt == "fp8_block",
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
-        PTX_UNPACK=fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device),
+        PTX_UNPACK=(fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device)
+                    and ptx_unpack_fits(cfg)),
         num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
 
 

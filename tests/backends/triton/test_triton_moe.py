@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel,
                                               arrivals_for, fused_moe, moe_config, moe_down, moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
+from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, _align_one_chunk_kernel, _count_kernel, _place_kernel,
                                               _scan_kernel, align_by_expert, max_padded_rows)
 from engine.backends.triton.target import pick
@@ -323,10 +324,10 @@ def fp4_experts(w: ExpertWeights) -> ExpertWeights:
                          down_scale=dn_scale)
 
 
-def check_fp4(x, weights, ids, w: ExpertWeights, scaled_mma: bool, bound: float):
+def check_fp4(x, weights, ids, w: ExpertWeights, scaled_mma: bool, bound: float, config=None):
     out = torch.full_like(x, float("nan"))
     got = fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=w.swiglu_limit, gate_up_scale=w.gate_up_scale,
-                    down_scale=w.down_scale, out=out, scaled_mma=scaled_mma)
+                    down_scale=w.down_scale, out=out, scaled_mma=scaled_mma, config=config)
     ref = NativeMoE(None).experts(x, weights, ids, w)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     assert rel_err(got, ref) < bound
@@ -425,6 +426,20 @@ def test_experts_fp8_gpu(seed, num_tokens):
     x = activations(num_tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
     w = random_experts(e, shape["hidden"], shape["inner"], torch.bfloat16, "cuda", shape["limit"])
     check_fp8(x, routing_weights(num_tokens, k, "cuda"), random_ids(num_tokens, e, k, "cuda"), w, 0.06)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(64, 128, 64, 8, 4, 3),
+                                    GemmConfig(32, 128, 128, 8, 8, 3), GemmConfig(64, 64, 64, 8, 4, 3)],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}")
+def test_fp4_experts_right_at_any_tile_gpu(seed, config):
+    """Tiles that give a thread 32 or 64 bytes of packed weights (the PTX unpack read them wrong on an
+    H100: relative error 1.6) beside one of 16: each config right in the dequantize-in-registers path."""
+    shape = dict(DEEPSEEK_V4_FLASH, num_experts=16)
+    e, k = shape["num_experts"], shape["top_k"]
+    x = activations(64, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
+    w = fp4_experts(random_experts(e, shape["hidden"], shape["inner"], torch.float32, "cuda", shape["limit"]))
+    check_fp4(x, routing_weights(64, k, "cuda"), random_ids(64, e, k, "cuda"), w, False, 1e-2, config)
 
 
 @pytest.mark.gpu
