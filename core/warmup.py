@@ -7,9 +7,13 @@ first request of a new shape would otherwise pay that compile in its time to fir
 on a GPU, for every such shape). The warm-up drives the engine's own step loop over synthetic
 requests chosen to meet each class: single-token and odd-length prompts, a page-aligned prompt
 sent again (a prefix hit, the prefill with a cached context), full chunked-prefill steps,
-decodes at several batch sizes, and each sampling path (greedy, temperature with top-k/top-p/
-min-p, penalties, seeds, logprobs and prompt logprobs). Decode graphs were captured before this;
-their shapes are warm already. Triton keeps what it compiles on disk (``TRITON_CACHE_DIR``,
+decodes at several batch sizes, steps that prefill one prompt beside every number of decoding
+sequences (the decode kernels' constexprs follow that number, and such a step runs eagerly), and
+each sampling path (greedy, temperature with top-k/top-p/min-p, penalties, seeds, logprobs and
+prompt logprobs). The sampling backend then compiles each of its launch classes directly: its
+kernels specialize on the number of sampled rows and on which filters any row uses, too many
+combinations for requests to meet. Decode graphs were captured before this; their shapes are
+warm already. Triton keeps what it compiles on disk (``TRITON_CACHE_DIR``,
 ~/.triton/cache by default), so a restart on the same machine loads instead of compiling.
 
 Afterwards the engine is as it was: the warm-up's prefixes leave the cache, its counters are
@@ -47,6 +51,7 @@ class Phase:
     name: str
     prompts: list[tuple[int, SamplingParams]] = field(default_factory=list)
     repeat_first: bool = False  # send the first prompt again once the phase ends: a prefix hit
+    joiners: int = 0  # one-token prompts sent one a step while the others decode: prefill beside decodes
 
 
 def plan(page_size: int, max_num_batched_tokens: int, chunk_size: int | None, max_model_len: int,
@@ -73,6 +78,14 @@ def plan(page_size: int, max_num_batched_tokens: int, chunk_size: int | None, ma
     phases.append(full)
     batch = Phase("decode batch", [(fit(5 + 3 * i), _GREEDY) for i in range(min(max_num_seqs, 33))])
     phases.append(batch)
+    # request i decodes i + 2 tokens, so after their prefill each step has one decoder fewer, and a
+    # joiner prefills beside them: every count of decoders from max_num_seqs - 1 down to 1
+    decoders = max(max_num_seqs - 1, 1)
+    while decoders > 1 and decoders * (decoders + 4) > capacity_tokens // 2:
+        decoders -= 1
+    phases.append(Phase("prefill beside decodes", [(1, SamplingParams(temperature=0.0, max_tokens=i + 2,
+                                                                       ignore_eos=True)) for i in range(decoders)],
+                        joiners=decoders))
     return phases
 
 
@@ -103,11 +116,14 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
             prompts = [[rng.randrange(core.vocab_size) for _ in range(n)] for n, _ in phase.prompts]
             for i, (ids, (_, params)) in enumerate(zip(prompts, phase.prompts)):
                 add(f"warmup-{phase.name}-{i}", ids, params)
-            steps += _drain(core)[0]
+            joiners = [(f"warmup-{phase.name}-join-{j}", [rng.randrange(core.vocab_size) for _ in range(2)])
+                       for j in range(phase.joiners)]  # two tokens: a one-token step is a decode's shape
+            steps += _drain(core, joiners)[0]
             if phase.repeat_first:
                 add(f"warmup-{phase.name}-again", prompts[0], phase.prompts[0][1])
                 n, hit = _drain(core)
                 steps, cached = steps + n, cached + hit
+        core.sampler.backend.warm_up(core.sampler.vocab_size, cfg.max_num_seqs, core.sampler.device)
     kv.reset_prefix_cache()
     core.reset_counters()
     report = WarmupReport(len(phases), steps, cached, time.perf_counter() - start)
@@ -116,10 +132,18 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
     return report
 
 
-def _drain(core: EngineCore) -> tuple[int, int]:
-    """Step until every request has finished -> (steps, prompt tokens served from the prefix cache)."""
+_JOINER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def _drain(core: EngineCore, joiners: list[tuple[str, list[int]]] = ()) -> tuple[int, int]:
+    """Step until every request has finished -> (steps, prompt tokens served from the prefix cache);
+    ``joiners`` (request id, prompt) are sent one before each step after the first."""
+    from .engine import EngineCore
+
     steps = cached = 0
     while core.has_unfinished_requests():
+        if steps and steps <= len(joiners):
+            EngineCore.add_request(core, *joiners[steps - 1], _JOINER)
         cached += sum(out.num_cached_tokens for out in core.step_outputs() if out.finished)
         steps += 1
     return steps, cached

@@ -144,7 +144,9 @@ def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, first, used,
                  (o / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
 
 
-@triton.jit
+# the page-table row stride is the batch's widest page count: specialized on it, a kernel would
+# compile again whenever a step's longest context crossed into another class (1 page, 16k pages)
+@triton.jit(do_not_specialize=["stride_pt"])
 def decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,

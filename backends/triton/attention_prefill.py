@@ -98,7 +98,9 @@ def _attend_keys(q, acc, m_i, l_i, k_ptr, v_ptr, pages_row, kv_head, q_pos, star
     return acc, m_i, l_i
 
 
-@triton.jit
+# the page-table row stride is the batch's widest page count: specialized on it, a kernel would
+# compile again whenever a step's longest context crossed into another class (1 page, 16k pages)
+@triton.jit(do_not_specialize=["stride_pt"])
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
     page_table_ptr, query_start_ptr, seq_lens_ptr, seq_ids_ptr,

@@ -231,8 +231,35 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, temperature: list[float], 
     return out
 
 
+def _int_class(n: int) -> int:
+    """How Triton specializes an integer argument: equal to 1, a multiple of 16, or neither."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+def launch_classes(vocab: int, max_rows: int, device: torch.device) -> dict[tuple, int]:
+    """The smallest row count of each set of kernels ``sample`` compiles for batches of 1 to
+    ``max_rows`` rows: the row count B, the chunk count S and the chunk length are integer
+    arguments (specialized by class), S's power of two a constexpr; all vary with the batch."""
+    classes: dict[tuple, int] = {}
+    for rows in range(1, max_rows + 1):
+        chunk = _chunk(rows, vocab, device)
+        s = triton.cdiv(vocab, chunk)
+        classes.setdefault((_int_class(rows), _int_class(s), triton.next_power_of_2(s), _int_class(chunk)), rows)
+    return classes
+
+
 class TritonSampling(SamplingBackend):
     name = "triton"
+
+    def warm_up(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        """One draw per launch class and per filter set: with and without top-k (HAS_FLOOR), with
+        and without top-p (ROUNDS), the constexprs a served batch's parameters pick."""
+        for rows in launch_classes(vocab_size, max_rows, device).values():
+            logits = torch.zeros(rows, vocab_size, device=device)
+            noise = torch.ones_like(logits)
+            for top_k in (0, 1):
+                for top_p in (1.0, 0.5):
+                    sample(logits, noise, [1.0] * rows, [top_k] * rows, [top_p] * rows, [0.0] * rows)
 
     def draw(self, logits: torch.Tensor, noise: torch.Tensor, temperature: list[float], top_k: list[int],
              top_p: list[float], min_p: list[float]) -> torch.Tensor:

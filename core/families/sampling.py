@@ -26,3 +26,7 @@ class SamplingBackend(ABC):
         (0: all), then the most likely of those whose probability reaches top_p, then those at least
         min_p times as likely as the most likely; return argmax(probs / noise) over the kept tokens.
         ``noise`` [B, V] is Exp(1), so the draw picks a token with its probability."""
+
+    def warm_up(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        """Compile, before a request waits for it, whatever ``draw`` can meet on up to ``max_rows``
+        rows of ``vocab_size`` logits on ``device``; a backend of torch ops compiles nothing."""

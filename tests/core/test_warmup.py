@@ -37,6 +37,11 @@ def test_the_plan_meets_each_class_of_step_within_the_limits(seed):
         step = min(lim["max_num_batched_tokens"], room, lim["capacity_tokens"] // 2)
         if len(full.prompts) < lim["max_num_seqs"]:  # a step's whole budget, and beyond
             assert sum(n for n, _ in full.prompts) >= min(2 * step, lim["capacity_tokens"] // 2), lim
+        beside = [ph for ph in phases if ph.joiners]  # decoders finishing one a step, a prefill joining each
+        tokens = sorted(p.max_tokens for _, p in beside[0].prompts)
+        assert len(beside) == 1 and beside[0].joiners == len(tokens) and tokens == list(range(2, len(tokens) + 2))
+        if lim["capacity_tokens"] >= 2 * lim["max_num_seqs"] * (lim["max_num_seqs"] + 3):
+            assert len(tokens) == max(lim["max_num_seqs"] - 1, 1), lim
         params = [p for _, p in prompts]
         assert any(p.temperature == 0 for p in params) and any(p.temperature > 0 and p.top_p < 1 for p in params)
         assert any(p.logprobs for p in params) and any(p.prompt_logprobs for p in params)
