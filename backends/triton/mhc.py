@@ -1,15 +1,17 @@
 """DeepSeek-V4's hyper-connection mixes (mHC), batched over the step's tokens: the per-token kernels,
-and the family's Triton backend.
+the one-launch sublayer boundary, and the family's Triton backend.
 
 ``pre`` and ``head`` project each token's RMS-normalised n * D streams to a few mixing weights; the
-product is split along K = n * D into fp32 partials (mhc_partials.py), and a per-token kernel sums
-them in a fixed order (deterministic, no atomics), applies the scale, bias and gates, runs
-Sinkhorn-Knopp on the n x n comb in registers and writes the collapse sum_i pre_i * streams_i.
-``post`` (post_i * block_out + comb^T streams) is one launch, which at a sublayer boundary also
-writes the next mix's partials. A boundary (a sublayer's post, the next one's pre and the RMSNorm
-of its collapse, or the head and the final norm) is then two launches: that post, and the
-per-token kernel, which with a norm takes a token's whole row in one program, collapsing it twice:
-once for the sum of squares, once to write it normalised.
+product is split along K = n * D into fp32 partials (mhc_partials.py), and a per-token kernel
+(mhc_token.py's steps, a token a program) sums them in a fixed order, applies the scale, bias and
+gates, runs Sinkhorn-Knopp on the n x n comb in registers and writes the collapse
+sum_i pre_i * streams_i. ``post`` (post_i * block_out + comb^T streams) is one launch. A boundary
+(a sublayer's post, the next one's pre and the RMSNorm of its collapse, or the head and the final
+norm) is one launch too (mhc_boundary.py): the post writes the next mix's partials as it writes
+the new streams, and each token block's last program to finish runs the per-token mix, taking a
+token's whole row, collapsing it twice: once for the sum of squares, once to write it normalised.
+``two_launch_boundary`` is the boundary as two launches (the post, then the per-token kernel), kept
+to measure the one launch against.
 
 Rounding follows core/native/mhc.py: the mixes, gates and comb are fp32; the collapse is an fp32
 sum rounded once to the streams' dtype, and normalised from that rounded value as
@@ -29,7 +31,9 @@ from engine.core.families.mhc import MHCBackend, MixWeights
 from engine.core.families.norm import NormBackend
 
 from .descriptors import MHC_MAX_STREAMS as MAX_STREAMS
-from .mhc_partials import Partials, ProductConfig, buffer, mix_partials, post_mix
+from .mhc_boundary import arrival_counters, boundary_kernel
+from .mhc_partials import Partials, ProductConfig, buffer, mix_partials, post_launch, post_mix
+from .mhc_token import head_token, pre_token
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
@@ -40,88 +44,24 @@ class MixConfig:
     post: ProductConfig  # post, which at a boundary writes the next mix's partials
     block_d: int  # hidden elements per program of the collapse (and per step of the one with a norm)
     token_warps: int  # warps of the per-token kernels (gates, Sinkhorn-Knopp, collapse)
+    boundary_block_d: int  # hidden elements per step of the one-launch boundary's per-token mix
 
 
 # cuda partials: the best of an H200 sweep of each field around these values at 1/32/128/4096 tokens;
 # cuda post: 32-token blocks and 2 stages, where the sm_90 code keeps the product in registers at 16
-# and 32 tokens (3 stages spill at 16, 64 tokens at either), not yet timed; hip: guesses
+# and 32 tokens (3 stages spill at 16, 64 tokens at either), not yet timed; boundary_block_d: the
+# largest at which the head's boundary kernel keeps to registers on sm_90 (2048 spills), untimed; hip: guesses
 MIX = {
     "cuda": MixConfig(ProductConfig(block_t=64, block_k=128, programs=264, num_warps=4, num_stages=3),
                       ProductConfig(block_t=32, block_k=128, programs=264, num_warps=4, num_stages=2),
-                      block_d=2048, token_warps=4),
+                      block_d=2048, token_warps=4, boundary_block_d=1024),
     "hip": MixConfig(ProductConfig(block_t=64, block_k=128, programs=608, num_warps=4, num_stages=2),
                      ProductConfig(block_t=32, block_k=128, programs=608, num_warps=4, num_stages=2),
-                     block_d=1024, token_warps=4),
+                     block_d=1024, token_warps=4, boundary_block_d=1024),
     "default": MixConfig(ProductConfig(block_t=16, block_k=64, programs=4, num_warps=4, num_stages=1),
                          ProductConfig(block_t=16, block_k=64, programs=4, num_warps=4, num_stages=1),
-                         block_d=128, token_warps=4),
+                         block_d=128, token_warps=4, boundary_block_d=128),
 }
-
-
-@triton.jit
-def _summed(ptrs, mask):
-    """Partials laid out [split, ...] summed over the leading split axis: all splits are loaded at
-    once and reduced as one tree in a fixed order."""
-    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
-
-
-@triton.jit
-def _rstd(ss_ptr, t, T, K, eps, splits, SPLITS: tl.constexpr):
-    rs = tl.arange(0, SPLITS)
-    return 1.0 / tl.sqrt(_summed(ss_ptr + rs * T + t, rs < splits) / K + eps)
-
-
-@triton.jit
-def _collapsed(streams_ptr, pre, t, D, rd, stride_st, stride_si, N: tl.constexpr, NP: tl.constexpr):
-    """sum_i pre_i * streams[t, i, rd] in fp32 (pre is 0 past N)."""
-    ri = tl.arange(0, NP)
-    s = tl.load(streams_ptr + t * stride_st + ri[:, None] * stride_si + rd[None, :],
-                mask=(ri[:, None] < N) & (rd[None, :] < D), other=0.0)
-    return tl.sum(pre[:, None] * s.to(tl.float32), axis=0)
-
-
-@triton.jit
-def _collapse(streams_ptr, out_ptr, norm_ptr, pre, t, D, stride_st, stride_si, stride_ot, eps,
-              N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-              ROUND_BEFORE_WEIGHT: tl.constexpr):
-    """out[t] = sum_i pre_i * streams[t, i] in fp32, rounded once to out's dtype: over program_id(1)'s
-    block of D; with NORM the whole row, through the RMSNorm of weight ``norm_ptr``: its sum of
-    squares over one pass, then the row again, normalised and rounded as backends/triton/norm.py's
-    kernel rounds the rounded collapse."""
-    ty = out_ptr.dtype.element_ty
-    rd0 = tl.arange(0, BLOCK_D)
-    if NORM:
-        ss = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            h = _collapsed(streams_ptr, pre, t, D, d0 + rd0, stride_st, stride_si, N, NP).to(ty).to(tl.float32)
-            ss += h * h
-        scale = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
-        for d0 in range(0, D, BLOCK_D):
-            rd = d0 + rd0
-            h = _collapsed(streams_ptr, pre, t, D, rd, stride_st, stride_si, N, NP).to(ty).to(tl.float32) * scale
-            if ROUND_BEFORE_WEIGHT:
-                h = h.to(ty).to(tl.float32)
-            h = tl.load(norm_ptr + rd, mask=rd < D, other=0.0).to(tl.float32) * h
-            tl.store(out_ptr + t * stride_ot + rd, h.to(ty), mask=rd < D)
-    else:
-        rd = tl.program_id(1) * BLOCK_D + rd0
-        out = _collapsed(streams_ptr, pre, t, D, rd, stride_st, stride_si, N, NP)
-        tl.store(out_ptr + t * stride_ot + rd, out.to(ty), mask=rd < D)
-
-
-@triton.jit
-def _sinkhorn(logits, valid, iters, eps):
-    """Row softmax + eps, a column normalisation, then ``iters - 1`` row and column rounds, as
-    core/native/mhc.py's ``sinkhorn``; entries outside ``valid`` stay 0."""
-    logits = tl.where(valid, logits, -1e30)
-    e = tl.where(valid, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
-    # a row's sum is at least exp(0) = 1; the floor only spares the padding rows a 0 / 0
-    comb = tl.where(valid, e / tl.maximum(tl.sum(e, axis=1), 1.0)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    return comb
 
 
 @triton.jit
@@ -130,36 +70,13 @@ def pre_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, p
                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
                    PDL: tl.constexpr):
-    """Token ``program_id(0)``: gates and comb from the summed partials, and the collapse of one
-    block of D (with NORM: of the row, normalised); the block-0 program also writes post [T, N] and
-    comb [T, N, N]."""
-    t = tl.program_id(0).to(tl.int64)
-    ri = tl.arange(0, NP)
-    rj = tl.arange(0, NP)
-    row = ri < N
-    valid = row[:, None] & (rj[None, :] < N)
-    cells = 2 * N + ri[:, None] * N + rj[None, :]
-    rs = tl.arange(0, SPLITS)
-    live = rs < splits
-    parts = mix_ptr + (rs * T + t) * MP  # token t's partials in each split
+    """Token ``program_id(0)``: gates and comb from the summed partials, and the collapse of block
+    ``program_id(1)`` of D (with NORM: of the row, normalised); the block-0 program also writes post
+    [T, N] and comb [T, N, N]."""
     wait_for_prior(PDL)
-    rstd = _rstd(ss_ptr, t, T, N * D, norm_eps, splits, SPLITS)
-    pre_s = tl.load(scale_ptr)
-    post_s = tl.load(scale_ptr + 1)
-    comb_s = tl.load(scale_ptr + 2)
-    pre_w = _summed(parts[:, None] + ri[None, :], live[:, None] & row[None, :]) * rstd
-    post_w = _summed(parts[:, None] + N + ri[None, :], live[:, None] & row[None, :]) * rstd
-    comb_w = _summed(parts[:, None, None] + cells[None, :, :], live[:, None, None] & valid[None, :, :]) * rstd
-    pre = tl.sigmoid(pre_w * pre_s + tl.load(base_ptr + ri, mask=row, other=0.0)) + hc_eps
-    pre = tl.where(row, pre, 0.0)
-    _collapse(streams_ptr, out_ptr, norm_ptr, pre, t, D, stride_st, stride_si, stride_ot, eps, N, NP, BLOCK_D, NORM,
-              ROUND_BEFORE_WEIGHT)
-    if tl.program_id(1) == 0:
-        post = 2 * tl.sigmoid(post_w * post_s + tl.load(base_ptr + N + ri, mask=row, other=0.0))
-        tl.store(post_ptr + t * N + ri, post, mask=row)
-        logits = comb_w * comb_s + tl.load(base_ptr + cells, mask=valid, other=0.0)
-        comb = _sinkhorn(logits, valid, iters, hc_eps)
-        tl.store(comb_ptr + t * N * N + ri[:, None] * N + rj[None, :], comb, mask=valid)
+    pre_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, post_ptr, comb_ptr, norm_ptr,
+              tl.program_id(0).to(tl.int64), tl.program_id(1), T, D, splits, stride_st, stride_si, stride_ot, norm_eps,
+              hc_eps, iters, eps, N, NP, MP, SPLITS, BLOCK_D, NORM, ROUND_BEFORE_WEIGHT)
 
 
 @triton.jit
@@ -168,18 +85,12 @@ def head_mix_kernel(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, 
                     N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SPLITS: tl.constexpr,
                     BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
                     PDL: tl.constexpr):
-    """Token ``program_id(0)``: sigmoid weights from the summed partials, and the collapse of one
-    block of D (with NORM: of the row, normalised)."""
-    t = tl.program_id(0).to(tl.int64)
-    ri = tl.arange(0, NP)
-    row = ri < N
-    rs = tl.arange(0, SPLITS)
+    """Token ``program_id(0)``: sigmoid weights from the summed partials, and the collapse of block
+    ``program_id(1)`` of D (with NORM: of the row, normalised)."""
     wait_for_prior(PDL)
-    mix = _summed(mix_ptr + (rs[:, None] * T + t) * MP + ri[None, :], (rs[:, None] < splits) & row[None, :])
-    mix = mix * _rstd(ss_ptr, t, T, N * D, norm_eps, splits, SPLITS)
-    pre = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + ri, mask=row, other=0.0)) + hc_eps
-    _collapse(streams_ptr, out_ptr, norm_ptr, tl.where(row, pre, 0.0), t, D, stride_st, stride_si, stride_ot, eps,
-              N, NP, BLOCK_D, NORM, ROUND_BEFORE_WEIGHT)
+    head_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, out_ptr, norm_ptr, tl.program_id(0).to(tl.int64),
+               tl.program_id(1), T, D, splits, stride_st, stride_si, stride_ot, norm_eps, hc_eps, eps, N, NP, MP,
+               SPLITS, BLOCK_D, NORM, ROUND_BEFORE_WEIGHT)
 
 
 def _check_streams(streams: torch.Tensor) -> torch.Tensor:
@@ -275,33 +186,61 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     return post_mix(block_out, streams, post, comb, None, config_for(MIX, streams.device).post)[0]
 
 
+def _boundary(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, w: MixWeights,
+              norm: tuple[torch.Tensor, float] | None, head: bool):
+    """One launch of boundary_kernel -> (new streams, collapse, next post, next comb; None for the head)."""
+    streams = _check_streams(streams)
+    _check_post(block_out, streams, post, comb)
+    _check_weights(w, streams, head=head)
+    cfg = config_for(MIX, streams.device)
+    t, n, d = streams.shape
+    launch = post_launch(block_out, streams, post, comb, w.fn, cfg.post)
+    x, _, token, (weight, eps) = _collapse_launch(launch.out, norm, cfg)
+    next_post, next_comb = (None, None) if head else (buffer(t, n, dtype=torch.float32, device=streams.device),
+                                                      buffer(t, n, n, dtype=torch.float32, device=streams.device))
+    if t:
+        blocks, splits = launch.grid
+        shape = {k: v for k, v in launch.shape.items() if k != "PARTIALS"}
+        boundary_kernel[launch.grid](
+            *launch.args[:8], arrival_counters(streams.device, blocks), w.base.float(), w.scale.float(), x,
+            x if head else next_post, x if head else next_comb, weight, *launch.args[8:], x.stride(0), w.norm_eps,
+            w.hc_eps, w.sinkhorn_iters, eps, SPLITS=triton.next_power_of_2(splits),
+            TOKEN_BLOCK_D=min(cfg.boundary_block_d, triton.next_power_of_2(d)),
+            HEAD=head, NORM=token["NORM"], ROUND_BEFORE_WEIGHT=token["ROUND_BEFORE_WEIGHT"], **shape,
+            **launch_options(streams.device))
+    return launch.out, x, next_post, next_comb
+
+
 def mhc_post_pre(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  w: MixWeights, norm: tuple[torch.Tensor, float] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mhc_post`` and then ``mhc_pre`` of the new streams in two launches: the post writes the
-    pre's partials. -> (new streams, collapse, post, comb)."""
-    streams = _check_streams(streams)
-    _check_post(block_out, streams, post, comb)
-    _check_weights(w, streams, head=False)
-    cfg = config_for(MIX, streams.device)
-    new, partials = post_mix(block_out, streams, post, comb, w.fn, cfg.post)
-    return (new, *_pre_mix(new, w, partials, norm, cfg))
+    """``mhc_post`` and then ``mhc_pre`` of the new streams in one launch (mhc_boundary.py), with
+    ``norm`` through that RMSNorm. -> (new streams, collapse, post, comb)."""
+    return _boundary(block_out, streams, post, comb, w, norm, head=False)
 
 
 def mhc_post_head(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                   w: MixWeights, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """``mhc_post`` and then ``mhc_head`` of the new streams in two launches."""
+    """``mhc_post`` and then ``mhc_head`` of the new streams in one launch."""
+    return _boundary(block_out, streams, post, comb, w, norm, head=True)[1]
+
+
+def two_launch_boundary(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                        w: MixWeights, norm: tuple[torch.Tensor, float] | None = None, head: bool = False):
+    """A boundary as it ran before it was one launch, to measure against: the post writing the next
+    mix's partials, then the per-token kernel. -> mhc_post_pre's tuple, or mhc_post_head's collapse."""
     streams = _check_streams(streams)
     _check_post(block_out, streams, post, comb)
-    _check_weights(w, streams, head=True)
+    _check_weights(w, streams, head=head)
     cfg = config_for(MIX, streams.device)
     new, partials = post_mix(block_out, streams, post, comb, w.fn, cfg.post)
-    return _head_mix(new, w, partials, norm, cfg)
+    return _head_mix(new, w, partials, norm, cfg) if head else (new, *_pre_mix(new, w, partials, norm, cfg))
 
 
 class TritonMHC(MHCBackend):
-    """Each boundary in two launches: the post writing the next mix's partials, then the per-token
-    mix, its collapse and the RMSNorm after it (``ops`` is not called: the kernel rounds as it does)."""
+    """Each boundary in one launch: the post writing the next mix's partials, and in each token
+    block's last program the per-token mix, its collapse and the RMSNorm after it (``ops`` is not
+    called: the kernel rounds as it does)."""
 
     name = "triton"
     graph_safe = True  # shapes from the tensors' sizes only; grids depend on T alone

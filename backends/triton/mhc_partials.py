@@ -7,9 +7,9 @@ streams yields both the raw product and the sum of squares. K = n * D (16384 at 
 over many programs, each writing its partials [split, T, MP] and [split, T]; the per-token kernel
 sums them over the splits in a fixed order (deterministic, no atomics). The partials come from
 streams in memory (``mix_partials``: a model's first pre), or from the post as it writes the new
-streams (``post_mix`` given the next mix's fn): a program that writes a block of D of every stream
-also multiplies that block into the next mix, so a sublayer boundary needs no launch between the
-post and the next pre's per-token kernel. Its splits are ranges of D, each holding the columns
+streams (``post_block`` given the next mix's fn): a program that writes a block of D of every
+stream also multiplies that block into the next mix, so that the same launch can go on to the next
+pre's per-token mix (mhc_boundary.py). Its splits are ranges of D, each holding the columns
 i * D + d of every stream i; its sums differ from mix_partials' by fp32 rounding alone.
 
 With 16-bit streams the fp32 weight is split into two 16-bit parts (hi + lo, 16 mantissa bits
@@ -93,11 +93,10 @@ def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, st
 
 
 @triton.jit
-def post_mix_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, ss_ptr,
-                    T, D, M, d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_ot,
-                    stride_oi, stride_fn,
-                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr):
+def post_block(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, ss_ptr,
+               T, D, M, d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_ot, stride_oi,
+               stride_fn, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr, PARTIALS: tl.constexpr):
     """Tokens of block ``program_id(0)``, hidden elements of split ``program_id(1)``:
     out[t, i, d] = post[t, i] * block_out[t, d] + sum_j comb[t, j, i] * streams[t, j, d], each
     product rounded to the streams' dtype before the sum, as core/native/mhc.py's ``hc_post``. With
@@ -115,7 +114,6 @@ def post_mix_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_
     ty = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
     ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    wait_for_prior(PDL)
     d_start = split * d_per_split
     for d0 in range(d_start, tl.minimum(d_start + d_per_split, D), BLOCK_D):
         rd = d0 + rd0
@@ -138,6 +136,19 @@ def post_mix_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_
                 acc = _accumulate(out, w, acc)
     if PARTIALS:
         _store(mix_ptr, ss_ptr, acc, ss, split, rt, T, MP)
+
+
+@triton.jit
+def post_mix_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, ss_ptr,
+                    T, D, M, d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_ot,
+                    stride_oi, stride_fn,
+                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr):
+    """``post_block`` as a launch of its own."""
+    wait_for_prior(PDL)
+    post_block(block_out_ptr, streams_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, ss_ptr, T, D, M, d_per_split,
+               stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_ot, stride_oi, stride_fn, N, NP, MP,
+               BLOCK_T, BLOCK_D, PARTIALS)
 
 
 def buffer(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -176,10 +187,20 @@ def mix_partials(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) ->
     return partials
 
 
-def post_mix(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-             fn: torch.Tensor | None, cfg: ProductConfig) -> tuple[torch.Tensor, Partials | None]:
-    """The new streams [T, n, D] (``core.native.mhc.hc_post``), and with ``fn`` the next mix's
-    partials of them, in one launch."""
+class PostLaunch(NamedTuple):
+    """A post's grid (token blocks x splits of D), its arguments up to its constexprs, and those."""
+
+    grid: tuple[int, int]
+    args: tuple
+    shape: dict
+    out: torch.Tensor
+    partials: Partials | None
+
+
+def post_launch(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                fn: torch.Tensor | None, cfg: ProductConfig) -> PostLaunch:
+    """What ``post_block`` is launched with: the new streams [T, n, D] it writes, and with ``fn`` the
+    partials of the next mix it writes too."""
     t, n, d = streams.shape
     block_out = block_out if block_out.stride(-1) == 1 else block_out.contiguous()
     post, comb = post.contiguous(), comb.contiguous()
@@ -189,12 +210,20 @@ def post_mix(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     out = buffer(t, n, d, dtype=streams.dtype, device=streams.device)
     fn, partials = _with_buffers(fn, splits, t) if fn is not None else (streams, None)  # unread without partials
     mix, ss = partials or (out, out)
-    if t:
-        post_mix_kernel[(triton.cdiv(t, block_t), splits)](
-            block_out, streams, post, comb, out, fn, mix, ss, t, d, fn.shape[0], d_per_split, block_out.stride(0),
+    args = (block_out, streams, post, comb, out, fn, mix, ss, t, d, fn.shape[0], d_per_split, block_out.stride(0),
             streams.stride(0), streams.stride(1), post.stride(0), comb.stride(0), out.stride(0), out.stride(1),
-            fn.stride(0), N=n, NP=np2, MP=SMALL_T if partials is None else mix.shape[2], BLOCK_T=block_t,
-            BLOCK_D=block_d, PARTIALS=partials is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of post * block_out
-            **launch_options(streams.device))
-    return out, partials
+            fn.stride(0))
+    shape = dict(N=n, NP=np2, MP=SMALL_T if partials is None else mix.shape[2], BLOCK_T=block_t, BLOCK_D=block_d,
+                 PARTIALS=partials is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 enable_fp_fusion=False)  # a fused multiply-add would skip the rounding of post * block_out
+    return PostLaunch((triton.cdiv(t, block_t), splits), args, shape, out, partials)
+
+
+def post_mix(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             fn: torch.Tensor | None, cfg: ProductConfig) -> tuple[torch.Tensor, Partials | None]:
+    """The new streams [T, n, D] (``core.native.mhc.hc_post``), and with ``fn`` the next mix's
+    partials of them, in one launch."""
+    launch = post_launch(block_out, streams, post, comb, fn, cfg)
+    if streams.shape[0]:
+        post_mix_kernel[launch.grid](*launch.args, **launch.shape, **launch_options(streams.device))
+    return launch.out, launch.partials

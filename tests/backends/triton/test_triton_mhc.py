@@ -10,7 +10,7 @@ import torch
 
 from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
 
-from engine.backends.triton import mhc, mhc_partials
+from engine.backends.triton import mhc, mhc_boundary, mhc_partials
 from engine.backends.triton.descriptors import triton_descriptors
 from engine.backends.triton.norm import rms_norm
 from engine.backends.triton.target import pick
@@ -90,14 +90,38 @@ def _assert_rounded_alike(got: torch.Tensor, want: torch.Tensor):
     assert (got == want).float().mean() > 0.99
 
 
+def _check_against_two_launches(got, want):
+    """The one-launch boundary against the two-launch one: the same partials summed in the same
+    order, so equal to the bit in the interpreter; compiled, the boundary kernel is built without
+    fused multiply-adds (for its post), which the per-token kernel has, so its mixes may differ by
+    an ulp or so and a collapse's rounding flip with them."""
+    for a, b in zip(got, want):
+        if a.device.type == "cpu":
+            assert torch.equal(a, b)
+        elif a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, **SPLIT_TOL)
+        else:
+            _assert_rounded_alike(a, b)
+
+
+def _arrival_counters_at_rest(device):
+    """Every launch leaves its token blocks' counters at 0 for the next launch and graph replays."""
+    assert not mhc_boundary.arrival_counters(torch.device(device), 1).any()
+
+
 def _check_boundary(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, w: MixWeights, head: MixWeights,
                     g: torch.Tensor):
-    """post + the next pre + its norm, and post + the head + the final norm, in two launches each:
-    against the native composition, and against the Triton launches one by one (the new streams
-    equal to the bit; the mixes from the same partial sums split another way)."""
+    """post + the next pre + its norm, and post + the head + the final norm, in one launch each:
+    against the native composition, the two-launch boundary, the Triton launches one by one (the
+    new streams equal to the bit; the mixes from the same partial sums split another way), and
+    itself called again (its arrival counters back at 0: the same results)."""
     block_out = torch.randn(streams.shape[0], streams.shape[2], device=streams.device).to(streams.dtype)
     ops = NativeNorm(None)
     got = mhc.TritonMHC(None).post_pre_norm(block_out, streams, post, comb, w, g, 1e-6, ops)
+    _arrival_counters_at_rest(streams.device)
+    _check_against_two_launches(got, mhc.two_launch_boundary(block_out, streams, post, comb, w, (g, 1e-6)))
+    again = mhc.TritonMHC(None).post_pre_norm(block_out, streams, post, comb, w, g, 1e-6, ops)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
     want = ORACLE.post_pre_norm(block_out, streams, post, comb, w, g, 1e-6, ops)
     torch.testing.assert_close(got[0], want[0], **TOL[streams.dtype])
     torch.testing.assert_close(got[1], want[1], **TOL[streams.dtype])
@@ -110,9 +134,13 @@ def _check_boundary(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tenso
     torch.testing.assert_close(got[3], new_comb, **SPLIT_TOL)
     _assert_rounded_alike(got[1], rms_norm(x, g, 1e-6))
     got = mhc.TritonMHC(None).post_head_norm(block_out, streams, post, comb, head, g, 1e-6, ops)
+    _arrival_counters_at_rest(streams.device)
     torch.testing.assert_close(got, ORACLE.post_head_norm(block_out, streams, post, comb, head, g, 1e-6, ops),
                                **TOL[streams.dtype])
     _assert_rounded_alike(got, rms_norm(mhc.mhc_head(new, head), g, 1e-6))
+    _check_against_two_launches([got], [mhc.two_launch_boundary(block_out, streams, post, comb, head, (g, 1e-6),
+                                                                head=True)])
+    assert torch.equal(got, mhc.mhc_post_head(block_out, streams, post, comb, head, (g, 1e-6)))
 
 
 def _check_pre_norm(streams: torch.Tensor, w: MixWeights, g: torch.Tensor):
@@ -155,6 +183,19 @@ def test_mhc_interpreted(seed, poisoned, dtype, t, n, d):
     post, comb = _check_pre(streams, _weights(n, d, (2 + n) * n, 3, "cpu"))
     _check_post(streams, post, comb)
     _check_head(streams, _weights(n, d, n, 1, "cpu"))
+
+
+@pytest.mark.interpret
+def test_mhc_boundary_without_norm_interpreted(seed, poisoned):
+    """The one-launch boundary's collapse block by block (no norm after it), over two token blocks."""
+    t, n, d = 18, 3, 40
+    streams, block_out = _streams(t, n, d, torch.float16, "cpu"), torch.randn(t, d).to(torch.float16)
+    post, comb = _check_pre(streams, _weights(n, d, (2 + n) * n, 3, "cpu"))
+    w = _weights(n, d, (2 + n) * n, 3, "cpu")
+    got = mhc.mhc_post_pre(block_out, streams, post, comb, w)
+    _check_against_two_launches(got, mhc.two_launch_boundary(block_out, streams, post, comb, w))
+    torch.testing.assert_close(got[1], ORACLE.pre(got[0], w)[0], **TOL[torch.float16])
+    _arrival_counters_at_rest("cpu")
 
 
 @pytest.mark.interpret
@@ -278,20 +319,27 @@ def _signature(x: str) -> dict:
                  "streams_ptr": f"*{x}", "out_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
                  "norm_ptr": "*fp32", "T": "i32", "D": "i32", "splits": "i32", "stride_st": "i32", "stride_si": "i32",
                  "stride_ot": "i32", "norm_eps": "fp32", "hc_eps": "fp32", "iters": "i32", "eps": "fp32"}
+    post = {"block_out_ptr": f"*{x}", "streams_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+            "out_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32", "D": "i32",
+            "M": "i32", "d_per_split": "i32", "stride_bt": "i32", "stride_st": "i32", "stride_si": "i32",
+            "stride_pt": "i32", "stride_ct": "i32", "stride_ot": "i32", "stride_oi": "i32", "stride_fn": "i32"}
+    boundary = {**{k: v for k, v in post.items() if k not in ("out_ptr", "stride_ot", "stride_oi")},
+                "new_ptr": f"*{x}", "counters_ptr": "*i32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+                "x_ptr": f"*{x}", "next_post_ptr": "*fp32", "next_comb_ptr": "*fp32", "norm_ptr": "*fp32",
+                "stride_nt": "i32", "stride_ni": "i32", "stride_xt": "i32", "norm_eps": "fp32", "hc_eps": "fp32",
+                "iters": "i32", "eps": "fp32"}
     return {
+        "boundary": {k: boundary[k] for k in mhc_boundary.boundary_kernel.arg_names if k in boundary},
+        "post": post,
         "partials": {"x_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32",
                      "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32"},
         "pre": per_token,
         "head": {k: v for k, v in per_token.items() if k not in ("post_ptr", "comb_ptr", "iters")},
-        "post": {"block_out_ptr": f"*{x}", "streams_ptr": f"*{x}", "post_ptr": "*fp32", "comb_ptr": "*fp32",
-                 "out_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32", "D": "i32",
-                 "M": "i32", "d_per_split": "i32", "stride_bt": "i32", "stride_st": "i32", "stride_si": "i32",
-                 "stride_pt": "i32", "stride_ct": "i32", "stride_ot": "i32", "stride_oi": "i32", "stride_fn": "i32"},
     }
 
 
 ALIGNED = ["K", "k_per_split", "stride_x", "stride_fn", "D", "d_per_split", "stride_st", "stride_si", "stride_ot",
-           "stride_bt", "stride_oi"]  # as the JIT specializes the V4-Flash sizes
+           "stride_bt", "stride_oi", "stride_nt", "stride_ni", "stride_xt"]  # as the JIT specializes the V4-Flash sizes
 
 
 def _compile(kernel, signature, constexprs, target, cfg=None, **options):
@@ -326,7 +374,14 @@ def test_mhc_compiles(target):
                                 target, cfg.post, enable_fp_fusion=False, sass=target.startswith("sm_")),
            "post_pre_prefill": _compile(mhc_partials.post_mix_kernel, sig["post"],
                                         {**post, "BLOCK_T": cfg.post.block_t, "PARTIALS": True}, target, cfg.post,
-                                        enable_fp_fusion=False, sass=target.startswith("sm_"))}
+                                        enable_fp_fusion=False, sass=target.startswith("sm_")),
+           **{f"boundary_{tail}": _compile(mhc_boundary.boundary_kernel, sig["boundary"],
+                                           {**post, "MP": 16 if tail == "head" else 32, "BLOCK_T": 16,
+                                            "SPLITS": 128, "TOKEN_BLOCK_D": cfg.boundary_block_d, "HEAD": tail == "head",
+                                            "NORM": True, "ROUND_BEFORE_WEIGHT": False},
+                                           target, cfg.post, enable_fp_fusion=False, sass=target.startswith("sm_"))
+              for tail in ("pre", "head")}}
+    boundaries = ("boundary_pre", "boundary_head")
     if target.startswith("sm_"):
         assert all(f".target {target}a" in a["ptx"] for a in asm.values())
         assert all("mma" in asm[k]["ptx"] for k in ("partials", "post_pre", "post_pre_prefill"))
@@ -334,9 +389,14 @@ def test_mhc_compiles(target):
         assert "st.global.v4.b32" in asm["post_pre_prefill"]["ptx"]  # 16 bytes of a stream a thread
         for k in ("post", "post_pre", "post_pre_prefill"):
             assert "fma.rn.bf16" not in asm[k]["ptx"], k  # post * block_out is rounded before the sum
+        for k in boundaries:  # the product on the matrix units, the arrival released and acquired at GPU scope
+            assert "mma" in asm[k]["ptx"] and "atom.global.gpu.acq_rel.add" in asm[k]["ptx"], k
+            assert "bar.sync" in asm[k]["ptx"] and "rsqrt" in asm[k]["ptx"] and "fma.rn.bf16" not in asm[k]["ptx"], k
         if target == "sm_90":  # the table's arch
             assert local_memory_ops(asm["post_pre"]["sass"]) == local_memory_ops(asm["post_pre_prefill"]["sass"]) == 0
+            assert all(local_memory_ops(asm[k]["sass"]) == 0 for k in boundaries)
     else:
         assert all(target in amdgcn_target(a["amdgcn"]) for a in asm.values())
-        assert all("mfma" in asm[k]["amdgcn"] for k in ("partials", "post_pre", "post_pre_prefill"))
-        assert all("ScratchSize: 0" in asm[k]["amdgcn"] for k in ("post", "post_pre", "post_pre_prefill"))
+        assert all("mfma" in asm[k]["amdgcn"] for k in ("partials", "post_pre", "post_pre_prefill", *boundaries))
+        assert all("ScratchSize: 0" in asm[k]["amdgcn"] for k in ("post", "post_pre", "post_pre_prefill", *boundaries))
+        assert all("global_atomic_add" in asm[k]["amdgcn"] for k in boundaries)
