@@ -402,7 +402,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
               down: torch.Tensor, *, activation: str = "silu", swiglu_limit: float | None = None,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
               out: torch.Tensor | None = None, scaled_mma: bool | None = None,
-              config: GemmConfig | None = None) -> torch.Tensor:
+              config: GemmConfig | None = None, blocks: ExpertBlocks | None = None) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
     The weights and ids may be column slices of a wider routing: they are read through their row
@@ -414,7 +414,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     [E, H, I/2]) come with uint8 E8M0 scales [E, N, K/32]; where the target has a block-scaled MMA
     (``scaled_mma``, by default from ``FP4_SCALED_MMA``) the activations are quantized to MXFP8 for
     it, elsewhere the weights are dequantized in registers and meet x as it is. ``config``: the launch
-    parameters of both GEMMs instead of the tuning table's (a sweep's candidates).
+    parameters of both GEMMs instead of the tuning table's (a sweep's candidates). ``blocks``: the
+    ids aligned by expert already (``moe_dispatch.route_and_align``), in blocks of the config's rows.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
@@ -429,7 +430,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     if num_tokens == 0:
         return out
     cfg = config or moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2)
-    blocks = align_by_expert(ids, num_experts, cfg.block_m)
+    if blocks is None:
+        blocks = align_by_expert(ids, num_experts, cfg.block_m)
     quantize = None
     if gate_up.dtype == FP8:
         quantize = quantize_fp8_token_group

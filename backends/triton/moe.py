@@ -1,4 +1,5 @@
-"""MoE on Triton: routing in one kernel (moe_routing.py), the experts through the fused grouped GEMMs.
+"""MoE on Triton: routing in one kernel (moe_routing.py), the experts through the fused grouped GEMMs;
+in a decode step routing and alignment in one (moe_dispatch.py).
 
 Grouped top-k (DeepSeek-V3) keeps the native routing, torch ops without a host synchronisation.
 Neither path reads a device value on the host, so routing and experts can be captured in a graph.
@@ -12,7 +13,8 @@ from engine.core.families.moe import ExpertWeights, MoEBackend, RoutingConfig
 from engine.core.native.moe import NativeMoE
 
 from . import moe_routing
-from .fused_moe import fused_moe
+from .fused_moe import PACKED_FP4, fused_moe, moe_config
+from .moe_dispatch import fits_one_program, route_and_align
 
 
 class TritonMoE(MoEBackend):
@@ -25,11 +27,28 @@ class TritonMoE(MoEBackend):
             return NativeMoE.route(self, router_logits, cfg, input_ids)
         return moe_routing.route(router_logits, cfg, input_ids)
 
+    def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
+                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step's routing and alignment in one launch (``moe_dispatch``), then the two grouped
+        GEMMs: three launches a layer; larger batches and grouped routing as ``route`` then ``experts``."""
+        if not fits_one_program(router_logits.shape[0], cfg, router_logits.device):
+            return super().route_experts(x, router_logits, cfg, w, input_ids)
+        self._check_scheme(w)
+        num_experts = w.gate_up.shape[0]
+        gemm = moe_config(x.shape[0], moe_routing.route_width(cfg), num_experts, x.device,
+                          fp4=w.gate_up.dtype == PACKED_FP4)
+        weights, ids, blocks = route_and_align(router_logits, cfg, input_ids, num_experts, gemm.block_m)
+        return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,
+                         gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, config=gemm, blocks=blocks)
+
+    def _check_scheme(self, w: ExpertWeights) -> None:
+        if w.scheme not in self.schemes:
+            raise ValueError(f"expert scheme {w.scheme!r} is not supported; supported: {self.schemes}")
+
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """As ``NativeMoE.experts``, written into ``out`` [T, H] where given; the scheme travels in the
         weights' dtypes (E4M3 for fp8_block, packed uint8 for fp4)."""
-        if w.scheme not in self.schemes:
-            raise ValueError(f"expert scheme {w.scheme!r} is not supported; supported: {self.schemes}")
+        self._check_scheme(w)
         return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,
                          gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, out=out)

@@ -125,12 +125,22 @@ def _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, 
 def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, n, top_k, stride_t,
                             num_experts, num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                             EXPERTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    """All of the alignment for at most CHUNK assignments, in one program. Row r of expert e's
-    padded rows holds e's assignment of rank r - start[e] if there is one, else the padding."""
+    """All of the alignment for at most CHUNK assignments, in one program."""
     wait_for_prior(PDL)
     lane = tl.arange(0, CHUNK)
     valid = lane < n
-    expert = _expert_of(ids_ptr, lane, valid, top_k, stride_t)
+    align_lanes(_expert_of(ids_ptr, lane, valid, top_k, stride_t), valid, lane, n, sorted_ids_ptr, block_expert_ptr,
+                num_padded_ptr, num_experts, num_blocks, BLOCK_M, CHUNK, EXPERTS, SCAN_BLOCKS)
+
+
+@triton.jit
+def align_lanes(expert, valid, assignment, n, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_experts,
+                num_blocks, BLOCK_M: tl.constexpr, LANES: tl.constexpr, EXPERTS: tl.constexpr,
+                SCAN_BLOCKS: tl.constexpr):
+    """The alignment of n assignments held one a lane, in assignment order (lanes not ``valid`` hold
+    none; ``expert`` -1 there): row r of expert e's padded rows holds e's assignment of rank
+    r - start[e] if there is one, else the padding n. Nothing needs a fill."""
+    lane = tl.arange(0, LANES)
     experts = tl.arange(0, EXPERTS)
     counts = tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -138,13 +148,13 @@ def _align_one_chunk_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padde
     start = padded_end - padded
     rank = tl.sum(((expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    for r0 in range(0, num_blocks * BLOCK_M, CHUNK):
+    for r0 in range(0, num_blocks * BLOCK_M, LANES):
         rows = r0 + lane
         row_expert = tl.sum((padded_end[None, :] <= rows[:, None]).to(tl.int32), axis=1)
         row_start = tl.sum(tl.where(experts[None, :] == row_expert[:, None], start[None, :], 0), axis=1)
         match = (expert[None, :] == row_expert[:, None]) & (rank[None, :] == (rows - row_start)[:, None]) \
             & valid[None, :]
-        found = tl.max(tl.where(match, lane[None, :], -1), axis=1)
+        found = tl.max(tl.where(match, assignment[None, :], -1), axis=1)
         tl.store(sorted_ids_ptr + rows, tl.where(found >= 0, found, n), mask=rows < num_blocks * BLOCK_M)
     _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
 
@@ -172,6 +182,14 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
     return -(-rows // block_m) * block_m
 
 
+def unfilled_blocks(num_assignments: int, num_experts: int, block_m: int, device: torch.device) -> ExpertBlocks:
+    """The alignment's tensors as allocated, for a kernel that writes every entry (``align_lanes``)."""
+    rows = max_padded_rows(num_assignments, num_experts, block_m)
+    return ExpertBlocks(torch.empty(rows, dtype=torch.int32, device=device),
+                        torch.empty(rows // block_m, dtype=torch.int32, device=device),
+                        torch.empty(1, dtype=torch.int32, device=device), block_m, num_assignments)
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Expert ids [T, top_k] (any row stride) -> the assignments sorted by expert in blocks of
     ``block_m`` rows."""
@@ -185,9 +203,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     experts = triton.next_power_of_2(num_experts)
     pdl = launch_options(device)
     if 0 < n <= cfg.chunk:
-        blocks = ExpertBlocks(torch.empty(rows, dtype=torch.int32, device=device),
-                              torch.empty(rows // block_m, dtype=torch.int32, device=device),
-                              torch.empty(1, dtype=torch.int32, device=device), block_m, n)
+        blocks = unfilled_blocks(n, num_experts, block_m, device)
         _align_one_chunk_kernel[(1,)](ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, n, *layout,
                                       num_experts, rows // block_m, BLOCK_M=block_m, CHUNK=cfg.chunk, EXPERTS=experts,
                                       SCAN_BLOCKS=cfg.scan_blocks, num_warps=cfg.num_warps, **pdl)

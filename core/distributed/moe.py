@@ -46,6 +46,10 @@ class ExpertLayer(Protocol):
     def combined(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every column of a route through the experts this rank holds, summed per token."""
 
+    def route_and_combine(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``combined`` of ``route``, as one call to the MoE backend where the layer's experts are one
+        stack (``MoEBackend.route_experts``: a backend may fuse the routing into the experts)."""
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed columns through the routed stack (ids local to it)."""
 
@@ -70,8 +74,7 @@ class ExpertShards:
         return self.group.rank, self.group.size
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = layer.route(x, input_ids)
-        return self.group.all_reduce(layer.combined(x, weights, ids))
+        return self.group.all_reduce(layer.route_and_combine(x, input_ids))
 
 
 class Dispatcher(Protocol):
@@ -165,7 +168,7 @@ class GatheredExpertShards(ExpertShards):
             return x
         xs = g.all_gather(torch.nn.functional.pad(x, (0, 0, 0, rows - total)), dim=0)
         ids = g.all_gather(torch.nn.functional.pad(input_ids, (0, rows - total)), dim=0)
-        y = g.all_reduce(layer.combined(xs, *layer.route(xs, ids)))
+        y = g.all_reduce(layer.route_and_combine(xs, ids))
         return y[g.rank * rows: g.rank * rows + total]
 
 

@@ -82,3 +82,12 @@ class MoEBackend(ABC):
     ) -> torch.Tensor:
         """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]. ``weights`` and
         ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride)."""
+
+    def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
+                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``experts`` of every column of ``route`` through the one stack ``w`` (a shared expert folded
+        in as its last): the whole layer on one device after the router, which a backend may fuse
+        (the routing and the alignment by expert in one launch). Expert-parallel placements route,
+        dispatch and run ``experts`` apart instead."""
+        weights, ids = self.route(router_logits, cfg, input_ids)
+        return self.experts(x, weights, ids, w)

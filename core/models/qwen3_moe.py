@@ -51,6 +51,9 @@ class SparseMoE(nn.Module):
 
     combined = routed  # no shared expert
 
+    def route_and_combine(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backend.route_experts(x, self.gate(x), self.routing, self.experts.weights("silu", None), input_ids)
+
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     blocks = Qwen3ForCausalLM.blocks + (("routed experts (softmax top-k)", "moe"),)

@@ -74,8 +74,17 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and ids [T, top_k + 1]: the shared expert last."""
-        logits = self.linear.apply(x, LinearWeight(self.gate.weight))
-        return self.backend.route(logits, self.routing(x.dtype), input_ids)
+        return self.backend.route(self.router_logits(x), self.routing(x.dtype), input_ids)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear.apply(x, LinearWeight(self.gate.weight))
+
+    def route_and_combine(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Folded, every column goes to the one stack: the backend routes and runs it in one call."""
+        if not self.folded:
+            return self.combined(x, *self.route(x, input_ids))
+        return self.backend.route_experts(x, self.router_logits(x), self.routing(x.dtype),
+                                          self.experts.weights(self.activation, self.limit), input_ids)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.backend.experts(x, weights, ids, self.experts.weights(self.activation, self.limit))

@@ -22,3 +22,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "interpret" in item.keywords and not INTERPRETING:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every tensor torch.empty gives starts as poison (NaN, or -7 in integers): a slot the kernel
+    forgets to write shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)

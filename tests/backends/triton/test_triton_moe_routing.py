@@ -102,19 +102,6 @@ def test_hash_routing_by_token_id(seed, tokens):
     check_route(logits, config("sqrtsoftplus", experts, top_k, False, 1.5, hash_table=table), input_ids)
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every tensor torch.empty gives starts as poison (NaN, or -7 in integers): a slot the kernel
-    forgets to write shows."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan") if out.is_floating_point() else -7)
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
 @pytest.mark.parametrize("shared", [None, 0, 16], ids=["no-shared", "shared-apart", "shared-folded"])

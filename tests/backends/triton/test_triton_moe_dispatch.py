@@ -1,0 +1,210 @@
+"""The one-launch MoE dispatch (routing + alignment, moe_dispatch.py) and ``TritonMoE.route_experts``.
+
+Fresh random logits every run, outputs poisoned first (``poisoned_empty``). The dispatch must equal
+the unfused composition (``route``, then ``align_by_expert``) to the bit, ties in the top-k
+included, and native's routing on tokens clear of near ties; the layer through ``route_experts``
+must equal ``route`` + ``experts`` on Triton to the bit and native's within each format's bound,
+for a decode step's batch (one launch routes and aligns) and a prefill's (they run apart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton.language as tl
+from test_triton_moe import activations, fp4_experts, random_experts, rel_err, stack_in
+from test_triton_moe_routing import choice_scores, clear_of_ties
+
+from engine.backends.triton.moe import TritonMoE
+from engine.backends.triton.moe_align import ALIGN, align_by_expert
+from engine.backends.triton.moe_dispatch import _route_align_kernel, fits_one_program, route_and_align
+from engine.backends.triton.moe_routing import ROUTE_TILE, SCORINGS, route
+from engine.backends.triton.target import pick
+from engine.core.families.moe import RoutingConfig
+from engine.core.native.moe import NativeMoE
+
+CPU = torch.device("cpu")
+
+
+def v4_routing(experts: int, top_k: int, hashed: bool, shared: bool, vocab: int = 50, **kw) -> RoutingConfig:
+    """DeepSeek-V4's: sqrtsoftplus with the no-aux bias, or hash by token id; the shared expert folded
+    after the routed ones."""
+    table = torch.rand(vocab, experts).argsort(-1)[:, :top_k] if hashed else None
+    return RoutingConfig(num_experts=experts, top_k=top_k, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                         correction_bias=None if hashed else torch.randn(experts) * 0.1, hash_table=table,
+                         shared_expert=experts if shared else None, **kw)
+
+
+def check_dispatch(logits, cfg, input_ids, block_m=16):
+    stack = cfg.num_experts + (cfg.shared_expert is not None)
+    weights, ids, blocks = route_and_align(logits, cfg, input_ids, stack, block_m)
+    want_w, want_ids = route(logits, cfg, input_ids)
+    want = align_by_expert(want_ids, stack, block_m)
+    assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
+    assert torch.equal(blocks.sorted_ids, want.sorted_ids) and torch.equal(blocks.block_expert, want.block_expert)
+    assert torch.equal(blocks.num_padded, want.num_padded) and blocks.num_assignments == want.num_assignments
+    return weights, ids
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
+@pytest.mark.parametrize("shared", [False, True], ids=["no-shared", "shared-folded"])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (3, 16, 4), (8, 8, 3), (4, 60, 6)])
+def test_dispatch_equals_route_then_align(seed, poisoned_empty, hashed, shared, tokens, experts, top_k):
+    """Tokens up to a full alignment chunk (8 x 4 lanes), experts not a power of two; with one token
+    most experts get none."""
+    cfg = v4_routing(experts, top_k, hashed, shared)
+    logits, input_ids = torch.randn(tokens, experts) * 3, torch.randint(50, (tokens,))
+    assert fits_one_program(tokens, cfg, CPU)
+    weights, ids = check_dispatch(logits, cfg, input_ids)
+    ref_w, ref_ids = NativeMoE(None).route(logits, cfg, input_ids)
+    clear = clear_of_ties(logits, cfg)
+    assert torch.equal(ids[clear], ref_ids[clear])
+    torch.testing.assert_close(weights[clear], ref_w[clear], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("scoring", sorted(SCORINGS))
+def test_dispatch_breaks_top_k_ties_by_lowest_id(seed, poisoned_empty, scoring):
+    """Logits of a few distinct values, so most tokens tie at the cut: among equal scores the lowest
+    expert id comes first (a stable descending sort; torch.topk's order among ties is its own), the
+    weights are native's up to that order, and blocks of 2 rows fall where the tied counts put them."""
+    cfg = RoutingConfig(num_experts=16, top_k=4, scoring=scoring, routed_scaling_factor=2.5)
+    logits = torch.randint(-2, 2, (6, 16)).float()
+    weights, ids = check_dispatch(logits, cfg, None, block_m=2)
+    ref_w, _ = NativeMoE(None).route(logits, cfg)
+    stable = choice_scores(logits, cfg).sort(dim=1, descending=True, stable=True).indices[:, :4]
+    assert torch.equal(ids, stable)
+    torch.testing.assert_close(weights.sort(dim=1).values, ref_w.sort(dim=1).values, rtol=2e-6, atol=1e-7)
+
+
+def test_what_fits_one_program():
+    """A decode step fits; a prefill's tokens, grouped top-k, or too wide a route do not."""
+    align, (tile, _) = pick(ALIGN, "default").chunk, pick(ROUTE_TILE, "default")
+    cfg = v4_routing(8, 3, False, False)  # 4 lanes a token
+    assert fits_one_program(align // 4, cfg, CPU) and not fits_one_program(align // 4 + 1, cfg, CPU)
+    assert not fits_one_program(0, cfg, CPU)
+    assert not fits_one_program(1, dataclasses.replace(cfg, num_groups=2, topk_groups=1), CPU)
+    wide = RoutingConfig(num_experts=tile * 2, top_k=2)
+    assert not fits_one_program(1, wide, CPU)
+    with pytest.raises(ValueError, match="do not fit one program"):
+        route_and_align(torch.zeros(align, 8), cfg, None, 8, 16)
+
+
+# the layer: route_experts against route + experts
+
+
+def check_layer(x, logits, cfg, w, input_ids, bound):
+    moe = TritonMoE(None)
+    got = moe.route_experts(x, logits, cfg, w, input_ids)
+    unfused = moe.experts(x, *moe.route(logits, cfg, input_ids), w)
+    native = NativeMoE(None).route_experts(x, logits, cfg, w, input_ids)
+    assert got.dtype == x.dtype and not got.isnan().any()
+    assert torch.equal(got, unfused)
+    assert rel_err(got, native) < bound
+
+
+LAYER_CASES = [  # scheme, dtype, bound, tokens, hashed; 1 and 5 tokens: one dispatch launch, 24: apart
+    ("dense", torch.float32, 1e-5, 1, False), ("dense", torch.float16, 3e-3, 5, True),
+    ("dense", torch.float32, 1e-5, 24, True),
+    # FP8: E4M3 roundings of x and of the SwiGLU output, which native does not make (test_triton_moe's bound)
+    ("fp8_block", torch.float32, 0.1, 5, False), ("fp8_block", torch.float32, 0.1, 24, True),
+    ("fp4", torch.float32, 1e-5, 1, True), ("fp4", torch.float32, 1e-5, 24, False),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("scheme,dtype,bound,tokens,hashed", LAYER_CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-{c[3]}-{'hash' if c[4] else 'noaux'}" for c in LAYER_CASES])
+def test_route_experts_equals_the_unfused_layer(seed, poisoned_empty, scheme, dtype, bound, tokens, hashed):
+    """DeepSeek-V4's layer with its shared expert folded in as the stack's last, in each weight format,
+    for a decode step's batch and a prefill's."""
+    experts, top_k, inner = 8, 2, 128
+    hidden = 128 if scheme == "fp8_block" else 64
+    cfg = v4_routing(experts, top_k, hashed, shared=True, weight_dtype=dtype)
+    assert fits_one_program(tokens, cfg, CPU) == (tokens < 24)
+    w = random_experts(experts + 1, hidden, inner, torch.float32, swiglu_limit=1.0)
+    w = stack_in(scheme, dataclasses.replace(w, gate_up=w.gate_up.to(dtype), down=w.down.to(dtype)))
+    x = activations(tokens, hidden, dtype, scale=2.0)
+    check_layer(x, torch.randn(tokens, experts) * 3, cfg, w, torch.randint(50, (tokens,)), bound)
+
+
+@pytest.mark.interpret
+def test_route_experts_without_a_shared_expert(seed, poisoned_empty):
+    """Qwen3-MoE's layer: softmax top-k, no shared expert, FP4 weights dequantized in registers."""
+    cfg = RoutingConfig(num_experts=8, top_k=2, scoring="softmax")
+    w = fp4_experts(random_experts(8, 64, 64, torch.float32))
+    check_layer(activations(3, 64, torch.float32), torch.randn(3, 8), cfg, w, None, 1e-5)
+
+
+# GPU: DeepSeek-V4-Flash's routing, fused and unfused, eager and in a CUDA graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_route_experts_gpu(seed, hashed, tokens):
+    """256 experts, top-6 plus the shared one folded, a quarter of the hidden size: route_experts equals
+    route + experts to the bit, eager and replayed from a graph on fresh inputs (64 tokens: apart)."""
+    experts, top_k, hidden, inner, vocab = 256, 6, 1024, 512, 1000
+    cfg = RoutingConfig(num_experts=experts, top_k=top_k, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                        correction_bias=None if hashed else torch.randn(experts, device="cuda") * 0.1,
+                        hash_table=torch.rand(vocab, experts, device="cuda").argsort(-1)[:, :top_k] if hashed else None,
+                        weight_dtype=torch.bfloat16, shared_expert=experts)
+    w = random_experts(experts + 1, hidden, inner, torch.bfloat16, "cuda", swiglu_limit=10.0)
+    moe = TritonMoE(None)
+    logits = torch.empty(tokens, experts, device="cuda")
+    x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    input_ids = torch.empty(tokens, dtype=torch.long, device="cuda")
+
+    def fill():
+        logits.copy_(torch.randn(tokens, experts, device="cuda") * 3)
+        x.copy_(activations(tokens, hidden, torch.bfloat16, "cuda", scale=2.0))
+        input_ids.copy_(torch.randint(vocab, (tokens,), device="cuda"))
+
+    def unfused():
+        return moe.experts(x, *moe.route(logits, cfg, input_ids), w)
+
+    fill()
+    assert fits_one_program(tokens, cfg, x.device) == (tokens <= 8)
+    assert torch.equal(moe.route_experts(x, logits, cfg, w, input_ids), unfused())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe.route_experts(x, logits, cfg, w, input_ids)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.route_experts(x, logits, cfg, w, input_ids)
+    for _ in range(3):
+        fill()
+        graph.replay()
+        assert torch.equal(out, unfused())
+
+
+# ahead-of-time compilation
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
+def test_dispatch_kernel_compiles(target, hashed):
+    """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one) for the most tokens one
+    program takes there."""
+    from aot import GRID_DEPENDENCY, compile_asm, pdl
+
+    (tile, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
+    block_t = min(tile // 256, align.chunk // 8)
+    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64",
+                 "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                 "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
+                 "num_experts": "i32", "num_blocks": "i32"}
+    constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
+                      TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=block_t, BLOCK_M=16,
+                      STACK_EXPERTS=512, SCAN_BLOCKS=align.scan_blocks, PDL=pdl(target))
+    asm = compile_asm(_route_align_kernel, signature, constexprs, target, num_warps=num_warps)
+    assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
+    if target.startswith("sm_"):
+        assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
