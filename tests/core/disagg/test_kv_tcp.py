@@ -1,5 +1,6 @@
-"""The tcp KV transport on its own, and the nixl one (the same control plane, pages moved by a
-NIXL READ over UCX) where nixl is installed: pages move whole (only those past the ones the fetcher holds),
+"""The tcp KV transport on its own, the nixl one (the same control plane, pages moved by a
+NIXL READ over UCX) where nixl is installed, and the cuda_ipc one between two engines of one process
+(the pages lent in memory, no IPC handle: CUDA opens none in the process that made it): pages move whole (only those past the ones the fetcher holds),
 and what is forged, stale or withdrawn is refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from engine.core.disagg.config import DisaggConfig
 from engine.core.disagg.payload import page_digest
 from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
+from engine.backends.cuda.kv_ipc import CudaIpcTransport
 from engine.core.native.kv_tcp import TcpTransport
 from engine.plugins.nixl_kv import NixlTransport
 
@@ -26,7 +28,8 @@ TIMEOUT = 1.5
 
 def _transport(mode: str, secret: str = "s3cret", kind: type[TcpTransport] = TcpTransport) -> TcpTransport:
     cfg = DisaggConfig(mode=mode, bootstrap_port=0, secret=secret, timeout=TIMEOUT, transfer_backend=kind.name)
-    return kind(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg)))
+    return kind(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg, device=None),
+                                platform=SimpleNamespace(torch_device="cpu")))
 
 
 def _payload() -> KVPayload:
@@ -50,7 +53,8 @@ def _wait(handle, timeout: float = 10.0) -> TransferStatus:
 
 
 @pytest.fixture(scope="module", params=[TcpTransport, pytest.param(NixlTransport, marks=pytest.mark.skipif(
-    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')"))], ids=["tcp", "nixl"])
+    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')")), CudaIpcTransport],
+    ids=["tcp", "nixl", "cuda_ipc-one-process"])
 def ends(request):
     prefill, decode = _transport("prefill", kind=request.param), _transport("decode", kind=request.param)
     yield prefill, decode
