@@ -17,8 +17,10 @@ measured on that model and freed. core/models/deepseek_v4/publish.py then writes
 in the published layout (FP8 E4M3 with E8M0 128x128 block scales for the attention and shared
 expert, packed FP4 E2M1 with an E8M0 per 32 for the routed experts), and each variant runs in
 ``LLM(dir)`` with its defaults: the backends the platform picks (Triton on CUDA), decode graphs,
-prefix caching. ``bf16_native`` (the torch oracle's backends, the baseline before the fast path)
-runs only when DSV4_VARIANTS names it.
+prefix caching, prefill graphs. ``bf16_native`` (the torch oracle's backends, the baseline before
+the fast path) and ``fp8_fp4_eager_prefill`` / ``bf16_eager_prefill`` (the same without prefill
+graphs: their prefill rows against the graphed ones of the same run) run only when DSV4_VARIANTS
+names them.
 
 - Prefill: one prompt of each length, its time to the first token (after a warm-up prompt of the
   same length), as prompt tokens/s.
@@ -89,7 +91,10 @@ class Variant:
     options: dict
 
 
-VARIANTS = {"fp8_fp4": Variant("fp8_fp4", {}), "bf16": Variant("bf16", {}), "bf16_native": Variant("bf16", NATIVE)}
+NO_PREFILL_GRAPHS = dict(max_prefill_graph_tokens=0)
+VARIANTS = {"fp8_fp4": Variant("fp8_fp4", {}), "bf16": Variant("bf16", {}), "bf16_native": Variant("bf16", NATIVE),
+            "fp8_fp4_eager_prefill": Variant("fp8_fp4", NO_PREFILL_GRAPHS),
+            "bf16_eager_prefill": Variant("bf16", NO_PREFILL_GRAPHS)}
 DEFAULTS = {"DSV4_VARIANTS": "fp8_fp4,bf16", "DSV4_BATCHES": "1,8,32,128,256", "DSV4_CONTEXTS": "1024,16384",
             "DSV4_PREFILLS": "1024,4096,8192"}
 HF_MAX_TOKENS = 32 * 1024  # batch x context: HF's eager attention holds [heads, context, context] scores

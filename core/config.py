@@ -121,7 +121,10 @@ class EngineConfig:
     graph_backend: str | None = None
     enforce_eager: bool = False  # never capture graphs, even where a graphs backend could
     max_graph_batch: int = 256  # decode graphs are captured for batch sizes up to this (and max_num_seqs)
-    graph_memory: int | str | None = None  # bytes decode graphs may take; None: half of what the KV cache leaves
+    # prefill graphs (core/prefill_graphs.py) are captured for steps of up to this many tokens (and
+    # max_num_batched_tokens, max_model_len); 0: none
+    max_prefill_graph_tokens: int = 8192
+    graph_memory: int | str | None = None  # bytes decode and prefill graphs may each take; None: half of what the KV cache leaves
     # run the step shapes a server meets once at start-up, so no request waits for a kernel to
     # compile (core/warmup.py); None: where kernels compile just in time (CUDA and HIP devices)
     warmup: bool | None = None
@@ -194,6 +197,8 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(f"max_prefill_graph_tokens must be >= 0, got {self.max_prefill_graph_tokens}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.window_pages is not None and self.window_pages < 2:

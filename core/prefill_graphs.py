@@ -11,8 +11,9 @@ logits are taken eagerly from the replay's hidden states, for the rows the step 
 Every bucket is recorded once at start-up, largest first, on a placeholder batch of one
 sequence on the null page; all segments share the graph backend's memory pool, and what the
 recording freed is reused by what it allocated later (``GraphBackend.unowned``), so a bucket
-holds about one layer's temporaries. Steps that also run a decode graph, that ask for
-features, or that exceed the largest bucket run as before.
+holds about one layer's temporaries. A bucket that does not fit in memory is skipped for the
+next smaller one. Steps that run a decode graph, that ask for features, or that exceed the
+largest bucket captured run as before.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from .kv.storage import KVCache
 from .models.base import CausalLM
 
 logger = logging.getLogger(__name__)
-
-MAX_TOKENS = 8192  # the largest bucket, where the step's token budget allows
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -91,25 +90,39 @@ class PrefillGraphs:
         self.kv.window_table()  # staged window pages and host-memory hits land before any recording
         self.kv.loads.flush()
         for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing prefill graphs", disable=not progress):
-            batch = self._batch(b)
-            self.backend.warm_up(lambda: self.model(batch, self.kv))
-            recorder = SegmentRecorder(self.backend, batch)
-            self.points.recorder = recorder
             try:
-                hidden = recorder.record(lambda: self.model(batch, self.kv))
-            finally:
-                self.points.recorder = None
-            self._recorded[b] = recorder, self.backend.unowned(hidden)  # read at once after each replay
+                self._recorded[b] = self._record(b)
+            except torch.OutOfMemoryError:
+                logger.warning("a prefill graph of %d tokens does not fit in memory: %s", b,
+                               "no smaller one is captured" if self._recorded else "steps of more tokens than the "
+                               "largest that fits run eagerly")
+                if self._recorded:
+                    break
+                continue
             used = self.backend.memory_in_use() - start
             if memory_budget is not None and used > memory_budget:
                 logger.warning("prefill graphs took %.0f MiB, past the budget of %.0f MiB: stopped at %d tokens",
                                used / 2**20, memory_budget / 2**20, b)
                 break
+        if not self._recorded:
+            raise RuntimeError("not even the smallest prefill graph fits in memory")
         self.buckets = sorted(self._recorded)
         breaks = len(self.recorder(self.buckets[-1]).breaks)
         logger.info("captured %d prefill graphs (%d to %d tokens), each %d segments around %d eager breaks, "
                     "in %.0f MiB and %.1fs", len(self.buckets), self.buckets[0], self.buckets[-1], breaks + 1,
                     breaks, (self.backend.memory_in_use() - start) / 2**20, time.monotonic() - started)
+
+    def _record(self, b: int) -> tuple[SegmentRecorder, torch.Tensor]:
+        """Bucket ``b``'s segments and breaks, and (unowned) the hidden states its replays leave."""
+        batch = self._batch(b)
+        self.backend.warm_up(lambda: self.model(batch, self.kv))
+        recorder = SegmentRecorder(self.backend, batch)
+        self.points.recorder = recorder
+        try:
+            hidden = recorder.record(lambda: self.model(batch, self.kv))
+        finally:
+            self.points.recorder = None
+        return recorder, self.backend.unowned(hidden)  # read at once after each replay
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the step ``batch`` (its attention metadata prepared),

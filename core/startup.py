@@ -17,7 +17,7 @@ from .families.cache_tier import CacheTier, TierContext
 from .breaks import BreakPoints, break_families, breakable_backends
 from .families.graphs import GraphBackend
 from .graph_runner import DecodeGraphs
-from .prefill_graphs import MAX_TOKENS, PrefillGraphs
+from .prefill_graphs import PrefillGraphs
 from .kv.hierarchy import KVHierarchy, host_capacity, tier_layout
 from .kv.manager import KVManager
 from .kv.storage import KVCache, pages_for_budget
@@ -148,13 +148,15 @@ def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphB
                            progress: bool) -> PrefillGraphs | None:
     """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here."""
     reasons = graph_refusals(config) + model.breakable_refusals()
+    if not config.max_prefill_graph_tokens:
+        reasons.append("max_prefill_graph_tokens is 0")
     if not backend.breakable:
         reasons.append(f"the {backend.name} graphs backend records no segments")
     if reasons:
         logger.info("no prefill graphs: %s", "; ".join(reasons))
         return None
     graphs = PrefillGraphs(model, kv, backend, points, config.page_size,
-                           min(MAX_TOKENS, config.max_num_batched_tokens, max_model_len), device)
+                           min(config.max_prefill_graph_tokens, config.max_num_batched_tokens, max_model_len), device)
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception as exc:

@@ -59,8 +59,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never reuse the KV pages of a prompt prefix seen before")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA/HIP graphs")
     g.add_argument("--max-graph-batch", type=int, default=256, help="capture decode graphs up to this batch size")
+    g.add_argument("--max-prefill-graph-tokens", type=int, default=8192,
+                   help="capture prefill graphs for steps up to this many tokens (0: none)")
     g.add_argument("--graph-memory", type=parse_size, default=None,
-                   help="bytes decode graphs may take (default: half of what the KV cache leaves)")
+                   help="bytes decode graphs, and prefill graphs, may each take (default: half of what the KV "
+                        "cache leaves)")
     g.add_argument("--skip-warmup", dest="warmup", action="store_false", default=None,
                    help="serve without first running the step shapes a server meets (on a GPU the first "
                         "requests of each new shape then wait for their kernels to compile)")
@@ -154,7 +157,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mhc_backend=args.mhc_backend, moe_backend=args.moe_backend,
         linear_backend=args.linear_backend, norm_backend=args.norm_backend, sampling_backend=args.sampling_backend,
         graph_backend=args.graph_backend, enforce_eager=args.enforce_eager,
-        max_graph_batch=args.max_graph_batch, graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
+        max_graph_batch=args.max_graph_batch, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
         quantization=args.quantization, engram_placement=args.engram_placement, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,

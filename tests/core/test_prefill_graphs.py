@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from engine.core.breaks import Break
 from engine.core.families.attention import AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.native.graphs import RecordedOps
-from engine.core.prefill_graphs import prefill_buckets
+from engine.core.prefill_graphs import PrefillGraphs, prefill_buckets
 from engine.core.startup import capture_prefill_graphs
 
 PAGE = 4
@@ -167,3 +168,32 @@ def test_a_failed_capture_is_logged_and_leaves_prefill_eager(qwen3, caplog, monk
     assert graphs.points.recorder is None
     with pytest.raises(RuntimeError, match="a row per token"):
         capture(True)
+
+
+def test_a_bucket_out_of_memory_leaves_the_smaller_ones(qwen3, caplog, monkeypatch):
+    engine = qwen3[0].engine
+    c, points = engine.components, engine.runner.prefill_graphs.points
+    model = c.model
+    real = model.forward
+
+    def forward(batch, kv):
+        if batch.num_tokens == 32 and points.recorder is not None:
+            raise torch.OutOfMemoryError("a stand-in for the device running out while recording")
+        return real(batch, kv)
+
+    monkeypatch.setattr(model, "forward", forward)
+    graphs = PrefillGraphs(model, c.kv, RecordedOps(None), points, PAGE, 32, c.device)
+    with caplog.at_level(logging.WARNING, logger="engine.core.prefill_graphs"):
+        graphs.capture(progress=False)
+    assert graphs.buckets == [16] and graphs.holds(16) and not graphs.holds(17)
+    assert "a prefill graph of 32 tokens does not fit in memory" in caplog.text
+
+
+def test_no_prefill_graphs_where_configured_so(qwen3, caplog):
+    engine = qwen3[0].engine
+    c = engine.components
+    config = replace(engine.config, max_prefill_graph_tokens=0)
+    with caplog.at_level(logging.INFO, logger="engine.core.startup"):
+        assert capture_prefill_graphs(config, False, RecordedOps(None), engine.runner.prefill_graphs.points,
+                                      c.model, c.kv, c.max_model_len, c.device, False) is None
+    assert "no prefill graphs: max_prefill_graph_tokens is 0" in caplog.text
