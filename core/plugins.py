@@ -67,8 +67,24 @@ class Plugins:
                 out.append(d if d.plugin else _with_plugin(d, impl.plugin_name))
         return out
 
-    def detect_platform(self) -> PlatformSpec:
-        """Exactly one non-CPU claim wins; two are an error; none means the host CPU."""
+    def detect_platform(self, device: str | None = None) -> PlatformSpec:
+        """Exactly one non-CPU claim wins; two are an error; none means the host CPU. ``device``: where
+        the engine was told to run; ``"cpu"`` means the host CPU whatever GPU the machine has, so
+        that no GPU kernel is selected for tensors on the host."""
+        claims = self._claims()
+        if device is not None and device.split(":")[0] == "cpu":
+            claims = [(n, s) for n, s in claims if s.vendor == "cpu"]
+        gpus = [(n, s) for n, s in claims if s.vendor != "cpu"]
+        if len(gpus) > 1:
+            names = ", ".join(f"{n} ({s.summary()})" for n, s in gpus)
+            raise SelectionError(f"more than one plugin claims this machine: {names}")
+        if gpus:
+            return gpus[0][1]
+        cpus = [s for _, s in claims]
+        return cpus[0] if cpus else CPU_PLATFORM
+
+    def _claims(self) -> list[tuple[str, PlatformSpec]]:
+        """(plugin, platform) of each plugin that claims this machine; a failing detection is logged."""
         claims = []
         for impl in self.pm.hook.engine_detect_platform.get_hookimpls():
             try:
@@ -78,14 +94,7 @@ class Plugins:
                 continue
             if spec is not None:
                 claims.append((impl.plugin_name, spec))
-        gpus = [(n, s) for n, s in claims if s.vendor != "cpu"]
-        if len(gpus) > 1:
-            names = ", ".join(f"{n} ({s.summary()})" for n, s in gpus)
-            raise SelectionError(f"more than one plugin claims this machine: {names}")
-        if gpus:
-            return gpus[0][1]
-        cpus = [s for _, s in claims]
-        return cpus[0] if cpus else CPU_PLATFORM
+        return claims
 
     def select(self, family: str, ctx: SelectionContext, requested: str | None = None) -> Selection:
         return select(family, self.descriptors(family), ctx, requested)

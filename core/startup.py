@@ -268,7 +268,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     started = time.monotonic()
     plugins = plugins or load_plugins()
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
-    platform = plugins.detect_platform()
+    platform = plugins.detect_platform(config.device)
     device = torch.device(config.device or platform.torch_device)
     group = attention = SINGLE
     if rendezvous is not None:

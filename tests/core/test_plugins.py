@@ -174,6 +174,14 @@ def test_one_gpu_claim_wins_over_cpu_and_failing_detectors(caplog):
     assert "platform detection in plugin flaky failed: driver not loaded" in caplog.text
 
 
+def test_an_engine_told_to_run_on_the_cpu_gets_the_cpu_platform_beside_a_gpu_claim():
+    """On a GPU machine an engine on device "cpu" (an oracle beside a GPU engine) must select no GPU
+    kernel: its tensors live on the host."""
+    plugins = load_plugins(extra=[claims(H200), claims(MI300X)], entry_points=False)
+    assert plugins.detect_platform("cpu") == CPU_PLATFORM
+    assert load_plugins(extra=[claims(H200)], entry_points=False).detect_platform("cuda:0") == H200
+
+
 def test_two_gpu_claims_are_an_error():
     plugins = load_plugins(extra=[claims(H200), claims(MI300X)], entry_points=False)
     with pytest.raises(SelectionError, match="more than one plugin claims this machine") as err:
