@@ -8,12 +8,13 @@ first ``n`` rows of the smallest bucket that holds it, the rest zero; the paddin
 through the segments and never reach a break, so no padded token reads or writes a KV page. The
 logits are taken eagerly from the replay's hidden states, for the rows the step asks for.
 
-Every bucket is recorded once at start-up, largest first, on a placeholder batch of one
-sequence on the null page; all segments share the graph backend's memory pool, and what the
-recording freed is reused by what it allocated later (``GraphBackend.unowned``), so a bucket
-holds about one layer's temporaries. A bucket that does not fit in memory is skipped for the
-next smaller one. Steps that run a decode graph, that ask for features, or that exceed the
-largest bucket captured run as before.
+Every bucket is recorded once at start-up on a placeholder batch of one sequence on the null
+page; all segments share the graph backend's memory pool, and what the recording freed is reused
+by what it allocated later (``GraphBackend.unowned``), so a bucket holds about one layer's
+temporaries. Buckets are recorded smallest first, and the capture stops at one that does not fit
+in memory or past the budget: the larger steps it leaves eager are those whose kernels take
+longest beside their launches, where a graph gains least. Steps that run a decode graph, that ask
+for features, or that exceed the largest bucket captured run as before.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class PrefillGraphs:
         return batch
 
     def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:
-        """Record every bucket, largest first, stopping early past ``memory_budget`` bytes."""
+        """Record every bucket, smallest first, stopping past ``memory_budget`` bytes or where one
+        does not fit."""
         with torch.inference_mode():
             self._capture(memory_budget, progress)
 
@@ -89,23 +91,20 @@ class PrefillGraphs:
         start, started = self.backend.memory_in_use(), time.monotonic()
         self.kv.window_table()  # staged window pages and host-memory hits land before any recording
         self.kv.loads.flush()
-        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing prefill graphs", disable=not progress):
+        for b in tqdm(self.buckets, desc="capturing prefill graphs", disable=not progress):
             try:
                 self._recorded[b] = self._record(b)
             except torch.OutOfMemoryError:
-                logger.warning("a prefill graph of %d tokens does not fit in memory: %s", b,
-                               "no smaller one is captured" if self._recorded else "steps of more tokens than the "
-                               "largest that fits run eagerly")
-                if self._recorded:
-                    break
-                continue
+                if not self._recorded:
+                    raise
+                logger.warning("a prefill graph of %d tokens does not fit in memory: steps of more than %d tokens "
+                               "run eagerly", b, max(self._recorded))
+                break
             used = self.backend.memory_in_use() - start
             if memory_budget is not None and used > memory_budget:
-                logger.warning("prefill graphs took %.0f MiB, past the budget of %.0f MiB: stopped at %d tokens",
-                               used / 2**20, memory_budget / 2**20, b)
+                logger.warning("prefill graphs took %.0f MiB, past the budget of %.0f MiB: steps of more than %d "
+                               "tokens run eagerly", used / 2**20, memory_budget / 2**20, b)
                 break
-        if not self._recorded:
-            raise RuntimeError("not even the smallest prefill graph fits in memory")
         self.buckets = sorted(self._recorded)
         breaks = len(self.recorder(self.buckets[-1]).breaks)
         logger.info("captured %d prefill graphs (%d to %d tokens), each %d segments around %d eager breaks, "

@@ -332,7 +332,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
                 per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
     graphs = prefill_graphs = None
-    if graph_selection is not None:  # one backend, one memory pool: prefill's largest bucket first
+    if graph_selection is not None:  # one backend, one memory pool: prefill's buckets, then decode's
         selections["graphs"] = graph_selection
         graph_backend, explicit = graph_selection.create(ctx), graph_selection.explicit
         prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,

@@ -170,7 +170,7 @@ def test_a_failed_capture_is_logged_and_leaves_prefill_eager(qwen3, caplog, monk
         capture(True)
 
 
-def test_a_bucket_out_of_memory_leaves_the_smaller_ones(qwen3, caplog, monkeypatch):
+def test_a_bucket_out_of_memory_ends_the_capture_with_the_smaller_ones(qwen3, caplog, monkeypatch):
     engine = qwen3[0].engine
     c, points = engine.components, engine.runner.prefill_graphs.points
     model = c.model
@@ -186,7 +186,8 @@ def test_a_bucket_out_of_memory_leaves_the_smaller_ones(qwen3, caplog, monkeypat
     with caplog.at_level(logging.WARNING, logger="engine.core.prefill_graphs"):
         graphs.capture(progress=False)
     assert graphs.buckets == [16] and graphs.holds(16) and not graphs.holds(17)
-    assert "a prefill graph of 32 tokens does not fit in memory" in caplog.text
+    assert "a prefill graph of 32 tokens does not fit in memory: steps of more than 16 tokens run eagerly" \
+        in caplog.text
 
 
 def test_no_prefill_graphs_where_configured_so(qwen3, caplog):
