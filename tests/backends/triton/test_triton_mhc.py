@@ -23,9 +23,17 @@ from engine.core.registry import SelectionContext
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 MIX_TOL = dict(rtol=1e-4, atol=2e-5)  # the fp32 gates and comb: K-long fp32 sums in another order
-SPLIT_TOL = dict(rtol=1e-5, atol=1e-7)  # the same sums split over D instead of K: 84 fp32 ulps
+SPLIT_TOL = dict(rtol=1e-5, atol=1e-7)  # the same partials in the same order, fused multiply-adds or not
 ROW_TOL = dict(rtol=1e-5, atol=2e-6)  # a collapse from those weights (its cancellations), normalised to O(1)
 ORACLE = native.NativeMHC(None)  # the boundaries' defaults: post, pre or head, then the norm
+
+
+def split_tol(k: int) -> dict:
+    """The mixes of the same K-long fp32 sums split over D instead of K: the terms are added in
+    another order, so the two part by a random walk of about sqrt(K) roundings of an O(1) partial
+    sum (2**-24 each); four of its standard deviations: 3.8e-6 at tiny-dsv4-py's K = 1024, 3.1e-5
+    at V4-Flash's 16384 (9.7e-6 seen on the H100 in a gate, where SPLIT_TOL's 1e-7 failed)."""
+    return dict(rtol=1e-5, atol=4 * k**0.5 * 2**-24)
 
 
 @pytest.fixture
@@ -130,8 +138,8 @@ def _check_boundary(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tenso
     new = mhc.mhc_post(block_out, streams, post, comb)
     x, new_post, new_comb = mhc.mhc_pre(new, w)
     assert torch.equal(got[0], new)
-    torch.testing.assert_close(got[2], new_post, **SPLIT_TOL)
-    torch.testing.assert_close(got[3], new_comb, **SPLIT_TOL)
+    torch.testing.assert_close(got[2], new_post, **split_tol(streams.shape[1] * streams.shape[2]))
+    torch.testing.assert_close(got[3], new_comb, **split_tol(streams.shape[1] * streams.shape[2]))
     _assert_rounded_alike(got[1], rms_norm(x, g, 1e-6))
     got = mhc.TritonMHC(None).post_head_norm(block_out, streams, post, comb, head, g, 1e-6, ops)
     _arrival_counters_at_rest(streams.device)
