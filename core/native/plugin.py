@@ -68,9 +68,14 @@ def engine_register_graph_backends() -> list[Descriptor]:
 
 
 def _recorded_reasons(ctx) -> list[str]:
-    if ctx.engine_config.requested_backends().get("graphs") != "recorded":
+    named = ctx.engine_config.requested_backends()
+    if named.get("graphs") != "recorded":
         return ["replays recorded torch operations, no faster than running them: only where named "
                 "(--graph-backend recorded)"]
+    kernels = [f"{family} backend {name}" for family, name in named.items()
+               if family not in ("graphs", "sampling", "spec") and name != "native"]
+    if kernels:
+        return [f"records torch operations only, and the {', '.join(kernels)} launches kernels of its own"]
     return []
 
 

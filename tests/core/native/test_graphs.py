@@ -36,3 +36,18 @@ def test_a_segment_that_reads_a_value_on_the_host_is_refused():
         float(x.sum())
     graphs.end_segment()
     float(x.sum())  # eager again
+
+
+def test_selected_only_where_named_and_beside_torch_backends():
+    from types import SimpleNamespace
+
+    from engine.core.config import EngineConfig
+    from engine.core.native.plugin import _recorded_reasons
+
+    def reasons(**named):
+        return _recorded_reasons(SimpleNamespace(engine_config=EngineConfig(model="m", **named)))
+
+    assert "only where named" in reasons()[0]
+    assert reasons(graph_backend="recorded", attention_backend="native") == []
+    assert "the linear backend triton launches kernels of its own" in \
+        reasons(graph_backend="recorded", linear_backend="triton")[0]
