@@ -1,4 +1,5 @@
-"""Engine logits of packed prompts (optionally in two chunks) and HF's, for the model-vs-HF tests."""
+"""Engine logits of packed prompts (optionally in two chunks) and HF's, for the model-vs-HF tests, and
+the bound activation quantization sets on them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 
 
+# how far a model whose FP8 linears quantize their activations (E4M3, per token and 128 channels: the
+# Triton FP8 block GEMM) may move the logits, relative to their largest magnitude, from one whose
+# linears do not (the native ones): E4M3 keeps 3 mantissa bits, so each activation is rounded within
+# 2**-4 of itself, about uniformly (rms 2**-4 / sqrt(3) = 3.6%), and each projection's output carries
+# noise of about that share: tiny-qwen3-py's logits moved by 0.04-0.05 in fp32 and stayed within this
+# bound in bf16 on the H100 (test_triton_block_fp8_model)
+ACTIVATION_BOUND = 0.08
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
 
 
 def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | None = None) -> list[torch.Tensor]:
@@ -32,7 +43,7 @@ def engine_logits(c, prompts: list[list[int]], page_size: int, split: float | No
             ctx.append(lo)
         if not ids:
             continue
-        batch = ForwardBatch.build(ids, qlens, ctx, tables, page_size, logits_rows)
+        batch = ForwardBatch.build(ids, qlens, ctx, tables, page_size, logits_rows, c.device)
         with torch.inference_mode():
             if back := c.model.token_history:  # the ids before each chunk, as the runner passes them
                 c.model.stage(ids, qlens, [[-1] * (back - min(back, lo)) + p[max(0, lo - back):lo]
