@@ -28,8 +28,8 @@ def test_segments_replay_around_an_eager_break():
     graphs = CudaGraphs(ctx=None)
     x, w = torch.randn(64, 32, device="cuda"), torch.randn(32, 16, device="cuda")
 
-    def eager(h: torch.Tensor) -> torch.Tensor:  # shaped by the values: no graph could hold it
-        return h[:, : int(h.shape[1] // 2)].softmax(-1)
+    def eager(h: torch.Tensor) -> torch.Tensor:  # the break: run outside the graphs, between their replays
+        return h[:, : h.shape[1] // 2].softmax(-1)
 
     graphs.begin_segment()
     h = torch.relu(x @ w)
