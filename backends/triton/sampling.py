@@ -239,12 +239,15 @@ def _int_class(n: int) -> int:
 def launch_classes(vocab: int, max_rows: int, device: torch.device) -> dict[tuple, int]:
     """The smallest row count of each set of kernels ``sample`` compiles for batches of 1 to
     ``max_rows`` rows: the row count B, the chunk count S and the chunk length are integer
-    arguments (specialized by class), S's power of two a constexpr; all vary with the batch."""
+    arguments (specialized by class), S's power of two a constexpr, and the scratch buffers start
+    B * S * (8, 12, ...) bytes into one allocation, 16-byte aligned (a pointer's class) or not by
+    B * S mod 4; all vary with the batch."""
     classes: dict[tuple, int] = {}
     for rows in range(1, max_rows + 1):
         chunk = _chunk(rows, vocab, device)
         s = triton.cdiv(vocab, chunk)
-        classes.setdefault((_int_class(rows), _int_class(s), triton.next_power_of_2(s), _int_class(chunk)), rows)
+        key = (_int_class(rows), _int_class(s), triton.next_power_of_2(s), _int_class(chunk), rows * s % 4)
+        classes.setdefault(key, rows)
     return classes
 
 
