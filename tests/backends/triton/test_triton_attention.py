@@ -362,9 +362,10 @@ DECODE_MMA = {"sm_90": r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16
 
 def _compile(kernel, signature, constexprs, target, cfg):
     """Strides count as multiples of 16, as the JIT specializes them at a real launch (head dims
-    of 64 and up): without that the page gathers cannot be vectorized or made asynchronous."""
+    of 64 and up): without that the page gathers cannot be vectorized or made asynchronous. The
+    page table's row stride is no such hint: the kernels do not specialize on it."""
     from aot import compile_asm
-    strides = [name for name in signature if name.startswith("stride_")]
+    strides = [name for name in signature if name.startswith("stride_") and name != "stride_pt"]
     asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=strides)
     return asm.get("ptx") or asm["amdgcn"]
