@@ -81,7 +81,7 @@ def plan(page_size: int, max_num_batched_tokens: int, chunk_size: int | None, ma
     # request i decodes i + 2 tokens, so after their prefill each step has one decoder fewer, and a
     # joiner prefills beside them: every count of decoders from max_num_seqs - 1 down to 1
     decoders = max(max_num_seqs - 1, 1)
-    while decoders > 1 and decoders * (decoders + 4) > capacity_tokens // 2:
+    while decoders > 1 and decoders * -(-(decoders + 4) // page_size) * page_size > capacity_tokens // 2:
         decoders -= 1
     phases.append(Phase("prefill beside decodes", [(1, SamplingParams(temperature=0.0, max_tokens=i + 2,
                                                                        ignore_eos=True)) for i in range(decoders)],
