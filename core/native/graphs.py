@@ -5,8 +5,9 @@ its arguments and outputs; a replay runs it again on the same tensors, writing e
 the tensor the recording produced, so everything downstream reads the new values where it read
 the old. Views need no replay (they alias what they view); in-place operations run again as
 they are. No faster than running eagerly: it is how the breakable-graph machinery is exercised
-where there is no GPU. A host read of a tensor's value, which a device graph cannot replay either,
-is refused where torch dispatches it (``.item()`` outside inference mode; inside, it is not seen).
+where there is no GPU. A host read of a tensor's value (an op that returns no tensor: ``.item()``,
+``bool(t)``), which a device graph cannot replay either, is refused; ``.tolist()``, which torch
+does not dispatch, is not seen.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..families.graphs import GraphBackend
 
-_HOST_READ = torch.ops.aten._local_scalar_dense.default
+
+_aten = torch.ops.aten
+# the ops that hand the host a tensor's value: .item(), float(t), bool(t), torch.equal
+_HOST_READS = frozenset((_aten.item, _aten._local_scalar_dense, _aten.is_nonzero, _aten.equal))
 
 
 class _Tape(TorchDispatchMode):
@@ -30,7 +34,7 @@ class _Tape(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _HOST_READ:
+        if func.overloadpacket in _HOST_READS:
             raise RuntimeError("a recorded segment read a tensor's value on the host, which a replay cannot repeat")
         out = func(*args, **kwargs)
         if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):

@@ -149,14 +149,24 @@ def test_a_step_fills_its_bucket_and_writes_only_its_tokens_pages(qwen3, seed, m
         assert torch.equal(g != b, e != b)  # the same slots written, no others
 
 
-def test_a_failed_capture_is_logged_and_leaves_prefill_eager(qwen3, caplog, monkeypatch):
-    """Here a break whose result has no row per token, which no buffer can take; unless the user
-    named the graphs backend: then the failure is theirs to see."""
+@pytest.mark.parametrize("failure", ["host read", "result not per token"])
+def test_a_failed_capture_is_logged_and_leaves_prefill_eager(qwen3, caplog, monkeypatch, failure):
+    """A segment that reads a value on the host (as a CUDA capture refuses it), or a break whose
+    result has no row per token, which no buffer can take; unless the user named the graphs
+    backend: then the failure is theirs to see."""
     engine = qwen3[0].engine
     c, graphs = engine.components, engine.runner.prefill_graphs
-    attention = c.model.backends.attention.inner
-    real = attention.rope_forward
-    monkeypatch.setattr(attention, "rope_forward", lambda *a, **k: real(*a, **k)[:1])
+    if failure == "host read":
+        norm = c.model.model.norm
+        real_norm = norm.add_forward
+        monkeypatch.setattr(norm, "add_forward", lambda x, r: (float(x[0, 0]), real_norm(x, r))[1])
+        why = "RuntimeError: a recorded segment read a tensor's value on the host"
+    else:
+        attention = c.model.backends.attention.inner
+        real = attention.rope_forward
+        monkeypatch.setattr(attention, "rope_forward", lambda *a, **k: real(*a, **k)[:1])
+        why = "CaptureError: <lambda> returned a tensor of shape (1, 4, 64): a break's tensor results need a row " \
+              "per token (16)"
 
     def capture(explicit: bool):
         return capture_prefill_graphs(engine.config, explicit, RecordedOps(None), graphs.points, c.model, c.kv,
@@ -164,10 +174,9 @@ def test_a_failed_capture_is_logged_and_leaves_prefill_eager(qwen3, caplog, monk
 
     with caplog.at_level(logging.WARNING, logger="engine.core.startup"):
         assert capture(False) is None
-    assert "capturing prefill graphs failed (CaptureError: " in caplog.text and "prefill runs eagerly" in caplog.text
-    assert "returned a tensor of shape (1, 4, 64): a break's tensor results need a row per token (16)" in caplog.text
+    assert f"capturing prefill graphs failed ({why}" in caplog.text and "prefill runs eagerly" in caplog.text
     assert graphs.points.recorder is None
-    with pytest.raises(RuntimeError, match="a row per token"):
+    with pytest.raises(RuntimeError, match="on the host|a row per token"):
         capture(True)
 
 

@@ -29,13 +29,17 @@ def test_a_replay_recomputes_on_the_new_contents():
         torch.testing.assert_close(acc, before + torch.nn.functional.linear(x, w), rtol=0, atol=0)
 
 
-def test_a_segment_that_reads_a_value_on_the_host_is_refused():
-    graphs, x = RecordedOps(None), torch.randn(4)
-    graphs.begin_segment()
-    with pytest.raises(RuntimeError, match="on the host"):
-        float(x.sum())
-    graphs.end_segment()
-    float(x.sum())  # eager again
+@pytest.mark.parametrize("read", [lambda x: float(x[0]), lambda x: bool(x[1] > 0), lambda x: torch.equal(x, x)])
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_segment_that_reads_a_value_on_the_host_is_refused(read, inference):
+    graphs = RecordedOps(None)
+    with torch.inference_mode(inference):
+        x = torch.randn(4)
+        graphs.begin_segment()
+        with pytest.raises(RuntimeError, match="on the host"):
+            read(x)
+        graphs.end_segment()
+        read(x)  # eager again
 
 
 def test_selected_only_where_named_and_beside_torch_backends():
