@@ -20,6 +20,10 @@ from engine.core.registry import SelectionContext
 from engine.core.startup import model_families, select_backends
 
 
+# head and indexer dims the Triton V4 attention has GPU configs for (v4_sparse_attention.SPARSE), at the same tiny size
+KERNEL_SHAPE = {"head_dim": 64, "qk_rope_head_dim": 16, "index_head_dim": 32, "index_n_heads": 16}
+
+
 def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int], candidate: int | None = None,
                blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2,
                engram: list[int] = (), moe_intermediate_size: int = 16) -> dict:

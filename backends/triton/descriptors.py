@@ -10,7 +10,6 @@ from __future__ import annotations
 from importlib import import_module
 from importlib.util import find_spec
 
-from engine.core.models.deepseek_v4.topology import CSA2_RATIOS
 from engine.core.registry import Descriptor, SelectionContext
 
 TRITON_PRIORITY = 100
@@ -39,11 +38,6 @@ def _v4_attention_reasons(ctx: SelectionContext) -> list[str]:
 
     hf = ctx.model_config.hf
     reasons = []
-    ratios = (hf.get("compress_ratios") or [])[:hf.get("num_hidden_layers", 0)]
-    if csa2 := [i for i, r in enumerate(ratios) if r in CSA2_RATIOS]:
-        reasons.append(f"no Triton kernels yet for DeepSeek-V4.1's CSA2 layers {csa2} (compress ratios 1 and 2, "
-                       f"entries and index keys shared across layers, the candidate filter): the native oracle "
-                       f"runs them")
     head_dim = hf.get("head_dim")
     configured = {d for tuning in (SPARSE["cuda"], SPARSE["hip"]) for d in tuning.per_dim}
     if head_dim not in configured:

@@ -18,6 +18,12 @@ Both take part in programmatic dependent launch (pdl.py), as the other decode-pa
 
 FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
 the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
+
+DeepSeek-V4.1's candidate filter reuses both: a candidate source's scores go through
+``block_best_kernel`` (each visible block's best score, the block of the newest entry +inf) and
+``stable_topk_kernel`` over the blocks (``GROUP``), so the blocks are chosen as entries are, ties
+to the lowest; an index source filtered by them marks its candidate blocks (one int8 per block)
+and ``stable_topk_kernel`` counts and selects only the entries of marked blocks (``NUM_CAND``).
 """
 
 from __future__ import annotations

@@ -67,6 +67,22 @@ def test_plugins_says_what_serves_each_deepseek_v4_block(shared_dir):
     assert any("RMSNorms" in block and how == "norm backend native" for block, how in served.items())
 
 
+def test_plugins_on_a_v41_dir_refuses_the_triton_v4_attention_only_for_the_platform(tmp_path, shared_dir):
+    """DeepSeek-V4.1 (CSA2 at ratios 1 and 2, entries and index keys shared across layers, the candidate
+    filter): the Triton V4 attention asks nothing of the model it lacks, so where the platform is a GPU
+    it serves it (tests/backends/test_cuda_dsv41.py shows that on one)."""
+    from dsv41_random import KERNEL_SHAPE, random_v41_checkpoint, v41_config
+
+    hf = {**v41_config([2, 2, 1, 1], [0, 2], [0, 2, 3], candidate=2, blocks=2, block_size=2), **KERNEL_SHAPE}
+    path = random_v41_checkpoint(tmp_path / "v41", 0, hf, shared_dir / "models" / "tiny-dsv4-py")
+    res = run_engine("plugins", "--model", str(path), "--moe-backend", "native")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout[res.stdout.index("\nv4_attention:"):].splitlines()[2:4]
+    assert [line.split()[:3] for line in lines] == [["triton", "plugin", "cuda"], ["triton", "plugin", "rocm"]]
+    for line, gpu in zip(lines, ("an NVIDIA GPU", "an AMD GPU")):
+        assert line.split("refuses: ")[1] == f"needs {gpu} (the platform is cpu cpu (host CPU))"
+
+
 def test_explicit_backend_that_cannot_run_fails_with_reasons(tiny_qwen3):
     res = run_engine("generate", "--model", str(tiny_qwen3), "--prompt", "x", "--attention-backend", "nope")
     assert res.returncode != 0

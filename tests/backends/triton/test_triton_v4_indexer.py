@@ -220,6 +220,14 @@ def test_candidate_filter_interpreted(seed, poisoned_scratch, monkeypatch, rate,
     monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(
         block_n=16, num_warps=1, programs=8, topk_block=8, topk_warps=1))
     case = Case(LENS + [(50, 3)], 5, 16, 8, 3, 4, dtype, "cpu", kind=kind, rate=rate)
+    want, want_blocks = check_candidates(case, blocks, size)
+    assert (want >= 0).sum() < want.numel() and (want_blocks >= 0).sum() < want_blocks.numel()  # -1 rows shown
+
+
+def check_candidates(case: Case, blocks: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's layer as a candidate source of ``blocks`` blocks of ``size`` entries and as an indexer
+    filtered by them: the Triton blocks and picks inside them equal the native ones as sets; returns
+    the native (picks, blocks)."""
     layer = dataclasses.replace(case.layer, indexer=dataclasses.replace(
         case.layer.indexer, candidate_blocks=blocks, candidate_block_size=size, filtered=True))
     native = NativeV4Attention(None)
@@ -231,7 +239,7 @@ def test_candidate_filter_interpreted(seed, poisoned_scratch, monkeypatch, rate,
     want = native.select(case.q, case.weights, layer, case.kv, case.batch, meta, want_blocks)
     got = select(case.q, case.weights, layer, case.kv, case.batch, case.meta, got_blocks)
     assert torch.equal(got.sort(1).values, want.sort(1).values)
-    assert (want >= 0).sum() < want.numel() and (want_blocks >= 0).sum() < want_blocks.numel()  # -1 rows shown
+    return want, want_blocks
 
 
 def test_fp8_scores_stay_within_e4m3_of_the_exact_keys(seed):
@@ -382,6 +390,19 @@ def _flash_lens(batch: str, context: int):
 @pytest.mark.parametrize("batch", ["decode-1", "decode-64", "prefill", "mixed"])
 def test_select_flash_gpu(seed, poisoned_scratch, kind, context, batch):
     _flash(_flash_lens(batch, context), kind, 16384 + 64).check(rtol=1e-5 if kind == "random" else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rate", [1, 2])
+@pytest.mark.parametrize("kind", ["ties", "fp8-ties"])
+@pytest.mark.parametrize("batch", ["decode-64", "mixed"])
+def test_candidate_filter_flash_gpu(seed, poisoned_scratch, rate, kind, batch):
+    """V4.1-Flash's candidate filter (blocks of 8, top-512 inside them) on exact tied scores at 32K
+    tokens: 64 heads of 64 (V4.1-Flash's are 128, where integer scores are not exact), as many blocks
+    as a fourth of those a token sees at most (2048 at rate 1)."""
+    case = Case(_flash_lens(batch, 32768), 64, 64, 32, 512, 64, torch.bfloat16, "cuda", kind=kind, rate=rate,
+                max_model_len=32768 + 64)
+    check_candidates(case, 2048 // rate, 8)
 
 
 @pytest.mark.gpu
