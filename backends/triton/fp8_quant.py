@@ -50,12 +50,18 @@ def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride
     cols = group * GROUP_K + tl.arange(0, GROUP_K)
     mask = (rows[:, None] < T) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    data, scale = token_groups(x.to(tl.float32))
+    tl.store(data_ptr + rows[:, None].to(tl.int64) * stride_data + cols[None, :], data, mask=mask)
+    tl.store(scale_ptr + rows.to(tl.int64) * stride_scale + group, scale, mask=rows < T)
+
+
+@triton.jit
+def token_groups(x):
+    """fp32 groups [R, G] (channels past K as 0) -> (E4M3 [R, G], fp32 scales [R])."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
-    tl.store(data_ptr + rows[:, None].to(tl.int64) * stride_data + cols[None, :], e4m3_rne(y), mask=mask)
-    tl.store(scale_ptr + rows.to(tl.int64) * stride_scale + group, scale, mask=rows < T)
+    return e4m3_rne(y), scale
 
 
 @dataclass(frozen=True)

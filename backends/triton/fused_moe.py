@@ -36,14 +36,17 @@ import triton.language as tl
 
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
 from .fp4 import fp4_rows, fp4_rows_ptx
-from .fp8_quant import GROUP, quantize_fp8_token_group
+from .fp8_quant import GROUP, quantize_fp8_token_group, token_groups
 from .moe_align import ExpertBlocks, align_by_expert
-from .mxfp8 import MX_BLOCK, e8m0_to_float, quantize_mxfp8
+from .mxfp8 import MX_BLOCK, e8m0_to_float, mxfp8_blocks, quantize_mxfp8
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
 FP8 = torch.float8_e4m3fn
+MX = tl.constexpr(MX_BLOCK)
+UNQUANTIZED = (torch.float32, torch.float16, torch.bfloat16)
 PACKED_FP4 = torch.uint8  # E2M1 weights, two per byte along K
+FP4_SCALE = torch.uint8  # E8M0, one per 32 along K
 ACTIVATIONS = ("silu",)
 # targets whose block-scaled MMA takes E2M1 weights with MXFP8 activations (tl.dot_scaled lowers to it);
 # elsewhere triton would only emulate it, so FP4 tiles are dequantized in registers for an ordinary dot
@@ -169,6 +172,14 @@ def _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, up_scale_offset, 
 
 
 @triton.jit
+def _mxfp8_tile(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An activation tile [BLOCK_M, BLOCK_K] (zeros past K) -> MXFP8: E4M3 and uint8 E8M0 exponents
+    [BLOCK_M, BLOCK_K / 32] (``mxfp8_blocks``)."""
+    data, biased = mxfp8_blocks(a.to(tl.float32).reshape(BLOCK_M * (BLOCK_K // MX), MX))
+    return data.reshape(BLOCK_M, BLOCK_K), biased.to(tl.uint8).reshape(BLOCK_M, BLOCK_K // MX)
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
                      sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                      M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
@@ -178,7 +189,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
                      FP4: tl.constexpr, SCALED_MMA: tl.constexpr, EVEN_K: tl.constexpr,
-                     PTX_UNPACK: tl.constexpr):
+                     PTX_UNPACK: tl.constexpr, QUANTIZE_A: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED (gate/up): b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two
@@ -189,6 +200,9 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
     to ``tl.dot_scaled``, otherwise ``_fp4_row_products`` unpacks the weights in registers (with
     PTX_UNPACK through ``fp4_rows_ptx``). EVEN_K: K is a multiple of BLOCK_K (no masks in that loop).
+    QUANTIZE_A (FP8, or FP4 with SCALED_MMA): a is unquantized and each K step's tile is quantized as
+    it is loaded (``token_groups``, ``_mxfp8_tile``), what the quantization launch would have stored,
+    to the bit.
     """
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -213,7 +227,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
         if SCALED_MMA:
             b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rb[:, None]
             b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[None, :] * stride_bsn + rs[:, None]
-            a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
+            if not QUANTIZE_A:
+                a_scale_ptrs = a_scale_ptr + am[:, None] * stride_as + rs[None, :]
         else:  # weight rows, the dot's first operand
             b_ptrs = b_ptr + expert * stride_be + bn[:, None] * stride_bn + rb[None, :]
             b_scale_ptrs = b_scale_ptr + expert * stride_bse + bn[:, None] * stride_bsn + rs[None, :]
@@ -221,7 +236,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
         B_STEP: tl.constexpr = BLOCK_K
         b_ptrs = b_ptr + expert * stride_be + bn[None, :] * stride_bn + rk[:, None]
     if FP8:
-        a_scale_ptrs = a_scale_ptr + am * stride_as
+        if not QUANTIZE_A:
+            a_scale_ptrs = a_scale_ptr + am * stride_as
         b_scale_ptrs = b_scale_ptr + expert * stride_bse + (bn // SCALE_BLOCK) * stride_bsn
         up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((bn + N) // SCALE_BLOCK) * stride_bsn
     up_offset = N * stride_bn
@@ -243,11 +259,14 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
                     up = tl.load(b_ptrs + up_offset, mask=2 * rb[:, None] < k_left, other=0)
                     up_scale = tl.load(b_scale_ptrs + N * stride_bsn, mask=rs[:, None] * SCALE_BLOCK < k_left,
                                        other=127)
-                a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * SCALE_BLOCK < k_left, other=127)
+                if QUANTIZE_A:
+                    a, a_scale = _mxfp8_tile(a, BLOCK_M, BLOCK_K)
+                else:
+                    a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * SCALE_BLOCK < k_left, other=127)
+                    a_scale_ptrs += BLOCK_K // SCALE_BLOCK
                 acc = tl.dot_scaled(a, a_scale, "e4m3", b, tl.trans(b_scale), "e2m1", acc)
                 if GATED:
                     acc_up = tl.dot_scaled(a, a_scale, "e4m3", up, tl.trans(up_scale), "e2m1", acc_up)
-                a_scale_ptrs += BLOCK_K // SCALE_BLOCK
                 b_scale_ptrs += BLOCK_K // SCALE_BLOCK
             else:
                 b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
@@ -255,7 +274,10 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
                     up = tl.load(b_ptrs + up_offset, mask=rk[:, None] < k_left, other=0.0)
                 if FP8:
                     group = k0 // SCALE_BLOCK
-                    a_scale = tl.load(a_scale_ptrs + group)
+                    if QUANTIZE_A:  # BLOCK_K == SCALE_BLOCK: the tile is one group of each row
+                        a, a_scale = token_groups(a.to(tl.float32))
+                    else:
+                        a_scale = tl.load(a_scale_ptrs + group)
                     acc += tl.dot(a, b) * a_scale[:, None] * tl.load(b_scale_ptrs + group)[None, :]
                     if GATED:
                         acc_up += tl.dot(a, up) * a_scale[:, None] * tl.load(up_scale_ptrs + group)[None, :]
@@ -285,17 +307,24 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.devi
     return config_for(MOE_FP4_GEMM if fp4 else MOE_GEMM, device).for_m(-(-num_tokens * top_k // num_experts))
 
 
-def _weight_format(a, a_scale, b, b_scale) -> str:
+def _weight_format(a, a_scale, b, b_scale, quantize_a: bool = False) -> str:
     """"dense", "fp8_block", "fp4" (dequantized in registers) or "fp4_scaled" (MXFP8 activations,
-    ``tl.dot_scaled``), after checking that activations, weights and scales go together."""
+    ``tl.dot_scaled``), after checking that activations, weights and scales go together;
+    ``quantize_a``: the activations come unquantized, for the kernel to quantize as it loads them."""
+    if quantize_a:
+        if a_scale is not None or a.dtype not in UNQUANTIZED or b.dtype not in (FP8, PACKED_FP4):
+            raise ValueError("activations quantized in the GEMM come unquantized, to FP8 or FP4 weights")
+        if b_scale is None or b_scale.dtype != (FP4_SCALE if b.dtype == PACKED_FP4 else torch.float32):
+            raise ValueError(f"{b.dtype} expert weights need their scales")
+        return "fp8_block" if b.dtype == FP8 else "fp4_scaled"
     if b.dtype == PACKED_FP4:
-        if b_scale is None or b_scale.dtype != torch.uint8:
+        if b_scale is None or b_scale.dtype != FP4_SCALE:
             raise ValueError("FP4 expert weights need their uint8 E8M0 scales")
         if a.dtype == FP8:
             if a_scale is None or a_scale.dtype != torch.uint8:
                 raise ValueError("MXFP8 activations need their uint8 E8M0 scales")
             return "fp4_scaled"
-        if a_scale is not None or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if a_scale is not None or a.dtype not in UNQUANTIZED:
             raise ValueError(f"FP4 expert weights take MXFP8 or unquantized activations, not {a.dtype}")
         return "fp4"
     fp8 = b.dtype == FP8
@@ -319,10 +348,14 @@ def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: b
 
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
-                  out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None) -> None:
+                  out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                  quantize_a: bool = False) -> None:
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
-    fmt = _weight_format(a, a_scale, b, b_scale)
+    fmt = _weight_format(a, a_scale, b, b_scale, quantize_a)
+    if quantize_a and fmt == "fp8_block" and cfg.block_k != GROUP:
+        raise ValueError(f"FP8 activations quantized in the GEMM need K steps of one {GROUP}-channel group, "
+                         f"not {cfg.block_k}")
     if blocks.num_blocks == 0:
         return
     k = a.shape[1]
@@ -344,6 +377,7 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
         PTX_UNPACK=(fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device)
                     and ptx_unpack_fits(cfg)),
+        QUANTIZE_A=quantize_a,
         num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
 
 
@@ -363,27 +397,29 @@ def _check_arrivals(arrivals: torch.Tensor, num_tokens: int, hidden: int, cfg: G
 def moe_gate_up(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, top_k: int, cfg: GemmConfig, *,
                 arrivals: torch.Tensor, swiglu_limit: float | None = None, x_scale: torch.Tensor | None = None,
                 gate_up_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
     """x [T, H] through gate_up [E, 2I, H] (gate rows first) and SwiGLU -> [T * top_k, I], row
     ``t * top_k + k`` for token t's k-th expert; in ``out_dtype`` (by default x's), or into ``out``.
-    Clears ``arrivals`` (``arrivals_for``) for the ``moe_down`` that follows."""
+    Clears ``arrivals`` (``arrivals_for``) for the ``moe_down`` that follows. ``quantize``: x comes
+    unquantized to FP8 or FP4 weights, quantized tile by tile as it is loaded."""
     x, gate_up = unit_inner_stride(x, gate_up)
     _check_arrivals(arrivals, x.shape[0], x.shape[1], cfg)
     inner = gate_up.shape[1] // 2
     out = output_for(blocks.num_assignments, inner, out_dtype or x.dtype, x.device, out)
     _grouped_gemm(x, x_scale, gate_up, gate_up_scale, blocks, cfg, inner, top_k, out, arrivals, gated=True,
-                  swiglu_limit=swiglu_limit)
+                  swiglu_limit=swiglu_limit, quantize_a=quantize)
     return out
 
 
 def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_weights: torch.Tensor,
              cfg: GemmConfig, *, arrivals: torch.Tensor, h_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
     """h [T * top_k, I] through down [E, H, I], each token's rows weighted by its routing weights
     (``topk_weights`` [T, top_k], any row stride) and summed -> [T, H] in ``out_dtype`` (by default
     h's), or into ``out``. ``arrivals`` as ``moe_gate_up`` left them. The rows pass through memory
-    in the output's dtype, each GEMM's result rounded to it as native rounds it."""
+    in the output's dtype, each GEMM's result rounded to it as native rounds it. ``quantize`` as in
+    ``moe_gate_up``."""
     if topk_weights.dim() != 2 or topk_weights.numel() != blocks.num_assignments:
         raise ValueError(f"routing weights {list(topk_weights.shape)} are not [tokens, top_k] of "
                          f"{blocks.num_assignments} assignments")
@@ -394,7 +430,7 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
     rows = torch.empty(blocks.num_assignments, hidden, dtype=out.dtype, device=h.device)
     weights = topk_weights.float()
     _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, hidden, 1, rows, arrivals, gated=False, out=out,
-                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous())
+                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous(), quantize_a=quantize)
     return out
 
 
@@ -402,7 +438,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
               down: torch.Tensor, *, activation: str = "silu", swiglu_limit: float | None = None,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
               out: torch.Tensor | None = None, scaled_mma: bool | None = None,
-              config: GemmConfig | None = None, blocks: ExpertBlocks | None = None) -> torch.Tensor:
+              config: GemmConfig | None = None, blocks: ExpertBlocks | None = None,
+              quantize_in_gemm: bool | None = None) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
     The weights and ids may be column slices of a wider routing: they are read through their row
@@ -416,6 +453,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     it, elsewhere the weights are dequantized in registers and meet x as it is. ``config``: the launch
     parameters of both GEMMs instead of the tuning table's (a sweep's candidates). ``blocks``: the
     ids aligned by expert already (``moe_dispatch.route_and_align``), in blocks of the config's rows.
+    ``quantize_in_gemm``: whether the GEMMs quantize their FP8 or MXFP8 activations as they load
+    them instead of a launch before each (by default for a decode step's rows, ``quantizes_in_gemm``).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
@@ -437,10 +476,25 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
         quantize = quantize_fp8_token_group
     elif packing == 2 and (config_for(FP4_SCALED_MMA, x.device) if scaled_mma is None else scaled_mma):
         quantize = quantize_mxfp8
-    a, x_scale = quantize(x) if quantize else (x, None)
+    if quantize_in_gemm is None:
+        quantize_in_gemm = quantize is not None and quantizes_in_gemm(cfg, num_tokens, top_k, num_experts, x.device,
+                                                                      fp8=gate_up.dtype == FP8)
+    in_gemm = quantize is not None and quantize_in_gemm
+    a, x_scale = quantize(x) if quantize and not in_gemm else (x, None)
     arrivals = arrivals_for(num_tokens, hidden, cfg, x.device)
     h = moe_gate_up(a, blocks, gate_up, top_k, cfg, arrivals=arrivals, swiglu_limit=swiglu_limit, x_scale=x_scale,
-                    gate_up_scale=gate_up_scale, out_dtype=x.dtype)
-    h, h_scale = quantize(h) if quantize else (h, None)
+                    gate_up_scale=gate_up_scale, out_dtype=x.dtype, quantize=in_gemm)
+    h, h_scale = quantize(h) if quantize and not in_gemm else (h, None)
     return moe_down(h, blocks, down, topk_weights, cfg, arrivals=arrivals, h_scale=h_scale, down_scale=down_scale,
-                    out=out)
+                    out=out, quantize=in_gemm)
+
+
+def quantizes_in_gemm(cfg: GemmConfig, num_tokens: int, top_k: int, num_experts: int, device: torch.device, *,
+                      fp8: bool) -> bool:
+    """Whether the grouped GEMMs quantize their activations as they load them: for decode-sized rows
+    per expert, where the weights' bytes bound the time and a program's extra work on its few rows
+    hides behind them (a prefill's programs would each quantize many rows again, once per column
+    tile: there one launch quantizes them once), and, for FP8, K steps of exactly one scale group."""
+    tuning = config_for(MOE_GEMM if fp8 else MOE_FP4_GEMM, device)
+    decode = -(-num_tokens * top_k // num_experts) <= tuning.small_m
+    return decode and (cfg.block_k == GROUP if fp8 else cfg.block_k % MX_BLOCK == 0)
