@@ -287,11 +287,14 @@ def test_graph_replay_gpu(seed, kind):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("head_dim,mode,splits", [(64, PICKED.value, 1), (512, DENSE.value, 8),
-                                                  (512, PICKED.value, 32)])
-def test_sparse_attention_compiles(target, head_dim, mode, splits):
+@pytest.mark.parametrize("head_dim,mode,splits,csa2_rate", [(64, PICKED.value, 1, 0), (512, DENSE.value, 8, 0),
+                                                            (512, PICKED.value, 32, 0), (512, PICKED.value, 32, 1),
+                                                            (512, DENSE.value, 8, 2)])
+def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate):
     """bf16 at tiny-dsv4-py's heads (4 of 64, rope 16) and V4-Flash's (64 of 512, rope 64), in one
-    program or split with the combine: the scores and the weighted sum run on the matrix units."""
+    program or split with the combine, and at V4.1-Flash's CSA2 rates (``csa2_rate``: the picks over
+    ratio-1 entries, every pair entry of a group with no indexer): the scores and the weighted sum
+    run on the matrix units."""
     from engine.backends.triton.v4_sparse_attention import SPARSE
     cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"].per_dim[head_dim]
     pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "window_ptr": "*bf16", "entries_ptr": "*bf16",
@@ -301,6 +304,7 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits):
     strides = [n for n in sparse_attention_kernel.arg_names if n.startswith("stride_")]
     signature = {**pointers, **{s: "i32" for s in strides}, "qk_scale": "fp32", "window": "i32", "eps": "fp32"}
     heads, rot_half, rate = (64, 32, 4 if mode == PICKED.value else 128) if head_dim == 512 else (4, 8, 16)
+    rate = csa2_rate or rate
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_HALF=rot_half, PAGE_SIZE=64, MODE=mode, RATE=rate,
                       ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, NUM_SPLITS=splits,
                       BLOCK_H=cfg.block_h,

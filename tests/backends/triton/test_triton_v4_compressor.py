@@ -203,12 +203,14 @@ def test_window_in_several_tiles_interpreted(seed, monkeypatch, rate, overlap):
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rate,page_size", [(1, 3), (2, 3), (2, 4)])
-def test_csa2_kv_source_interpreted(seed, dtype, rate, page_size):
+def test_csa2_kv_source_interpreted(seed, monkeypatch, dtype, rate, page_size):
     """DeepSeek-V4.1's CSA2 KV source that indexes: rate 2 pools each pair by a softmax over its two
     gate scores with no position bias (a pair split over two steps reads its first token from the
     window pages); rate 1 keeps each token's kv row, normalised and rotated, with no gate and no
     projections. Both derive index keys from the entries' latents (projected, normalised, rotated
-    as the entries)."""
+    as the entries); the latents' scratch starts as NaN, so a key from a row no entry wrote shows."""
+    monkeypatch.setattr(v4_compressor, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
     Case(mixed_lens(rate), 32, 16, rate, False, page_size, dtype, "cpu", csa2=True).check()
 
 
