@@ -108,11 +108,11 @@ def _scan_kernel(chunk_counts_ptr, chunk_start_ptr, block_expert_ptr, num_padded
                  running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=mask)
         running += tl.sum(tile, axis=0)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
+    store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
 
 
 @triton.jit
-def _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M: tl.constexpr,
+def store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M: tl.constexpr,
                          SCAN_BLOCKS: tl.constexpr):
     """A block's expert is the first whose padded rows end after the block starts; -1 past the last."""
     for b0 in range(0, num_blocks, SCAN_BLOCKS):
@@ -156,7 +156,7 @@ def align_lanes(expert, valid, assignment, n, sorted_ids_ptr, block_expert_ptr, 
             & valid[None, :]
         found = tl.max(tl.where(match, assignment[None, :], -1), axis=1)
         tl.store(sorted_ids_ptr + rows, tl.where(found >= 0, found, n), mask=rows < num_blocks * BLOCK_M)
-    _store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
+    store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
 
 
 @triton.jit

@@ -1,15 +1,18 @@
 """A decode step's MoE dispatch on one GPU in one launch: the routing and the alignment by expert.
 
 What ``moe_routing.route`` and then ``moe_align.align_by_expert`` compute, to the bit, in one
-program: the routing of every token (``route_rows``), the weights and ids stored for the combine,
-then the same ids, still in registers, laid out one assignment a lane in assignment order (token
-t's slot k is lane t * K_POW2 + k, the slots past the route's width idle) and aligned
-(``align_lanes``). Nothing is read back from memory between the two halves, so no barrier is
-needed and the result does not depend on how a target orders a program's global stores.
+program, in two passes over blocks of BLOCK_T tokens. The first routes each block
+(``route_rows``), stores its weights and ids for the combine, and counts its assignments per
+expert (token t's slot k is lane t * K_POW2 + k of the block, the slots past the route's width
+idle), so the padded layout is known: each expert's first row, the blocks' experts, and the
+padding rows, stored. The second routes each block again (from the logits: cheaper than a round
+trip through memory a program would have to order) and places each assignment at its expert's
+first row plus the assignments of that expert before it (earlier blocks' counts, then its rank in
+the block). Every entry is written exactly once and nothing the program wrote is read back, so
+no barrier is needed and nothing depends on how a target orders a program's stores.
 
-One program holds every token's logits and every pair of assignments, so this is for decode:
-``fits_one_program`` says when (tokens x experts within a routing tile, tokens x route width within
-an alignment chunk); a larger batch routes and aligns in their own launches. Grouped top-k stays
+One program routes every token, so this is for decode: ``fits_one_program`` says when (at most
+``DISPATCH``); a prefill's tokens route and align in their own launches. Grouped top-k stays
 native, as in ``TritonMoE.route``.
 
 The seam for expert-parallel dispatch is the routing this kernel stores: a dispatcher across GPUs
@@ -18,16 +21,50 @@ takes (weights, ids) as ``route`` gives them and aligns what it receives (``alig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.core.families.moe import RoutingConfig
 
-from .moe_align import ALIGN, ExpertBlocks, align_lanes, unfilled_blocks
+from .moe_align import ALIGN, ExpertBlocks, store_block_experts, unfilled_blocks
 from .moe_routing import ROUTE_TILE, route_rows, route_width, routing_arguments, store_routes
 from .pdl import launch_options, wait_for_prior
-from .target import config_for
+from .target import arch_of, pick
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    tokens: int  # the most tokens one program routes and aligns (a decode batch)
+    one_hot: int  # lanes x stack experts a pass compares at once: past 64 x 256 the sm_90 build spills
+
+
+# not yet measured against the separate launches on a GPU
+DISPATCH = {"cuda": DispatchConfig(64, 64 * 256), "hip": DispatchConfig(64, 64 * 256),
+            "default": DispatchConfig(16, 32 * 128)}
+
+
+@triton.jit
+def _block_lanes(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling, weights_ptr, ids_ptr, t0, T,
+                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 TOP_K: tl.constexpr, K_POW2: tl.constexpr, EXPERTS: tl.constexpr, ROUND_TO: tl.constexpr,
+                 SHARED: tl.constexpr, BLOCK_T: tl.constexpr, STORE: tl.constexpr):
+    """Tokens t0 .. t0 + BLOCK_T - 1 routed -> (expert [LANES], valid [LANES], assignment [LANES]), one
+    (token, slot) a lane in assignment order; with STORE their weights and ids stored too."""
+    WIDTH: tl.constexpr = TOP_K + (SHARED >= 0)
+    LANES: tl.constexpr = BLOCK_T * K_POW2
+    rows = t0 + tl.arange(0, BLOCK_T)
+    live = rows < T
+    chosen, picked = route_rows(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, rows, live, E, stride_l, scaling,
+                                SCORING, HAS_BIAS, HASHED, RENORMALIZE, TOP_K, K_POW2, EXPERTS, BLOCK_T, ROUND_TO,
+                                SHARED)
+    if STORE:
+        store_routes(weights_ptr, ids_ptr, rows, live, chosen, picked, WIDTH, K_POW2)
+    lane = tl.arange(0, LANES)
+    token, slot = t0 + lane // K_POW2, lane % K_POW2
+    valid = (token < T) & (slot < WIDTH)
+    return tl.where(valid, tl.reshape(chosen, (LANES,)), -1), valid, token * WIDTH + slot
 
 
 @triton.jit
@@ -40,31 +77,53 @@ def _route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, strid
                         PDL: tl.constexpr):
     """weights and ids [T, WIDTH] as ``_route_kernel`` stores them, and their alignment over a stack of
     ``num_experts`` (STACK_EXPERTS its power of two; a folded shared expert is the stack's last) as
-    ``_align_one_chunk_kernel`` stores it; T <= BLOCK_T."""
+    ``align_by_expert`` stores it."""
     wait_for_prior(PDL)
-    WIDTH: tl.constexpr = TOP_K + (SHARED >= 0)
     LANES: tl.constexpr = BLOCK_T * K_POW2
-    rows = tl.arange(0, BLOCK_T)
-    live = rows < T
-    chosen, picked = route_rows(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, rows, live, E, stride_l, scaling,
-                                SCORING, HAS_BIAS, HASHED, RENORMALIZE, TOP_K, K_POW2, EXPERTS, BLOCK_T, ROUND_TO,
-                                SHARED)
-    store_routes(weights_ptr, ids_ptr, rows, live, chosen, picked, WIDTH, K_POW2)
     lane = tl.arange(0, LANES)
-    token, slot = lane // K_POW2, lane % K_POW2
-    valid = (token < T) & (slot < WIDTH)
-    expert = tl.where(valid, tl.reshape(chosen, (LANES,)), -1)
-    align_lanes(expert, valid, token * WIDTH + slot, T * WIDTH, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                num_experts, num_blocks, BLOCK_M, LANES, STACK_EXPERTS, SCAN_BLOCKS)
+    experts = tl.arange(0, STACK_EXPERTS)
+    counts = tl.zeros([STACK_EXPERTS], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        expert, valid, assignment = _block_lanes(
+            logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling, weights_ptr, ids_ptr, t0, T,
+            SCORING, HAS_BIAS, HASHED, RENORMALIZE, TOP_K, K_POW2, EXPERTS, ROUND_TO, SHARED, BLOCK_T, True)
+        counts += tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    start = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    store_block_experts(padded_end, block_expert_ptr, num_experts, num_blocks, BLOCK_M, SCAN_BLOCKS)
+    n = T * (TOP_K + (SHARED >= 0))
+    for r0 in range(0, num_blocks * BLOCK_M, LANES):  # the padding: rows past their expert's assignments
+        rows = r0 + lane
+        row_expert = tl.sum((padded_end[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        filled_end = tl.sum(tl.where(experts[None, :] == row_expert[:, None], (start + counts)[None, :], 0), axis=1)
+        tl.store(sorted_ids_ptr + rows, tl.full((LANES,), 0, tl.int32) + n,
+                 mask=(rows >= filled_end) & (rows < num_blocks * BLOCK_M))
+    placed = start  # each expert's next free row
+    for t0 in range(0, T, BLOCK_T):
+        expert, valid, assignment = _block_lanes(
+            logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling, weights_ptr, ids_ptr, t0, T,
+            SCORING, HAS_BIAS, HASHED, RENORMALIZE, TOP_K, K_POW2, EXPERTS, ROUND_TO, SHARED, BLOCK_T, False)
+        same = expert[:, None] == experts[None, :]
+        rank = tl.sum(((expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+        row = tl.sum(tl.where(same, placed[None, :], 0), axis=1) + rank
+        tl.store(sorted_ids_ptr + row, assignment.to(tl.int32), mask=valid)
+        placed += tl.sum(same.to(tl.int32), axis=0)
+
+
+def block_tokens(cfg: RoutingConfig, num_experts: int, arch: str) -> int:
+    """Tokens a pass takes at once: their logits within a routing tile, their lanes within an alignment
+    chunk and, against a stack of ``num_experts``, within the one-hot budget."""
+    (tile, _), chunk = pick(ROUTE_TILE, arch), pick(ALIGN, arch).chunk
+    lanes = min(chunk, pick(DISPATCH, arch).one_hot // triton.next_power_of_2(num_experts))
+    per_token = triton.next_power_of_2(route_width(cfg))
+    return triton.next_power_of_2(max(1, min(tile // triton.next_power_of_2(cfg.num_experts), lanes // per_token)))
 
 
 def fits_one_program(num_tokens: int, cfg: RoutingConfig, device: torch.device) -> bool:
-    """Whether ``route_and_align`` takes this many tokens: their logits fit a routing tile and their
-    assignment lanes an alignment chunk (a decode step's batch)."""
-    block_t = triton.next_power_of_2(max(num_tokens, 1))
-    tile, _ = config_for(ROUTE_TILE, device)
-    return (0 < num_tokens and cfg.num_groups == 1 and block_t * triton.next_power_of_2(cfg.num_experts) <= tile
-            and block_t * triton.next_power_of_2(route_width(cfg)) <= config_for(ALIGN, device).chunk)
+    """Whether ``route_and_align`` takes this many tokens (a decode step's batch, ungrouped routing)."""
+    return 0 < num_tokens <= pick(DISPATCH, arch_of(device)).tokens and cfg.num_groups == 1
 
 
 def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None,
@@ -83,11 +142,10 @@ def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: 
     weights = torch.empty(t, width, dtype=torch.float32, device=device)
     ids = torch.empty(t, width, dtype=torch.int64, device=device)
     blocks = unfilled_blocks(t * width, num_experts, block_m, device)
-    align = config_for(ALIGN, device)
-    _, num_warps = config_for(ROUTE_TILE, device)
+    arch = arch_of(device)
     _route_align_kernel[(1,)](
         *args, weights, ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, t, num_experts,
-        blocks.num_blocks, **constexprs, BLOCK_T=triton.next_power_of_2(t), BLOCK_M=block_m,
-        STACK_EXPERTS=triton.next_power_of_2(num_experts), SCAN_BLOCKS=align.scan_blocks, num_warps=num_warps,
-        **launch_options(device))
+        blocks.num_blocks, **constexprs, BLOCK_T=min(block_tokens(cfg, num_experts, arch), triton.next_power_of_2(t)),
+        BLOCK_M=block_m, STACK_EXPERTS=triton.next_power_of_2(num_experts), SCAN_BLOCKS=pick(ALIGN, arch).scan_blocks,
+        num_warps=pick(ROUTE_TILE, arch)[1], **launch_options(device))
     return weights, ids, blocks

@@ -19,7 +19,8 @@ from test_triton_moe_routing import choice_scores, clear_of_ties
 
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.moe_align import ALIGN, align_by_expert
-from engine.backends.triton.moe_dispatch import _route_align_kernel, fits_one_program, route_and_align
+from engine.backends.triton.moe_dispatch import (DISPATCH, _route_align_kernel, block_tokens, fits_one_program,
+                                                 route_and_align)
 from engine.backends.triton.moe_routing import ROUTE_TILE, SCORINGS, route
 from engine.backends.triton.target import pick
 from engine.core.families.moe import RoutingConfig
@@ -51,10 +52,10 @@ def check_dispatch(logits, cfg, input_ids, block_m=16):
 @pytest.mark.interpret
 @pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
 @pytest.mark.parametrize("shared", [False, True], ids=["no-shared", "shared-folded"])
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (3, 16, 4), (8, 8, 3), (4, 60, 6)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (3, 16, 4), (16, 8, 3), (13, 60, 6)])
 def test_dispatch_equals_route_then_align(seed, poisoned_empty, hashed, shared, tokens, experts, top_k):
-    """Tokens up to a full alignment chunk (8 x 4 lanes), experts not a power of two; with one token
-    most experts get none."""
+    """One pass, and several: 16 tokens of 4 lanes in two blocks of 8, 13 tokens of 8 lanes in four
+    blocks of 4 (the last one short); experts not a power of two; with one token most get none."""
     cfg = v4_routing(experts, top_k, hashed, shared)
     logits, input_ids = torch.randn(tokens, experts) * 3, torch.randint(50, (tokens,))
     assert fits_one_program(tokens, cfg, CPU)
@@ -81,16 +82,19 @@ def test_dispatch_breaks_top_k_ties_by_lowest_id(seed, poisoned_empty, scoring):
 
 
 def test_what_fits_one_program():
-    """A decode step fits; a prefill's tokens, grouped top-k, or too wide a route do not."""
-    align, (tile, _) = pick(ALIGN, "default").chunk, pick(ROUTE_TILE, "default")
+    """A decode step's batch fits; a prefill's tokens or grouped top-k do not. A pass takes as many
+    tokens as fit a routing tile, an alignment chunk and the one-hot budget against the stack."""
+    most = pick(DISPATCH, "default").tokens
     cfg = v4_routing(8, 3, False, False)  # 4 lanes a token
-    assert fits_one_program(align // 4, cfg, CPU) and not fits_one_program(align // 4 + 1, cfg, CPU)
+    assert fits_one_program(most, cfg, CPU) and not fits_one_program(most + 1, cfg, CPU)
     assert not fits_one_program(0, cfg, CPU)
     assert not fits_one_program(1, dataclasses.replace(cfg, num_groups=2, topk_groups=1), CPU)
-    wide = RoutingConfig(num_experts=tile * 2, top_k=2)
-    assert not fits_one_program(1, wide, CPU)
+    (tile, _), chunk = pick(ROUTE_TILE, "default"), pick(ALIGN, "default").chunk
+    assert block_tokens(cfg, 8, "cpu") == min(tile // 8, chunk // 4)
+    assert block_tokens(v4_routing(256, 6, False, True), 257, "cpu") == 1  # the one-hot: 4096 // 512 // 8
+    assert block_tokens(v4_routing(256, 6, False, True), 257, "sm_90") == 4  # 64 x 256 // 512 // 8
     with pytest.raises(ValueError, match="do not fit one program"):
-        route_and_align(torch.zeros(align, 8), cfg, None, 8, 16)
+        route_and_align(torch.zeros(most + 1, 8), cfg, None, 8, 16)
 
 
 # the layer: route_experts against route + experts
@@ -144,10 +148,11 @@ def test_route_experts_without_a_shared_expert(seed, poisoned_empty):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 128])
 def test_route_experts_gpu(seed, hashed, tokens):
     """256 experts, top-6 plus the shared one folded, a quarter of the hidden size: route_experts equals
-    route + experts to the bit, eager and replayed from a graph on fresh inputs (64 tokens: apart)."""
+    route + experts to the bit, eager and replayed from a graph on fresh inputs (8 tokens: one pass,
+    64: eight, 128: apart)."""
     experts, top_k, hidden, inner, vocab = 256, 6, 1024, 512, 1000
     cfg = RoutingConfig(num_experts=experts, top_k=top_k, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
                         correction_bias=None if hashed else torch.randn(experts, device="cuda") * 0.1,
@@ -168,7 +173,7 @@ def test_route_experts_gpu(seed, hashed, tokens):
         return moe.experts(x, *moe.route(logits, cfg, input_ids), w)
 
     fill()
-    assert fits_one_program(tokens, cfg, x.device) == (tokens <= 8)
+    assert fits_one_program(tokens, cfg, x.device) == (tokens <= 64)
     assert torch.equal(moe.route_experts(x, logits, cfg, w, input_ids), unfused())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -191,12 +196,12 @@ def test_route_experts_gpu(seed, hashed, tokens):
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
 def test_dispatch_kernel_compiles(target, hashed):
-    """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one) for the most tokens one
-    program takes there."""
-    from aot import GRID_DEPENDENCY, compile_asm, pdl
+    """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one), a pass of as many tokens
+    as it takes there."""
+    from aot import GRID_DEPENDENCY, compile_asm, local_memory_ops, pdl
 
-    (tile, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
-    block_t = min(tile // 256, align.chunk // 8)
+    (_, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
+    block_t = block_tokens(v4_routing(256, 6, hashed, True), 257, target)
     signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64",
                  "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                  "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
@@ -204,7 +209,10 @@ def test_dispatch_kernel_compiles(target, hashed):
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=block_t, BLOCK_M=16,
                       STACK_EXPERTS=512, SCAN_BLOCKS=align.scan_blocks, PDL=pdl(target))
-    asm = compile_asm(_route_align_kernel, signature, constexprs, target, num_warps=num_warps)
+    asm = compile_asm(_route_align_kernel, signature, constexprs, target, num_warps=num_warps,
+                      sass=target == "sm_90")
     assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
+    if target == "sm_90":  # a pass's one-hot comparisons held in registers (8 tokens a pass: spills)
+        assert local_memory_ops(asm["sass"]) == 0
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
