@@ -38,12 +38,13 @@ def e8m0_to_float(e):
 
 @triton.jit
 def mxfp8_blocks(x):
-    """fp32 blocks [R, MX] -> (E4M3 [R, MX], biased E8M0 exponents [R] int32): each block's shared
-    exponent is floor(log2(amax)) - 8, read from amax's fp32 exponent field."""
-    amax = tl.max(tl.abs(x), axis=1)
+    """fp32 blocks [..., MX] (the last axis one block) -> (E4M3 [..., MX], biased E8M0 exponents [...]
+    int32): each block's shared exponent is floor(log2(amax)) - 8, read from amax's fp32 exponent field."""
+    last: tl.constexpr = len(x.shape) - 1
+    amax = tl.max(tl.abs(x), axis=last)
     exponent = (amax.to(tl.int32, bitcast=True) >> 23) - 8
     biased = tl.minimum(tl.maximum(exponent, 0), E8M0_MAX)
-    y = tl.math.div_rn(x, e8m0_to_float(biased)[:, None])
+    y = tl.math.div_rn(x, tl.expand_dims(e8m0_to_float(biased), last))
     return e4m3_rne(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)), biased
 
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.core.families.linear import MXFP8Tensor
 from engine.core.families.v4_attention import Compression, V4AttentionBackend, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
@@ -49,6 +50,7 @@ def _min_rate(ctx) -> int:
 class TritonV4Attention(V4AttentionBackend):
     name = "triton"
     graph_safe = True
+    can_emit_mxfp8 = True
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -80,8 +82,8 @@ class TritonV4Attention(V4AttentionBackend):
         return select_candidates(q, weights, layer, kv, batch, meta)
 
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
-               meta: TritonV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor:
-        return sparse_attention(q, layer, kv, batch, meta, picks)
+               meta: TritonV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor | MXFP8Tensor:
+        return sparse_attention(q, layer, kv, batch, meta, picks, self.emits_mxfp8)
 
 
 @triton.jit

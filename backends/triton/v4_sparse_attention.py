@@ -6,7 +6,10 @@ of its heads (the MMA's M dimension) and reads each key once for all of them: th
 compressed entries (HCA: every visible one, 0 .. (p + 1) // rate - 1; CSA: the indexer's
 ``picks``, -1 = none), in blocks of ``BLOCK_N`` with an online softmax in fp32. The sinks join
 the denominator at the end. q is RMS-normalised per head and its rope tail turned on load, the
-output's tail turned back, each rounded to q's dtype as core/native/v4_attention.py does.
+output's tail turned back, each rounded to q's dtype as core/native/v4_attention.py does. Where the
+backend emits MXFP8 the epilogue then quantizes that output (E4M3, one E8M0 exponent per 32
+channels, backends/triton/mxfp8.py's arithmetic), so the output projection reads 8.25 bits a value
+and no separate quantization runs.
 
 Few tokens (decode) leave most of the chip idle, so each token's keys (window then entries, as
 one list) are cut into ``num_splits`` ranges of whole key blocks, one program each; the program
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.core.families.linear import MX_BLOCK, MXFP8Tensor
 from engine.core.families.v4_attention import V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
@@ -31,12 +35,15 @@ from engine.core.models.deepseek_v4.cache import flat
 
 from .attention_decode import arrival_counters
 from .attention_prefill import LOG2E
+from .mxfp8 import mxfp8_blocks
 from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
 from .target import config_for
 
 # the entries a query reads: none, every visible one (HCA), the picks (CSA)
 SLIDING, DENSE, PICKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+MX = tl.constexpr(MX_BLOCK)
+FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,10 @@ class SparseConfig:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
+    # with the MXFP8 epilogue: its quantize holds the head block's fp32 output, which at head dim
+    # 512 spills on sm_90 and sm_100 at 4 warps (29 local loads and stores, 80 with the combine) and
+    # none at 8 (tests/backends/triton read the SASS); None: num_warps
+    mxfp8_num_warps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,8 @@ class SparseTuning:
 
 C = SparseConfig
 SPARSE = {  # guessed from backends/triton/attention_decode.py's measured table; not tuned on this kernel
-    "cuda": SparseTuning({64: C(16, 64, 4, 2), 512: C(16, 32, 4, 2)}, min_programs=132 * 4, max_splits=32),
+    "cuda": SparseTuning({64: C(16, 64, 4, 2), 512: C(16, 32, 4, 2, mxfp8_num_warps=8)}, min_programs=132 * 4,
+                         max_splits=32),
     "hip": SparseTuning({64: C(16, 64, 4, 1), 512: C(16, 32, 4, 1)}, min_programs=304 * 2, max_splits=32),
     "default": SparseTuning({"any": C(16, 16, 4, 1)}, min_programs=16, max_splits=4),
 }
@@ -88,26 +100,33 @@ def _entry_slots(pages_row, w, ok, PAGE_SIZE: tl.constexpr, RATE: tl.constexpr, 
 
 
 @triton.jit
-def _finish(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot, stride_oh,
-            HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _finish(out_ptr, out_scale_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot, stride_oh,
+            stride_st, stride_sh, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_D: tl.constexpr, MXFP8: tl.constexpr):
     """The output of heads ``head`` from every key's ``acc`` (unnormalised, max ``m_i``, sum ``l_i``):
-    the sinks join the denominator, then rounded to the output's dtype and turned back."""
+    the sinks join the denominator, then rounded to q's dtype and turned back, rounded again; with
+    ``MXFP8`` then quantized as backends/triton/mxfp8.py does, E4M3 with one exponent per 32."""
     sink = tl.load(sinks_ptr + head, mask=h_ok, other=0.0) * LOG2E
     m = tl.maximum(m_i, sink)
     rescale = tl.exp2(m_i - m)
     l_i = l_i * rescale + tl.exp2(sink - m)
-    dtype = out_ptr.dtype.element_ty
-    o = (acc * rescale[:, None] / l_i[:, None]).to(dtype)
-    o = rotate_pairs(o, cos[None, :], -sin[None, :], BLOCK_H, BLOCK_D).to(dtype)
+    o = (acc * rescale[:, None] / l_i[:, None]).to(DTYPE)
+    o = rotate_pairs(o, cos[None, :], -sin[None, :], BLOCK_H, BLOCK_D).to(DTYPE)
     d = tl.arange(0, BLOCK_D)
+    if MXFP8:  # channels past HEAD_DIM are zero: whole blocks of them, never stored
+        data, exponent = mxfp8_blocks(tl.reshape(o.to(tl.float32), [BLOCK_H, BLOCK_D // MX, MX]))
+        o = tl.reshape(data, [BLOCK_H, BLOCK_D])
+        b = tl.arange(0, BLOCK_D // MX)
+        tl.store(out_scale_ptr + tok * stride_st + head[:, None] * stride_sh + b[None, :], exponent.to(tl.uint8),
+                 mask=h_ok[:, None] & (b[None, :] * MX < HEAD_DIM))
     tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :], o,
              mask=h_ok[:, None] & (d[None, :] < HEAD_DIM))
 
 
 @triton.jit
-def _combine(part_out_ptr, part_lse_ptr, first, used, out_ptr, sinks_ptr, tok, head, h_ok, cos, sin,
-             stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-             BLOCK_D: tl.constexpr):
+def _combine(part_out_ptr, part_lse_ptr, first, used, out_ptr, out_scale_ptr, sinks_ptr, tok, head, h_ok, cos,
+             sin, stride_ot, stride_oh, stride_st, stride_sh, NUM_SPLITS: tl.constexpr, DTYPE: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MXFP8: tl.constexpr):
     """The output of heads ``head`` from the partials of the token's first ``used`` splits."""
     d = tl.arange(0, BLOCK_D)
     row = first + head * NUM_SPLITS
@@ -122,20 +141,20 @@ def _combine(part_out_ptr, part_lse_ptr, first, used, out_ptr, sinks_ptr, tok, h
                        mask=h_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         l_i += w
         acc += w[:, None] * part
-    _finish(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot, stride_oh,
-            HEAD_DIM, BLOCK_H, BLOCK_D)
+    _finish(out_ptr, out_scale_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot, stride_oh,
+            stride_st, stride_sh, DTYPE, HEAD_DIM, BLOCK_H, BLOCK_D, MXFP8)
 
 
 @triton.jit
 def sparse_attention_kernel(
-    q_ptr, out_ptr, window_ptr, entries_ptr, picks_ptr, sinks_ptr, cos_ptr, sin_ptr,
+    q_ptr, out_ptr, out_scale_ptr, window_ptr, entries_ptr, picks_ptr, sinks_ptr, cos_ptr, sin_ptr,
     positions_ptr, token_seq_ptr, page_table_ptr, window_table_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_w, stride_e, stride_pick, stride_pt, stride_cos,
-    qk_scale, window, eps,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh, stride_w, stride_e, stride_pick, stride_pt,
+    stride_cos, qk_scale, window, eps,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MODE: tl.constexpr, RATE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr, TOP_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    MXFP8: tl.constexpr, PDL: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
@@ -196,8 +215,8 @@ def sparse_attention_kernel(
                                              BLOCK_D)
 
         if NUM_SPLITS == 1 or used == 1:  # this program saw every key
-            _finish(out_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot, stride_oh,
-                    HEAD_DIM, BLOCK_H, BLOCK_D)
+            _finish(out_ptr, out_scale_ptr, sinks_ptr, tok, head, h_ok, acc, m_i, l_i, cos, sin, stride_ot,
+                    stride_oh, stride_st, stride_sh, q.dtype, HEAD_DIM, BLOCK_H, BLOCK_D, MXFP8)
         else:
             # a split of picks may hold none (all -1): it weighs nothing in the combine
             seen = l_i > 0
@@ -212,8 +231,9 @@ def sparse_attention_kernel(
             tl.debug_barrier()
             counter = counters_ptr + tok * tl.num_programs(1) + tl.program_id(1)
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-                _combine(part_out_ptr, part_lse_ptr, tok * NUM_HEADS * NUM_SPLITS, used, out_ptr, sinks_ptr, tok,
-                         head, h_ok, cos, sin, stride_ot, stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_H, BLOCK_D)
+                _combine(part_out_ptr, part_lse_ptr, tok * NUM_HEADS * NUM_SPLITS, used, out_ptr, out_scale_ptr,
+                         sinks_ptr, tok, head, h_ok, cos, sin, stride_ot, stride_oh, stride_st, stride_sh, NUM_SPLITS,
+                         q.dtype, HEAD_DIM, BLOCK_H, BLOCK_D, MXFP8)
                 tl.store(counter, 0)
 
 
@@ -227,9 +247,10 @@ def kernel_config(head_dim: int, device: torch.device) -> tuple[SparseConfig, Sp
 
 
 def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta,
-                     picks: torch.Tensor | None = None) -> torch.Tensor:
+                     picks: torch.Tensor | None = None, mxfp8: bool = False) -> torch.Tensor | MXFP8Tensor:
     """q [T, H, D] (raw: not normalised, unrotated) -> [T, H, D] in q's dtype: the family's ``attend`` (see
-    core/families/v4_attention.py) for the whole step."""
+    core/families/v4_attention.py) for the whole step; with ``mxfp8`` that output quantized to MXFP8
+    in the epilogue (one exponent per 32 channels of a head), as the grouped output projection reads it."""
     tokens, num_heads, head_dim = q.shape
     if (num_heads, head_dim) != (layer.num_heads, layer.head_dim):
         raise ValueError(f"q {tuple(q.shape)} does not fit the layer's {layer.num_heads} heads of {layer.head_dim}")
@@ -242,10 +263,15 @@ def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batc
     window_kv = flat(kv, layer.window_kv)[0]
     if window_kv.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the window KV is {window_kv.dtype}; the kernel reads them as one dtype")
+    if mxfp8 and head_dim % MX_BLOCK:
+        raise ValueError(f"MXFP8 output needs a head dim that is a multiple of {MX_BLOCK}, not {head_dim}")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=FP8 if mxfp8 else q.dtype)
+    out_scale = torch.empty(tokens, num_heads, head_dim // MX_BLOCK, dtype=torch.uint8, device=q.device) \
+        if mxfp8 else None
+    result = MXFP8Tensor(out, out_scale, q.dtype) if mxfp8 else out
     if tokens == 0:
-        return out
+        return result
     entries = flat(kv, comp.entries)[0] if comp is not None else window_kv
     picks = picks if mode == PICKED else batch.positions  # an unread placeholder
     rate = comp.rate if comp is not None else 1
@@ -264,14 +290,16 @@ def sparse_attention(q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batc
         part_lse = torch.empty(tokens, num_heads, splits, dtype=torch.float32, device=q.device)
         counters = arrival_counters(tokens * head_blocks, q.device)
     sparse_attention_kernel[(tokens, head_blocks, splits)](
-        q, out, window_kv, entries, picks, layer.sinks, layer.rope.cos, layer.rope.sin,
+        q, out, out_scale, window_kv, entries, picks, layer.sinks, layer.rope.cos, layer.rope.sin,
         batch.positions, meta.token_seq, batch.page_table, meta.window_table, part_out, part_lse, counters,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_kv.stride(0), entries.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *(out_scale.stride()[:2] if mxfp8 else (0, 0)),
+        window_kv.stride(0), entries.stride(0),
         picks.stride(0), batch.page_table.stride(0), layer.rope.cos.stride(0),
         layer.scale * LOG2E.value, layer.window, layer.eps,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=layer.rope.cos.shape[-1], PAGE_SIZE=batch.page_size,
         MODE=mode.value, RATE=rate, ENTRIES_PER_PAGE=-(-batch.page_size // rate), TOP_K=top_k,
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
+        MXFP8=mxfp8, num_warps=(mxfp8 and cfg.mxfp8_num_warps) or cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(q.device),
     )
-    return out
+    return result

@@ -33,6 +33,7 @@ import torch
 
 from ..forward import ForwardBatch
 from ..kv.storage import KVCache
+from .linear import MXFP8Tensor
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,33 @@ class V4AttentionLayer:
         return self.head_dim ** -0.5
 
 
+def emits_mxfp8(ctx: Any, backend: V4AttentionBackend) -> bool:
+    """Whether ``backend``'s ``attend`` returns MXFP8: as ``EngineConfig.mxfp8_attention`` says (True
+    fails, naming why, where the backend or the model cannot), else (None) wherever it can and the
+    platform multiplies MXFP8 natively (block-scaled MMA: sm_100, gfx950)."""
+    asked = getattr(getattr(ctx, "engine_config", None), "mxfp8_attention", None)
+    model = getattr(ctx, "model_config", None)
+    head_dim = model.hf.get("head_dim", 0) if model is not None else 0
+    reasons = [] if backend.can_emit_mxfp8 else [f"the {backend.name} V4 attention backend does not emit it"]
+    if head_dim % 32:
+        reasons.append(f"head_dim {head_dim} is not a multiple of MXFP8's blocks of 32")
+    if asked and reasons:
+        raise ValueError(f"mxfp8_attention: {'; '.join(reasons)}")
+    if asked is not None:
+        return bool(asked)
+    return not reasons and "mxfp8" in getattr(getattr(ctx, "platform", None), "capabilities", ())
+
+
 class V4AttentionBackend(ABC):
     name: str = "?"
     # True if every method reads the batch's shape from device tensors only and syncs with nothing
     graph_safe: bool = False
+    # True if ``attend`` can quantize its output to MXFP8 in its epilogue (``emits_mxfp8`` says whether it does)
+    can_emit_mxfp8: bool = False
 
     def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext
         self.ctx = ctx
+        self.emits_mxfp8 = emits_mxfp8(ctx, self)
 
     def prepare(self, batch: ForwardBatch, kv: KVCache) -> Any:
         """Per-step metadata shared by every layer's calls (run inside the step)."""
@@ -151,9 +172,10 @@ class V4AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta: Any,
-               picks: torch.Tensor | None = None) -> torch.Tensor:
+               picks: torch.Tensor | None = None) -> torch.Tensor | MXFP8Tensor:
         """q [T, H, D] (raw: not normalised, unrotated) -> [T, H, D] in q's dtype: RMS-normalise each
         head without a weight (the statistic in fp32, its reciprocal root rounded to q's dtype before
         the product, as HF's DeepseekV4UnweightedRMSNorm), rotate q, attend over its window keys and
         its entries (``picks`` from ``select`` in CSA, every visible one in HCA) with K = V and the
-        sinks, round to q's dtype and rotate the output back."""
+        sinks, round to q's dtype and rotate the output back. Where ``emits_mxfp8``, that output
+        quantized to MXFP8 (core/native/quant.py's ``quantize_mxfp8``) for the output projection."""

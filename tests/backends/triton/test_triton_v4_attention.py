@@ -6,12 +6,13 @@ output."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm, pdl
+from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton.descriptors import triton_descriptors
 from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel
@@ -20,6 +21,7 @@ from engine.core.families.v4_attention import Compression, IndexerLayer, V4Atten
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat
+from engine.core.native import quant
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.v4_attention import NativeV4Attention
 from engine.core.platform import PlatformSpec
@@ -109,6 +111,32 @@ class Case:
         assert got.dtype == q.dtype and not got.isnan().any()
         torch.testing.assert_close(got, want, **TOL[self.dtype])
 
+    def check_attend_mxfp8(self, padding_last: bool = False) -> None:
+        """The epilogue's MXFP8 against its own output unquantized, quantized by core/native: bit-equal
+        (the same values in, the same arithmetic). Against the oracle's output quantized the same
+        way: within one E4M3 step (of the coarser block scale) beyond where the unquantized outputs
+        differ, which they do by fp32 ordering and, in fp16, by the probabilities rounded to fp16
+        before the weighted sum: a value near a rounding boundary, or a block's amax near a power
+        of two, lands one step apart."""
+        self.fill()
+        q, picks = self.queries(), self.picks(padding_last)
+        emitting = TritonV4Attention(SimpleNamespace(engine_config=SimpleNamespace(mxfp8_attention=True)))
+        assert emitting.emits_mxfp8 and not self.triton.emits_mxfp8
+        with poisoned_allocations():
+            got = emitting.attend(q, self.layer, self.kv, self.batch, emitting.prepare(self.batch, self.kv), picks)
+        assert got.dtype == q.dtype and got.data.dtype == quant.FP8 and got.shape == q.shape
+        dense = self.triton.attend(q, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv), picks)
+        data, scale = quant.quantize_mxfp8(dense)
+        assert torch.equal(got.scale, scale) and torch.equal(got.data.view(torch.uint8), data.view(torch.uint8))
+        want = self.native.attend(q, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv), picks)
+        torch.testing.assert_close(dense, want, **TOL[self.dtype])
+        data, scale = quant.quantize_mxfp8(want)
+        a, b = got.dequantize().float(), quant.dequantize_mxfp8(data, scale)
+        apart = (dense.float() - want.float()).abs()
+        assert (a - b).abs().le(e4m3_step(a, b, got.scale, scale) + apart).all()
+        assert (got.data.view(torch.uint8) == data.view(torch.uint8)).float().mean() > 0.9
+
+
     def check_store(self) -> None:
         """The KV normalised and turned as the oracle does: the same rounding steps, so only a
         different fp32 sum of squares can move a value (by an ulp of the dtype, in few elements)."""
@@ -125,6 +153,34 @@ class Case:
         torch.testing.assert_close(got, want, **TOL[self.dtype])
         if self.dtype != torch.float32:
             assert (got == want).float().mean() > 0.98
+
+
+def e4m3_step(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """The E4M3 spacing at max(|a|, |b|) under the coarser of the two blocks' scales: 2**-3 of the
+    value's power of two, and no finer than the subnormal step, 2**-9 of the scale."""
+    coarse = quant.e8m0_to_float(torch.maximum(scale_a, scale_b)).repeat_interleave(32, dim=-1)
+    _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))
+    return torch.maximum(torch.ldexp(torch.ones_like(a), exponent - 4), coarse * 2.0**-9)
+
+
+@contextmanager
+def poisoned_allocations():
+    """torch.empty and torch.empty_like hand out memory of 0xFF bytes (NaN in fp32, fp16 and E4M3,
+    E8M0's NaN), so an output the kernel leaves unwritten shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(make):
+        def allocate(*args, **kwargs):
+            t = make(*args, **kwargs)
+            t.view(-1).view(torch.uint8).fill_(255)
+            return t
+        return allocate
+
+    torch.empty, torch.empty_like = poisoned(empty), poisoned(empty_like)
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
 
 
 def mixed_lens(rng: random.Random, rate: int) -> list[tuple[int, int]]:
@@ -176,6 +232,39 @@ def test_attend_splits_interpreted(seed, monkeypatch, kind, splits, heads):
     Case(mixed_lens(rng, max(k["rate"], 4)), kind, heads=heads, head_dim=32, rope_dim=8, window=rng.choice([6, 9]),
          rate=k["rate"], top_k=k["top_k"] + 4, page_size=4, dtype=torch.float32).check_attend(padding_last=True)
     assert not attention_decode.arrival_counters(1, torch.device("cpu")).any()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_attend_mxfp8_interpreted(seed, monkeypatch, kind, dtype):
+    """Two blocks of 32 per head; 20 heads in two head blocks (the last masked) and each token's
+    keys split over up to 3 programs, so both the one-program epilogue and the combine's quantize."""
+    from engine.backends.triton import v4_sparse_attention as sa
+    monkeypatch.setitem(sa.SPARSE, "default", sa.SparseTuning({"any": sa.SparseConfig(16, 8, 4, 1)}, 1 << 20, 3))
+    rng = random.Random(seed)
+    k = KINDS[kind]
+    Case(mixed_lens(rng, max(k["rate"], 4)), kind, heads=20, head_dim=64, rope_dim=16, window=rng.choice([8, 12]),
+         rate=k["rate"], top_k=k["top_k"], page_size=rng.choice([4, 8]), dtype=dtype).check_attend_mxfp8()
+
+
+def test_mxfp8_output_needs_head_dim_of_whole_blocks():
+    with pytest.raises(ValueError, match="head_dim 48 is not a multiple"):
+        TritonV4Attention(SimpleNamespace(engine_config=SimpleNamespace(mxfp8_attention=True),
+                                          model_config=SimpleNamespace(hf={"head_dim": 48})))
+    with pytest.raises(ValueError, match="native V4 attention backend does not emit"):
+        NativeV4Attention(SimpleNamespace(engine_config=SimpleNamespace(mxfp8_attention=True)))
+
+
+@pytest.mark.parametrize("caps,asked,emits", [({"mxfp8"}, None, True), ({"fp8", "wgmma"}, None, False),
+                                              ({"fp8", "wgmma"}, True, True), ({"mxfp8"}, False, False)])
+def test_mxfp8_output_is_on_by_default_where_the_mma_is_native(caps, asked, emits):
+    platform = PlatformSpec("nvidia", "sm_x", "a GPU", "cuda", capabilities=frozenset(caps))
+    ctx = SelectionContext(platform=platform, model_config=SimpleNamespace(hf={"head_dim": 512}),
+                           engine_config=SimpleNamespace(mxfp8_attention=asked))
+    assert TritonV4Attention(ctx).emits_mxfp8 is emits
+    assert NativeV4Attention(SelectionContext(platform=platform, engine_config=SimpleNamespace(
+        mxfp8_attention=None))).emits_mxfp8 is False  # the oracle's output stays unquantized
 
 
 @pytest.mark.interpret
@@ -287,17 +376,19 @@ def test_graph_replay_gpu(seed, kind):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("head_dim,mode,splits,csa2_rate", [(64, PICKED.value, 1, 0), (512, DENSE.value, 8, 0),
-                                                            (512, PICKED.value, 32, 0), (512, PICKED.value, 32, 1),
-                                                            (512, DENSE.value, 8, 2)])
-def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate):
+@pytest.mark.parametrize("head_dim,mode,splits,csa2_rate,mxfp8", [
+    (64, PICKED.value, 1, 0, False), (512, DENSE.value, 8, 0, False), (512, PICKED.value, 32, 0, False),
+    (512, PICKED.value, 32, 1, False), (512, DENSE.value, 8, 2, False), (64, PICKED.value, 1, 0, True),
+    (512, PICKED.value, 32, 0, True)])
+def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate, mxfp8):
     """bf16 at tiny-dsv4-py's heads (4 of 64, rope 16) and V4-Flash's (64 of 512, rope 64), in one
-    program or split with the combine, and at V4.1-Flash's CSA2 rates (``csa2_rate``: the picks over
-    ratio-1 entries, every pair entry of a group with no indexer): the scores and the weighted sum
-    run on the matrix units."""
+    program or split with the combine, at V4.1-Flash's CSA2 rates (``csa2_rate``: the picks over
+    ratio-1 entries, every pair entry of a group with no indexer), and with the output quantized to
+    MXFP8 in the epilogue: the scores and the weighted sum run on the matrix units."""
     from engine.backends.triton.v4_sparse_attention import SPARSE
     cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"].per_dim[head_dim]
-    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "window_ptr": "*bf16", "entries_ptr": "*bf16",
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*fp8e4nv" if mxfp8 else "*bf16", "out_scale_ptr": "*u8",
+                "window_ptr": "*bf16", "entries_ptr": "*bf16",
                 "picks_ptr": "*i32", "sinks_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                 "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32", "window_table_ptr": "*i32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
@@ -307,12 +398,14 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate):
     rate = csa2_rate or rate
     constexprs = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_HALF=rot_half, PAGE_SIZE=64, MODE=mode, RATE=rate,
                       ENTRIES_PER_PAGE=-(-64 // rate), TOP_K=512 if head_dim == 512 else 16, NUM_SPLITS=splits,
-                      BLOCK_H=cfg.block_h,
-                      BLOCK_N=cfg.block_n, BLOCK_D=head_dim, PDL=pdl(target))
-    asm = compile_asm(sparse_attention_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, divisible_by_16=strides)
+                      BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=head_dim, MXFP8=mxfp8, PDL=pdl(target))
+    asm = compile_asm(sparse_attention_kernel, signature, constexprs, target,
+                      num_warps=(mxfp8 and cfg.mxfp8_num_warps) or cfg.num_warps, num_stages=cfg.num_stages,
+                      divisible_by_16=strides, sass=mxfp8 and target.startswith("sm_"))
     if target.startswith("sm_"):
         assert f".target {target}a" in asm["ptx"] and "mma" in asm["ptx"]
+        if mxfp8:  # the epilogue's quantize stays in registers
+            assert local_memory_ops(asm["sass"]) == 0
     else:
         assert target in amdgcn_target(asm["amdgcn"]) and "v_mfma" in asm["amdgcn"]
 
