@@ -132,6 +132,10 @@ class EngineConfig:
     # None: quantized checkpoint weights stay in their stored formats where the backends run them;
     # "none": dequantized to dtype at load
     quantization: str | None = None
+    # DeepSeek-V4's attention output quantized to MXFP8 in the attention's epilogue, and the grouped
+    # output projection (wo_a) run on MXFP8 operands; None: where the platform multiplies MXFP8
+    # natively (sm_100, gfx950) and the V4 attention backend can (core/families/v4_attention.py)
+    mxfp8_attention: bool | None = None
     # DeepSeek-V4.1's Engram tables: "device" memory, or "host" memory (pinned on CUDA), the rows each
     # step needs gathered there and copied to the device while the layers before them compute
     engram_placement: str = "device"

@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["none"],
                    help="none: dequantize a quantized checkpoint's weights to --dtype at load (default: keep "
                         "them in their stored formats, FP8 / FP4, where the backends run them)")
+    g.add_argument("--mxfp8-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="DeepSeek-V4: quantize the attention output to MXFP8 in the attention kernel and run the "
+                        "grouped output projection on it (default: on where the GPU multiplies MXFP8 natively, "
+                        "sm_100 and gfx950; --no-mxfp8-attention keeps it in --dtype)")
     g.add_argument("--engram-placement", default="device", choices=["device", "host"],
                    help="where DeepSeek-V4.1's Engram tables live: device memory, or host memory (pinned on "
                         "CUDA) with each step's rows gathered there and copied while earlier layers compute")
@@ -160,7 +164,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_graph_batch=args.max_graph_batch, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
-        quantization=args.quantization, engram_placement=args.engram_placement, speculative_config=args.speculative_config,
+        quantization=args.quantization, mxfp8_attention=args.mxfp8_attention,
+        engram_placement=args.engram_placement, speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
         load_balance_method=args.load_balance_method, load_balance_threshold=args.load_balance_threshold,

@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 from ...distributed.layers import ColumnParallelLinear, RowParallelLinear, split
+from ...families.linear import MX_BLOCK, LinearBackend, LinearWeight, MXFP8Tensor
 from ...families.v4_attention import Compression, IndexerLayer, IndexKey, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
+from ...native.quant import quantize_fp8_block_e8m0
 from ...native.rope import RotaryEmbedding
 from ..base import Backends
 from ..fused_projection import FusedProjection
@@ -36,15 +38,34 @@ CSA2 = "compressed_sparse_attention_2"  # V4.1: entries at ratio 1 or 2, shared 
 
 class GroupedLinear(nn.Module):
     """The grouped low-rank output projection's first half: each of G head groups has its own
-    [rank, in] block of ``weight`` [G * rank, in]."""
+    [rank, in] block of ``weight`` [G * rank, in]. Fed MXFP8 (an attention that emits it), it
+    multiplies in MXFP8 through the linear backend, once ``keep_mxfp8`` has quantized the weight."""
 
-    def __init__(self, in_per_group: int, rank: int, groups: int, *, dtype: torch.dtype, device) -> None:
+    def __init__(self, in_per_group: int, rank: int, groups: int, backend: LinearBackend, *, dtype: torch.dtype,
+                 device) -> None:
         super().__init__()
         self.weight = empty_param(groups * rank, in_per_group, dtype=dtype, device=device)
-        self.groups = groups
+        self.register_parameter("weight_scale", None)
+        self.groups, self.backend = groups, backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def keep_mxfp8(self) -> None:
+        """Quantize the loaded weight to MXFP8: E4M3 with one E8M0 scale per 32 along K, each amax / 448
+        rounded up to a power of two, so nothing saturates and DeepSeek's FP8 checkpoints (E8M0
+        scales on 128 x 128 blocks, which their 1 x 32 blocks refine) keep every value exactly."""
+        partition = getattr(self.weight, "partition", None)
+        data, scale = quantize_fp8_block_e8m0(self.weight.detach(), block=1, cols=MX_BLOCK)
+        self.weight = nn.Parameter(data, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
+        if partition is not None:
+            self.weight.partition = self.weight_scale.partition = partition
+
+    def forward(self, x: torch.Tensor | MXFP8Tensor) -> torch.Tensor:
         """[T, G, in] -> [T, G * rank]."""
+        if isinstance(x, MXFP8Tensor):
+            if self.weight_scale is None:
+                raise ValueError("the output projection was fed MXFP8 but holds its weight unquantized (keep_mxfp8)")
+            return self.backend.grouped_mxfp8(x, LinearWeight(self.weight, "mxfp8", self.weight_scale))
         w = self.weight.to(x.dtype).view(self.groups, -1, x.shape[-1]).transpose(1, 2)
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(x.shape[0], -1)
 
@@ -127,7 +148,8 @@ class Attention(nn.Module):
                                          device=device)
         self.wkv = Linear(hidden, self.head_dim, backends.linear, dtype=dtype, device=device)
         self.norm = RMSNorm(self.head_dim, eps, dtype=torch.float32, device=device)  # the family's store runs it
-        self.wo_a = GroupedLinear(heads * self.head_dim // groups, self.o_rank, self.groups, dtype=dtype, device=device)
+        self.wo_a = GroupedLinear(heads * self.head_dim // groups, self.o_rank, self.groups, backends.linear,
+                                  dtype=dtype, device=device)
         self.wo_b = RowParallelLinear(groups * self.o_rank, hidden, backends.linear, tp, dtype=dtype, device=device)
         self.attn_sink = empty_param(self.num_heads, dtype=torch.float32, device=device)
         for p in (self.wo_a.weight, self.attn_sink):  # the rank's groups' rows, its heads' sinks
@@ -158,6 +180,13 @@ class Attention(nn.Module):
             x_parts += ["indexer.weights_proj"]
         self.x_proj = FusedProjection({name: self.get_submodule(name) for name in x_parts})
         self._spec: V4AttentionLayer | None = None
+
+    def weights_loaded(self) -> None:
+        """Once the weights are in: fuse the input projections, and where the attention emits MXFP8
+        quantize the output projection's weight for it."""
+        self.x_proj.fuse()
+        if self.backend.emits_mxfp8:
+            self.wo_a.keep_mxfp8()
 
     def _index_keys(self) -> Compression:
         """A CSA2 KV source's index keys, as the indexers that score them see them."""

@@ -302,7 +302,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         with torch.no_grad():
             load_into(self, main_weights(), self.resolve)
             for layer in self.model.layers:
-                layer.attn.x_proj.fuse()
+                layer.attn.weights_loaded()
         if kept or dequantized:
             logger.info("DeepSeek-V4 quantized weights: kept as stored %s, dequantized at load %s%s", dict(kept),
                         dict(dequantized), " (--quantization none)" if not self.resident else

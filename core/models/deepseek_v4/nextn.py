@@ -112,7 +112,7 @@ class NextN(DecoderLayer):
         """Fill the layer from ``mtp.{index}.*`` tensors."""
         with self._names() as resolve:
             load_into(self, [(k, v) for k, v in tensors.items() if int(MTP_NAME.match(k)[1]) == index], resolve)
-        self.attn.x_proj.fuse()
+        self.attn.weights_loaded()
 
     def export(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The layer's weights under the checkpoint names ``names`` (as :meth:`load` read them)."""

@@ -3,20 +3,19 @@ engine: greedy-identical to the native families over a batch with chunked prefil
 compression windows, decodes beside prefills, and prefix hits; in the model's dtype and in
 DeepSeek's published FP8 layout, where the indexer's keys are E4M3 with their scales in both
 families; the same for a random DeepSeek-V4.1 (CSA2 at ratios 1 and 2, entries and index keys
-shared across layers, the candidate filter); and tiny-dsv4-py on the Triton mHC (its sublayer boundaries fused: each post writes the
-next mix's partials, each pre and the head run the norm after them).
+shared across layers, the candidate filter); tiny-dsv4-py on the Triton mHC (its sublayer boundaries
+fused: each post writes the next mix's partials, each pre and the head run the norm after them);
+and tiny-dsv4-py with the attention emitting MXFP8 into the grouped MXFP8 output projection,
+against its definition and within the stated cost of the unquantized path.
 
-The Triton descriptors refuse a CPU, so a test plugin offers the same backends under the same
-names on the CPU, where their kernels run in the interpreter; ``v4_attention_backend="triton"``
-and ``mhc_backend="triton"`` then select them as the CUDA and ROCm plugins' descriptors would on
-their devices.
+The Triton descriptors refuse a CPU, so a test plugin (interpreted_triton.py) offers the same
+backends on the CPU, where their kernels run in the interpreter.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import types
 
 import pytest
 import torch
@@ -25,34 +24,19 @@ pytest.importorskip("transformers")
 
 from dsv4_random import random_checkpoint
 from dsv41_random import random_v41_checkpoint, v41_config
+from interpreted_triton import interpreted_triton
+from mxfp8_cost import ARGMAX_AGREEMENT, MAX_LOGIT_ERROR, MEAN_LOGIT_ERROR, PAGE, held_out_prompts, make_engine
+from packed_logits import engine_logits
 
-from engine.backends.triton.mhc import TritonMHC
-from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.core.hookspecs import hookimpl
+from engine.core.models.deepseek_v4.attention import GroupedLinear
 from engine.core.models.deepseek_v4.cache import entries_of
 from engine.core.models.deepseek_v4.publish import write_published
+from engine.core.native import quant
 from engine.core.native.quant import FP8
 from engine.core.plugins import load_plugins
-from engine.core.registry import Descriptor
 from engine.core.sampling_params import SamplingParams
-
-
-def interpreted_triton() -> types.ModuleType:
-    module = types.ModuleType("interpreted_triton_v4")
-
-    @hookimpl
-    def engine_register_v4_attention_backends():
-        return [Descriptor("v4_attention", "triton", TritonV4Attention)]
-
-    @hookimpl
-    def engine_register_mhc_backends():
-        return [Descriptor("mhc", "triton", TritonMHC)]
-
-    module.engine_register_v4_attention_backends = engine_register_v4_attention_backends
-    module.engine_register_mhc_backends = engine_register_mhc_backends
-    return module
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
@@ -142,3 +126,32 @@ def test_tiny_dsv4_on_the_triton_mhc_is_greedy_identical_to_native(seed, shared_
             "TritonMHC" if name == "triton" else "NativeMHC")
         tokens.append([o.outputs[0].token_ids for o in generate(engine, prompts, 5)])
     assert tokens[1] == tokens[0]
+
+
+def quantized_then_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+    """GroupedLinear.forward on O and wo_a each quantized and dequantized by core/native (O as the
+    attention epilogue quantizes it, the weight as keep_mxfp8 does): the definition of the MXFP8 path."""
+    data, scale = quant.quantize_mxfp8(x)
+    w_data, w_scale = quant.quantize_fp8_block_e8m0(self.weight, 1, 32)
+    w = quant.dequantize_fp8_block_e8m0(w_data, w_scale, 1, cols=32).view(self.groups, -1, x.shape[-1])
+    return torch.bmm(quant.dequantize_mxfp8(data, scale).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+
+
+@pytest.mark.interpret
+def test_tiny_dsv4_mxfp8_attention_interpreted(seed, shared_dir, eval_text, monkeypatch):
+    """tiny-dsv4-py in fp32 with the Triton V4 attention emitting MXFP8 into the grouped MXFP8 GEMM:
+    its logits are the unquantized engine's with O and wo_a quantized and dequantized by core/native
+    before the projection (to fp32 sums: the epilogue, the GEMM and the wiring do what the definition
+    says), and their distance from the unquantized path is within the bound tests/mxfp8_cost.py's
+    figures set (README: MXFP8 attention output)."""
+    model = str(shared_dir / "models" / "tiny-dsv4-py")
+    off, on = (make_engine(model, "cpu", mxfp8, pages=4) for mxfp8 in (False, True))
+    prompt = held_out_prompts(off, eval_text, 1, 24, seed)
+    got = engine_logits(on.components, prompt, PAGE)[0]
+    unquantized = engine_logits(off.components, prompt, PAGE)[0]
+    monkeypatch.setattr(GroupedLinear, "forward", quantized_then_dequantized)
+    defined = engine_logits(off.components, prompt, PAGE)[0]
+    torch.testing.assert_close(got, defined, rtol=1e-4, atol=1e-4)
+    error = (got - unquantized).abs()
+    assert error.mean() < MEAN_LOGIT_ERROR and error.max() < MAX_LOGIT_ERROR
+    assert (got.argmax(-1) == unquantized.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
