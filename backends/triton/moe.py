@@ -28,16 +28,31 @@ class TritonMoE(MoEBackend):
         return moe_routing.route(router_logits, cfg, input_ids)
 
     def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
-                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """A decode step's routing and alignment in one launch (``moe_dispatch``), then the two grouped
-        GEMMs: three launches a layer; larger batches and grouped routing as ``route`` then ``experts``."""
+                      input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
+        """A decode step's routing and alignment in one launch (``moe_dispatch``), the shared expert's
+        own stack aligned by it too, then each stack's two grouped GEMMs: three launches a layer with
+        the shared expert folded, five (and the sum) with it apart; larger batches and grouped
+        routing as ``route`` then ``experts``."""
         if not fits_one_program(router_logits.shape[0], cfg, router_logits.device):
-            return super().route_experts(x, router_logits, cfg, w, input_ids)
-        self._check_scheme(w)
-        num_experts = w.gate_up.shape[0]
-        gemm = moe_config(x.shape[0], moe_routing.route_width(cfg), num_experts, x.device,
-                          fp4=w.gate_up.dtype == PACKED_FP4)
-        weights, ids, blocks = route_and_align(router_logits, cfg, input_ids, num_experts, gemm.block_m)
+            return super().route_experts(x, router_logits, cfg, w, input_ids, shared)
+        for stack in (w, shared or w):
+            self._check_scheme(stack)
+        num_tokens, k = x.shape[0], cfg.top_k
+        gemm = self._gemm_config(num_tokens, k if shared else moe_routing.route_width(cfg), w)
+        shared_gemm = self._gemm_config(num_tokens, 1, shared) if shared else None
+        weights, ids, blocks, shared_blocks = route_and_align(router_logits, cfg, input_ids, w.gate_up.shape[0],
+                                                              gemm.block_m, shared_gemm and shared_gemm.block_m)
+        if shared is None:
+            return self._fused(x, weights, ids, w, gemm, blocks)
+        return (self._fused(x, weights[:, :k], ids[:, :k], w, gemm, blocks)
+                + self._fused(x, weights[:, k:], ids[:, k:], shared, shared_gemm, shared_blocks))
+
+    @staticmethod
+    def _gemm_config(num_tokens: int, columns: int, w: ExpertWeights):
+        return moe_config(num_tokens, columns, w.gate_up.shape[0], w.gate_up.device, fp4=w.gate_up.dtype == PACKED_FP4)
+
+    @staticmethod
+    def _fused(x, weights, ids, w: ExpertWeights, gemm, blocks) -> torch.Tensor:
         return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,
                          gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, config=gemm, blocks=blocks)
 

@@ -84,10 +84,14 @@ class MoEBackend(ABC):
         ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride)."""
 
     def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
-                      input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``experts`` of every column of ``route`` through the one stack ``w`` (a shared expert folded
-        in as its last): the whole layer on one device after the router, which a backend may fuse
-        (the routing and the alignment by expert in one launch). Expert-parallel placements route,
-        dispatch and run ``experts`` apart instead."""
+                      input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
+        """``experts`` of every column of ``route`` through the stack ``w`` (a shared expert folded in as
+        its last), or, with ``shared``, the routed columns through ``w`` plus the shared one through
+        ``shared`` (its own stack): the whole layer on one device after the router, which a backend
+        may fuse (the routing and the alignment by expert in one launch). Expert-parallel placements
+        route, dispatch and run ``experts`` apart instead."""
         weights, ids = self.route(router_logits, cfg, input_ids)
-        return self.experts(x, weights, ids, w)
+        if shared is None:
+            return self.experts(x, weights, ids, w)
+        k = cfg.top_k
+        return self.experts(x, weights[:, :k], ids[:, :k], w) + self.experts(x, weights[:, k:], ids[:, k:], shared)

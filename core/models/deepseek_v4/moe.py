@@ -80,11 +80,10 @@ class SparseMoE(nn.Module):
         return self.linear.apply(x, LinearWeight(self.gate.weight))
 
     def route_and_combine(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Folded, every column goes to the one stack: the backend routes and runs it in one call."""
-        if not self.folded:
-            return self.combined(x, *self.route(x, input_ids))
+        """The backend routes and runs both stacks in one call (the shared one folded or apart)."""
+        shared = None if self.folded else self.shared_experts.weights(self.activation, self.limit)
         return self.backend.route_experts(x, self.router_logits(x), self.routing(x.dtype),
-                                          self.experts.weights(self.activation, self.limit), input_ids)
+                                          self.experts.weights(self.activation, self.limit), input_ids, shared)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.backend.experts(x, weights, ids, self.experts.weights(self.activation, self.limit))

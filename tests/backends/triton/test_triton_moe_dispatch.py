@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from test_triton_moe import activations, fp4_experts, random_experts, rel_err, stack_in
 from test_triton_moe_routing import choice_scores, clear_of_ties
@@ -38,14 +39,24 @@ def v4_routing(experts: int, top_k: int, hashed: bool, shared: bool, vocab: int 
                          shared_expert=experts if shared else None, **kw)
 
 
-def check_dispatch(logits, cfg, input_ids, block_m=16):
-    stack = cfg.num_experts + (cfg.shared_expert is not None)
-    weights, ids, blocks = route_and_align(logits, cfg, input_ids, stack, block_m)
+def same_blocks(got, want):
+    assert torch.equal(got.sorted_ids, want.sorted_ids) and torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.num_padded, want.num_padded) and got.num_assignments == want.num_assignments
+    assert got.block_m == want.block_m
+
+
+def check_dispatch(logits, cfg, input_ids, block_m=16, shared_block_m=None):
+    """Folded (or no shared expert): one stack for every column; with ``shared_block_m`` the routed
+    columns over the routed stack and the shared column over its own."""
+    k, apart = cfg.top_k, shared_block_m is not None
+    stack = cfg.num_experts + (cfg.shared_expert is not None and not apart)
+    weights, ids, blocks, shared = route_and_align(logits, cfg, input_ids, stack, block_m, shared_block_m)
     want_w, want_ids = route(logits, cfg, input_ids)
-    want = align_by_expert(want_ids, stack, block_m)
     assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
-    assert torch.equal(blocks.sorted_ids, want.sorted_ids) and torch.equal(blocks.block_expert, want.block_expert)
-    assert torch.equal(blocks.num_padded, want.num_padded) and blocks.num_assignments == want.num_assignments
+    same_blocks(blocks, align_by_expert(want_ids[:, :k] if apart else want_ids, stack, block_m))
+    assert (shared is None) == (not apart)
+    if apart:
+        same_blocks(shared, align_by_expert(want_ids[:, k:], 1, shared_block_m))
     return weights, ids
 
 
@@ -60,6 +71,8 @@ def test_dispatch_equals_route_then_align(seed, poisoned_empty, hashed, shared, 
     logits, input_ids = torch.randn(tokens, experts) * 3, torch.randint(50, (tokens,))
     assert fits_one_program(tokens, cfg, CPU)
     weights, ids = check_dispatch(logits, cfg, input_ids)
+    if shared:  # the published formats' layout: the shared expert in a stack of its own
+        check_dispatch(logits, dataclasses.replace(cfg, shared_expert=0), input_ids, shared_block_m=4)
     ref_w, ref_ids = NativeMoE(None).route(logits, cfg, input_ids)
     clear = clear_of_ties(logits, cfg)
     assert torch.equal(ids[clear], ref_ids[clear])
@@ -89,10 +102,10 @@ def test_what_fits_one_program():
     assert fits_one_program(most, cfg, CPU) and not fits_one_program(most + 1, cfg, CPU)
     assert not fits_one_program(0, cfg, CPU)
     assert not fits_one_program(1, dataclasses.replace(cfg, num_groups=2, topk_groups=1), CPU)
-    (tile, _), chunk = pick(ROUTE_TILE, "default"), pick(ALIGN, "default").chunk
-    assert block_tokens(cfg, 8, "cpu") == min(tile // 8, chunk // 4)
+    (tile, _), lanes = pick(ROUTE_TILE, "default"), pick(DISPATCH, "default").lanes
+    assert block_tokens(cfg, 8, "cpu") == min(tile // 8, lanes // 4)
     assert block_tokens(v4_routing(256, 6, False, True), 257, "cpu") == 1  # the one-hot: 4096 // 512 // 8
-    assert block_tokens(v4_routing(256, 6, False, True), 257, "sm_90") == 4  # 64 x 256 // 512 // 8
+    assert block_tokens(v4_routing(256, 6, False, True), 257, "sm_90") == 4  # 32 lanes // 8
     with pytest.raises(ValueError, match="do not fit one program"):
         route_and_align(torch.zeros(most + 1, 8), cfg, None, 8, 16)
 
@@ -108,6 +121,30 @@ def check_layer(x, logits, cfg, w, input_ids, bound):
     assert got.dtype == x.dtype and not got.isnan().any()
     assert torch.equal(got, unfused)
     assert rel_err(got, native) < bound
+
+
+def check_layer_apart(x, logits, cfg, w, shared, input_ids, bound):
+    moe, k = TritonMoE(None), cfg.top_k
+    got = moe.route_experts(x, logits, cfg, w, input_ids, shared)
+    weights, ids = moe.route(logits, cfg, input_ids)
+    unfused = moe.experts(x, weights[:, :k], ids[:, :k], w) + moe.experts(x, weights[:, k:], ids[:, k:], shared)
+    native = NativeMoE(None).route_experts(x, logits, cfg, w, input_ids, shared)
+    assert not got.isnan().any() and torch.equal(got, unfused)
+    assert rel_err(got, native) < bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("tokens", [1, 5, 24], ids=["decode-1", "decode-5", "prefill"])
+def test_route_experts_with_the_shared_expert_apart(seed, poisoned_empty, tokens):
+    """DeepSeek-V4 as published: FP4 routed experts and an FP8 shared expert in a stack of its own (id
+    0 there): the dispatch aligns both stacks, equal to the bit to route + two experts calls."""
+    experts, top_k, hidden, inner = 8, 2, 128, 128
+    cfg = v4_routing(experts, top_k, False, shared=False)
+    cfg = dataclasses.replace(cfg, shared_expert=0)
+    routed = fp4_experts(random_experts(experts, hidden, inner, torch.float32, swiglu_limit=1.0))
+    shared = stack_in("fp8_block", random_experts(1, hidden, inner, torch.float32, swiglu_limit=1.0))
+    x = activations(tokens, hidden, torch.float32, scale=2.0)
+    check_layer_apart(x, torch.randn(tokens, experts) * 3, cfg, routed, shared, None, 0.1)
 
 
 LAYER_CASES = [  # scheme, dtype, bound, tokens, hashed; 1 and 5 tokens: one dispatch launch, 24: apart
@@ -194,25 +231,29 @@ def test_route_experts_gpu(seed, hashed, tokens):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
-@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
-def test_dispatch_kernel_compiles(target, hashed):
-    """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one), a pass of as many tokens
-    as it takes there."""
+@pytest.mark.parametrize("hashed,apart", [(False, False), (True, False), (False, True)],
+                         ids=["noaux", "hash", "shared-apart"])
+def test_dispatch_kernel_compiles(target, hashed, apart):
+    """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one, folded or in its own
+    stack), a pass of as many tokens as it takes there."""
     from aot import GRID_DEPENDENCY, compile_asm, local_memory_ops, pdl
 
     (_, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
-    block_t = block_tokens(v4_routing(256, 6, hashed, True), 257, target)
+    stack = 256 if apart else 257
+    block_t = block_tokens(v4_routing(256, 6, hashed, True), stack, target)
     signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64",
                  "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                  "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
-                 "num_experts": "i32", "num_blocks": "i32"}
+                 "num_experts": "i32", "num_blocks": "i32", "shared_sorted_ids_ptr": "*i32",
+                 "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32", "shared_num_blocks": "i32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=block_t, BLOCK_M=16,
-                      STACK_EXPERTS=512, SCAN_BLOCKS=align.scan_blocks, PDL=pdl(target))
+                      STACK_EXPERTS=triton.next_power_of_2(stack), SCAN_BLOCKS=align.scan_blocks,
+                      SHARED_APART=apart, SHARED_BLOCK_M=16, PDL=pdl(target))
     asm = compile_asm(_route_align_kernel, signature, constexprs, target, num_warps=num_warps,
                       sass=target == "sm_90")
     assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
-    if target == "sm_90":  # a pass's one-hot comparisons held in registers (8 tokens a pass: spills)
+    if target == "sm_90":  # a pass's comparisons held in registers (8 tokens a pass: spills)
         assert local_memory_ops(asm["sass"]) == 0
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
