@@ -22,8 +22,9 @@ the key converts exactly to the query's dtype for the MMA, and its scale multipl
 DeepSeek-V4.1's candidate filter reuses both: a candidate source's scores go through
 ``block_best_kernel`` (each visible block's best score, the block of the newest entry +inf) and
 ``stable_topk_kernel`` over the blocks (``GROUP``), so the blocks are chosen as entries are, ties
-to the lowest; an index source filtered by them marks its candidate blocks (one int8 per block)
-and ``stable_topk_kernel`` counts and selects only the entries of marked blocks (``NUM_CAND``).
+to the lowest; an index source filtered by them scores only the entries of its candidate blocks
+(``index_scores_kernel`` walks the blocks, ``NUM_CAND``), marks the blocks (one int8 per block), and
+``stable_topk_kernel`` counts and selects only the entries of marked blocks.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ INDEXER = {
 @triton.jit
 def index_scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr,
-    max_entries, sm_scale,
-    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out,
+    cand_ptr, max_entries, sm_scale,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    NUM_CAND: tl.constexpr = 0, CAND_SIZE: tl.constexpr = 1,
 ):
+    # NUM_CAND > 0: only the entries of the row's NUM_CAND blocks of CAND_SIZE (cand_ptr, -1: none) are
+    # scored, in the blocks' order; the rest of the row is left as it was
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     wait_for_prior(PDL)
@@ -89,9 +93,15 @@ def index_scores_kernel(
     weights = tl.load(w_ptr + token * stride_wt + heads, mask=heads < NUM_HEADS, other=0.0)
     table = page_table_ptr + seq * stride_pt
     slots_per_page: tl.constexpr = (PAGE_SIZE + RATE - 1) // RATE
-    for block in range(split, tl.cdiv(visible, BLOCK_N), SPLITS):
+    listed = tl.where(NUM_CAND > 0, NUM_CAND * CAND_SIZE, visible)  # the entries it walks
+    for block in range(split, tl.cdiv(listed, BLOCK_N), SPLITS):
         w = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        seen = w < visible
+        if NUM_CAND > 0:
+            cand = tl.load(cand_ptr + token * stride_c + w // CAND_SIZE, mask=w < listed, other=-1)
+            w = cand * CAND_SIZE + w % CAND_SIZE
+            seen = (cand >= 0) & (w < visible)
+        else:
+            seen = w < visible
         page_index = (w * RATE + RATE - 1) // PAGE_SIZE
         page = tl.load(table + page_index, mask=seen, other=0).to(tl.int64)
         slot = page * slots_per_page + w - page_index * PAGE_SIZE // RATE
@@ -241,15 +251,19 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scale
 
 def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
             cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
-            page_table: torch.Tensor, page_size: int, rate: int, max_entries: int, cfg: IndexerConfig):
+            page_table: torch.Tensor, page_size: int, rate: int, max_entries: int, cfg: IndexerConfig,
+            candidates: torch.Tensor | None = None, block_size: int = 1):
     """(a, b, scores [b - a, max_entries]) for chunks a..b of the step's tokens, each chunk's scores
-    launched just before it is yielded."""
+    launched just before it is yielded; with ``candidates`` [T, B] only the entries of those blocks
+    of ``block_size`` are scored (the rest of a row is unwritten)."""
     tokens, num_heads, head_dim = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights.float().contiguous()
     fp8 = key_scales is not None
     exact = fp8 or keys.dtype == q.dtype  # an E4M3 key converts exactly to fp32, fp16 and bf16
-    blocks = max(1, triton.cdiv(max_entries, cfg.block_n))
+    num_cand = 0 if candidates is None else candidates.shape[1]
+    listed = max_entries if candidates is None else min(max_entries, num_cand * block_size)
+    blocks = max(1, triton.cdiv(listed, cfg.block_n))
     step = max(1, SCRATCH_BYTES // (4 * max(1, max_entries)))
     for a in range(0, tokens, step):
         b = min(a + step, tokens)
@@ -257,14 +271,14 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scal
         splits = max(1, min(blocks, cfg.programs // (b - a)))
         index_scores_kernel[(b - a, splits)](
             q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
-            page_table, scores, max_entries, head_dim ** -0.5,
+            page_table, scores, token_seq if candidates is None else candidates[a:b], max_entries, head_dim ** -0.5,
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cos.stride(0), page_table.stride(0),
-            scores.stride(0),
+            scores.stride(0), 0 if candidates is None else candidates.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate, PAGE_SIZE=page_size,
             SPLITS=splits, HAS_SCALES=fp8, DOT_FP32=not exact or q.dtype == torch.float32,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=cfg.num_warps,
-            enable_fp_fusion=False,  # a fused multiply-add skips the rotation's rounding steps
+            BLOCK_D=triton.next_power_of_2(head_dim), NUM_CAND=num_cand, CAND_SIZE=block_size,
+            num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips the rotation's roundings
             **launch_options(q.device),
         )
         yield a, b, scores
@@ -297,7 +311,7 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
     cands = picks if candidates is None else candidates.contiguous()  # an unread placeholder without the filter
     max_blocks = -(-max_entries // max(1, block_size))
     for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
-                                rate, max_entries, cfg):
+                                rate, max_entries, cfg, None if candidates is None else cands, max(1, block_size)):
         allowed = picks
         if candidates is not None:  # one int8 per block: 1 where a candidate (a column past the last for -1)
             allowed = torch.zeros(b - a, max_blocks + 1, dtype=torch.int8, device=q.device)

@@ -294,25 +294,28 @@ def test_bad_inputs_name_the_field(seed):
         select(case.q[:, :1], case.weights, case.layer, case.kv, case.batch, case.meta)
 
 
-def _compile(target: str, key_dtype: str, fp32: bool = False):
+def _compile(target: str, key_dtype: str, fp32: bool = False, filtered: bool = False):
     q = "fp32" if fp32 else "bf16"
     signature = {"q_ptr": f"*{q}", "w_ptr": "*fp32", "keys_ptr": f"*{key_dtype}", "scales_ptr": "*fp32",
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64", "token_seq_ptr": "*i32",
-                 "page_table_ptr": "*i32", "out_ptr": "*i64", "max_entries": "i32", "sm_scale": "fp32",
-                 **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
-    constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=4, PAGE_SIZE=64, SPLITS=4,
+                 "page_table_ptr": "*i32", "out_ptr": "*i64", "cand_ptr": "*i32", "max_entries": "i32",
+                 "sm_scale": "fp32", **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
+    # filtered: V4.1-Flash's Reindex layers, inside 2048 candidate blocks of 8 entries at rate 1
+    constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=1 if filtered else 4, PAGE_SIZE=64, SPLITS=4,
                       HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128,
-                      PDL=pdl(target))
+                      PDL=pdl(target), NUM_CAND=2048 if filtered else 0, CAND_SIZE=8 if filtered else 1)
     return compile_asm(index_scores_kernel, signature, constexprs, target, enable_fp_fusion=False)
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8e4nv"])
-def test_index_scores_compiles(target, key_dtype):
-    """The V4-Flash indexer (64 heads x 128, rope 64, rate 4) with bf16 and E4M3 keys: the heads x
-    entries product runs on the matrix units (wgmma on sm_90, tcgen05 on sm_100, MFMA on AMD)."""
-    asm = _compile(target, key_dtype)
+@pytest.mark.parametrize("filtered", [False, True])
+def test_index_scores_compiles(target, key_dtype, filtered):
+    """The V4-Flash indexer (64 heads x 128, rope 64, rate 4) with bf16 and E4M3 keys, and V4.1-Flash's
+    scoring inside candidate blocks: the heads x entries product runs on the matrix units (wgmma on
+    sm_90, tcgen05 on sm_100, MFMA on AMD)."""
+    asm = _compile(target, key_dtype, filtered=filtered)
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     if target == "sm_90":
