@@ -13,7 +13,13 @@ Two more comparisons at the DeepSeek-V4-Flash shape, through the fused Triton ex
 - ``fold``: the shared expert folded into the routed launch (one more expert every token takes with
   weight 1, what ``core/models/deepseek_v4/moe.py`` does with ``FOLD_SHARED``) against a second
   launch for it. ``fold_over_separate`` below 1 at the token counts that matter says to turn
-  ``FOLD_SHARED`` on.
+  ``FOLD_SHARED`` on;
+- ``dispatch``: a decode step's layer after the router with its routing and alignment by expert in
+  one launch (``TritonMoE.route_experts``, moe_dispatch.py) against the routing and the alignment
+  launched apart (``route`` then ``experts``), the shared expert folded, at decode batch sizes:
+  ``dispatch_over_apart`` above 1 at a batch says ``DISPATCH.tokens`` should stop below it;
+- ``fp8_quantize``: FP8 experts with the activations quantized inside the two GEMMs (decode) against
+  a quantization launch before each.
 
     python benchmarks/moe_bench.py [--json benchmarks/results/moe-<device>.json]
 """
@@ -206,15 +212,79 @@ def measure_fold(shape: dict, stack: ExpertWeights, num_tokens: int, device, rep
             "fold_over_separate": round(fold_ms / sep_ms, 3), "rel_diff": float((a - b).norm() / a.norm())}
 
 
+DECODE_TOKENS = (1, 4, 8, 16, 32, 64, 128)
+
+
+def v4_routing(shape: dict, device):
+    from engine.core.families.moe import RoutingConfig
+
+    e = shape["num_experts"]
+    return RoutingConfig(num_experts=e, top_k=shape["top_k"], scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                         correction_bias=torch.randn(e, device=device) * 0.1, weight_dtype=torch.bfloat16,
+                         shared_expert=e)
+
+
+def measure_dispatch(shape: dict, stack: ExpertWeights, num_tokens: int, device, repeats: int) -> dict:
+    """``stack`` holds the routed experts and, last, the shared one (folded)."""
+    from engine.backends.triton.moe import TritonMoE
+    from engine.backends.triton.moe_dispatch import fits_one_program
+
+    moe, cfg = TritonMoE(None), v4_routing(shape, device)
+    x = torch.randn(num_tokens, shape["hidden"], device=device).to(torch.bfloat16)
+    logits = torch.randn(num_tokens, shape["num_experts"], device=device) * 3
+
+    def apart():
+        return moe.experts(x, *moe.route(logits, cfg), stack)
+
+    def dispatched():
+        return moe.route_experts(x, logits, cfg, stack)
+
+    apart_ms, dispatch_ms = graph_ms(apart, device, repeats), graph_ms(dispatched, device, repeats)
+    return {"tokens": num_tokens, "one_launch": fits_one_program(num_tokens, cfg, x.device),
+            "apart_graph_ms": round(apart_ms, 4), "dispatch_graph_ms": round(dispatch_ms, 4),
+            "dispatch_over_apart": round(dispatch_ms / apart_ms, 3), "equal": torch.equal(apart(), dispatched())}
+
+
+def measure_fp8_quantize(shape: dict, w8: ExpertWeights, num_tokens: int, device, repeats: int) -> dict:
+    from engine.backends.triton.fused_moe import fused_moe
+
+    x, weights, ids = random_case(shape, num_tokens, device)
+
+    def run(in_gemm: bool):
+        return fused_moe(x, weights, ids, w8.gate_up, w8.down, swiglu_limit=w8.swiglu_limit,
+                         gate_up_scale=w8.gate_up_scale, down_scale=w8.down_scale, quantize_in_gemm=in_gemm)
+
+    launches_ms, in_gemm_ms = graph_ms(lambda: run(False), device, repeats), graph_ms(lambda: run(True), device, repeats)
+    return {"tokens": num_tokens, "quantize_launches_graph_ms": round(launches_ms, 4),
+            "in_gemm_graph_ms": round(in_gemm_ms, 4), "in_gemm_over_launches": round(in_gemm_ms / launches_ms, 3),
+            "equal": torch.equal(run(False), run(True))}
+
+
+def fp8_experts(w: ExpertWeights) -> ExpertWeights:
+    from engine.core.native.quant import quantize_fp8_block
+
+    def stack(t):
+        data, scale = zip(*(quantize_fp8_block(m.float()) for m in t))
+        return torch.stack(data), torch.stack(scale)
+
+    (gu, gu_scale), (dn, dn_scale) = stack(w.gate_up), stack(w.down)
+    return ExpertWeights(gu, dn, swiglu_limit=w.swiglu_limit, scheme="fp8_block", gate_up_scale=gu_scale,
+                         down_scale=dn_scale)
+
+
 def run_v4(device, tokens=TOKENS, repeats: int = 20) -> dict:
-    """The fp4 and fold comparisons at the DeepSeek-V4-Flash shape."""
+    """The fp4, fold, dispatch and fp8_quantize comparisons at the DeepSeek-V4-Flash shape."""
     device = torch.device(device)
     shape = SHAPES["deepseek-v4-flash"]
     stack = random_experts({**shape, "num_experts": shape["num_experts"] + 1}, device)
-    result = {"fold": [measure_fold(shape, stack, t, device, repeats) for t in tokens]}
+    result = {"fold": [measure_fold(shape, stack, t, device, repeats) for t in tokens],
+              "dispatch": [measure_dispatch(shape, stack, t, device, repeats) for t in DECODE_TOKENS]}
     w = ExpertWeights(stack.gate_up[:-1], stack.down[:-1], swiglu_limit=shape["swiglu_limit"])
     w4 = fp4_experts(w)
     result["fp4"] = [measure_fp4(shape, w, w4, t, device, repeats) for t in tokens]
+    del w4, stack
+    w8 = fp8_experts(w)
+    result["fp8_quantize"] = [measure_fp8_quantize(shape, w8, t, device, repeats) for t in DECODE_TOKENS[:5]]
     return result
 
 
