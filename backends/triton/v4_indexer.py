@@ -23,8 +23,8 @@ DeepSeek-V4.1's candidate filter reuses both: a candidate source's scores go thr
 ``block_best_kernel`` (each visible block's best score, the block of the newest entry +inf) and
 ``stable_topk_kernel`` over the blocks (``GROUP``), so the blocks are chosen as entries are, ties
 to the lowest; an index source filtered by them scores only the entries of its candidate blocks
-(``index_scores_kernel`` walks the blocks, ``NUM_CAND``), marks the blocks (one int8 per block), and
-``stable_topk_kernel`` counts and selects only the entries of marked blocks.
+(``index_scores_kernel`` walks the blocks, ``NUM_CAND``) and ``stable_topk_kernel`` selects among
+them, walking the blocks sorted ascending (so in entry order: ties to the lowest).
 """
 
 from __future__ import annotations
@@ -127,43 +127,47 @@ def _ordered(row, idx, mask):
 
 
 @triton.jit
-def _allowed(idx, n, allowed_row, CAND_SIZE: tl.constexpr, FILTERED: tl.constexpr):
-    """Which of ``idx`` count: the first n, and with the candidate filter only those whose block of
-    CAND_SIZE entries is marked in ``allowed_row``."""
-    ok = idx < n
-    if FILTERED:
-        ok = ok & (tl.load(allowed_row + idx // CAND_SIZE, mask=ok, other=0) != 0)
-    return ok
+def _listed(start, lane, n, cand_row, NUM_CAND: tl.constexpr, CAND_SIZE: tl.constexpr):
+    """Entries start + lane of the walk and which of them count: entries 0..n-1; with the candidate
+    filter (NUM_CAND > 0) the entries of the row's blocks ``cand_row`` (ascending, -1: none) in order."""
+    if NUM_CAND > 0:
+        j = start + lane
+        block = tl.load(cand_row + j // CAND_SIZE, mask=j < NUM_CAND * CAND_SIZE, other=-1)
+        idx = block * CAND_SIZE + j % CAND_SIZE
+        ok = (block >= 0) & (idx < n)
+    else:
+        idx = start + lane
+        ok = idx < n
+    return idx, ok
 
 
 @triton.jit
-def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, allowed_ptr, out_ptr, max_entries, stride_s, stride_c,
-                       stride_a, stride_o,
+def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, out_ptr, max_entries, stride_s, stride_c, stride_o,
                        TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                        GROUP: tl.constexpr = 1, NUM_CAND: tl.constexpr = 0, CAND_SIZE: tl.constexpr = 1):
     # GROUP: a score per group of that many entries (the candidate source's blocks). NUM_CAND > 0: the
-    # candidate filter; only entries in the row's NUM_CAND blocks of CAND_SIZE entries (cand_ptr, -1:
-    # none; allowed_ptr marks the same blocks, one int8 per block) count
+    # candidate filter; only entries in the row's NUM_CAND blocks of CAND_SIZE entries (cand_ptr,
+    # ascending, -1 first) count, and only those are read
     token = tl.program_id(0).to(tl.int64)
     wait_for_prior(PDL)
     visible = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)
     n = tl.cdiv(visible, GROUP)  # the scores it sees
     row = scores_ptr + token * stride_s
-    allowed_row = allowed_ptr + token * stride_a
+    cand_row = cand_ptr + token * stride_c
     out = out_ptr + token * stride_o
     lane = tl.arange(0, BLOCK)
-    FILTERED: tl.constexpr = NUM_CAND > 0
+    span = tl.where(NUM_CAND > 0, NUM_CAND * CAND_SIZE, n)  # the walk's length
     count = n
-    if FILTERED:  # the blocks are distinct: the entries they hold, as many as are seen
+    if NUM_CAND > 0:  # the blocks are distinct: the entries they hold, as many as are seen
         count = 0
         for c0 in range(0, NUM_CAND, BLOCK):
-            cands = tl.load(cand_ptr + token * stride_c + c0 + lane, mask=c0 + lane < NUM_CAND, other=-1)
+            cands = tl.load(cand_row + c0 + lane, mask=c0 + lane < NUM_CAND, other=-1)
             count += tl.sum(tl.where(cands >= 0, tl.minimum(tl.maximum(n - cands * CAND_SIZE, 0), CAND_SIZE), 0), 0)
-    if count <= TOP_K:  # every allowed score, in order, then -1
+    if count <= TOP_K:  # every score that counts, in order, then -1
         taken = 0
-        for start in range(0, n, BLOCK):
-            idx = start + lane
-            take = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED).to(tl.int32)
+        for start in range(0, span, BLOCK):
+            idx, take = _listed(start, lane, n, cand_row, NUM_CAND, CAND_SIZE)
+            take = take.to(tl.int32)
             tl.store(out + taken + tl.cumsum(take, 0) - take, idx, mask=take != 0)
             taken += tl.sum(take, 0)
         for first in range(0, TOP_K, BLOCK):
@@ -178,9 +182,8 @@ def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, allowed_ptr, out_ptr
         for p in tl.static_range(4):
             shift = 24 - 8 * p
             hist = tl.zeros([256], tl.int32)
-            for start in range(0, n, BLOCK):
-                idx = start + lane
-                mask = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED)
+            for start in range(0, span, BLOCK):
+                idx, mask = _listed(start, lane, n, cand_row, NUM_CAND, CAND_SIZE)
                 key = _ordered(row, idx, mask)
                 if p == 0:
                     digit = ((key >> 24) & 255) ^ 128  # the sign bit flipped: unsigned order
@@ -196,9 +199,8 @@ def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, allowed_ptr, out_ptr
             threshold = threshold | (top << shift)
         taken = 0
         equal_before = 0
-        for start in range(0, n, BLOCK):
-            idx = start + lane
-            ok = _allowed(idx, n, allowed_row, CAND_SIZE, FILTERED)
+        for start in range(0, span, BLOCK):
+            idx, ok = _listed(start, lane, n, cand_row, NUM_CAND, CAND_SIZE)
             key = _ordered(row, idx, ok)
             equal = ((key == threshold) & ok).to(tl.int32)
             take = (((key > threshold) & ok) |
@@ -308,16 +310,12 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
     picks = _empty((tokens, top_k), torch.int32, q.device)
     cfg = config_for(INDEXER, q.device)
     num_cand = 0 if candidates is None else candidates.shape[1]
-    cands = picks if candidates is None else candidates.contiguous()  # an unread placeholder without the filter
-    max_blocks = -(-max_entries // max(1, block_size))
+    # the blocks ascending (-1 first): the top-k walks their entries in entry order, ties to the lowest
+    cands = picks if candidates is None else candidates.sort(dim=1).values  # an unread placeholder without them
     for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
                                 rate, max_entries, cfg, None if candidates is None else cands, max(1, block_size)):
-        allowed = picks
-        if candidates is not None:  # one int8 per block: 1 where a candidate (a column past the last for -1)
-            allowed = torch.zeros(b - a, max_blocks + 1, dtype=torch.int8, device=q.device)
-            allowed.scatter_(1, torch.where(cands[a:b] < 0, max_blocks, cands[a:b]).long(), 1)
-        stable_topk_kernel[(b - a,)](scores, positions[a:b], cands[a:b], allowed, picks[a:b], max_entries,
-                                     scores.stride(0), cands.stride(0), allowed.stride(0), picks.stride(0),
+        stable_topk_kernel[(b - a,)](scores, positions[a:b], cands[a:b], picks[a:b], max_entries, scores.stride(0),
+                                     cands.stride(0), picks.stride(0),
                                      TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, NUM_CAND=num_cand,
                                      CAND_SIZE=max(1, block_size), num_warps=cfg.topk_warps,
                                      **launch_options(q.device))
@@ -344,8 +342,8 @@ def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
         block_best_kernel[(b - a,)](scores, positions[a:b], best, max_entries, scores.stride(0), best.stride(0),
                                     RATE=rate, SIZE=block_size, BLOCK_B=max(1, cfg.topk_block // block_e),
                                     BLOCK_E=block_e, num_warps=cfg.topk_warps, **launch_options(q.device))
-        stable_topk_kernel[(b - a,)](best, positions[a:b], chosen[a:b], chosen[a:b], chosen[a:b], max_entries,
-                                     best.stride(0), chosen.stride(0), chosen.stride(0), chosen.stride(0),
+        stable_topk_kernel[(b - a,)](best, positions[a:b], chosen[a:b], chosen[a:b], max_entries, best.stride(0),
+                                     chosen.stride(0), chosen.stride(0),
                                      TOP_K=num_blocks, RATE=rate, BLOCK=cfg.topk_block, GROUP=block_size,
                                      num_warps=cfg.topk_warps, **launch_options(q.device))
     return chosen

@@ -226,8 +226,8 @@ def test_candidate_filter_interpreted(seed, poisoned_scratch, monkeypatch, rate,
 
 def check_candidates(case: Case, blocks: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The case's layer as a candidate source of ``blocks`` blocks of ``size`` entries and as an indexer
-    filtered by them: the Triton blocks and picks inside them equal the native ones as sets; returns
-    the native (picks, blocks)."""
+    filtered by them (handed its blocks in a random order): the Triton blocks and picks inside them
+    equal the native ones as sets; returns the native (picks, blocks)."""
     layer = dataclasses.replace(case.layer, indexer=dataclasses.replace(
         case.layer.indexer, candidate_blocks=blocks, candidate_block_size=size, filtered=True))
     native = NativeV4Attention(None)
@@ -237,7 +237,8 @@ def check_candidates(case: Case, blocks: int, size: int) -> tuple[torch.Tensor, 
     assert got_blocks.shape == (case.q.shape[0], blocks) and got_blocks.dtype == torch.int32
     assert torch.equal(got_blocks.sort(1).values, want_blocks.sort(1).values)
     want = native.select(case.q, case.weights, layer, case.kv, case.batch, meta, want_blocks)
-    got = select(case.q, case.weights, layer, case.kv, case.batch, case.meta, got_blocks)
+    shuffled = got_blocks.gather(1, torch.rand(got_blocks.shape, device=got_blocks.device).argsort(1))  # any order
+    got = select(case.q, case.weights, layer, case.kv, case.batch, case.meta, shuffled)
     assert torch.equal(got.sort(1).values, want.sort(1).values)
     return want, want_blocks
 
@@ -327,9 +328,8 @@ def test_index_scores_compiles(target, key_dtype, filtered):
         assert "mfma" in asm["amdgcn"]
 
 
-TOPK_SIGNATURE = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "cand_ptr": "*i32", "allowed_ptr": "*i8",
-                  "out_ptr": "*i32", "max_entries": "i32", "stride_s": "i32", "stride_c": "i32", "stride_a": "i32",
-                  "stride_o": "i32"}
+TOPK_SIGNATURE = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "cand_ptr": "*i32", "out_ptr": "*i32",
+                  "max_entries": "i32", "stride_s": "i32", "stride_c": "i32", "stride_o": "i32"}
 
 
 @pytest.mark.aot
