@@ -96,9 +96,12 @@ def _clear_arrivals(arrivals_ptr, token, valid, tiles, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
-             stride_cm, stride_om, stride_wt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             stride_cm, stride_om, stride_wt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             ACCUMULATE: tl.constexpr):
     """out[t, tile] = sum over k of c[t * top_k + k, tile] * weight[t, k], in fp32 and in k order,
-    by whichever program stores the last of token t's top_k rows of this column tile.
+    by whichever program stores the last of token t's top_k rows of this column tile; ACCUMULATE:
+    out[t, tile] plus that sum rounded to out's dtype, as torch adds two such tensors (another
+    stack's output, written by an earlier launch).
 
     Each program counts its stored rows into arrivals[t, pid_n] (an integer atomic, after a barrier:
     every row of the tile is stored before any is counted; acquire-release at GPU scope, so the
@@ -120,8 +123,11 @@ def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N,
         row = tl.load(c_ptr + (first_row + k)[:, None] * stride_cm + rn[None, :], mask=mask, other=0.0,
                       cache_modifier=".cg")
         total += row.to(tl.float32) * weight[:, None]
-    tl.store(out_ptr + token[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out_ptrs = out_ptr + token[:, None].to(tl.int64) * stride_om + rn[None, :]
+    total = total.to(out_ptr.dtype.element_ty)
+    if ACCUMULATE:
+        total = (tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + total.to(tl.float32)).to(total.dtype)
+    tl.store(out_ptrs, total, mask=mask)
 
 
 @triton.jit
@@ -189,14 +195,14 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
                      FP4: tl.constexpr, SCALED_MMA: tl.constexpr, EVEN_K: tl.constexpr,
-                     PTX_UNPACK: tl.constexpr, QUANTIZE_A: tl.constexpr):
+                     PTX_UNPACK: tl.constexpr, QUANTIZE_A: tl.constexpr, ACCUMULATE: tl.constexpr):
     """c[id] = a[id // rows_per_a] @ b[expert].T for the sorted ids of one M block.
 
     GATED (gate/up): b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two
     products, and the block's tokens' arrival counts [T, tiles] are cleared for the down GEMM.
     Otherwise (down): c gets the product, and each token's rows are combined into out (see
     ``_combine``) with the routing weights [T, top_k] (row stride stride_wt: a column slice of a
-    wider routing reads in place).
+    wider routing reads in place), added to what out holds with ACCUMULATE.
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
     to ``tl.dot_scaled``, otherwise ``_fp4_row_products`` unpacks the weights in registers (with
     PTX_UNPACK through ``fp4_rows_ptx``). EVEN_K: K is a multiple of BLOCK_K (no masks in that loop).
@@ -299,7 +305,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
     if not GATED:
         _combine(c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
-                 stride_cm, stride_om, stride_wt, BLOCK_M, BLOCK_N)
+                 stride_cm, stride_om, stride_wt, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False) -> GemmConfig:
@@ -349,7 +355,7 @@ def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: b
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
                   out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-                  quantize_a: bool = False) -> None:
+                  quantize_a: bool = False, accumulate: bool = False) -> None:
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
     fmt = _weight_format(a, a_scale, b, b_scale, quantize_a)
@@ -377,7 +383,7 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
         PTX_UNPACK=(fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device)
                     and ptx_unpack_fits(cfg)),
-        QUANTIZE_A=quantize_a,
+        QUANTIZE_A=quantize_a, ACCUMULATE=accumulate,
         num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
 
 
@@ -414,12 +420,14 @@ def moe_gate_up(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, to
 def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_weights: torch.Tensor,
              cfg: GemmConfig, *, arrivals: torch.Tensor, h_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             out: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
+             out: torch.Tensor | None = None, quantize: bool = False, accumulate: bool = False) -> torch.Tensor:
     """h [T * top_k, I] through down [E, H, I], each token's rows weighted by its routing weights
     (``topk_weights`` [T, top_k], any row stride) and summed -> [T, H] in ``out_dtype`` (by default
     h's), or into ``out``. ``arrivals`` as ``moe_gate_up`` left them. The rows pass through memory
     in the output's dtype, each GEMM's result rounded to it as native rounds it. ``quantize`` as in
-    ``moe_gate_up``."""
+    ``moe_gate_up``; ``accumulate``: add the sum to what ``out`` holds."""
+    if accumulate and out is None:
+        raise ValueError("accumulating needs the output to add to")
     if topk_weights.dim() != 2 or topk_weights.numel() != blocks.num_assignments:
         raise ValueError(f"routing weights {list(topk_weights.shape)} are not [tokens, top_k] of "
                          f"{blocks.num_assignments} assignments")
@@ -430,7 +438,8 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
     rows = torch.empty(blocks.num_assignments, hidden, dtype=out.dtype, device=h.device)
     weights = topk_weights.float()
     _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, hidden, 1, rows, arrivals, gated=False, out=out,
-                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous(), quantize_a=quantize)
+                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous(), quantize_a=quantize,
+                  accumulate=accumulate)
     return out
 
 
@@ -439,7 +448,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
               out: torch.Tensor | None = None, scaled_mma: bool | None = None,
               config: GemmConfig | None = None, blocks: ExpertBlocks | None = None,
-              quantize_in_gemm: bool | None = None) -> torch.Tensor:
+              quantize_in_gemm: bool | None = None, accumulate: bool = False) -> torch.Tensor:
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
     The weights and ids may be column slices of a wider routing: they are read through their row
@@ -455,6 +464,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     ids aligned by expert already (``moe_dispatch.route_and_align``), in blocks of the config's rows.
     ``quantize_in_gemm``: whether the GEMMs quantize their FP8 or MXFP8 activations as they load
     them instead of a launch before each (by default for a decode step's rows, ``quantizes_in_gemm``).
+    ``accumulate``: add the sum to what ``out`` holds (another stack's experts of the same tokens).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
@@ -465,6 +475,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
             or down.shape != (num_experts, hidden, two_inner // 2 // packing)):
         raise ValueError(f"x {list(x.shape)}, weights {list(topk_weights.shape)}, ids {list(ids.shape)}, gate_up "
                          f"{list(gate_up.shape)} and down {list(down.shape)} do not fit together")
+    if accumulate and out is None:
+        raise ValueError("accumulating needs the output to add to")
     out = output_for(num_tokens, hidden, x.dtype, x.device, out)
     if num_tokens == 0:
         return out
@@ -486,7 +498,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
                     gate_up_scale=gate_up_scale, out_dtype=x.dtype, quantize=in_gemm)
     h, h_scale = quantize(h) if quantize and not in_gemm else (h, None)
     return moe_down(h, blocks, down, topk_weights, cfg, arrivals=arrivals, h_scale=h_scale, down_scale=down_scale,
-                    out=out, quantize=in_gemm)
+                    out=out, quantize=in_gemm, accumulate=accumulate)
 
 
 def quantizes_in_gemm(cfg: GemmConfig, num_tokens: int, top_k: int, num_experts: int, device: torch.device, *,

@@ -30,31 +30,34 @@ class TritonMoE(MoEBackend):
     def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
                       input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
         """A decode step's routing and alignment in one launch (``moe_dispatch``), the shared expert's
-        own stack aligned by it too, then each stack's two grouped GEMMs: three launches a layer with
-        the shared expert folded, five (and the sum) with it apart; larger batches and grouped
-        routing as ``route`` then ``experts``."""
-        if not fits_one_program(router_logits.shape[0], cfg, router_logits.device):
-            return super().route_experts(x, router_logits, cfg, w, input_ids, shared)
+        own stack aligned by it too, then each stack's two grouped GEMMs, the shared stack's down GEMM
+        adding to the routed one's output: three launches a layer with the shared expert folded, five
+        with it apart; larger batches and grouped routing route and align apart."""
         for stack in (w, shared or w):
             self._check_scheme(stack)
         num_tokens, k = x.shape[0], cfg.top_k
         gemm = self._gemm_config(num_tokens, k if shared else moe_routing.route_width(cfg), w)
         shared_gemm = self._gemm_config(num_tokens, 1, shared) if shared else None
-        weights, ids, blocks, shared_blocks = route_and_align(router_logits, cfg, input_ids, w.gate_up.shape[0],
-                                                              gemm.block_m, shared_gemm and shared_gemm.block_m)
+        if fits_one_program(router_logits.shape[0], cfg, router_logits.device):
+            weights, ids, blocks, shared_blocks = route_and_align(router_logits, cfg, input_ids, w.gate_up.shape[0],
+                                                                  gemm.block_m, shared_gemm and shared_gemm.block_m)
+        else:
+            (weights, ids), blocks, shared_blocks = self.route(router_logits, cfg, input_ids), None, None
         if shared is None:
             return self._fused(x, weights, ids, w, gemm, blocks)
-        return (self._fused(x, weights[:, :k], ids[:, :k], w, gemm, blocks)
-                + self._fused(x, weights[:, k:], ids[:, k:], shared, shared_gemm, shared_blocks))
+        out = self._fused(x, weights[:, :k], ids[:, :k], w, gemm, blocks)
+        return self._fused(x, weights[:, k:], ids[:, k:], shared, shared_gemm, shared_blocks, out=out)
 
     @staticmethod
     def _gemm_config(num_tokens: int, columns: int, w: ExpertWeights):
         return moe_config(num_tokens, columns, w.gate_up.shape[0], w.gate_up.device, fp4=w.gate_up.dtype == PACKED_FP4)
 
     @staticmethod
-    def _fused(x, weights, ids, w: ExpertWeights, gemm, blocks) -> torch.Tensor:
+    def _fused(x, weights, ids, w: ExpertWeights, gemm, blocks, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fused_moe of ``w``; with ``out``, added to it."""
         return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,
-                         gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, config=gemm, blocks=blocks)
+                         gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, config=gemm, blocks=blocks, out=out,
+                         accumulate=out is not None)
 
     def _check_scheme(self, w: ExpertWeights) -> None:
         if w.scheme not in self.schemes:

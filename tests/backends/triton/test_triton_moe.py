@@ -502,7 +502,7 @@ def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[st
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=128,
                       PDL=pdl(target), FP4=False, SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False,
-                      QUANTIZE_A=False)
+                      QUANTIZE_A=False, ACCUMULATE=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"])
 
@@ -557,7 +557,7 @@ def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=False, SCALE_BLOCK=32, PDL=pdl(target),
                       FP4=True, SCALED_MMA=scaled, EVEN_K=True, PTX_UNPACK=pick(FP4_PTX_UNPACK, target),
-                      QUANTIZE_A=False)
+                      QUANTIZE_A=False, ACCUMULATE=False)
     asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, sass=target == "sm_90",
                       divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bsn", "stride_cm", "stride_om"])

@@ -15,9 +15,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from test_triton_moe import activations, fp4_experts, random_experts, rel_err, stack_in
+from test_triton_moe import (activations, fp4_experts, random_experts, random_ids, rel_err, routing_weights,
+                             stack_in)
 from test_triton_moe_routing import choice_scores, clear_of_ties
 
+from engine.backends.triton.fused_moe import fused_moe
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.moe_align import ALIGN, align_by_expert
 from engine.backends.triton.moe_dispatch import (DISPATCH, _route_align_kernel, block_tokens, fits_one_program,
@@ -134,17 +136,32 @@ def check_layer_apart(x, logits, cfg, w, shared, input_ids, bound):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("tokens", [1, 5, 24], ids=["decode-1", "decode-5", "prefill"])
-def test_route_experts_with_the_shared_expert_apart(seed, poisoned_empty, tokens):
+@pytest.mark.parametrize("tokens,dtype", [(1, torch.float32), (5, torch.float16), (24, torch.float32)],
+                         ids=["decode-1", "decode-5-fp16", "prefill"])
+def test_route_experts_with_the_shared_expert_apart(seed, poisoned_empty, tokens, dtype):
     """DeepSeek-V4 as published: FP4 routed experts and an FP8 shared expert in a stack of its own (id
-    0 there): the dispatch aligns both stacks, equal to the bit to route + two experts calls."""
+    0 there): the dispatch aligns both stacks and the shared down GEMM adds to the routed output,
+    equal to the bit to route + two experts calls + their sum."""
     experts, top_k, hidden, inner = 8, 2, 128, 128
-    cfg = v4_routing(experts, top_k, False, shared=False)
+    cfg = v4_routing(experts, top_k, False, shared=False, weight_dtype=dtype)
     cfg = dataclasses.replace(cfg, shared_expert=0)
     routed = fp4_experts(random_experts(experts, hidden, inner, torch.float32, swiglu_limit=1.0))
     shared = stack_in("fp8_block", random_experts(1, hidden, inner, torch.float32, swiglu_limit=1.0))
-    x = activations(tokens, hidden, torch.float32, scale=2.0)
+    x = activations(tokens, hidden, dtype, scale=2.0)
     check_layer_apart(x, torch.randn(tokens, experts) * 3, cfg, routed, shared, None, 0.1)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_down_gemm_adds_to_its_output(seed, dtype):
+    """accumulate: what out held plus the experts' sum, as torch adds the two in out's dtype."""
+    x, w = activations(3, 64, dtype, scale=2.0), random_experts(4, 64, 64, dtype)
+    weights, ids = routing_weights(3, 2), random_ids(3, 4, 2)
+    prior = activations(3, 64, dtype)
+    got = fused_moe(x, weights, ids, w.gate_up, w.down, out=prior.clone(), accumulate=True)
+    assert torch.equal(got, prior + fused_moe(x, weights, ids, w.gate_up, w.down))
+    with pytest.raises(ValueError, match="output to add to"):
+        fused_moe(x, weights, ids, w.gate_up, w.down, accumulate=True)
 
 
 LAYER_CASES = [  # scheme, dtype, bound, tokens, hashed; 1 and 5 tokens: one dispatch launch, 24: apart
@@ -257,3 +274,23 @@ def test_dispatch_kernel_compiles(target, hashed, apart):
         assert local_memory_ops(asm["sass"]) == 0
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+def test_adding_down_gemm_compiles(target):
+    """The shared stack's decode down GEMM, adding to the routed output: the same MMA as without."""
+    from aot import compile_asm, pdl
+    from test_triton_moe import BF16_MMA, SIGNATURE, check_compiled
+
+    from engine.backends.triton.fused_moe import MOE_GEMM, _moe_gemm_kernel
+
+    cfg = pick(MOE_GEMM, target).small
+    signature = {**SIGNATURE, "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      GATED=False, HAS_LIMIT=False, FP8=False, SCALE_BLOCK=128, PDL=pdl(target), FP4=False,
+                      SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False, QUANTIZE_A=False, ACCUMULATE=True)
+    asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm",
+                                                                  "stride_om"])
+    check_compiled(asm, target, BF16_MMA[target, "small"])

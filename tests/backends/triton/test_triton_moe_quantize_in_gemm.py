@@ -131,7 +131,7 @@ def test_quantizing_gemm_compiles(kind, target, gated):
                  "b_ptr": "*u8" if fp4 else "*fp8e4nv", "b_scale_ptr": "*u8" if fp4 else "*fp32"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=not fp4, SCALE_BLOCK=32 if fp4 else 128, PDL=pdl(target),
-                      FP4=fp4, SCALED_MMA=fp4, EVEN_K=True, PTX_UNPACK=False, QUANTIZE_A=True)
+                      FP4=fp4, SCALED_MMA=fp4, EVEN_K=True, PTX_UNPACK=False, QUANTIZE_A=True, ACCUMULATE=False)
     asm = compile_asm(fused._moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm",
                                                                   "stride_om"])
