@@ -84,8 +84,9 @@ class Case:
 
     def picks(self, padding_last: bool = False) -> torch.Tensor | None:
         """Per token a random set of its visible entries (as many as there are, up to top_k, sometimes
-        fewer), -1 elsewhere, in random order (``padding_last``: the -1s after the entries)."""
-        if self.kind != "csa":
+        fewer), -1 elsewhere, in random order (``padding_last``: the -1s after the entries); None
+        where the case has no top_k (a layer that attends every visible entry)."""
+        if not self.top_k:
             return None
         rows = []
         for p in self.batch.positions.tolist():
@@ -203,6 +204,18 @@ def test_attend_interpreted(seed, kind, dtype):
     lens = mixed_lens(rng, max(k["rate"], 4))
     Case(lens, kind, heads=4, head_dim=32, rope_dim=8, window=rng.choice([8, 16]), rate=k["rate"],
          top_k=k["top_k"], page_size=rng.choice([4, 6, 16]), dtype=dtype).check_attend()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rate,top_k", [(1, 8), (2, 8), (2, 0)])
+def test_attend_csa2_interpreted(seed, dtype, rate, top_k):
+    """DeepSeek-V4.1's CSA2 layers with no indexer of their own, over disjoint entries at rate 1 or 2:
+    a Reuse layer (``top_k``) attends to the picks its index source made, a group with no index
+    source to every visible entry."""
+    rng = random.Random(seed)
+    Case(mixed_lens(rng, 4), "hca", heads=4, head_dim=32, rope_dim=8, window=rng.choice([8, 16]), rate=rate,
+         top_k=top_k, page_size=rng.choice([3, 4]), dtype=dtype).check_attend()
 
 
 @pytest.mark.interpret
