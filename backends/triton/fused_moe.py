@@ -38,7 +38,7 @@ from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_st
 from .fp4 import fp4_rows, fp4_rows_ptx
 from .fp8_quant import GROUP, quantize_fp8_token_group, token_groups
 from .moe_align import ExpertBlocks, align_by_expert
-from .mxfp8 import MX_BLOCK, e8m0_to_float, mxfp8_blocks, quantize_mxfp8
+from .mxfp8 import MX_BLOCK, mxfp8_blocks, quantize_mxfp8
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 

@@ -2,11 +2,11 @@
 
 What ``NativeMoE.route`` computes for ungrouped routing, rounding apart: scores (softmax, sigmoid
 or DeepSeek-V4's sqrtsoftplus) in fp32; the experts chosen by the scores plus the correction bias
-(no-aux routing), best first, among equal choice scores the lowest expert id first (as
-``torch.topk`` on the CPU orders them), or read from the hash table by token id; the weights are
-the unbiased scores of the chosen experts, renormalised and times the routed scaling factor; a
-shared expert (``RoutingConfig.shared_expert``) is one column more, weight 1, written by the same
-program.
+(no-aux routing), best first, among equal choice scores the lowest expert id first (a stable
+descending sort; ``torch.topk`` picks and orders exact ties its own way), or read from the hash
+table by token id; the weights are the unbiased scores of the chosen experts, renormalised and
+times the routed scaling factor; a shared expert (``RoutingConfig.shared_expert``) is one column
+more, weight 1, written by the same program.
 
 Everything is sized by the logits' shape, so a step that routes can be captured in a graph. A
 program takes BLOCK_T tokens and every expert of them; the top-k is TOP_K rounds of (max, lowest
