@@ -201,18 +201,26 @@ def test_route_experts_without_a_shared_expert(seed, poisoned_empty):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hashed", [False, True], ids=["noaux", "hash"])
+@pytest.mark.parametrize("layout", ["folded", "hash", "published"])
 @pytest.mark.parametrize("tokens", [1, 8, 64, 128])
-def test_route_experts_gpu(seed, hashed, tokens):
-    """256 experts, top-6 plus the shared one folded, a quarter of the hidden size: route_experts equals
-    route + experts to the bit, eager and replayed from a graph on fresh inputs (8 tokens: one pass,
-    64: eight, 128: apart)."""
+def test_route_experts_gpu(seed, layout, tokens):
+    """256 experts, top-6 and the shared one, a quarter of the hidden size: folded in bf16 (no-aux or
+    hash routing), or as published (FP4 routed experts, the FP8 shared one in its own stack, whose down
+    GEMM adds to the routed output): route_experts equals route + experts (+ the sum) to the bit, eager
+    and replayed from a graph on fresh inputs (8 tokens: one pass, 64: several, 128: apart)."""
+    from test_triton_moe import fp4_experts as fp4
+
     experts, top_k, hidden, inner, vocab = 256, 6, 1024, 512, 1000
+    hashed, apart = layout == "hash", layout == "published"
     cfg = RoutingConfig(num_experts=experts, top_k=top_k, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
                         correction_bias=None if hashed else torch.randn(experts, device="cuda") * 0.1,
                         hash_table=torch.rand(vocab, experts, device="cuda").argsort(-1)[:, :top_k] if hashed else None,
-                        weight_dtype=torch.bfloat16, shared_expert=experts)
-    w = random_experts(experts + 1, hidden, inner, torch.bfloat16, "cuda", swiglu_limit=10.0)
+                        weight_dtype=torch.bfloat16, shared_expert=0 if apart else experts)
+    if apart:
+        w = fp4(random_experts(experts, hidden, inner, torch.float32, "cuda", swiglu_limit=10.0))
+        shared = stack_in("fp8_block", random_experts(1, hidden, inner, torch.bfloat16, "cuda", swiglu_limit=10.0))
+    else:
+        w, shared = random_experts(experts + 1, hidden, inner, torch.bfloat16, "cuda", swiglu_limit=10.0), None
     moe = TritonMoE(None)
     logits = torch.empty(tokens, experts, device="cuda")
     x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
@@ -224,19 +232,26 @@ def test_route_experts_gpu(seed, hashed, tokens):
         input_ids.copy_(torch.randint(vocab, (tokens,), device="cuda"))
 
     def unfused():
-        return moe.experts(x, *moe.route(logits, cfg, input_ids), w)
+        weights, ids = moe.route(logits, cfg, input_ids)
+        if shared is None:
+            return moe.experts(x, weights, ids, w)
+        return moe.experts(x, weights[:, :top_k], ids[:, :top_k], w) + moe.experts(x, weights[:, top_k:],
+                                                                                   ids[:, top_k:], shared)
+
+    def fused():
+        return moe.route_experts(x, logits, cfg, w, input_ids, shared)
 
     fill()
     assert fits_one_program(tokens, cfg, x.device) == (tokens <= 64)
-    assert torch.equal(moe.route_experts(x, logits, cfg, w, input_ids), unfused())
+    assert torch.equal(fused(), unfused())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        moe.route_experts(x, logits, cfg, w, input_ids)  # compiles outside the capture
+        fused()  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe.route_experts(x, logits, cfg, w, input_ids)
+        out = fused()
     for _ in range(3):
         fill()
         graph.replay()
