@@ -127,15 +127,14 @@ class Case:
             got = emitting.attend(q, self.layer, self.kv, self.batch, emitting.prepare(self.batch, self.kv), picks)
         assert got.dtype == q.dtype and got.data.dtype == quant.FP8 and got.shape == q.shape
         dense = self.triton.attend(q, self.layer, self.kv, self.batch, self.triton.prepare(self.batch, self.kv), picks)
-        data, scale = quant.quantize_mxfp8(dense)
-        assert torch.equal(got.scale, scale) and torch.equal(got.data.view(torch.uint8), data.view(torch.uint8))
+        if self.device == "cpu":
+            data, scale = quant.quantize_mxfp8(dense)
+            assert torch.equal(got.scale, scale) and torch.equal(got.data.view(torch.uint8), data.view(torch.uint8))
+        else:  # compiled apart (other warps at head dim 512), the fp32 reductions may round differently
+            within_one_step(got, dense, dense)
         want = self.native.attend(q, self.layer, self.kv, self.batch, self.native.prepare(self.batch, self.kv), picks)
         torch.testing.assert_close(dense, want, **TOL[self.dtype])
-        data, scale = quant.quantize_mxfp8(want)
-        a, b = got.dequantize().float(), quant.dequantize_mxfp8(data, scale)
-        apart = (dense.float() - want.float()).abs()
-        assert (a - b).abs().le(e4m3_step(a, b, got.scale, scale) + apart).all()
-        assert (got.data.view(torch.uint8) == data.view(torch.uint8)).float().mean() > 0.9
+        within_one_step(got, want, dense)
 
 
     def check_store(self) -> None:
@@ -154,6 +153,16 @@ class Case:
         torch.testing.assert_close(got, want, **TOL[self.dtype])
         if self.dtype != torch.float32:
             assert (got == want).float().mean() > 0.98
+
+
+def within_one_step(got, want: torch.Tensor, dense: torch.Tensor) -> None:
+    """MXFP8 ``got`` against ``want`` quantized by core/native: within one E4M3 step of the coarser
+    block scale beyond where ``dense`` (got unquantized) and ``want`` differ, most codes equal."""
+    data, scale = quant.quantize_mxfp8(want)
+    a, b = got.dequantize().float(), quant.dequantize_mxfp8(data, scale)
+    apart = (dense.float() - want.float()).abs()
+    assert (a - b).abs().le(e4m3_step(a, b, got.scale, scale) + apart).all()
+    assert (got.data.view(torch.uint8) == data.view(torch.uint8)).float().mean() > 0.9
 
 
 def e4m3_step(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -341,6 +350,17 @@ def test_attend_flash_shape_gpu(seed, kind, batch):
             "mixed": [(2000, 1), (0, 700), (1000 + 37, 600), (rng.randint(1, 500), 1)]}[batch]
     Case(lens, kind, rate=rate, top_k=top_k, page_size=64, dtype=torch.bfloat16, device="cuda",
          max_position=16384, **FLASH).check_attend()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_attend_mxfp8_flash_shape_gpu(seed, kind):
+    """The MXFP8 epilogue at V4-Flash's layer shape in bf16, decode rows and a prefill beside them."""
+    rng = random.Random(seed)
+    rate, top_k = {"sliding": (4, 0), "hca": (128, 0), "csa": (4, 512)}[kind]
+    lens = [(rng.randint(100, 8000), 1) for _ in range(8)] + [(1000 + 37, 300)]
+    Case(lens, kind, rate=rate, top_k=top_k, page_size=64, dtype=torch.bfloat16, device="cuda",
+         max_position=16384, **FLASH).check_attend_mxfp8()
 
 
 @pytest.mark.gpu
