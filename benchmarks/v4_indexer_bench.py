@@ -66,14 +66,14 @@ class Step:
         self.token_seq = torch.arange(len(lens), dtype=torch.int32, device=device).repeat_interleave(
             torch.tensor(new, device=device))
         self.q = torch.randn(sum(new), HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-        self.weights = torch.randn(sum(new), HEADS, device=device) * HEADS ** -0.5
+        self.weights = torch.randn(sum(new), HEADS, device=device, dtype=DTYPE)  # as the projection gives them
 
 
 def _limits(lens, fp8: bool, limits: dict) -> tuple[float, float, float]:
     """(bytes, FLOPs, the step's limit in ms)."""
     key_bytes = HEAD_DIM * (1 if fp8 else DTYPE.itemsize) + (4 if fp8 else 0)
     tokens = sum(q for _, q in lens)
-    nbytes = sum((c + q) // RATE for c, q in lens) * key_bytes + tokens * (HEADS * HEAD_DIM * 2 + HEADS * 4 + TOP_K * 4)
+    nbytes = sum((c + q) // RATE for c, q in lens) * key_bytes + tokens * (HEADS * HEAD_DIM * 2 + HEADS * 2 + TOP_K * 4)
     flops = sum(2 * HEADS * HEAD_DIM * ((p + 1) // RATE) for c, q in lens for p in range(c, c + q))
     return nbytes, flops, max(nbytes / (limits["copy_gb_s"] * 1e6), flops / (limits["bf16_tflop_s"] * 1e9))
 
@@ -87,7 +87,7 @@ def _case(step: str, context: int, fp8: bool, device, limits: dict, rope: Rotary
 
     def call(s: Step):
         return index_topk(s.q, s.weights, s.keys, s.scales, rope.cos, rope.sin, s.batch.positions, s.token_seq,
-                          s.batch.page_table, PAGE_SIZE, RATE, TOP_K, max_entries)
+                          s.batch.page_table, PAGE_SIZE, RATE, TOP_K, max_entries, weight_scale=HEADS ** -0.5)
 
     fast = graph_ms([lambda s=s: call(s) for s in steps])
     s = steps[0]

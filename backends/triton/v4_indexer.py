@@ -67,7 +67,7 @@ INDEXER = {
 @triton.jit
 def index_scores_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr,
-    cand_ptr, max_entries, sm_scale,
+    cand_ptr, max_entries, sm_scale, w_scale,
     stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -90,7 +90,7 @@ def index_scores_kernel(
     q = rotate_pairs(x, cos[None, :], sin[None, :], BLOCK_H, BLOCK_D).to(x.dtype)  # rounded as rotate_tail
     if DOT_FP32:
         q = q.to(tl.float32)
-    weights = tl.load(w_ptr + token * stride_wt + heads, mask=heads < NUM_HEADS, other=0.0)
+    weights = tl.load(w_ptr + token * stride_wt + heads, mask=heads < NUM_HEADS, other=0.0).to(tl.float32) * w_scale
     table = page_table_ptr + seq * stride_pt
     slots_per_page: tl.constexpr = (PAGE_SIZE + RATE - 1) // RATE
     listed = tl.where(NUM_CAND > 0, NUM_CAND * CAND_SIZE, visible)  # the entries it walks
@@ -251,16 +251,17 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scale
         raise ValueError(f"rope dim {2 * cos.shape[-1]} exceeds the indexer head dim {head_dim}")
 
 
-def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
-            cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
-            page_table: torch.Tensor, page_size: int, rate: int, max_entries: int, cfg: IndexerConfig,
-            candidates: torch.Tensor | None = None, block_size: int = 1):
+def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
+            key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
+            cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
     """(a, b, scores [b - a, max_entries]) for chunks a..b of the step's tokens, each chunk's scores
     launched just before it is yielded; with ``candidates`` [T, B] only the entries of those blocks
-    of ``block_size`` are scored (the rest of a row is unwritten)."""
+    of ``block_size`` are scored (the rest of a row is unwritten). The kernel takes the weights in
+    their own dtype and scales them in fp32 (as ``weights.float() * weight_scale``)."""
     tokens, num_heads, head_dim = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
-    weights = weights.float().contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     fp8 = key_scales is not None
     exact = fp8 or keys.dtype == q.dtype  # an E4M3 key converts exactly to fp32, fp16 and bf16
     num_cand = 0 if candidates is None else candidates.shape[1]
@@ -274,6 +275,7 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scal
         index_scores_kernel[(b - a, splits)](
             q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
             page_table, scores, token_seq if candidates is None else candidates[a:b], max_entries, head_dim ** -0.5,
+            weight_scale,
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cos.stride(0), page_table.stride(0),
             scores.stride(0), 0 if candidates is None else candidates.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate, PAGE_SIZE=page_size,
@@ -289,10 +291,10 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scal
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
                page_table: torch.Tensor, page_size: int, rate: int, top_k: int, max_entries: int,
-               candidates: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
-    """q [T, H, d] (unrotated), weights [T, H] fp32 -> int32 [T, top_k]: each token's best visible
+               candidates: torch.Tensor | None = None, block_size: int = 0, weight_scale: float = 1.0) -> torch.Tensor:
+    """q [T, H, d] (unrotated), weights [T, H] -> int32 [T, top_k]: each token's best visible
     entries by score, ties to the lowest index, -1 past the entries it sees; order within a row
-    unspecified.
+    unspecified. The weights count as ``weights.float() * weight_scale``.
 
     ``keys`` [slots, d]: entry w of the sequence with page-table row r lies in the page of its
     window's last token, i = (w*rate + rate - 1) // page_size, at slot
@@ -312,8 +314,9 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
     num_cand = 0 if candidates is None else candidates.shape[1]
     # the blocks ascending (-1 first): the top-k walks their entries in entry order, ties to the lowest
     cands = picks if candidates is None else candidates.sort(dim=1).values  # an unread placeholder without them
-    for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
-                                rate, max_entries, cfg, None if candidates is None else cands, max(1, block_size)):
+    for a, b, scores in _scored(q, weights, weight_scale, keys, key_scales, cos, sin, positions, token_seq,
+                                page_table, page_size, rate, max_entries, cfg, None if candidates is None else cands,
+                                max(1, block_size)):
         stable_topk_kernel[(b - a,)](scores, positions[a:b], cands[a:b], picks[a:b], max_entries, scores.stride(0),
                                      cands.stride(0), picks.stride(0),
                                      TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, NUM_CAND=num_cand,
@@ -325,7 +328,7 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
 def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor,
                    page_table: torch.Tensor, page_size: int, rate: int, num_blocks: int, block_size: int,
-                   max_entries: int) -> torch.Tensor:
+                   max_entries: int, weight_scale: float = 1.0) -> torch.Tensor:
     """DeepSeek-V4.1's candidate filter over the same scores as ``index_topk`` -> int32 [T, num_blocks]:
     the blocks of ``block_size`` entries whose best visible score is highest, the block of each
     token's newest visible entry always taken, ties to the lowest block, -1 where fewer blocks hold
@@ -336,8 +339,8 @@ def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
     cfg = config_for(INDEXER, q.device)
     max_blocks = -(-max_entries // block_size)
     block_e = triton.next_power_of_2(block_size)
-    for a, b, scores in _scored(q, weights, keys, key_scales, cos, sin, positions, token_seq, page_table, page_size,
-                                rate, max_entries, cfg):
+    for a, b, scores in _scored(q, weights, weight_scale, keys, key_scales, cos, sin, positions, token_seq,
+                                page_table, page_size, rate, max_entries, cfg):
         best = _empty((b - a, max_blocks), torch.float32, q.device)
         block_best_kernel[(b - a,)](scores, positions[a:b], best, max_entries, scores.stride(0), best.stride(0),
                                     RATE=rate, SIZE=block_size, BLOCK_B=max(1, cfg.topk_block // block_e),
@@ -367,7 +370,7 @@ def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: 
     keys, scales = _keys(layer, q, kv)
     return index_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
                       batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries,
-                      candidates, indexer.candidate_block_size)
+                      candidates, indexer.candidate_block_size, indexer.num_heads ** -0.5)
 
 
 def select_candidates(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
@@ -377,4 +380,4 @@ def select_candidates(q: torch.Tensor, weights: torch.Tensor, layer: V4Attention
     keys, scales = _keys(layer, q, kv)
     return candidate_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
                           batch.page_table, batch.page_size, indexer.compression.rate, indexer.candidate_blocks,
-                          indexer.candidate_block_size, meta.max_entries)
+                          indexer.candidate_block_size, meta.max_entries, indexer.num_heads ** -0.5)

@@ -124,6 +124,7 @@ class NativeV4Attention(V4AttentionBackend):
         cos, sin = layer.rope.cos[batch.positions][:, None], layer.rope.sin[batch.positions][:, None]
         q = rotate_tail(q, cos, sin)
         keys_kv, scales_kv = entries_of(kv, indexer.compression.entries)
+        weights = weights.float() * indexer.num_heads ** -0.5
         for seq in meta.seqs:
             slots = seq.entry_slots(0, seq.end // rate, rate)
             keys = keys_kv[slots]

@@ -237,7 +237,7 @@ class Attention(nn.Module):
                 backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"],
                                  layer.indexer.compression, layer, kv, batch, meta)
             q_index = self.indexer.wq_b(q_low).view(-1, self.indexer.num_heads, self.indexer.head_dim)
-            weights = p["indexer.weights_proj"].float() * self.indexer.num_heads**-0.5
+            weights = p["indexer.weights_proj"]  # the backend scales it by num_heads^-0.5 in fp32
             if layer.indexer.candidate_blocks:
                 share.candidates = backend.select_candidates(q_index, weights, layer, kv, batch, meta)
             picks = backend.select(q_index, weights, layer, kv, batch, meta,

@@ -194,10 +194,11 @@ def test_select_interpreted(seed, poisoned_scratch, dtype, page_size):
 def test_ties_go_to_the_lowest_entry_interpreted(seed, poisoned_scratch, monkeypatch, dtype, kind, topk_block):
     """Exact scores with many equal ones (duplicate keys, zeros through ReLU, negative weights):
     the picks equal the native stable top-k exactly, also where the scores equal to the threshold
-    spread over several blocks of the top-k's passes. Head dim 16: d^-0.5 = 1/4 is exact."""
+    spread over several blocks of the top-k's passes. Head dim 16 and 16 heads: d^-0.5 = 1/4 and the
+    weights' scale heads^-0.5 = 1/4 are exact."""
     monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(
         block_n=16, num_warps=1, programs=8, topk_block=topk_block, topk_warps=1))
-    Case(LENS + [(50, 3)], 5, 16, 8, 3, 4, dtype, "cpu", kind=kind).check()
+    Case(LENS + [(50, 3)], 16, 16, 8, 3, 4, dtype, "cpu", kind=kind).check()
 
 
 @pytest.mark.interpret
@@ -216,10 +217,11 @@ def test_candidate_filter_interpreted(seed, poisoned_scratch, monkeypatch, rate,
     """DeepSeek-V4.1's two-level indexer at CSA2's rates, on exact scores with many ties: the candidate
     source's blocks (the best visible score of each, the newest block always, ties to the lowest
     block, -1 past the visible blocks) and the top-k inside them equal the native ones exactly, where
-    the blocks hold more entries than top_k (3 of 4) and fewer (2 of 1)."""
+    the blocks hold more entries than top_k (3 of 4) and fewer (2 of 1). 16 heads: their weights'
+    scale 16^-0.5 is exact."""
     monkeypatch.setitem(v4_indexer.INDEXER, "default", v4_indexer.IndexerConfig(
         block_n=16, num_warps=1, programs=8, topk_block=8, topk_warps=1))
-    case = Case(LENS + [(50, 3)], 5, 16, 8, 3, 4, dtype, "cpu", kind=kind, rate=rate)
+    case = Case(LENS + [(50, 3)], 16, 16, 8, 3, 4, dtype, "cpu", kind=kind, rate=rate)
     want, want_blocks = check_candidates(case, blocks, size)
     assert (want >= 0).sum() < want.numel() and (want_blocks >= 0).sum() < want_blocks.numel()  # -1 rows shown
 
@@ -297,10 +299,11 @@ def test_bad_inputs_name_the_field(seed):
 
 def _compile(target: str, key_dtype: str, fp32: bool = False, filtered: bool = False):
     q = "fp32" if fp32 else "bf16"
-    signature = {"q_ptr": f"*{q}", "w_ptr": "*fp32", "keys_ptr": f"*{key_dtype}", "scales_ptr": "*fp32",
+    signature = {"q_ptr": f"*{q}", "w_ptr": f"*{q}", "keys_ptr": f"*{key_dtype}", "scales_ptr": "*fp32",
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64", "token_seq_ptr": "*i32",
                  "page_table_ptr": "*i32", "out_ptr": "*i64", "cand_ptr": "*i32", "max_entries": "i32",
-                 "sm_scale": "fp32", **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
+                 "sm_scale": "fp32", "w_scale": "fp32",
+                 **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
     # filtered: V4.1-Flash's Reindex layers, inside 2048 candidate blocks of 8 entries at rate 1
     constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=1 if filtered else 4, PAGE_SIZE=64, SPLITS=4,
                       HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128,
