@@ -1,8 +1,8 @@
 """DeepSeek-V4 attention on Triton kernels: the V4 attention family of CUDA and ROCm.
 
 The whole step at once, with no per-sequence Python loop and no host sync: ``prepare`` turns the
-batch into per-token device tensors (each token's sequence and window slot), and every piece
-reads the rest (positions, page table, window table) from the device. One module per piece:
+batch into per-token device tensors (each token's sequence and window slot, in one launch), and
+every piece reads the rest (positions, page table, window table) from the device. One module per piece:
 the window store (with the KV's RMSNorm) is here, ``attend`` (with the query's) is
 v4_sparse_attention.py, ``compress`` v4_compressor.py and ``select`` (the lightning indexer)
 v4_indexer.py.
@@ -20,7 +20,7 @@ from engine.core.families.linear import MXFP8Tensor
 from engine.core.families.v4_attention import Compression, V4AttentionBackend, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import flat, window_slots
+from engine.core.models.deepseek_v4.cache import flat
 
 from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
@@ -58,11 +58,10 @@ class TritonV4Attention(V4AttentionBackend):
 
     def prepare(self, batch: ForwardBatch, kv: KVCache) -> TritonV4Metadata:
         windows = kv.window_table()
-        tokens = torch.arange(batch.num_tokens, dtype=torch.int32, device=batch.positions.device)
         # the page table's width covers every sequence (max_model_len in a captured graph's static table)
         max_entries = -(-batch.page_table.shape[1] * batch.page_size // self._min_rate)
-        return TritonV4Metadata(torch.searchsorted(batch.query_start_loc[1:], tokens, right=True, out_int32=True),
-                                window_slots(batch.slot_mapping, windows, batch.page_size), windows, max_entries)
+        return TritonV4Metadata(*token_metadata(batch.query_start_loc, batch.slot_mapping, windows, batch.page_size),
+                                windows, max_entries)
 
     def store(self, kv_new: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
               meta: TritonV4Metadata) -> None:
@@ -84,6 +83,43 @@ class TritonV4Attention(V4AttentionBackend):
     def attend(self, q: torch.Tensor, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
                meta: TritonV4Metadata, picks: torch.Tensor | None = None) -> torch.Tensor | MXFP8Tensor:
         return sparse_attention(q, layer, kv, batch, meta, picks, self.emits_mxfp8)
+
+
+@triton.jit
+def token_metadata_kernel(starts_ptr, slots_ptr, windows_ptr, token_seq_ptr, window_slots_ptr, num_tokens, num_seqs,
+                          page_size, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    """Tokens of block ``program_id(0)``: the sequence of each, the number of sequences whose tokens
+    end at or before it (``searchsorted(starts[1:], t, right=True)``), and its slot in the window
+    pages, ``windows[slot // page_size] * page_size + slot % page_size`` (slots are never negative)."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rt < num_tokens
+    rs0 = tl.arange(0, BLOCK_S)
+    wait_for_prior(PDL)
+    seq = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for s0 in range(0, num_seqs, BLOCK_S):
+        rs = s0 + rs0
+        ends = tl.load(starts_ptr + 1 + rs, mask=rs < num_seqs, other=2147483647)
+        seq += tl.sum((ends[None, :] <= rt[:, None]).to(tl.int32), axis=1)
+    tl.store(token_seq_ptr + rt, seq, mask=live)
+    slot = tl.load(slots_ptr + rt, mask=live, other=0)
+    page = slot // page_size
+    window = tl.load(windows_ptr + page, mask=live, other=0).to(tl.int64)
+    tl.store(window_slots_ptr + rt, window * page_size + (slot - page * page_size), mask=live)
+
+
+def token_metadata(query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, windows: torch.Tensor,
+                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's sequence (int32 [T]) and window slot (int64 [T], as cache.window_slots gives
+    it) in one launch, from the batch's query offsets [B + 1], slots [T] and the window table."""
+    tokens, seqs = slot_mapping.shape[0], query_start_loc.shape[0] - 1
+    token_seq = torch.empty(tokens, dtype=torch.int32, device=slot_mapping.device)
+    slots = torch.empty(tokens, dtype=torch.int64, device=slot_mapping.device)
+    if tokens:
+        block_t = min(128, triton.next_power_of_2(tokens))
+        token_metadata_kernel[(triton.cdiv(tokens, block_t),)](
+            query_start_loc, slot_mapping, windows, token_seq, slots, tokens, seqs, page_size, BLOCK_T=block_t,
+            BLOCK_S=min(64, triton.next_power_of_2(max(1, seqs))), **launch_options(slot_mapping.device))
+    return token_seq, slots
 
 
 @triton.jit

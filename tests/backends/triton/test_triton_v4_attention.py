@@ -15,12 +15,13 @@ import torch
 from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton.descriptors import triton_descriptors
-from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel
+from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel, token_metadata, \
+    token_metadata_kernel
 from engine.backends.triton.v4_sparse_attention import DENSE, PICKED, sparse_attention_kernel
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
-from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat
+from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, flat, window_slots
 from engine.core.native import quant
 from engine.core.native.rope import RotaryEmbedding
 from engine.core.native.v4_attention import NativeV4Attention
@@ -312,6 +313,22 @@ def test_prepare_is_per_token(seed):
     assert meta.max_entries >= max(c + n for c, n in lens)
 
 
+@pytest.mark.interpret
+def test_token_metadata_over_blocks_interpreted(seed):
+    """More tokens than a block and more sequences than a step of the kernel's loop (some with no
+    token): each token's sequence as searchsorted gives it, its window slot as cache.window_slots."""
+    gen = torch.Generator().manual_seed(seed)
+    new = torch.randint(0, 5, (70,), generator=gen)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.int32)
+    tokens, page_size = int(starts[-1]), 4
+    windows = torch.randperm(64, generator=gen).to(torch.int32)
+    slots = torch.randint(0, 64 * page_size, (tokens,), generator=gen)
+    token_seq, got = token_metadata(starts, slots, windows, page_size)
+    assert tokens > 128 and token_seq.dtype == torch.int32 and got.dtype == torch.int64
+    want_seq = torch.searchsorted(starts[1:], torch.arange(tokens, dtype=torch.int32), right=True, out_int32=True)
+    assert torch.equal(token_seq, want_seq) and torch.equal(got, window_slots(slots, windows, page_size))
+
+
 def test_csa_without_picks_is_refused(seed):
     case = Case([(3, 2)], "csa", heads=2, head_dim=32, rope_dim=8, window=8, rate=4, top_k=4, page_size=4,
                 dtype=torch.float32)
@@ -456,5 +473,17 @@ def test_store_window_compiles(target):
                       enable_fp_fusion=False)
     if target.startswith("sm_"):
         assert f".target {target}a" in asm["ptx"] and "fma.rn" not in asm["ptx"]
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_token_metadata_compiles(target):
+    signature = {"starts_ptr": "*i32", "slots_ptr": "*i64", "windows_ptr": "*i32", "token_seq_ptr": "*i32",
+                 "window_slots_ptr": "*i64", "num_tokens": "i32", "num_seqs": "i32", "page_size": "i32"}
+    asm = compile_asm(token_metadata_kernel, signature, dict(BLOCK_T=128, BLOCK_S=64, PDL=pdl(target)), target)
+    if target.startswith("sm_"):
+        assert f".target {target}a" in asm["ptx"]
     else:
         assert target in amdgcn_target(asm["amdgcn"])
