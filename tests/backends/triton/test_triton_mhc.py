@@ -112,8 +112,9 @@ def _check_against_two_launches(got, want):
             _assert_rounded_alike(a, b)
 
 
-def _arrival_counters_at_rest(device):
-    """Every launch leaves its token blocks' counters at 0 for the next launch and graph replays."""
+def _arrival_counters_at_rest(device: torch.device | str):
+    """Every launch leaves its token blocks' counters at 0 for the next launch and graph replays
+    (``device`` as the launches' tensors name it: cuda:0, not cuda)."""
     assert not mhc_boundary.arrival_counters(torch.device(device), 1).any()
 
 
@@ -268,6 +269,26 @@ def test_mhc_gpu_flash_shape(seed, poisoned, t):
     block_out = torch.randn(t, d, device="cuda").to(torch.bfloat16)
     once, twice = (mhc.mhc_post_pre(block_out, streams, post, comb, w, (g, 1e-6)) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(once, twice))  # the post's partials too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 200])
+def test_mhc_gpu_boundary_ignores_the_order_of_arrival(seed, t):
+    """Many launches of the one-launch boundaries (one token block, and 7 of 32 tokens each over
+    128 splits of D): whichever program of a block arrives last, every result is the same to the
+    bit, and the counters are back at 0 after each."""
+    n, d = FLASH["n"], FLASH["d"]
+    streams, block_out = _streams(t, n, d, torch.bfloat16, "cuda"), torch.randn(t, d, device="cuda").to(torch.bfloat16)
+    w, head = _weights(n, d, (2 + n) * n, 3, "cuda"), _weights(n, d, n, 1, "cuda")
+    g = _norm_weight(d, torch.float32, "cuda")
+    _, post, comb = mhc.mhc_pre(streams, w)
+    first = mhc.mhc_post_pre(block_out, streams, post, comb, w, (g, 1e-6))
+    last = mhc.mhc_post_head(block_out, streams, post, comb, head, (g, 1e-6))
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(first, mhc.mhc_post_pre(block_out, streams, post, comb, w,
+                                                                               (g, 1e-6))))
+        assert torch.equal(last, mhc.mhc_post_head(block_out, streams, post, comb, head, (g, 1e-6)))
+    _arrival_counters_at_rest(streams.device)
 
 
 @pytest.mark.gpu
