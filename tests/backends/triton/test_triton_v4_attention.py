@@ -86,8 +86,8 @@ class Case:
     def picks(self, padding_last: bool = False) -> torch.Tensor | None:
         """Per token a random set of its visible entries (as many as there are, up to top_k, sometimes
         fewer), -1 elsewhere, in random order (``padding_last``: the -1s after the entries); None
-        where the case has no top_k (a layer that attends every visible entry)."""
-        if not self.top_k:
+        where the case has no top_k (a layer that attends every visible entry) or no entries (sliding)."""
+        if not self.top_k or self.layer.compression is None:
             return None
         rows = []
         for p in self.batch.positions.tolist():
