@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.backends.triton.mhc import mhc_head, mhc_post, mhc_post_pre, mhc_pre, two_launch_boundary
+from engine.backends.triton.mhc import mhc_head, mhc_post, mhc_post_pre, mhc_pre, two_launch_boundary, two_launch_pre
 from engine.backends.triton.norm import rms_norm
 from engine.core.families.mhc import MixWeights
 from engine.core.native.mhc import NativeMHC, hc_head, hc_post, hc_pre
@@ -55,7 +55,7 @@ def _case(t: int, device, gen, copy_gb_s: float) -> dict:
 
     def unfused(s, b, w, post, comb):
         new = mhc_post(b, s, post, comb)
-        x, post, comb = mhc_pre(new, w)
+        x, post, comb = two_launch_pre(new, w)
         return new, rms_norm(x, g, 1e-6), post, comb
 
     calls = {

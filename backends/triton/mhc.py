@@ -2,16 +2,16 @@
 the one-launch sublayer boundary, and the family's Triton backend.
 
 ``pre`` and ``head`` project each token's RMS-normalised n * D streams to a few mixing weights; the
-product is split along K = n * D into fp32 partials (mhc_partials.py), and a per-token kernel
-(mhc_token.py's steps, a token a program) sums them in a fixed order, applies the scale, bias and
-gates, runs Sinkhorn-Knopp on the n x n comb in registers and writes the collapse
-sum_i pre_i * streams_i. ``post`` (post_i * block_out + comb^T streams) is one launch. A boundary
-(a sublayer's post, the next one's pre and the RMSNorm of its collapse, or the head and the final
-norm) is one launch too (mhc_boundary.py): the post writes the next mix's partials as it writes
-the new streams, and each token block's last program to finish runs the per-token mix, taking a
-token's whole row, collapsing it twice: once for the sum of squares, once to write it normalised.
-``two_launch_boundary`` is the boundary as two launches (the post, then the per-token kernel), kept
-to measure the one launch against.
+product is split along K = n * D into fp32 partials (mhc_partials.py), summed in a fixed order by
+mhc_token.py's per-token steps, which apply the scale, bias and gates, run Sinkhorn-Knopp on the
+n x n comb in registers and write the collapse sum_i pre_i * streams_i. ``post`` (post_i *
+block_out + comb^T streams) is one launch. A pre (a model's first) and a boundary (a sublayer's
+post, the next one's pre and the RMSNorm of its collapse, or the head and the final norm) are one
+launch each (mhc_boundary.py): the post writes the next mix's partials as it writes the new
+streams, and each token block's last program to finish runs the per-token mix, taking a token's
+whole row, collapsing it twice: once for the sum of squares, once to write it normalised.
+``two_launch_pre`` and ``two_launch_boundary`` are the same in two launches (the product, then
+``pre_mix_kernel`` or ``head_mix_kernel``, a token a program), kept to measure against.
 
 Rounding follows core/native/mhc.py: the mixes, gates and comb are fp32; the collapse is an fp32
 sum rounded once to the streams' dtype, and normalised from that rounded value as
@@ -31,8 +31,8 @@ from engine.core.families.mhc import MHCBackend, MixWeights
 from engine.core.families.norm import NormBackend
 
 from .descriptors import MHC_MAX_STREAMS as MAX_STREAMS
-from .mhc_boundary import arrival_counters, boundary_kernel
-from .mhc_partials import Partials, ProductConfig, buffer, mix_partials, post_launch, post_mix
+from .mhc_boundary import arrival_counters, boundary_kernel, pre_kernel
+from .mhc_partials import Partials, ProductConfig, buffer, mix_partials, partials_launch, post_launch, post_mix
 from .mhc_token import head_token, pre_token
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
@@ -162,21 +162,16 @@ def _head_mix(streams: torch.Tensor, w: MixWeights, partials: Partials, norm: tu
 
 def mhc_pre(streams: torch.Tensor, w: MixWeights,
             norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``core.native.mhc.hc_pre`` in two launches: streams [T, n, D] -> (collapse [T, D], post [T, n],
-    comb [T, n, n]); with ``norm`` (weight, eps) the collapse goes through that RMSNorm in the second."""
-    streams = _check_streams(streams)
-    _check_weights(w, streams, head=False)
-    cfg = config_for(MIX, streams.device)
-    return _pre_mix(streams, w, mix_partials(streams, w.fn, cfg.partials), norm, cfg)
+    """``core.native.mhc.hc_pre`` in one launch (mhc_boundary.pre_kernel): streams [T, n, D] ->
+    (collapse [T, D], post [T, n], comb [T, n, n]); with ``norm`` (weight, eps) the collapse goes
+    through that RMSNorm."""
+    return _first(streams, w, norm, head=False)[:3]
 
 
 def mhc_head(streams: torch.Tensor, w: MixWeights, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """``core.native.mhc.hc_head`` in two launches: streams [T, n, D] -> [T, D], with ``norm`` through
+    """``core.native.mhc.hc_head`` in one launch: streams [T, n, D] -> [T, D], with ``norm`` through
     that RMSNorm."""
-    streams = _check_streams(streams)
-    _check_weights(w, streams, head=True)
-    cfg = config_for(MIX, streams.device)
-    return _head_mix(streams, w, mix_partials(streams, w.fn, cfg.partials), norm, cfg)
+    return _first(streams, w, norm, head=True)[0]
 
 
 def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -186,6 +181,39 @@ def mhc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     return post_mix(block_out, streams, post, comb, None, config_for(MIX, streams.device).post)[0]
 
 
+def _mixes(streams: torch.Tensor, w: MixWeights, norm: tuple[torch.Tensor, float] | None, cfg: MixConfig,
+           head: bool, splits: int) -> tuple[tuple, tuple, dict]:
+    """The per-token mix's outputs (collapse, next post, next comb; None for the head), and its
+    arguments and constexprs in a one-launch kernel whose ``splits`` programs a token block write
+    the partials."""
+    t, n, d = streams.shape
+    x, _, token, (weight, eps) = _collapse_launch(streams, norm, cfg)
+    next_post, next_comb = (None, None) if head else (buffer(t, n, dtype=torch.float32, device=streams.device),
+                                                      buffer(t, n, n, dtype=torch.float32, device=streams.device))
+    outputs = (x, x if head else next_post, x if head else next_comb, weight)
+    scalars = (w.norm_eps, w.hc_eps, w.sinkhorn_iters, eps)
+    shape = dict(SPLITS=triton.next_power_of_2(splits), TOKEN_BLOCK_D=min(cfg.boundary_block_d,
+                 triton.next_power_of_2(d)), HEAD=head, NORM=token["NORM"],
+                 ROUND_BEFORE_WEIGHT=token["ROUND_BEFORE_WEIGHT"], N=n, NP=token["NP"])
+    return (x, next_post, next_comb), (outputs, scalars), shape
+
+
+def _first(streams: torch.Tensor, w: MixWeights, norm: tuple[torch.Tensor, float] | None, head: bool):
+    """One launch of pre_kernel -> (collapse, post, comb; None for the head)."""
+    streams = _check_streams(streams)
+    _check_weights(w, streams, head=head)
+    cfg = config_for(MIX, streams.device)
+    t, n, d = streams.shape
+    launch = partials_launch(streams, w.fn, cfg.partials)
+    out, ((x, post, comb, weight), scalars), shape = _mixes(streams, w, norm, cfg, head, launch.grid[1])
+    if t:
+        streams_, fn, mix, ss, *sizes = launch.args
+        pre_kernel[launch.grid](streams_, fn, mix, ss, arrival_counters(streams.device, launch.grid[0]),
+                                w.base.float(), w.scale.float(), x, post, comb, weight, *sizes, d, streams.stride(1),
+                                x.stride(0), *scalars, **shape, **launch.shape, **launch_options(streams.device))
+    return out
+
+
 def _boundary(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, w: MixWeights,
               norm: tuple[torch.Tensor, float] | None, head: bool):
     """One launch of boundary_kernel -> (new streams, collapse, next post, next comb; None for the head)."""
@@ -193,22 +221,16 @@ def _boundary(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor
     _check_post(block_out, streams, post, comb)
     _check_weights(w, streams, head=head)
     cfg = config_for(MIX, streams.device)
-    t, n, d = streams.shape
     launch = post_launch(block_out, streams, post, comb, w.fn, cfg.post)
-    x, _, token, (weight, eps) = _collapse_launch(launch.out, norm, cfg)
-    next_post, next_comb = (None, None) if head else (buffer(t, n, dtype=torch.float32, device=streams.device),
-                                                      buffer(t, n, n, dtype=torch.float32, device=streams.device))
-    if t:
-        blocks, splits = launch.grid
-        shape = {k: v for k, v in launch.shape.items() if k != "PARTIALS"}
+    out, ((x, next_post, next_comb, weight), scalars), shape = _mixes(launch.out, w, norm, cfg, head,
+                                                                         launch.grid[1])
+    if streams.shape[0]:
+        post_shape = {k: v for k, v in launch.shape.items() if k not in ("PARTIALS", "N", "NP")}
         boundary_kernel[launch.grid](
-            *launch.args[:8], arrival_counters(streams.device, blocks), w.base.float(), w.scale.float(), x,
-            x if head else next_post, x if head else next_comb, weight, *launch.args[8:], x.stride(0), w.norm_eps,
-            w.hc_eps, w.sinkhorn_iters, eps, SPLITS=triton.next_power_of_2(splits),
-            TOKEN_BLOCK_D=min(cfg.boundary_block_d, triton.next_power_of_2(d)),
-            HEAD=head, NORM=token["NORM"], ROUND_BEFORE_WEIGHT=token["ROUND_BEFORE_WEIGHT"], **shape,
+            *launch.args[:8], arrival_counters(streams.device, launch.grid[0]), w.base.float(), w.scale.float(), x,
+            next_post, next_comb, weight, *launch.args[8:], x.stride(0), *scalars, **shape, **post_shape,
             **launch_options(streams.device))
-    return launch.out, x, next_post, next_comb
+    return (launch.out, *out)
 
 
 def mhc_post_pre(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -223,6 +245,17 @@ def mhc_post_head(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Te
                   w: MixWeights, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``mhc_post`` and then ``mhc_head`` of the new streams in one launch."""
     return _boundary(block_out, streams, post, comb, w, norm, head=True)[1]
+
+
+def two_launch_pre(streams: torch.Tensor, w: MixWeights, norm: tuple[torch.Tensor, float] | None = None,
+                   head: bool = False):
+    """A pre (or the head) as it ran before it was one launch, to measure against: the split-K
+    product, then the per-token kernel. -> mhc_pre's tuple, or mhc_head's collapse."""
+    streams = _check_streams(streams)
+    _check_weights(w, streams, head=head)
+    cfg = config_for(MIX, streams.device)
+    partials = mix_partials(streams, w.fn, cfg.partials)
+    return _head_mix(streams, w, partials, norm, cfg) if head else _pre_mix(streams, w, partials, norm, cfg)
 
 
 def two_launch_boundary(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

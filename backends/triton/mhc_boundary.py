@@ -1,5 +1,6 @@
 """DeepSeek-V4's mHC sublayer boundary in one launch: the post of sublayer k and the whole pre of
-k + 1 (or the head), with the RMSNorm of its collapse.
+k + 1 (or the head), with the RMSNorm of its collapse; and a model's first pre, with no post before
+it, in one launch the same way (``pre_kernel``: the split-K product of the streams in memory).
 
 The grid is the post's (mhc_partials.post_block): token blocks x splits of the hidden size, each
 program writing its block of the new streams and its split of the next mix's partial products.
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mhc_partials import post_block
+from .mhc_partials import partials_block, post_block
 from .mhc_token import head_token, pre_token
 from .pdl import wait_for_prior
 
@@ -45,20 +46,15 @@ def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 @triton.jit
-def boundary_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, mix_ptr, ss_ptr, counters_ptr,
-                    base_ptr, scale_ptr, x_ptr, next_post_ptr, next_comb_ptr, norm_ptr,
-                    T, D, M, d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_nt,
-                    stride_ni, stride_fn, stride_xt, norm_eps, hc_eps, iters, eps,
-                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+def _mix_on_arrival(counters_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, next_post_ptr,
+                    next_comb_ptr, norm_ptr, T, D, stride_st, stride_si, stride_xt, norm_eps, hc_eps, iters, eps,
+                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
                     SPLITS: tl.constexpr, TOKEN_BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
-                    ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr):
-    """Program (token block, split of D): its part of the post and of the next mix's partials; the
-    block's last program to arrive then mixes each of its tokens (HEAD: the head's collapse x only;
-    else x, next_post and next_comb), with NORM through the RMSNorm ``norm_ptr``."""
-    wait_for_prior(PDL)
-    post_block(block_out_ptr, streams_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, mix_ptr, ss_ptr, T, D, M,
-               d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_nt, stride_ni, stride_fn,
-               N, NP, MP, BLOCK_T, BLOCK_D, True)
+                    ROUND_BEFORE_WEIGHT: tl.constexpr):
+    """After a program's split of the partials is written: it counts itself in at its token block's
+    counter, and the last to arrive mixes each of the block's tokens of ``streams`` (HEAD: the
+    head's collapse x only; else x, next_post and next_comb), with NORM through the RMSNorm
+    ``norm_ptr``, then sets the counter back to 0."""
     splits = tl.num_programs(1)
     tl.debug_barrier()  # every thread's stores before the release
     arrived = tl.atomic_add(counters_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
@@ -67,10 +63,47 @@ def boundary_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, new_ptr, fn_
         first = tl.program_id(0).to(tl.int64) * BLOCK_T
         for t in range(first, tl.minimum(first + BLOCK_T, T)):
             if HEAD:
-                head_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, new_ptr, x_ptr, norm_ptr, t, -1, T, D, splits,
-                           stride_nt, stride_ni, stride_xt, norm_eps, hc_eps, eps, N, NP, MP, SPLITS, TOKEN_BLOCK_D,
+                head_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, norm_ptr, t, -1, T, D, splits,
+                           stride_st, stride_si, stride_xt, norm_eps, hc_eps, eps, N, NP, MP, SPLITS, TOKEN_BLOCK_D,
                            NORM, ROUND_BEFORE_WEIGHT)
             else:
-                pre_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, new_ptr, x_ptr, next_post_ptr, next_comb_ptr, norm_ptr,
-                          t, -1, T, D, splits, stride_nt, stride_ni, stride_xt, norm_eps, hc_eps, iters, eps, N, NP,
-                          MP, SPLITS, TOKEN_BLOCK_D, NORM, ROUND_BEFORE_WEIGHT)
+                pre_token(mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, next_post_ptr, next_comb_ptr,
+                          norm_ptr, t, -1, T, D, splits, stride_st, stride_si, stride_xt, norm_eps, hc_eps, iters,
+                          eps, N, NP, MP, SPLITS, TOKEN_BLOCK_D, NORM, ROUND_BEFORE_WEIGHT)
+
+
+@triton.jit
+def boundary_kernel(block_out_ptr, streams_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, mix_ptr, ss_ptr, counters_ptr,
+                    base_ptr, scale_ptr, x_ptr, next_post_ptr, next_comb_ptr, norm_ptr,
+                    T, D, M, d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_nt,
+                    stride_ni, stride_fn, stride_xt, norm_eps, hc_eps, iters, eps,
+                    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SPLITS: tl.constexpr, TOKEN_BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+                    ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr):
+    """Program (token block, split of D): its part of the post (the new streams ``new_ptr``) and of
+    the next mix's partials; the block's last program to arrive then mixes its tokens."""
+    wait_for_prior(PDL)
+    post_block(block_out_ptr, streams_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, mix_ptr, ss_ptr, T, D, M,
+               d_per_split, stride_bt, stride_st, stride_si, stride_pt, stride_ct, stride_nt, stride_ni, stride_fn,
+               N, NP, MP, BLOCK_T, BLOCK_D, True)
+    _mix_on_arrival(counters_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, new_ptr, x_ptr, next_post_ptr, next_comb_ptr,
+                    norm_ptr, T, D, stride_nt, stride_ni, stride_xt, norm_eps, hc_eps, iters, eps, N, NP, MP, BLOCK_T,
+                    SPLITS, TOKEN_BLOCK_D, HEAD, NORM, ROUND_BEFORE_WEIGHT)
+
+
+@triton.jit
+def pre_kernel(streams_ptr, fn_ptr, mix_ptr, ss_ptr, counters_ptr, base_ptr, scale_ptr, x_ptr, next_post_ptr,
+               next_comb_ptr, norm_ptr, T, M, K, k_per_split, stride_st, stride_fn, D, stride_si, stride_xt,
+               norm_eps, hc_eps, iters, eps,
+               N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLITS: tl.constexpr, TOKEN_BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
+               ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr):
+    """A pre (or the head) with no post before it, a model's first: program (token block, split of
+    K = N * D) writes its partials of the streams in memory; the block's last program to arrive then
+    mixes its tokens."""
+    wait_for_prior(PDL)
+    partials_block(streams_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_st, stride_fn, BLOCK_T,
+                   BLOCK_K, MP)
+    _mix_on_arrival(counters_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, next_post_ptr,
+                    next_comb_ptr, norm_ptr, T, D, stride_st, stride_si, stride_xt, norm_eps, hc_eps, iters, eps, N,
+                    NP, MP, BLOCK_T, SPLITS, TOKEN_BLOCK_D, HEAD, NORM, ROUND_BEFORE_WEIGHT)

@@ -69,10 +69,11 @@ def _store(mix_ptr, ss_ptr, acc, ss, split, rt, T, MP: tl.constexpr):
 
 
 @triton.jit
-def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
-    """Split ``program_id(1)`` of K: x [T, K] @ fn [M, K].T -> mix [split, T, MP] and the sum of x^2
-    -> ss [split, T], both fp32. Columns past M reread fn's last row; nothing reads them."""
+def partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
+    """Tokens of block ``program_id(0)``, split ``program_id(1)`` of K: x [T, K] @ fn [M, K].T ->
+    mix [split, T, MP] and the sum of x^2 -> ss [split, T], both fp32. Columns past M reread fn's
+    last row; nothing reads them."""
     split = tl.program_id(1)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = tl.minimum(rt, T - 1).to(tl.int64)  # rows past T reread the last one; they are not stored
@@ -80,7 +81,6 @@ def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, st
     rk0 = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
     ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    wait_for_prior(PDL)
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         rk = k0 + rk0
@@ -90,6 +90,14 @@ def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, st
         ss += tl.sum(xf * xf, axis=1)
         acc = _accumulate(x, w, acc)
     _store(mix_ptr, ss_ptr, acc, ss, split, rt, T, MP)
+
+
+@triton.jit
+def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn,
+                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
+    """``partials_block`` as a launch of its own."""
+    wait_for_prior(PDL)
+    partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn, BLOCK_T, BLOCK_K, MP)
 
 
 @triton.jit
@@ -174,31 +182,39 @@ def _with_buffers(fn: torch.Tensor, splits: int, t: int) -> tuple[torch.Tensor, 
                      buffer(splits, t, dtype=torch.float32, device=fn.device)))
 
 
-def mix_partials(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) -> Partials:
-    """The partials of streams [T, n, D] (unit stride within a token) and fn [M, n * D]."""
-    t, k = streams.shape[0], streams.shape[1] * streams.shape[2]
-    block_t, k_per_split, splits = _grid(t, k, cfg.block_k, cfg)
-    fn, partials = _with_buffers(fn, splits, t)
-    if t:
-        mix_partials_kernel[(triton.cdiv(t, block_t), splits)](
-            streams, fn, *partials, t, fn.shape[0], k, k_per_split, streams.stride(0), fn.stride(0),
-            BLOCK_T=block_t, BLOCK_K=cfg.block_k, MP=partials.mix.shape[2], num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **launch_options(streams.device))
-    return partials
-
-
-class PostLaunch(NamedTuple):
-    """A post's grid (token blocks x splits of D), its arguments up to its constexprs, and those."""
+class ProductLaunch(NamedTuple):
+    """A product's grid (token blocks x splits), its arguments up to its constexprs, those, the new
+    streams it writes (a post's; None for mix_partials) and the partials it writes."""
 
     grid: tuple[int, int]
     args: tuple
     shape: dict
-    out: torch.Tensor
+    out: torch.Tensor | None
     partials: Partials | None
 
 
+def partials_launch(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) -> ProductLaunch:
+    """What ``partials_block`` is launched with for streams [T, n, D] (unit stride within a token)
+    and fn [M, n * D]."""
+    t, k = streams.shape[0], streams.shape[1] * streams.shape[2]
+    block_t, k_per_split, splits = _grid(t, k, cfg.block_k, cfg)
+    fn, partials = _with_buffers(fn, splits, t)
+    args = (streams, fn, *partials, t, fn.shape[0], k, k_per_split, streams.stride(0), fn.stride(0))
+    shape = dict(BLOCK_T=block_t, BLOCK_K=cfg.block_k, MP=partials.mix.shape[2], num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    return ProductLaunch((triton.cdiv(t, block_t), splits), args, shape, None, partials)
+
+
+def mix_partials(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) -> Partials:
+    """The partials of streams [T, n, D] (unit stride within a token) and fn [M, n * D], one launch."""
+    launch = partials_launch(streams, fn, cfg)
+    if streams.shape[0]:
+        mix_partials_kernel[launch.grid](*launch.args, **launch.shape, **launch_options(streams.device))
+    return launch.partials
+
+
 def post_launch(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                fn: torch.Tensor | None, cfg: ProductConfig) -> PostLaunch:
+                fn: torch.Tensor | None, cfg: ProductConfig) -> ProductLaunch:
     """What ``post_block`` is launched with: the new streams [T, n, D] it writes, and with ``fn`` the
     partials of the next mix it writes too."""
     t, n, d = streams.shape
@@ -216,7 +232,7 @@ def post_launch(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tens
     shape = dict(N=n, NP=np2, MP=SMALL_T if partials is None else mix.shape[2], BLOCK_T=block_t, BLOCK_D=block_d,
                  PARTIALS=partials is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  enable_fp_fusion=False)  # a fused multiply-add would skip the rounding of post * block_out
-    return PostLaunch((triton.cdiv(t, block_t), splits), args, shape, out, partials)
+    return ProductLaunch((triton.cdiv(t, block_t), splits), args, shape, out, partials)
 
 
 def post_mix(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

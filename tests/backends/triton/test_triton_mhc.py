@@ -63,6 +63,8 @@ def _check_pre(streams: torch.Tensor, w: MixWeights):
     torch.testing.assert_close(post, want_post, **MIX_TOL)
     torch.testing.assert_close(comb, want_comb, **MIX_TOL)
     torch.testing.assert_close(x, want_x, **TOL[streams.dtype])
+    _check_against_two_launches((x, post, comb), mhc.two_launch_pre(streams, w))
+    _arrival_counters_at_rest(streams.device)
     return post, comb
 
 
@@ -81,6 +83,7 @@ def _check_head(streams: torch.Tensor, w: MixWeights):
     got = mhc.mhc_head(streams, w)
     torch.testing.assert_close(got, native.hc_head(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps),
                                **TOL[streams.dtype])
+    _check_against_two_launches([got], [mhc.two_launch_pre(streams, w, head=True)])
 
 
 def _norm_weight(d: int, dtype, device) -> torch.Tensor:
@@ -163,6 +166,7 @@ def _check_pre_norm(streams: torch.Tensor, w: MixWeights, g: torch.Tensor):
     x, post, comb = mhc.mhc_pre(streams, w)
     assert torch.equal(got[1], post) and torch.equal(got[2], comb)  # the same partials and sums
     _assert_rounded_alike(got[0], rms_norm(x, g, 1e-6))  # the norm kernel's steps, its sum in another order
+    _check_against_two_launches(got, mhc.two_launch_pre(streams, w, (g, 1e-6)))
 
 
 @pytest.mark.interpret
@@ -357,8 +361,10 @@ def _signature(x: str) -> dict:
                 "x_ptr": f"*{x}", "next_post_ptr": "*fp32", "next_comb_ptr": "*fp32", "norm_ptr": "*fp32",
                 "stride_nt": "i32", "stride_ni": "i32", "stride_xt": "i32", "norm_eps": "fp32", "hc_eps": "fp32",
                 "iters": "i32", "eps": "fp32"}
+    first = {**boundary, "streams_ptr": f"*{x}", "K": "i32", "k_per_split": "i32"}
     return {
         "boundary": {k: boundary[k] for k in mhc_boundary.boundary_kernel.arg_names if k in boundary},
+        "first": {k: first[k] for k in mhc_boundary.pre_kernel.arg_names if k in first},
         "post": post,
         "partials": {"x_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32",
                      "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32"},
@@ -409,18 +415,25 @@ def test_mhc_compiles(target):
                                             "SPLITS": 128, "TOKEN_BLOCK_D": cfg.boundary_block_d, "HEAD": tail == "head",
                                             "NORM": True, "ROUND_BEFORE_WEIGHT": False},
                                            target, cfg.post, enable_fp_fusion=False, sass=target.startswith("sm_"))
+              for tail in ("pre", "head")},
+           **{f"first_{tail}": _compile(mhc_boundary.pre_kernel, sig["first"],
+                                        {"N": 4, "NP": 4, "MP": 16 if tail == "head" else 32, "BLOCK_T": 16,
+                                         "BLOCK_K": cfg.partials.block_k, "SPLITS": 128,
+                                         "TOKEN_BLOCK_D": cfg.boundary_block_d, "HEAD": tail == "head", "NORM": True,
+                                         "ROUND_BEFORE_WEIGHT": False}, target, cfg.partials,
+                                        sass=target.startswith("sm_"))
               for tail in ("pre", "head")}}
-    boundaries = ("boundary_pre", "boundary_head")
+    boundaries = ("boundary_pre", "boundary_head", "first_pre", "first_head")
     if target.startswith("sm_"):
         assert all(f".target {target}a" in a["ptx"] for a in asm.values())
         assert all("mma" in asm[k]["ptx"] for k in ("partials", "post_pre", "post_pre_prefill"))
         assert "rsqrt" in asm["pre_norm"]["ptx"] and "rsqrt" in asm["head_norm"]["ptx"]
         assert "st.global.v4.b32" in asm["post_pre_prefill"]["ptx"]  # 16 bytes of a stream a thread
-        for k in ("post", "post_pre", "post_pre_prefill"):
+        for k in ("post", "post_pre", "post_pre_prefill", "boundary_pre", "boundary_head"):
             assert "fma.rn.bf16" not in asm[k]["ptx"], k  # post * block_out is rounded before the sum
         for k in boundaries:  # the product on the matrix units, the arrival released and acquired at GPU scope
             assert "mma" in asm[k]["ptx"] and "atom.global.gpu.acq_rel.add" in asm[k]["ptx"], k
-            assert "bar.sync" in asm[k]["ptx"] and "rsqrt" in asm[k]["ptx"] and "fma.rn.bf16" not in asm[k]["ptx"], k
+            assert "bar.sync" in asm[k]["ptx"] and "rsqrt" in asm[k]["ptx"], k
         if target == "sm_90":  # the table's arch
             assert local_memory_ops(asm["post_pre"]["sass"]) == local_memory_ops(asm["post_pre_prefill"]["sass"]) == 0
             assert all(local_memory_ops(asm[k]["sass"]) == 0 for k in boundaries)
