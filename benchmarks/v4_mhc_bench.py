@@ -7,9 +7,9 @@ streams and writes the new streams; the boundary (post, the next pre, the RMSNor
 what the model runs between two sublayers) does both, the collapse reading the new streams again.
 The boundary (one launch) is also timed as two (the post writing the pre's partials, then the
 per-token kernel: the figure before it was one launch) and as the unfused launches one after
-another (post, pre's two, the norm kernel), the figure before post wrote the pre's partials. Times are device times inside a CUDA
-graph, each call on its own copy of the inputs (more than the L2 holds in all), as a decode step's
-layers read distinct weights.
+another (post, pre's two, the norm kernel), the figure before post wrote the pre's partials. Times
+are device times inside a CUDA graph, each call on its own copy of the inputs (more than the L2
+holds in all), as a decode step's layers read distinct weights.
 
     python benchmarks/v4_mhc_bench.py --json benchmarks/results/v4-mhc-h200.json
 """

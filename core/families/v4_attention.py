@@ -160,8 +160,8 @@ class V4AttentionBackend(ABC):
         projection gives them (any float dtype), which count as ``weights.float() * Hi^-0.5`` (the
         backend scales them, so the model launches nothing for it) -> int32 [T, top_k]: the entries
         of the ``top_k`` highest scores among those visible, score(s) = sum_h weights_h *
-        relu(rope(q_h) . key_s) * di^-0.5, ties to the lowest index; -1 fills the rest of a row. The order within a row is unspecified. E4M3 keys count
-        as key * scale. ``candidates`` (from ``select_candidates``): only entries in those blocks."""
+        relu(rope(q_h) . key_s) * di^-0.5, ties to the lowest index; -1 fills the rest of a row.
+        The order within a row is unspecified. E4M3 keys count as key * scale. ``candidates`` (from ``select_candidates``): only entries in those blocks."""
 
     def select_candidates(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                           batch: ForwardBatch, meta: Any) -> torch.Tensor:

@@ -412,7 +412,8 @@ def test_mhc_compiles(target):
                                         enable_fp_fusion=False, sass=target.startswith("sm_")),
            **{f"boundary_{tail}": _compile(mhc_boundary.boundary_kernel, sig["boundary"],
                                            {**post, "MP": 16 if tail == "head" else 32, "BLOCK_T": 16,
-                                            "SPLITS": 128, "TOKEN_BLOCK_D": cfg.boundary_block_d, "HEAD": tail == "head",
+                                            "SPLITS": 128, "TOKEN_BLOCK_D": cfg.boundary_block_d,
+                                            "HEAD": tail == "head",
                                             "NORM": True, "ROUND_BEFORE_WEIGHT": False},
                                            target, cfg.post, enable_fp_fusion=False, sass=target.startswith("sm_"))
               for tail in ("pre", "head")},
