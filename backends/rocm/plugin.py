@@ -52,3 +52,20 @@ def engine_register_sampling_backends() -> list[Descriptor]:
 @hookimpl
 def engine_register_mhc_backends() -> list[Descriptor]:
     return triton_descriptors("mhc", "amd")
+
+
+@hookimpl
+def engine_register_graph_backends() -> list[Descriptor]:
+    return [Descriptor("graphs", "hip_graphs", _create_graphs, priority=100, check=_graph_reasons)]
+
+
+def _graph_reasons(ctx) -> list[str]:
+    from .graphs import graph_reasons
+
+    return graph_reasons(ctx)
+
+
+def _create_graphs(ctx):
+    from .graphs import HipGraphs
+
+    return HipGraphs(ctx)
