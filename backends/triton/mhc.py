@@ -50,11 +50,28 @@ class MixConfig:
 # cuda partials: the best of an H200 sweep of each field around these values at 1/32/128/4096 tokens;
 # cuda post: 32-token blocks and 2 stages, where the sm_90 code keeps the product in registers at 16
 # and 32 tokens (3 stages spill at 16, 64 tokens at either), not yet timed; boundary_block_d: the
-# largest at which the head's boundary kernel keeps to registers on sm_90 (2048 spills), untimed; hip: guesses
+# largest at which the head's boundary kernel keeps to registers on sm_90 (2048 spills), untimed;
+# gfx942/gfx950: _cdna's; hip (other AMD archs): guesses
+
+
+def _cdna(compute_units: int) -> MixConfig:
+    """CDNA3 (gfx942, MI300X/MI325X: 304 CUs) and CDNA4 (gfx950, MI355X: 256 CUs), untimed: two
+    programs a CU for the split-K products; the one-launch boundary's per-token mix over 2048 hidden
+    elements a step, 8 a lane of four 64-wide waves as cuda's 1024 are of four 32-wide warps (at
+    V4-Flash its VGPRs stay where 1024 left them, the post's product holding the most: 144 of 512,
+    no scratch, tests/backends/triton/test_triton_mhc.py); block_d stays at hip's 1024, which keeps
+    the collapse's grid twice as wide as 2048 for a decode step's few tokens."""
+    return MixConfig(ProductConfig(block_t=64, block_k=128, programs=2 * compute_units, num_warps=4, num_stages=2),
+                     ProductConfig(block_t=32, block_k=128, programs=2 * compute_units, num_warps=4, num_stages=2),
+                     block_d=1024, token_warps=4, boundary_block_d=2048)
+
+
 MIX = {
     "cuda": MixConfig(ProductConfig(block_t=64, block_k=128, programs=264, num_warps=4, num_stages=3),
                       ProductConfig(block_t=32, block_k=128, programs=264, num_warps=4, num_stages=2),
                       block_d=2048, token_warps=4, boundary_block_d=1024),
+    "gfx942": _cdna(304),
+    "gfx950": _cdna(256),
     "hip": MixConfig(ProductConfig(block_t=64, block_k=128, programs=608, num_warps=4, num_stages=2),
                      ProductConfig(block_t=32, block_k=128, programs=608, num_warps=4, num_stages=2),
                      block_d=1024, token_warps=4, boundary_block_d=1024),

@@ -42,9 +42,13 @@ class DispatchConfig:
 
 
 # the sm_90 build spills past 32 lanes against 512 experts or 64 against 256 (the AOT test reads its
-# SASS); the token limit is not yet timed against the separate launches on a GPU
-DISPATCH = {"cuda": DispatchConfig(64, 32, 32 * 512), "hip": DispatchConfig(64, 32, 32 * 512),
-            "default": DispatchConfig(16, 32, 32 * 128)}
+# SASS); the token limit is not yet timed against the separate launches on a GPU. gfx942/gfx950: a
+# 64-wide wave holds 64 lanes and a lane's 512 VGPRs their comparisons (V4-Flash: 212, no scratch, in
+# the AOT test), so a pass takes 8 tokens of top-6 + shared, not 4: half the one program's serial
+# passes over a 64-token decode step. hip (other AMD archs): cuda's, unchecked
+CDNA_DISPATCH = DispatchConfig(64, 64, 64 * 512)
+DISPATCH = {"cuda": DispatchConfig(64, 32, 32 * 512), "gfx942": CDNA_DISPATCH, "gfx950": CDNA_DISPATCH,
+            "hip": DispatchConfig(64, 32, 32 * 512), "default": DispatchConfig(16, 32, 32 * 128)}
 
 
 @triton.jit

@@ -37,6 +37,7 @@ TARGETS = {
 }
 
 TEXT_STAGES = ("ttir", "ttgir", "llir", "ptx", "amdgcn")
+LDS_BYTES = {"gfx942": 64 << 10, "gfx950": 160 << 10}  # what one workgroup may take on CDNA3 / CDNA4
 
 _worker: ProcessPoolExecutor | None = None
 
@@ -45,7 +46,8 @@ def compile_asm(kernel: Any, signature: dict[str, str], constexprs: dict[str, An
                 num_warps: int = 4, num_stages: int | None = None,
                 divisible_by_16: Iterable[str] = (), sass: bool = False, **options: Any) -> dict[str, str]:
     """The text stages (ttir, ttgir, llir, then ptx or amdgcn) of ``kernel`` compiled for ``target``,
-    and with ``sass`` on NVIDIA the machine code ptxas made of it (cuobjdump, shipped with triton).
+    ``"shared"``: the bytes of shared memory (LDS) a program takes, in decimal, and with ``sass``
+    on NVIDIA the machine code ptxas made of it (cuobjdump, shipped with triton).
 
     ``signature`` types every runtime argument (``"*fp16"``, ``"i32"``, ...); ``constexprs`` gives
     the compile-time ones. Pointers are taken as 16-byte aligned, as torch allocations are when the
@@ -83,6 +85,7 @@ def _compile(fn: JITFunction, signature, constexprs, target, options, divisible_
     compiled = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs),
                               target=TARGETS[target], options=options)
     out = {stage: text for stage, text in compiled.asm.items() if stage in TEXT_STAGES}
+    out["shared"] = str(compiled.metadata.shared)
     if sass:
         out["sass"] = _disassemble(compiled.asm["cubin"])
     return out
@@ -100,6 +103,11 @@ def local_memory_ops(sass: str) -> int:
     """Loads and stores to local memory in a SASS listing: register spills, in a kernel that indexes
     no local array."""
     return len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:STL|LDL)\b", sass, re.M))
+
+
+def amd_scratch_and_lds(asm: dict[str, str]) -> tuple[int, int]:
+    """(scratch, LDS) bytes a program of an AMD build takes: scratch is what spilled registers need."""
+    return int(re.search(r"; ScratchSize: (\d+)", asm["amdgcn"]).group(1)), int(asm["shared"])
 
 
 def _compile_by_name(module: str, qualname: str, *job) -> dict[str, str]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
+from aot import LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton import mhc, mhc_boundary, mhc_partials
 from engine.backends.triton.descriptors import triton_descriptors
@@ -442,4 +442,5 @@ def test_mhc_compiles(target):
         assert all(target in amdgcn_target(a["amdgcn"]) for a in asm.values())
         assert all("mfma" in asm[k]["amdgcn"] for k in ("partials", "post_pre", "post_pre_prefill", *boundaries))
         assert all("ScratchSize: 0" in asm[k]["amdgcn"] for k in ("post", "post_pre", "post_pre_prefill", *boundaries))
+        assert all(amd_scratch_and_lds(asm[k])[1] <= LDS_BYTES[target] for k in boundaries)
         assert all("global_atomic_add" in asm[k]["amdgcn"] for k in boundaries)

@@ -267,8 +267,9 @@ def test_route_experts_gpu(seed, layout, tokens):
                          ids=["noaux", "hash", "shared-apart"])
 def test_dispatch_kernel_compiles(target, hashed, apart):
     """DeepSeek-V4-Flash's routing (256 experts, top-6 and the shared one, folded or in its own
-    stack), a pass of as many tokens as it takes there."""
-    from aot import GRID_DEPENDENCY, compile_asm, local_memory_ops, pdl
+    stack), a pass of as many tokens as it takes there: 8 on AMD (64 lanes), without scratch or
+    past the LDS."""
+    from aot import GRID_DEPENDENCY, LDS_BYTES, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
 
     (_, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
     stack = 256 if apart else 257
@@ -289,6 +290,9 @@ def test_dispatch_kernel_compiles(target, hashed, apart):
         assert local_memory_ops(asm["sass"]) == 0
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+    else:
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert block_t == 8 and scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot

@@ -20,7 +20,7 @@ from engine.core.families.linear import LinearWeight, MXFP8Tensor
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 
-from aot import TARGETS, compile_asm, local_memory_ops
+from aot import LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops
 
 FP8 = torch.float8_e4m3fn
 
@@ -173,7 +173,12 @@ def test_mxfp8_gemm_uses_block_scaled_mma_on_sm100(which):
 @pytest.mark.aot
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_mxfp8_gemm_uses_scaled_mfma_on_gfx950(which):
-    assert "v_mfma_scale_f32" in compile_gemm("gfx950", which)["amdgcn"]
+    """The table's gfx950 tiles (the grouped output projection's too) on the scaled MFMA, without
+    scratch and within the LDS."""
+    asm = compile_gemm("gfx950", which)
+    assert "v_mfma_scale_f32" in asm["amdgcn"]
+    scratch, lds = amd_scratch_and_lds(asm)
+    assert scratch == 0 and lds <= LDS_BYTES["gfx950"]
 
 
 @pytest.mark.aot
@@ -182,6 +187,9 @@ def test_mxfp8_gemm_uses_scaled_mfma_on_gfx950(which):
 def test_mxfp8_gemm_compiles_emulated(target, which):
     asm = compile_gemm(target, which, has_bias=True)
     assert ("ptx" if TARGETS[target].backend == "cuda" else "amdgcn") in asm
+    if target == "gfx942":  # bf16 MFMA from E4M3 scaled in registers: no scratch, within 64 KiB of LDS
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aot import TARGETS, amdgcn_target, compile_asm, local_memory_ops, pdl
+from aot import LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton.descriptors import triton_descriptors
 from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel, token_metadata, \
     token_metadata_kernel
+from engine.backends.triton.target import pick
 from engine.backends.triton.v4_sparse_attention import DENSE, PICKED, sparse_attention_kernel
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
@@ -436,7 +437,7 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate, mx
     ratio-1 entries, every pair entry of a group with no indexer), and with the output quantized to
     MXFP8 in the epilogue: the scores and the weighted sum run on the matrix units."""
     from engine.backends.triton.v4_sparse_attention import SPARSE
-    cfg = SPARSE["hip" if target.startswith("gfx") else "cuda"].per_dim[head_dim]
+    cfg = pick(SPARSE, target).per_dim[head_dim]
     pointers = {"q_ptr": "*bf16", "out_ptr": "*fp8e4nv" if mxfp8 else "*bf16", "out_scale_ptr": "*u8",
                 "window_ptr": "*bf16", "entries_ptr": "*bf16",
                 "picks_ptr": "*i32", "sinks_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
@@ -458,6 +459,9 @@ def test_sparse_attention_compiles(target, head_dim, mode, splits, csa2_rate, mx
             assert local_memory_ops(asm["sass"]) == 0
     else:
         assert target in amdgcn_target(asm["amdgcn"]) and "v_mfma" in asm["amdgcn"]
+        if mxfp8:  # the epilogue's quantize in four 64-wide waves: no scratch (8 are sm_90's need)
+            scratch, lds = amd_scratch_and_lds(asm)
+            assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot
