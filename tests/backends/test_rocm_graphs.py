@@ -36,7 +36,10 @@ def rocm_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (MI355X.free_memory, MI355X.total_memory))
     monkeypatch.setitem(sys.modules, "hip", None)
-    release = lambda hip: monkeypatch.setattr(torch.version, "hip", hip)  # noqa: E731
+
+    def release(hip: str | None) -> None:
+        monkeypatch.setattr(torch.version, "hip", hip)
+
     release("6.4.43482-0f2d60242")
     return release
 
@@ -60,7 +63,8 @@ def hip_graphs_reasons(plugins, ctx) -> list[str]:
 
 @pytest.mark.parametrize("hip, reason", [
     ("5.3.22061-e8e78f1a", None),
-    ("5.2.21151-afdc89f8", "torch's HIP graphs need ROCm 5.3 or later (this torch is built for ROCm 5.2.21151-afdc89f8)"),
+    ("5.2.21151-afdc89f8",
+     "torch's HIP graphs need ROCm 5.3 or later (this torch is built for ROCm 5.2.21151-afdc89f8)"),
     (None, f"needs a ROCm build of torch for HIP graphs (this is torch {torch.__version__})"),
 ])
 def test_hip_graphs_refuse_a_torch_without_them(rocm_torch, hip, reason):
