@@ -8,6 +8,8 @@ captured on that side stream too; each runs once right after its capture (on the
 stream, where the eager breaks run), so the break after it computes on real values. A tensor the
 recorder keeps of a segment's (``unowned``) does not hold its memory: the pool hands it to what
 the recording allocates later, as vLLM's piecewise graphs keep weak references to theirs.
+Only torch's CUDA-named API is used, which a ROCm build of torch serves with HIP graphs: the AMD
+plugin runs this class as its ``hip_graphs`` (backends/rocm/graphs.py).
 """
 
 from __future__ import annotations
