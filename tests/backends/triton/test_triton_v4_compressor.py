@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
+from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_compressor
 from engine.backends.triton.target import pick
@@ -360,6 +360,8 @@ def test_compress_compiles(target, kind):
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)
         assert "global_load_dwordx4" in gcn
+        scratch, lds = amd_scratch_and_lds(asm)  # the "hip" tiles: 2048 elements a 64-wide wave
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot

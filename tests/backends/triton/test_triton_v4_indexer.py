@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
+from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_indexer
 from engine.backends.triton.v4_indexer import (block_best_kernel, index_scores_kernel, index_topk, select,
@@ -329,6 +329,8 @@ def test_index_scores_compiles(target, key_dtype, filtered):
     else:
         assert target in amdgcn_target(asm["amdgcn"])
         assert "mfma" in asm["amdgcn"]
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 TOPK_SIGNATURE = {"scores_ptr": "*fp32", "positions_ptr": "*i64", "cand_ptr": "*i32", "out_ptr": "*i32",
@@ -351,6 +353,8 @@ def test_stable_topk_compiles(target, stage):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot
