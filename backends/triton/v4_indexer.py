@@ -29,7 +29,7 @@ them, walking the blocks sorted ascending (so in entry order: ties to the lowest
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,9 +56,11 @@ class IndexerConfig:
     topk_warps: int
 
 
+_HIP_INDEXER = IndexerConfig(block_n=64, num_warps=4, programs=1216, topk_block=1024, topk_warps=4)  # 4 a CU of 304
 INDEXER = {
     "cuda": IndexerConfig(block_n=64, num_warps=4, programs=1056, topk_block=1024, topk_warps=4),
-    "hip": IndexerConfig(block_n=64, num_warps=4, programs=1216, topk_block=1024, topk_warps=4),
+    "hip": _HIP_INDEXER,
+    "gfx950": replace(_HIP_INDEXER, programs=4 * 256),  # MI355X has 256 CUs, MI300X/MI325X (gfx942) 304
     # the interpreter: several splits and several top-k blocks even at small shapes
     "default": IndexerConfig(block_n=16, num_warps=1, programs=8, topk_block=8, topk_warps=1),
 }

@@ -21,7 +21,7 @@ depends on the token count and static bounds only, and every range is read from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -66,10 +66,12 @@ class SparseTuning:
 
 
 C = SparseConfig
+_HIP_SPARSE = SparseTuning({64: C(16, 64, 4, 1), 512: C(16, 32, 4, 1)}, min_programs=304 * 2, max_splits=32)
 SPARSE = {  # guessed from backends/triton/attention_decode.py's measured table; not tuned on this kernel
     "cuda": SparseTuning({64: C(16, 64, 4, 2), 512: C(16, 32, 4, 2, mxfp8_num_warps=8)}, min_programs=132 * 4,
                          max_splits=32),
-    "hip": SparseTuning({64: C(16, 64, 4, 1), 512: C(16, 32, 4, 1)}, min_programs=304 * 2, max_splits=32),
+    "hip": _HIP_SPARSE,  # 2 programs a CU of MI300X/MI325X's (gfx942) 304; 4 waves keep the MXFP8 epilogue unspilled
+    "gfx950": replace(_HIP_SPARSE, min_programs=256 * 2),  # MI355X has 256 CUs
     "default": SparseTuning({"any": C(16, 16, 4, 1)}, min_programs=16, max_splits=4),
 }
 
