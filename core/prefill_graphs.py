@@ -13,8 +13,13 @@ page; all segments share the graph backend's memory pool, and what the recording
 by what it allocated later (``GraphBackend.unowned``), so a bucket holds about one layer's
 temporaries. Buckets are recorded smallest first, and the capture stops at one that does not fit
 in memory or past the budget: the larger steps it leaves eager are those whose kernels take
-longest beside their launches, where a graph gains least. Steps that run a decode graph, that ask
-for features, or that exceed the largest bucket captured run as before.
+longest beside their launches, where a graph gains least. Steps that run a decode graph or that
+exceed the largest bucket captured run as before.
+
+Where a proposer drafts from the target's per-token features (MTP's streams, DSpark's chosen
+layers), every bucket is recorded asking for them, so the feature is one more static output: the
+steps of such an engine all ask for it (decodes, prefill chunks, the verify steps of K+1 tokens a
+sequence), and a replay hands back a copy of its rows, since the next replay overwrites them.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, points: BreakPoints, page_size: int,
-                 max_tokens: int, device: torch.device) -> None:
+                 max_tokens: int, device: torch.device, feature: str | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> None:
+        """``feature``, ``feature_layers``: what the proposer drafts from (ForwardBatch.features), if it does."""
         self.model = model
         self.kv = kv
         self.backend = backend
@@ -56,14 +63,18 @@ class PrefillGraphs:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.device = device
-        self._recorded: dict[int, tuple[SegmentRecorder, torch.Tensor]] = {}  # bucket -> its steps, hidden states
+        self.feature = feature
+        self.feature_layers = feature_layers
+        # bucket -> its steps, the hidden states and the feature (or None) its replays leave
+        self._recorded: dict[int, tuple[SegmentRecorder, torch.Tensor, torch.Tensor | None]] = {}
 
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
 
-    def holds(self, num_tokens: int) -> bool:
-        return bool(self._recorded) and 0 < num_tokens <= self.buckets[-1]
+    def holds(self, num_tokens: int, features: bool = False) -> bool:
+        """Whether a step of ``num_tokens`` tokens replays here; ``features``: it asks for the feature."""
+        return bool(self._recorded) and 0 < num_tokens <= self.buckets[-1] and (not features or bool(self.feature))
 
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
@@ -78,6 +89,8 @@ class PrefillGraphs:
         self.input_ids[:b].copy_(batch.input_ids)
         self.positions[:b].copy_(batch.positions)
         batch.input_ids, batch.positions = self.input_ids[:b], self.positions[:b]
+        if self.feature is not None:
+            batch.features, batch.feature_layers = {}, self.feature_layers
         batch.attn_metadata = self.model.prepare(batch)
         return batch
 
@@ -111,8 +124,8 @@ class PrefillGraphs:
                     "in %.0f MiB and %.1fs", len(self.buckets), self.buckets[0], self.buckets[-1], breaks + 1,
                     breaks, (self.backend.memory_in_use() - start) / 2**20, time.monotonic() - started)
 
-    def _record(self, b: int) -> tuple[SegmentRecorder, torch.Tensor]:
-        """Bucket ``b``'s segments and breaks, and (unowned) the hidden states its replays leave."""
+    def _record(self, b: int) -> tuple[SegmentRecorder, torch.Tensor, torch.Tensor | None]:
+        """Bucket ``b``'s segments and breaks, and (unowned) the hidden states and feature its replays leave."""
         batch = self._batch(b)
         self.backend.warm_up(lambda: self.model(batch, self.kv))
         recorder = SegmentRecorder(self.backend, batch)
@@ -121,17 +134,21 @@ class PrefillGraphs:
             hidden = recorder.record(lambda: self.model(batch, self.kv))
         finally:
             self.points.recorder = None
-        return recorder, self.backend.unowned(hidden)  # read at once after each replay
+        feature = None if self.feature is None else self.backend.unowned(batch.features[self.feature])
+        return recorder, self.backend.unowned(hidden), feature  # read at once after each replay
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the step ``batch`` (its attention metadata prepared),
-        through the smallest bucket that holds it."""
+        through the smallest bucket that holds it; where the step asks (``batch.features``), its
+        feature too, copied."""
         n = batch.num_tokens
         b = self.bucket(n)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.input_ids[n:b].zero_()
         self.positions[n:b].zero_()
-        recorder, hidden = self._recorded[b]
+        recorder, hidden, feature = self._recorded[b]
         recorder.replay(batch)
+        if batch.features is not None:
+            batch.features[self.feature] = feature[:n].clone()
         return hidden[:n]

@@ -81,7 +81,7 @@ class ModelRunner:
         self.peers = peers
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
         # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: such
-        # steps run eagerly, since a decode graph hands back logits only
+        # steps replay prefill graphs recorded with it, since a decode graph hands back logits only
         self.feature: str | None = None
         self.feature_layers: tuple[int, ...] = ()  # where the feature is "layers": which
 
@@ -137,7 +137,7 @@ class ModelRunner:
         batch.features = features
         if features is not None:
             batch.feature_layers = self.feature_layers
-        graphed = features is None and self.prefill_graphs is not None and self.prefill_graphs.holds(batch.num_tokens)
+        graphed = self.prefill_graphs is not None and self.prefill_graphs.holds(batch.num_tokens, features is not None)
         if graphed:  # a replay asks no layer for its arrays: host-memory hits land first
             self.kv.loads.flush()
         else:

@@ -145,8 +145,9 @@ def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, 
 
 def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, points: BreakPoints,
                            model: CausalLM, kv: KVCache, max_model_len: int, device: torch.device,
-                           progress: bool) -> PrefillGraphs | None:
-    """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here."""
+                           progress: bool, proposer: SpecProposer | None = None) -> PrefillGraphs | None:
+    """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here;
+    recorded with the feature ``proposer`` drafts from, where it does."""
     reasons = graph_refusals(config) + model.breakable_refusals()
     if not config.max_prefill_graph_tokens:
         reasons.append("max_prefill_graph_tokens is 0")
@@ -156,7 +157,8 @@ def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphB
         logger.info("no prefill graphs: %s", "; ".join(reasons))
         return None
     graphs = PrefillGraphs(model, kv, backend, points, config.page_size,
-                           min(config.max_prefill_graph_tokens, config.max_num_batched_tokens, max_model_len), device)
+                           min(config.max_prefill_graph_tokens, config.max_num_batched_tokens, max_model_len), device,
+                           proposer.feature if proposer else None, proposer.feature_layers if proposer else ())
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception as exc:
@@ -331,13 +333,13 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,
                 time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
                 per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
+    proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
     graphs = prefill_graphs = None
     if graph_selection is not None:  # one backend, one memory pool: prefill's buckets, then decode's
         selections["graphs"] = graph_selection
         graph_backend, explicit = graph_selection.create(ctx), graph_selection.explicit
         prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,
-                                                device, progress)
+                                                device, progress, proposer)
         graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device, progress)
-    proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
                       selections["sampling"].create(ctx), graphs, prefill_graphs, proposer, group, attention)

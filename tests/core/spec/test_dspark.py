@@ -128,7 +128,7 @@ def test_a_drafter_that_cannot_draft_here_is_refused_at_start_up_naming_the_fiel
 
 @pytest.mark.gpu
 def test_on_cuda_greedy_equals_decoding_without_drafts_over_chunks_and_prefix_hits(setup, eval_text, seed):
-    """fp32 on the CUDA backends, decode graphs captured (steps that hand back features run eagerly):
+    """fp32 on the CUDA backends, graphs captured (steps that hand back features replay prefill graphs):
     every draft verified, then the verify length the start-up curve of the GPU chooses."""
     path, plain, _, drafter = setup
     cuda = make(path, drafter, device="cuda")

@@ -77,7 +77,7 @@ def test_a_drafter_for_another_model_or_method_is_refused_at_start_up(target, sh
 
 @pytest.mark.gpu
 def test_on_cuda_the_trained_next_n_layer_keeps_drafts_and_the_targets_output(target, eval_text, seed):
-    """fp32 on the CUDA backends (steps that hand back the streams run eagerly)."""
+    """fp32 on the CUDA backends (steps that hand back the streams replay prefill graphs)."""
     plain = LLM(str(target), dtype="float32", page_size=4, num_pages=400, device="cuda", progress=False,
                 enable_prefix_caching=False)
     spec = mtp(target, ASSET, device="cuda")

@@ -75,7 +75,7 @@ def test_the_trained_drafter_keeps_drafts_and_the_targets_output(target, plain, 
 
 @pytest.mark.gpu
 def test_on_cuda_the_trained_drafter_keeps_drafts_and_the_targets_output(target, eval_text, seed):
-    """fp32 on the CUDA backends (steps that hand back the features run eagerly), the verify length
+    """fp32 on the CUDA backends (steps that hand back the features replay prefill graphs), the verify length
     chosen by the curve timed at start-up on the GPU."""
     plain = LLM(str(target), dtype="float32", page_size=4, num_pages=400, device="cuda", progress=False,
                 enable_prefix_caching=False)

@@ -1,0 +1,92 @@
+"""Speculative decoding through captured graphs, on the CPU with the graphs backend that records
+torch operations: MTP and DSpark (whose steps ask for the target's features), a draft model and
+n-gram lookup, each with its verify steps (K+1 tokens a sequence) replaying prefill graphs, greedy
+output identical to the eager engine without speculation, drafts rejected and their KV rolled back."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM
+from test_spec_decode import PAGE, assert_clean, greedy, repetitive
+
+ASSETS = Path(__file__).parents[2] / "assets"
+OPTS = dict(dtype="float32", page_size=PAGE, num_pages=400, chunked_prefill_size=16, max_num_batched_tokens=32,
+            max_num_seqs=4, max_model_len=128, progress=False)
+K = 3
+CASES = {  # method: (target, speculative_config beyond the method and K)
+    "mtp": ("tiny-dsv4-py", {"model": str(ASSETS / "tiny-dsv4-py-mtp")}),
+    "dspark": ("tiny-dsv4-py", {"model": str(ASSETS / "tiny-dsv4-py-dspark")}),
+    "draft_model": ("tiny-dsv4-py", {"model": "tiny-qwen3-py"}),
+    "ngram": ("tiny-qwen3-py", {"prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def references(shared_dir):
+    """Eager engines without speculation, by target."""
+    return {name: LLM(str(shared_dir / "models" / name), **OPTS) for name in ("tiny-dsv4-py", "tiny-qwen3-py")}
+
+
+def speculating(shared_dir, method: str, **kw) -> LLM:
+    target, extra = CASES[method]
+    if extra.get("model") == "tiny-qwen3-py":
+        extra = {**extra, "model": str(shared_dir / "models" / "tiny-qwen3-py")}
+    spec = {"method": method, "num_speculative_tokens": K, **extra}
+    return LLM(str(shared_dir / "models" / target), speculative_config=spec, **{**OPTS, **kw})
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, seed, monkeypatch):
+    llm = speculating(shared_dir, method, graph_backend="recorded")
+    graphs, runner = llm.engine.runner.prefill_graphs, llm.engine.runner
+    assert graphs is not None and graphs.feature == runner.feature
+    replays = []
+    real = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda batch: replays.append(
+        (batch.query_lens_cpu, batch.features is not None)) or real(batch))
+    handed = []  # the features each step handed the proposer, and a copy taken then: no later replay overwrites them
+    execute = runner.execute
+
+    def spied(step):
+        out = execute(step)
+        if out.features is not None:
+            handed.append((out.features, out.features.clone()))
+        return out
+
+    monkeypatch.setattr(runner, "execute", spied)
+    prompts = [repetitive(llm, eval_text) for _ in range(3)]
+    params = greedy(10)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in references[CASES[method][0]].generate(prompts, params)]
+    assert got == want
+    verifies = [(lens, f) for lens, f in replays if K + 1 in lens]
+    assert verifies, "no verify step replayed a graph"
+    assert all(f == (runner.feature is not None) for _, f in replays)
+    assert len(handed) == (len(replays) if runner.feature else 0)
+    assert all(torch.equal(kept, copy) for kept, copy in handed)
+    counters = llm.engine.speculator.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, "no draft both kept and rejected"
+    assert_clean(llm, [p + g for p, g in zip(prompts, got)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(CASES))
+def test_verify_steps_replay_cuda_graphs(method, shared_dir, eval_text, seed):
+    """fp32 on the CUDA backends: greedy output equal to the eager engine without speculation there,
+    verify steps replayed from CUDA graphs."""
+    eager = LLM(str(shared_dir / "models" / CASES[method][0]), **{**OPTS, "device": "cuda", "enforce_eager": True})
+    llm = speculating(shared_dir, method, device="cuda")
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.feature == llm.engine.runner.feature
+    replays = []
+    real = graphs.run
+    graphs.run = lambda batch: replays.append(batch.query_lens_cpu) or real(batch)
+    prompts = [repetitive(llm, eval_text) for _ in range(3)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(10))]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy(10))]
+    assert any(K + 1 in lens for lens in replays)
