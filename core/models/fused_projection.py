@@ -10,6 +10,10 @@ the group. A group is the parts in one format: dense, or FP8 with 128x128 block 
 part fills whole blocks of rows (its scale rows then concatenate too); any other part runs alone.
 Which parts a checkpoint quantizes is known only once it is read (DeepSeek's published layout
 keeps some of these projections in FP8 and others in bf16), hence after loading, not before.
+
+An input that an RMSNorm feeds (V4's low-rank q, which both query projections read) goes through
+``normed``: with one group the linear backend may fuse the norm into the GEMM's prologue, which
+then costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..families.linear import LinearWeight
-from .layers import Linear
+from .layers import Linear, RMSNorm
 
 FP8_BLOCK = 128  # rows a block scale covers
 
@@ -75,3 +79,12 @@ class FusedProjection:
         for weight, names, sizes in self.groups:
             out.update(zip(names, self.backend.apply(x, weight).split(sizes, dim=-1)))
         return out
+
+    def normed(self, x: torch.Tensor, norm: RMSNorm) -> dict[str, torch.Tensor]:
+        """Each part's product with norm(x): one group's through the backend's ``norm_linear`` (the
+        norm in its prologue where it can), several groups' from one norm of x."""
+        if len(self.groups) != 1:
+            return self(norm(x))
+        weight, names, sizes = self.groups[0]
+        out, _ = self.backend.norm_linear(x, None, norm.weight, norm.eps, weight, norm.ops)
+        return dict(zip(names, out.split(sizes, dim=-1)))

@@ -64,9 +64,10 @@ def train_mtp(model: str, files: list[str], out: str, steps: int = 300, seq_len:
     start = initial_nextn(target.model, seed)
     layer: NextN = build_nextn(target.model, start)
     layer.train()
-    # the attention's input projections run as one fused weight whose parts' parameters are views
-    # of it: that weight is what trains
-    fused = [w.data for w, names, _ in layer.attn.x_proj.groups if len(names) > 1]
+    # the attention's input (and query) projections run as fused weights whose parts' parameters
+    # are views of them: those weights are what trains
+    fused = [w.data for proj in (layer.attn.x_proj, layer.attn.q_proj) for w, names, _ in proj.groups
+             if len(names) > 1]
     params = [p for p in layer.parameters() if all(p.data_ptr() != f.data_ptr() and not _inside(p, f) for f in fused)]
     params += fused
 

@@ -179,12 +179,16 @@ class Attention(nn.Module):
         if self.indexer is not None:
             x_parts += ["indexer.weights_proj"]
         self.x_proj = FusedProjection({name: self.get_submodule(name) for name in x_parts})
+        # the query and the indexer's query project one normed low-rank q: one GEMM with the norm in it
+        q_parts = ["wq_b"] + (["indexer.wq_b"] if self.indexer is not None else [])
+        self.q_proj = FusedProjection({name: self.get_submodule(name) for name in q_parts})
         self._spec: V4AttentionLayer | None = None
 
     def weights_loaded(self) -> None:
-        """Once the weights are in: fuse the input projections, and where the attention emits MXFP8
-        quantize the output projection's weight for it."""
+        """Once the weights are in: fuse the input projections and the query projections, and where
+        the attention emits MXFP8 quantize the output projection's weight for it."""
         self.x_proj.fuse()
+        self.q_proj.fuse()
         if self.backend.emits_mxfp8:
             self.wo_a.keep_mxfp8()
 
@@ -226,8 +230,8 @@ class Attention(nn.Module):
         mHC pre before runs) -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
         p = self.x_proj(x)
-        q_low = self.q_norm(p["wq_a"])
-        q = self.wq_b(q_low).view(-1, self.num_heads, self.head_dim)  # attend normalises each head
+        qs = self.q_proj.normed(p["wq_a"], self.q_norm)
+        q = qs["wq_b"].view(-1, self.num_heads, self.head_dim)  # attend normalises each head
         backend.store(p["wkv"], layer, kv, batch, meta)
         if self.compressor is not None:
             backend.compress(p["compressor.wkv"], p.get("compressor.wgate"), layer.compression, layer, kv, batch, meta)
@@ -236,7 +240,7 @@ class Attention(nn.Module):
             if self.indexer.compressor is not None:
                 backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"],
                                  layer.indexer.compression, layer, kv, batch, meta)
-            q_index = self.indexer.wq_b(q_low).view(-1, self.indexer.num_heads, self.indexer.head_dim)
+            q_index = qs["indexer.wq_b"].view(-1, self.indexer.num_heads, self.indexer.head_dim)
             weights = p["indexer.weights_proj"]  # the backend scales it by num_heads^-0.5 in fp32
             if layer.indexer.candidate_blocks:
                 share.candidates = backend.select_candidates(q_index, weights, layer, kv, batch, meta)

@@ -194,16 +194,20 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr":
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("rows,silu_mul,norm", [(1, False, False), (8, True, False), (1, True, True), (8, False, True)])
+@pytest.mark.parametrize("rows,silu_mul,norm", [(1, False, None), (8, True, None), (1, True, "bf16"), (8, False, "bf16"),
+                                                (1, False, "fp32"), (8, False, "fp32")])
 def test_gemv_compiles(target, rows, silu_mul, norm):
     """bf16 weight rows stream in 16-byte loads on NVIDIA (straight to registers, or pipelined through
     shared memory); one row stays on the CUDA cores, more go to
-    the tensor cores; the fused activation uses the hardware exp2; the fused norm its rsqrt."""
-    cfg = pick(GEMV, target).for_shape(rows, 4096)
-    asm = compile_asm(gemv_kernel, SIGNATURE, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
+    the tensor cores; the fused activation uses the hardware exp2; the fused norm its rsqrt. A bf16
+    norm weight is a decoder layer's input norm after a residual add; an fp32 one with no residual
+    is DeepSeek-V4's q_norm before its query projections (at K 1024, the q_lora_rank)."""
+    cfg = pick(GEMV, target).for_shape(rows, 1024 if norm == "fp32" else 4096)
+    signature = dict(SIGNATURE, norm_ptr="*fp32") if norm == "fp32" else SIGNATURE
+    asm = compile_asm(gemv_kernel, signature, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
                                                    BLOCK_K=cfg.block_k, HAS_BIAS=not silu_mul, SILU_MUL=silu_mul,
-                                                   EVEN_K=True, NORM=norm, HAS_RESIDUAL=norm,
-                                                   ROUND_BEFORE_WEIGHT=norm, PDL=pdl(target)),
+                                                   EVEN_K=True, NORM=norm is not None, HAS_RESIDUAL=norm == "bf16",
+                                                   ROUND_BEFORE_WEIGHT=norm == "bf16", PDL=pdl(target)),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"])
     if target.startswith("sm_"):
@@ -211,7 +215,7 @@ def test_gemv_compiles(target, rows, silu_mul, norm):
         assert re.search(r"ld\.global(\.nc)?\.v4\.b32|cp\.async\.cg\.shared\.global", ptx)  # 16 bytes a load
         assert ("mma" in ptx) == (rows > 1)
         assert ("ex2.approx" in ptx) == silu_mul
-        assert ("rsqrt.approx" in ptx) == norm
+        assert ("rsqrt.approx" in ptx) == (norm is not None)
         assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.core.models.fused_projection import FusedProjection
-from engine.core.models.layers import Linear
+from engine.core.models.layers import Linear, RMSNorm
 from engine.core.native.linear import NativeLinear
 from engine.core.native.quant import FP8
 
@@ -96,3 +96,24 @@ def test_one_backend_and_fused_before_use():
         FusedProjection({"a": dense(8, 8), "b": other})
     with pytest.raises(RuntimeError, match="fuse"):
         FusedProjection({"a": dense(8, 8)})(torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("formats", [("dense", "dense"), ("fp8", "dense")])
+def test_normed_projects_the_norm_of_x(seed, formats):
+    """One group (the norm then in the backend's ``norm_linear``) or several (one norm for all): each
+    part's output is the part's product with the norm of x. A few rows, so the fused and separate
+    GEMMs sum alike (see the module docstring)."""
+    k = 128
+    make = {"dense": lambda: dense(k, random.randint(1, 300)), "fp8": lambda: fp8_block(k, 128)}
+    parts = {f"p{i}": make[f]() for i, f in enumerate(formats)}
+    norm = RMSNorm(k, 1e-6, dtype=torch.float32, device="cpu")
+    norm.weight.data.copy_(torch.rand(k) + 0.5)
+    x = torch.randn(random.randint(1, 4), k)
+    want = {name: part(norm(x)) for name, part in parts.items()}
+    proj = FusedProjection(parts)
+    proj.fuse()
+    assert len(proj.groups) == len(set(formats))
+    got = proj.normed(x, norm)
+    assert got.keys() == want.keys()
+    for name in parts:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
