@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import engine  # noqa: E402
 from engine.backends.triton.descriptors import triton_descriptors  # noqa: E402
+from engine.backends.triton.linear import TritonLinear  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.engine import LLMEngine  # noqa: E402
 from engine.core.hookspecs import hookimpl  # noqa: E402
@@ -51,13 +52,21 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t"
 ROOT = str(Path(engine.__file__).parent) + os.sep  # as frames name the package, through any symlink
 
 
+class GPULinear(TritonLinear):
+    """The Triton linear backend choosing its kernels as on a GPU: the GEMV (and the norms and
+    activations it fuses) serves a decode row on the CPU too, interpreted."""
+
+    gemv_devices = ("cuda", "cpu")
+
+
 def interpreted_triton() -> types.ModuleType:
     """A plugin offering each family's Triton backend on the CPU (its kernels then run interpreted)."""
     module = types.ModuleType("interpreted_triton")
     for family in FAMILIES:
         (d,) = triton_descriptors(family, "nvidia")
+        create = GPULinear if family == "linear" else d.create
         hook = f"engine_register_{family}_backends"
-        setattr(module, hook, hookimpl(specname=hook)(lambda d=d: [Descriptor(d.family, d.name, d.create)]))
+        setattr(module, hook, hookimpl(specname=hook)(lambda d=d, c=create: [Descriptor(d.family, d.name, c)]))
     return module
 
 

@@ -30,6 +30,7 @@ QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
 class TritonLinear(LinearBackend):
     name = "triton"
     schemes = ("dense", *QUANTIZED)
+    gemv_devices: tuple[str, ...] = ("cuda",)  # the interpreter keeps F.linear (a launch count adds "cpu")
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         if w.scheme == "dense":
@@ -58,7 +59,7 @@ class TritonLinear(LinearBackend):
             return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
         return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
 
-    @staticmethod
-    def _gemv_serves(x: torch.Tensor, w: LinearWeight) -> bool:
-        """On a GPU, for one row of x in the weight's own dtype (the interpreter keeps F.linear)."""
-        return x.is_cuda and x.dtype == w.data.dtype and x.numel() == x.shape[-1] and gemv.fits(x, w.data)
+    def _gemv_serves(self, x: torch.Tensor, w: LinearWeight) -> bool:
+        """On a GPU, for one row of x in the weight's own dtype."""
+        return (x.device.type in self.gemv_devices and x.dtype == w.data.dtype and x.numel() == x.shape[-1]
+                and gemv.fits(x, w.data))
