@@ -4,8 +4,9 @@ that would each be a device kernel, by op and by the source line that issues the
 A decode step of a small model in a CUDA graph is launch-bound (each kernel costs a few
 microseconds however little it does), so the count is what to cut. The engine runs the checkpoint
 in fp32 or bf16 on the CPU with every family on its Triton backend, the kernels in the Triton
-interpreter (a test plugin's trick: the Triton descriptors are offered on the CPU); after a
-prefill and one decode step, the next decode step is counted. Views, allocations and casts to the
+interpreter (a test plugin's trick: the Triton descriptors are offered on the CPU), the linear
+backend picking its kernels as on a GPU (the GEMV for a decode row); after a prefill and one
+decode step, the next decode step is counted. Views, allocations and casts to the
 dtype a tensor already has launch nothing and are left out, as is what the interpreter does
 inside a kernel.
 
