@@ -194,8 +194,8 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr":
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("rows,silu_mul,norm", [(1, False, None), (8, True, None), (1, True, "bf16"), (8, False, "bf16"),
-                                                (1, False, "fp32"), (8, False, "fp32")])
+@pytest.mark.parametrize("rows,silu_mul,norm", [(1, False, None), (8, True, None), (1, True, "bf16"),
+                                                (8, False, "bf16"), (1, False, "fp32"), (8, False, "fp32")])
 def test_gemv_compiles(target, rows, silu_mul, norm):
     """bf16 weight rows stream in 16-byte loads on NVIDIA (straight to registers, or pipelined through
     shared memory); one row stays on the CUDA cores, more go to

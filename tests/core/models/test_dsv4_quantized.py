@@ -217,7 +217,7 @@ def test_resident_formats_match_dequantized_reference(checkpoints, quantized_eng
         groups = [(weight.scheme, names) for weight, names, _ in layer.attn.x_proj.groups]
         assert {n for scheme, names in groups if scheme == "fp8_block" for n in names} == {"wq_a", "wkv"}
         assert sum(scheme == "dense" for scheme, _ in groups) == (len(layer.attn.x_proj.parts) > 2)
-        q_groups = [(weight.scheme, names) for weight, names, _ in layer.attn.q_proj.groups]  # FP8 both
+        q_groups = [(weight.scheme, names) for weight, names, _ in layer.attn.q_proj.groups]  # both FP8
         assert q_groups == [("fp8_block", list(layer.attn.q_proj.parts))]
     for layer in range(quantized_engine.model_config.hf["num_hidden_layers"]):
         stack = f"model.layers.{layer}.ffn.experts"
