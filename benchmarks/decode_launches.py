@@ -26,7 +26,6 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 

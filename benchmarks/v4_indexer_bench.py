@@ -18,7 +18,6 @@ the native ones are eager (it reads the batch's host lists), host launches inclu
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
 

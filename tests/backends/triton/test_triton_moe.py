@@ -17,7 +17,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel,
                                               arrivals_for, fused_moe, moe_config, moe_down, moe_gate_up)
@@ -26,7 +25,7 @@ from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, _align_one_chunk_kernel, _count_kernel, _place_kernel,
                                               _scan_kernel, align_by_expert, max_padded_rows)
 from engine.backends.triton.target import pick
-from engine.core.families.moe import ExpertWeights, RoutingConfig
+from engine.core.families.moe import ExpertWeights
 from engine.core.native import quant
 from engine.core.native.moe import NativeMoE, _swiglu
 

@@ -12,7 +12,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from engine.core.disagg.config import DisaggConfig
 from engine.core.disagg.payload import page_digest

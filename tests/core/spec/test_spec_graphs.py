@@ -5,7 +5,6 @@ output identical to the eager engine without speculation, drafts rejected and th
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
