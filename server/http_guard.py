@@ -7,6 +7,11 @@ uvicorn's HTTP/1.1 protocol, with two guards per connection:
 - one client address may hold at most ``max_per_client`` connections; past that a new one is
   answered 429 and closed, so one client cannot take every socket the process can open.
 
+A connection closed while its request body is still coming (a 413 or 408 answered early) closes
+lingering: the write side is shut after the answer, and what the client still sends is read and
+dropped for up to ``LINGER_SECONDS``. Closing at once with unread bytes makes the kernel reset the
+connection, and a reset can destroy the answer before the client reads it.
+
 Bodies are read by the gate (app.py) against their own deadline, before a request counts as in
 flight.
 """
@@ -17,13 +22,38 @@ import asyncio
 import logging
 from collections import Counter
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
+LINGER_SECONDS = 10.0
+
 _TOO_MANY_BODY = b'{"error":{"message":"too many connections from this address","type":"rate_limit_error"}}'
 _TOO_MANY = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n"
              b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_MANY_BODY), _TOO_MANY_BODY))
+
+
+class _LingeringTransport:
+    """The connection's transport, whose ``close`` lingers while the request body is unfinished."""
+
+    def __init__(self, transport, protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        t, p = self._transport, self._protocol
+        if p.lingering or t.is_closing():
+            return
+        if p.conn.their_state is not h11.SEND_BODY or not t.can_write_eof():
+            return t.close()
+        p.lingering = True
+        t.write_eof()  # after the answer still buffered
+        t.resume_reading()
+        p.loop.call_later(LINGER_SECONDS, t.close)
 
 
 class ConnectionGuard:
@@ -52,9 +82,11 @@ class ConnectionGuard:
         class GuardedH11Protocol(H11Protocol):
             _address: str | None = None
             _timer: asyncio.TimerHandle | None = None
+            lingering = False
 
             def connection_made(self, transport) -> None:
                 super().connection_made(transport)
+                self.transport = _LingeringTransport(transport, self)
                 address = self.client[0] if self.client else ""
                 if not guard.admit(address):
                     logger.warning("refused a connection from %s: %d open", address, guard.open[address])
@@ -63,6 +95,10 @@ class ConnectionGuard:
                     return
                 self._address = address
                 self._await_headers()
+
+            def data_received(self, data: bytes) -> None:
+                if not self.lingering:  # else the rest of a refused body: dropped
+                    super().data_received(data)
 
             def connection_lost(self, exc) -> None:
                 if self._address is not None:

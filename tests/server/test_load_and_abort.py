@@ -133,9 +133,10 @@ def test_a_client_that_stops_reading_stalls_nobody(tiny_server):
 def test_oversized_bodies_are_refused(tiny_server, declared):
     big = b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}'
     headers = {**tiny_server.headers, "content-type": "application/json"}
-    content = big if declared else iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)])
-    r = httpx.post(tiny_server.url + "/v1/completions", headers=headers, content=content, timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    for _ in range(5):  # a close with the body unread used to reset the connection, the answer lost, 1 in 20
+        content = big if declared else iter([big[i:i + 2**20] for i in range(0, len(big), 2**20)])
+        r = httpx.post(tiny_server.url + "/v1/completions", headers=headers, content=content, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     ok = httpx.post(tiny_server.url + "/v1/completions", headers=tiny_server.headers, timeout=60,
                     json={"prompt": "x", "max_tokens": 1})
     assert ok.status_code == 200
