@@ -74,3 +74,16 @@ def compare_greedy(ref_tokens: list[int], ref_scores: list[Scores], tokens: list
             assert diff <= bound, f"position {i}: logprob of {got} {diff:.3g} from the reference's (bound {bound:.3g})"
     assert len(tokens) == len(ref_tokens), f"{len(tokens)} tokens, the reference has {len(ref_tokens)}"
     return GreedyAgreement(len(ref_tokens), len(ref_tokens), sure)
+
+
+def compare_requests(got, want, *, bound: float) -> tuple[GreedyAgreement, float]:
+    """``compare_greedy`` over the outputs of one batch of prompts on two paths (``want`` the reference,
+    both asked for logprobs and ``prompt_logprobs=0``), and the largest gap of their prompt logprobs."""
+    agreement, worst = GreedyAgreement(), 0.0
+    for x, y in zip(got, want, strict=True):
+        lx = torch.tensor([next(iter(d.values())) for d in x.prompt_logprobs[1:]])
+        ly = torch.tensor([next(iter(d.values())) for d in y.prompt_logprobs[1:]])
+        worst = max(worst, (lx - ly).abs().max().item() if len(lx) else 0.0)
+        g, w = x.outputs[0], y.outputs[0]
+        agreement += compare_greedy(w.token_ids, w.logprobs, g.token_ids, g.logprobs, bound=bound)
+    return agreement, worst

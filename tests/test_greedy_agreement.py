@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from greedy_agreement import GreedyAgreement, compare_greedy, margin
+from greedy_agreement import GreedyAgreement, compare_greedy, compare_requests, margin
 
 BOUND = 1e-3
 V = 50
@@ -98,3 +99,28 @@ def test_most_positions_must_precede_the_first_near_tie(seed):
         early.assert_most_sure()
     (early + GreedyAgreement(positions=10, compared=10, sure=10)).assert_most_sure()
     assert margin({1: -0.5, 2: -0.75, 3: -3.0}) == pytest.approx(0.25)
+
+
+def _request(prompt_logprobs: list[float], logits: torch.Tensor) -> SimpleNamespace:
+    """A request's output as the engine gives it: prompt logprobs (none for the first token) and one completion."""
+    completion = SimpleNamespace(token_ids=_greedy(logits), logprobs=_scores(logits))
+    return SimpleNamespace(prompt_logprobs=[None] + [{7: v} for v in prompt_logprobs], outputs=[completion])
+
+
+def test_requests_compare_their_completions_and_report_the_widest_prompt_gap(seed):
+    refs = [_reference(8, ties=[]) for _ in range(3)]
+    prompt = [[random.uniform(-5, 0) for _ in range(random.randint(0, 6))] for _ in refs]
+    moved = [p[:] for p in prompt]
+    gap = random.uniform(0, 1)
+    k = next(k for k, p in enumerate(prompt) if p) if any(prompt) else None
+    if k is not None:
+        moved[k][-1] += gap
+    agreement, worst = compare_requests([_request(m, r) for m, r in zip(moved, refs)],
+                                        [_request(p, r) for p, r in zip(prompt, refs)], bound=BOUND)
+    assert agreement == GreedyAgreement(24, 24, 24)
+    assert worst == pytest.approx(gap if k is not None else 0.0, abs=1e-5)  # the logprobs meet in fp32
+    other = refs[1].clone()
+    other[3] += torch.nn.functional.one_hot(refs[1][3].argmin(), V) * 10  # another token wins by far
+    with pytest.raises(AssertionError, match="position 3"):
+        compare_requests([_request(p, r) for p, r in zip(prompt, [refs[0], other, refs[2]])],
+                         [_request(p, r) for p, r in zip(prompt, refs)], bound=BOUND)
