@@ -21,7 +21,7 @@ import torch
 from .config import EngineConfig
 from .context import check_context
 from .disagg.counters import TransferCounters
-from .distributed.dp_attention import DataParallelRanks, idle_forward
+from .distributed.dp_attention import DataParallelRanks
 from .distributed.followers import Followers
 from .distributed.group import Rendezvous
 from .distributed.workers import Workers
@@ -407,7 +407,7 @@ class EngineCore:
             if self.idle_steps:  # the other data-parallel ranks' MoE exchanges wait for this rank's
                 if self.runner.peers is not None:
                     self.runner.peers.send_idle()
-                idle_forward(self.components.model)
+                self.runner.idle()
             return None
         now = time.monotonic()
         step_logits = self.runner.execute(sched)

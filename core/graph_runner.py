@@ -13,6 +13,13 @@ batch of ``b`` sequences puts them (core/forward.py), so a step packs its rows a
 rows on the host and sends them with one copy. The page table is the exception: its rows have the
 full width there, so the step's narrower table goes at the end of that copy and one device copy
 moves it into place (a full-width table from the host would grow with ``max_model_len``).
+
+MoE exchanges between ranks are captured padded (``padded_exchanges``, core/distributed/moe.py):
+their sizes follow from the bucket. Under data-parallel attention the ranks' batches differ, so
+before each step every process offers its batch size (or that it cannot replay) to ``agree``, the
+group the MoE layers span, and all replay the smallest bucket that holds the largest batch, a rank
+with nothing scheduled a batch of padding only; where one cannot, all run eagerly (SGLang pads its
+data-parallel ranks' decode batches to the largest the same way).
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import bisect
 import logging
 from typing import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from .distributed.group import ParallelGroup
+from .distributed.moe import padded_exchanges
 from .families.graphs import GraphBackend
-import numpy as np
-
 from .forward import ForwardBatch, HostStaging, PageTables, batch_layout, pack_batch, page_table_array
 from .kv.storage import KVCache
 from .models.base import CausalLM
@@ -45,8 +53,10 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, page_size: int, max_model_len: int,
-                 max_batch: int, device: torch.device) -> None:
+                 max_batch: int, device: torch.device, agree: ParallelGroup | None = None) -> None:
+        """``agree``: under data-parallel attention, the processes that replay one bucket together."""
         self.model = model
+        self.agree_group = agree
         self.kv = kv
         self.backend = backend
         self.page_size = page_size
@@ -74,7 +84,7 @@ class DecodeGraphs:
 
     def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:
         """Capture every bucket, largest first, stopping early past ``memory_budget`` bytes."""
-        with torch.inference_mode():  # as the steps run: no autograd state recorded into the graphs
+        with torch.inference_mode(), padded_exchanges():  # as the steps run: no autograd state recorded
             self._capture(memory_budget, progress)
 
     def _capture(self, memory_budget: int | None, progress: bool) -> None:
@@ -99,12 +109,35 @@ class DecodeGraphs:
         return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n \
             and query_lens.count(1) == n and page_table_array(page_tables).shape[1] <= self.page_table.shape[1]
 
+    def agree(self, n: int | None) -> int | None:
+        """The bucket every process replays this step: ``n`` sequences here (0: nothing scheduled,
+        None: a step no graph holds); None where some process cannot replay, or none has a batch.
+        Without ``agree`` the bucket of ``n``: the processes hold the same batch."""
+        if self.agree_group is None:
+            return None if n is None else self._bucket(n)
+        # each offers a bucket it holds (nothing scheduled: its smallest); the largest offer is held by
+        # every process, as each captured all buckets from its smallest up (a budget stops the small ones)
+        offer = self.max_batch + 1 if n is None else self._bucket(max(n, 1))
+        plan = torch.tensor([offer, int(bool(n))], dtype=torch.int64, device=self.packed.device)
+        b, busy = self.agree_group.all_reduce(plan, "max").tolist()
+        return b if busy and b <= self.max_batch else None
+
+    def _bucket(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def pad(self, b: int) -> None:
+        """Replay bucket ``b`` on padding rows only: this process's part of the other ranks' step."""
+        self._stage(b, [], [], np.zeros((0, 1), dtype=np.int32))
+        self.kv.window_table()
+        self._replays[b]()
+
     def run(self, input_ids: list[int], context_lens: list[int], page_tables: PageTables,
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode step of n sequences, through the smallest bucket >= n;
-        ``fill`` writes, on the device, the input ids the host does not have yet into the staged ones."""
+            fill: Callable[[torch.Tensor], None] | None = None, bucket: int | None = None) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a decode step of n sequences, through ``bucket`` (``agree``'s) or
+        the smallest bucket >= n; ``fill`` writes, on the device, the input ids the host does not
+        have yet into the staged ones."""
         n = len(input_ids)
-        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        b = bucket or self._bucket(n)
         staged_ids = self._stage(b, input_ids, context_lens, page_table_array(page_tables))
         if fill is not None:
             fill(staged_ids)

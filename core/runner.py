@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .distributed.group import SINGLE, ParallelGroup
+from .distributed.moe import idle_forward
 from .forward import ForwardBatch, HostStaging
 from .graph_runner import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
@@ -103,6 +104,16 @@ class ModelRunner:
             self.kv.stage_window(page, window)
         return self.run(inputs)
 
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """This process's part of a step of the other data-parallel ranks, with nothing scheduled
+        here: a replay of padding where they replay a graph, else a forward of no tokens."""
+        bucket = self.graphs.agree(0) if self.graphs is not None else None
+        if bucket is not None:
+            self.graphs.pad(bucket)
+        else:
+            idle_forward(self.model)
+
     def _run_features(self, inputs: StepInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits and, where a proposer asks, the feature it drafts from."""
         if self.feature is None:
@@ -126,10 +137,13 @@ class ModelRunner:
                                    f"sequence's step on the host, but the step brings them for "
                                    f"{len(inputs.history)} of {len(inputs.query_lens)} sequences")
             self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
-        if features is None and self.graphs is not None and self.graphs.can_run(inputs.query_lens, inputs.tables,
-                                                           len(inputs.logits_indices)):
+        bucket = None
+        if self.graphs is not None:
+            held = features is None and self.graphs.can_run(inputs.query_lens, inputs.tables, len(inputs.logits_indices))
+            bucket = self.graphs.agree(len(inputs.query_lens) if held else None)
+        if bucket is not None:
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
-            return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill)
+            return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill, bucket)
         batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
                                    self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:

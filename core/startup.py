@@ -111,8 +111,9 @@ def select_proposer(plugins: Plugins, ctx: SelectionContext, config: EngineConfi
         raise SpecConfigError("method", f"{why}; proposers:\n{describe_candidates(exc.candidates)}") from None
 
 
-def graph_refusals(config: EngineConfig) -> list[str]:
-    """Why no step of this engine can run in a graph (both kinds), if any."""
+def prefill_graph_refusals(config: EngineConfig) -> list[str]:
+    """Why no prefill step of this engine can run in a graph, if any (decode graphs pad the MoE
+    exchanges to the bucket, core/graph_runner.py; a prefill step's exchanges are exact)."""
     reasons = []
     if config.expert_parallel and config.tensor_parallel_size > 1:
         reasons.append("expert parallelism (its all_to_all sizes are read on the host)")
@@ -127,16 +128,16 @@ def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, 
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
         unsafe.append(type(model).__name__)
-    unsafe += graph_refusals(config)
     if unsafe:
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
     graphs = DecodeGraphs(model, kv, backend, config.page_size, max_model_len,
-                          min(config.max_graph_batch, config.max_num_seqs), device)
+                          min(config.max_graph_batch, config.max_num_seqs), device,
+                          model.backends.moe_group if config.enable_dp_attention else None)
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception:
-        if explicit:
+        if explicit or config.tensor_parallel_size > 1:  # the ranks replay together: none may run eagerly alone
             raise
         logger.exception("capturing decode graphs failed; decode runs eagerly (--enforce-eager skips the attempt)")
         return None
@@ -148,7 +149,7 @@ def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphB
                            progress: bool, proposer: SpecProposer | None = None) -> PrefillGraphs | None:
     """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here;
     recorded with the feature ``proposer`` drafts from, where it does."""
-    reasons = graph_refusals(config) + model.breakable_refusals()
+    reasons = prefill_graph_refusals(config) + model.breakable_refusals()
     if not config.max_prefill_graph_tokens:
         reasons.append("max_prefill_graph_tokens is 0")
     if not backend.breakable:

@@ -25,16 +25,16 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
   every other rank is a worker process (worker.py) that gets, with each step, what rank 0 routed to
   it (``RankRequests``), runs one step of its core, and answers with its outputs (``RankOutputs``).
 - Lockstep: every step of rank 0 is one step of every rank, and every step runs exactly one
-  forward on every process. A rank with nothing scheduled runs an idle forward (``idle_forward``):
-  its MoE layers' exchanges, in layer order, with zero tokens, so the others' collectives meet it.
+  forward on every process. A rank with nothing scheduled runs an idle forward (``idle_forward``,
+  moe.py): its MoE layers' exchanges, in layer order, with zero tokens, so the others' collectives
+  meet it; or, where the others replay a decode graph, the same graph on padding only
+  (``ModelRunner.idle``; the ranks agree on the graph before each step, core/graph_runner.py).
 
-Not built: CUDA graphs (the exchanges' sizes are read on the host), the start-up warm-up and
-speculative decoding under it.
+Not built: prefill graphs (the exact exchanges' sizes are read on the host), the start-up warm-up
+and speculative decoding under it.
 """
 
 from __future__ import annotations
-
-import torch
 
 from ..config import EngineConfig
 from ..errors import EngineError, rebuild
@@ -43,18 +43,6 @@ from ..sampling_params import SamplingParams
 from .dp_router import DataParallelRouter
 from .messages import AddRequest, RankOutputs, RankRequests, RankStats, decoder, encoder
 from .workers import Workers
-
-
-@torch.inference_mode()
-def idle_forward(model: torch.nn.Module) -> None:
-    """A forward with no tokens: each MoE layer's exchange with the other ranks, in layer order."""
-    param = next(model.parameters())
-    hidden = model.config.hf["hidden_size"]
-    x = torch.empty((0, hidden), dtype=model.config.dtype, device=param.device)
-    ids = torch.empty((0,), dtype=torch.int64, device=param.device)
-    for m in model.modules():
-        if hasattr(m, "placement"):
-            m.placement(m, x, ids)
 
 
 class DataParallelRanks:

@@ -4,7 +4,8 @@ The group is built without ``torch.distributed.init_process_group``: a TCP store
 backend process group made directly (NCCL on CUDA and ROCm devices, gloo on the host), so an
 engine leaves no global state behind in the caller's process and several engines can live in one.
 Every collective has the group's timeout: a rank that stops answering fails the step, it never
-hangs it. ``SINGLE`` is the group of one process, whose collectives are the identity.
+hangs it. Each goes through ``host_work``, so a graph recorded on the host holds it too.
+``SINGLE`` is the group of one process, whose collectives are the identity.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..families.graphs import host_work
 from .multicast import multicast_off
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -33,7 +35,7 @@ class ParallelGroup:
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = _OPS[op]
-            self.pg.allreduce([x], opts).wait()
+            host_work(lambda: self.pg.allreduce([x], opts).wait())
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -42,7 +44,7 @@ class ParallelGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x]).wait()
+        host_work(lambda: self.pg.allgather([parts], [x]).wait())
         return torch.cat(parts, dim=dim)
 
     def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
@@ -51,7 +53,8 @@ class ParallelGroup:
         if self.size == 1:
             return x
         out = x.new_empty((sum(receive), *x.shape[1:]))
-        self.pg.alltoall_base(out, x.contiguous(), receive, send, dist.AllToAllOptions()).wait()
+        x = x.contiguous()
+        host_work(lambda: self.pg.alltoall_base(out, x, receive, send, dist.AllToAllOptions()).wait())
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -59,7 +62,7 @@ class ParallelGroup:
         if self.size > 1:
             opts = dist.BroadcastOptions()
             opts.rootRank = src
-            self.pg.broadcast([x], opts).wait()
+            host_work(lambda: self.pg.broadcast([x], opts).wait())
         return x
 
     def close(self, abort: bool = False) -> None:

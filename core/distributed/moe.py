@@ -4,19 +4,23 @@
   of each one's intermediate rows (gate/up split by rows, down by columns); it computes every token
   and one all-reduce sums the shares, as a row-parallel linear does. With one rank: the plain layer.
 - ``ExpertParallel`` (``--expert-parallel``): rank r holds experts r*E/size .. (r+1)*E/size - 1
-  whole. The tokens are on every rank (attention is tensor-parallel), so each rank routes its own
-  slice of them; a dispatcher sends every (token, expert) pair to the rank that holds the expert,
-  that rank runs them, the dispatcher brings the results back and sums them per token, and the
-  slices are gathered. A shared expert (every token's) is held whole by every rank and runs on the
-  rank's slice. ``AllToAllDispatch`` is torch.distributed's all_to_all; a fused dispatch (DeepEP
-  style, or MegaMoE's) is another ``Dispatcher``.
+  whole. The processes that hold the same tokens (``share``: every rank under tensor-parallel
+  attention) each route a slice of them; a dispatcher sends every (token, expert) pair to the rank
+  that holds the expert, that rank runs them, the dispatcher brings the results back and sums them
+  per token, and the slices are gathered within ``share``. A shared expert (every token's) is held
+  whole by every rank and runs on the rank's slice. Two dispatchers, as DeepEP has a normal and a
+  low-latency mode: ``AllToAllDispatch`` (eager steps) sends exactly each rank's pairs, their
+  counts read on the host; ``PaddedAllToAllDispatch`` (within ``padded_exchanges``: while a decode
+  graph is captured) sends fixed-size padded blocks, so the graph holds its all_to_all. A fused
+  dispatch (DeepEP's kernels, or MegaMoE's) is another ``Dispatcher``.
 
-Under data-parallel attention (dp_attention.py) each rank's tokens are its own requests', not a
-copy of everyone's, and a rank may have none (it still joins every exchange, with zero rows):
+Under data-parallel attention (dp_attention.py) each data-parallel rank's tokens are its own
+requests', not a copy of everyone's, and a rank may have none (it still joins every exchange,
+with zero rows, or in a graph with a batch of padding):
 
-- ``DataParallelExperts`` (with ``--expert-parallel``): each rank routes all of its tokens and the
-  dispatcher sends them to the experts' ranks and back, as SGLang's DP attention with DeepEP does;
-  nothing is gathered, each rank keeps its own rows.
+- with ``--expert-parallel`` each rank's processes route its tokens, each its slice (``share`` is
+  the rank's attention group), and the dispatcher sends them to the experts' ranks and back, as
+  SGLang's DP attention with DeepEP does; each rank keeps its own rows.
 - ``GatheredExpertShards`` (experts split): the ranks' tokens (and their ids, which hash routing
   reads) are all-gathered, padded to the longest, every rank computes its share of every expert on
   all of them, one all-reduce sums the shares and each rank keeps its rows, as SGLang gathers
@@ -25,7 +29,9 @@ copy of everyone's, and a rank may have none (it still joins every exchange, wit
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import contextlib
+from contextvars import ContextVar
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -59,7 +65,6 @@ class ExpertLayer(Protocol):
 
 class ExpertShards:
     folds_shared = True  # the shared expert may sit in the routed stack: it is split as they are
-    graph_safe = True
 
     def __init__(self, group: ParallelGroup) -> None:
         self.group = group
@@ -85,7 +90,8 @@ class Dispatcher(Protocol):
 
 class AllToAllDispatch:
     """Pairs sorted by the rank holding their expert, their counts exchanged, then the token rows
-    (and local expert ids with weights) sent with all_to_all, and the outputs sent back the same way."""
+    (and local expert ids with weights) sent with all_to_all, and the outputs sent back the same way.
+    Each rank receives exactly its pairs; the counts are read on the host."""
 
     def __init__(self, group: ParallelGroup, experts_per_rank: int) -> None:
         self.group = group
@@ -99,11 +105,9 @@ class AllToAllDispatch:
         send_counts = torch.bincount(dest, minlength=g.size)
         send = send_counts.tolist()
         receive = g.all_to_all(send_counts, [1] * g.size, [1] * g.size).tolist()
-        local = ids.flatten()[order] - dest[order] * self.per_rank
-        # local expert ids are small integers, exact in fp32: one message with the weights
-        routes = torch.stack([local.to(torch.float32), weights.flatten()[order].to(torch.float32)], dim=1)
         x_in = g.all_to_all(x[token], send, receive)
-        r_in = g.all_to_all(routes, send, receive)
+        r_in = g.all_to_all(_routes(ids.flatten()[order] - dest[order] * self.per_rank, weights.flatten()[order]),
+                            send, receive)
         if x_in.shape[0]:
             y_in = experts(x_in, r_in[:, 1:].contiguous(), r_in[:, :1].to(torch.int64))
         else:
@@ -112,58 +116,102 @@ class AllToAllDispatch:
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
-class ExpertParallel:
-    folds_shared = False  # the shared expert is held whole by every rank, the routed ones are not
-    graph_safe = False  # the all_to_all's sizes are read on the host
+class PaddedAllToAllDispatch(AllToAllDispatch):
+    """Sizes fixed by the batch's shape, so a graph can hold the exchange (DeepEP's low-latency
+    mode, in torch.distributed's all_to_all): every rank sends every other a block of T * k rows
+    (room for all its pairs), its pairs first in the order the exact dispatch sends them, then
+    zero rows with weight 0 and local expert 0. Every rank's batch must have the same T. The
+    experts run the padding too (their output, weighted 0, adds nothing); nothing is read on the
+    host. The per-token sums add in the exact dispatch's order."""
 
-    def __init__(self, group: ParallelGroup, dispatcher: Dispatcher | None = None) -> None:
+    def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
+        g, (t, k) = self.group, ids.shape
+        cap = t * k
+        dest = (ids // self.per_rank).flatten()
+        order = torch.argsort(dest, stable=True)
+        token = order // k
+        # the slot of each pair (in the exact dispatch's order): its rank's block, after the earlier pairs to that rank
+        to = dest[order]
+        seen = (to[:, None] == torch.arange(g.size, device=to.device)).cumsum(0)  # one_hot would check on the host
+        slot = to * cap + seen.gather(1, to[:, None]).squeeze(1) - 1
+        x_out = x.new_zeros((g.size * cap, x.shape[1])).index_copy_(0, slot, x[token])
+        routes = _routes(ids.flatten()[order] - to * self.per_rank, weights.flatten()[order])
+        r_out = routes.new_zeros((g.size * cap, 2)).index_copy_(0, slot, routes)
+        blocks = [cap] * g.size
+        x_in, r_in = g.all_to_all(x_out, blocks, blocks), g.all_to_all(r_out, blocks, blocks)
+        y_in = experts(x_in, r_in[:, 1:].contiguous(), r_in[:, :1].to(torch.int64)) if cap else x_in
+        y = g.all_to_all(y_in, blocks, blocks)
+        return torch.zeros_like(x).index_add_(0, token, y[slot].to(x.dtype))
+
+
+def _routes(local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each pair's local expert id and weight as one fp32 message (the ids are small integers, exact in fp32)."""
+    return torch.stack([local.to(torch.float32), weights.to(torch.float32)], dim=1)
+
+
+_PADDED: ContextVar[bool] = ContextVar("padded_exchanges", default=False)
+
+
+@contextlib.contextmanager
+def padded_exchanges() -> Iterator[None]:
+    """Within it, every MoE exchange has sizes fixed by the batch's shape and reads nothing on the
+    host, as a captured graph needs (core/graph_runner.py); every rank's batch has the same size."""
+    token = _PADDED.set(True)
+    try:
+        yield
+    finally:
+        _PADDED.reset(token)
+
+
+class ExpertParallel:
+    """``share``: the processes that hold the same tokens (the whole group under tensor-parallel
+    attention, a data-parallel rank's processes under DP attention): each routes and sends its
+    slice of them (the tokens padded to a multiple of ``share.size``) and the slices are gathered
+    within ``share``. ``dispatcher`` moves the pairs in eager steps, ``padded`` in graphs."""
+
+    folds_shared = False  # the shared expert is held whole by every rank, the routed ones are not
+
+    def __init__(self, group: ParallelGroup, share: ParallelGroup | None = None, dispatcher: Dispatcher | None = None,
+                 padded: Dispatcher | None = None) -> None:
         self.group = group
+        self.share = group if share is None else share
         self.dispatcher = dispatcher
+        self.padded = padded
 
     def place(self, num_experts: int, inter: int) -> tuple[int, int, tuple[int, int]]:
         per_rank = split(num_experts, self.group.size, "the routed experts")
         if self.dispatcher is None:
             self.dispatcher = AllToAllDispatch(self.group, per_rank)
+        if self.padded is None:
+            self.padded = PaddedAllToAllDispatch(self.group, per_rank)
         return self.group.rank * per_rank, per_rank, (0, 1)
 
     shared_split = (0, 1)
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        g, total = self.group, x.shape[0]
-        rows = -(-total // g.size)
-        lo, hi = min(g.rank * rows, total), min((g.rank + 1) * rows, total)
-        xs, k = x[lo:hi], layer.top_k
-        if hi > lo:
-            weights, ids = layer.route(xs, input_ids[lo:hi])
-        else:  # fewer tokens than ranks: this one has none to route, and still takes part in the exchange
+        s, total, k = self.share, x.shape[0], layer.top_k
+        rows = -(-total // s.size)
+        if rows * s.size > total:  # a whole slice each: the padding rows are routed, their outputs dropped
+            x = torch.nn.functional.pad(x, (0, 0, 0, rows * s.size - total))
+            input_ids = torch.nn.functional.pad(input_ids, (0, rows * s.size - total))
+        xs = x[s.rank * rows: (s.rank + 1) * rows]
+        if rows:
+            weights, ids = layer.route(xs, input_ids[s.rank * rows: (s.rank + 1) * rows])
+        else:  # no tokens (an idle data-parallel rank): it takes part in the exchange all the same
             weights, ids = xs.new_empty((0, k), dtype=torch.float32), input_ids.new_empty((0, k))
-        y = self.dispatcher.run(xs, weights[:, :k], ids[:, :k], layer.routed)
+        dispatcher = self.padded if _PADDED.get() else self.dispatcher
+        y = dispatcher.run(xs, weights[:, :k], ids[:, :k], layer.routed)
         if weights.shape[1] > k:
             y = y + layer.shared(xs, weights[:, k:], ids[:, k:])
-        padded = torch.nn.functional.pad(y, (0, 0, 0, rows - y.shape[0]))
-        return g.all_gather(padded, dim=0)[:total]
-
-
-class DataParallelExperts(ExpertParallel):
-    def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        k = layer.top_k
-        if x.shape[0]:
-            weights, ids = layer.route(x, input_ids)
-        else:  # an idle rank: nothing to send, and it takes part in the exchange all the same
-            weights, ids = x.new_empty((0, k), dtype=torch.float32), input_ids.new_empty((0, k))
-        y = self.dispatcher.run(x, weights[:, :k], ids[:, :k], layer.routed)
-        if weights.shape[1] > k:
-            y = y + layer.shared(x, weights[:, k:], ids[:, k:])
-        return y
+        return s.all_gather(y, dim=0)[:total]
 
 
 class GatheredExpertShards(ExpertShards):
-    graph_safe = False  # the ranks' token counts are read on the host
+    """Within ``padded_exchanges`` every rank's batch has its size: nothing is read on the host."""
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         g, total = self.group, x.shape[0]
-        counts = g.all_gather(torch.tensor([total], device=x.device), dim=0).tolist()
-        rows = max(counts)
+        rows = total if _PADDED.get() else max(g.all_gather(torch.tensor([total], device=x.device), dim=0).tolist())
         if rows == 0:
             return x
         xs = g.all_gather(torch.nn.functional.pad(x, (0, 0, 0, rows - total)), dim=0)
@@ -172,10 +220,24 @@ class GatheredExpertShards(ExpertShards):
         return y[g.rank * rows: g.rank * rows + total]
 
 
-def expert_placement(group: ParallelGroup, expert_parallel: bool, data_parallel: bool = False) -> ExpertShards | ExpertParallel:
-    """``data_parallel``: each rank's tokens are its own (data-parallel attention), not all of them."""
+@torch.inference_mode()
+def idle_forward(model: torch.nn.Module) -> None:
+    """A forward with no tokens: each MoE layer's exchange with the other ranks, in layer order."""
+    param = next(model.parameters())
+    hidden = model.config.hf["hidden_size"]
+    x = torch.empty((0, hidden), dtype=model.config.dtype, device=param.device)
+    ids = torch.empty((0,), dtype=torch.int64, device=param.device)
+    for m in model.modules():
+        if hasattr(m, "placement"):
+            m.placement(m, x, ids)
+
+
+def expert_placement(group: ParallelGroup, expert_parallel: bool, data_parallel: bool = False,
+                     attention: ParallelGroup | None = None) -> ExpertShards | ExpertParallel:
+    """``data_parallel``: each data-parallel rank's tokens are its own (data-parallel attention), not
+    all of them, held by the processes of its ``attention`` group."""
     if group.size == 1:
         return ExpertShards(group)
     if data_parallel:
-        return DataParallelExperts(group) if expert_parallel else GatheredExpertShards(group)
+        return ExpertParallel(group, attention) if expert_parallel else GatheredExpertShards(group)
     return ExpertParallel(group) if expert_parallel else ExpertShards(group)

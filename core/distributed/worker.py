@@ -43,8 +43,6 @@ def _exit_with_parent(parent: int) -> None:
 
 def serve(conn: Connection, runner) -> None:
     """Run steps until ``Stop`` or until the process that schedules them closes the socket."""
-    from .dp_attention import idle_forward
-
     while True:
         try:
             msg = decoder.decode(conn.recv_bytes())
@@ -55,7 +53,7 @@ def serve(conn: Connection, runner) -> None:
         if isinstance(msg, Step):
             runner.follow(msg.inputs)
         elif isinstance(msg, Idle):
-            idle_forward(runner.model)
+            runner.idle()
 
 
 def main(argv: list[str] | None = None) -> int:

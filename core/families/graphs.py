@@ -14,9 +14,23 @@ segment's temporaries take memory only while the recorded forward held them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import torch
+
+# where a recording on the host keeps the work that torch's dispatcher does not show it (None: none records)
+HOST_WORK: ContextVar[list | None] = ContextVar("host_work", default=None)
+
+
+def host_work(work: Callable[[], None]) -> None:
+    """Run ``work``, device work issued outside torch's operators (a collective's call into its
+    process group): a device graph captures what it launches by itself, and a recording on the host
+    (core/native/graphs.py) keeps it in order with the operators around it, to run again in each replay."""
+    work()
+    recording = HOST_WORK.get()
+    if recording is not None:
+        recording.append((work, (), {}, None))
 
 
 class GraphBackend(ABC):

@@ -44,7 +44,7 @@ class Backends:
 
     def experts(self):
         """How an MoE layer's experts are placed over ``moe_group`` and how its tokens reach them."""
-        return expert_placement(self.moe_group, self.expert_parallel, self.dp_attention)
+        return expert_placement(self.moe_group, self.expert_parallel, self.dp_attention, self.tp)
 
 
 class CausalLM(nn.Module, ABC):

@@ -4,10 +4,12 @@ It has a graph's semantics without a device: the recording runs each operation a
 its arguments and outputs; a replay runs it again on the same tensors, writing each result into
 the tensor the recording produced, so everything downstream reads the new values where it read
 the old. Views need no replay (they alias what they view); in-place operations run again as
-they are. No faster than running eagerly: it is how the breakable-graph machinery is exercised
-where there is no GPU. A host read of a tensor's value (an op that returns no tensor: ``.item()``,
-``bool(t)``), which a device graph cannot replay either, is refused; ``.tolist()``, which torch
-does not dispatch, is not seen.
+they are. Collectives, which reach their process group without passing torch's dispatcher, are
+kept in their place by ``host_work`` (core/families/graphs.py) and run again as they are. No
+faster than running eagerly: it is how the graph machinery is exercised where there is no GPU. A
+host read of a tensor's value (an op that returns no tensor: ``.item()``, ``bool(t)``), which a
+device graph cannot replay either, is refused; ``.tolist()``, which torch does not dispatch, is
+not seen.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..families.graphs import GraphBackend
+from ..families.graphs import HOST_WORK, GraphBackend
 
 
 _aten = torch.ops.aten
@@ -31,6 +33,15 @@ class _Tape(TorchDispatchMode):
         super().__init__()
         # (op, args, kwargs, the tensors it made: None where it wrote in place)
         self.ops: list[tuple[Any, tuple, dict, list[torch.Tensor] | None]] = []
+        self._host = None
+
+    def __enter__(self):
+        self._host = HOST_WORK.set(self.ops)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        HOST_WORK.reset(self._host)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -8,16 +8,20 @@ DeepSeek-V4 (tiny-dsv4-py: heads and output groups split, the KV head, compresso
 whole on each rank; hash and routed MoE layers) with split experts and expert parallelism at 2, and
 a tiny random DeepSeek-V4.1 the same way (CSA2 sharing, the candidate filter and Engram whole on
 each rank), and tiny-qwen3-py in the fine-grained FP8 layout at 2 ranks (the o/gate-up/down slices
-whole 128-row blocks, kept in E4M3; q/k/v not, 64-row KV slices, dequantized at load).
+whole 128-row blocks, kept in E4M3; q/k/v not, 64-row KV slices, dequantized at load). With
+expert parallelism the decode steps also run with the padded exchanges a decode graph holds.
 
 Under data-parallel attention each rank runs its own batch (prompts of other lengths on each) and
 gets the logits one process computes for that batch, while the MoE layers span the ranks (experts
 partitioned, or split with the ranks' tokens gathered); one rank has no batch and runs idle
 forwards in step, and a first step where every rank is idle exchanges nothing. With 4 threads in 2
-data-parallel ranks each rank's attention is split over its 2 threads, which run its batch together."""
+data-parallel ranks each rank's attention is split over its 2 threads, which run its batch together
+(with expert parallelism each sends half of the rank's tokens to the experts); the decode steps
+again with padded exchanges, where every rank decodes 2 sequences."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -26,7 +30,7 @@ import torch
 from engine.checkpoints import write_checkpoint
 from engine.checkpoints.fp8_block import write_fp8_block
 from engine.core.config import EngineConfig, ModelConfig
-from engine.core.distributed.dp_attention import idle_forward
+from engine.core.distributed.moe import idle_forward, padded_exchanges
 
 from dsv41_random import random_v41_checkpoint, v41_config
 from tp_helpers import PAGE_SIZE, run_ranks, single, steps
@@ -50,17 +54,24 @@ def _fp8(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("which,size,expert_parallel", [
-    ("qwen3", 4, False), ("llama", 2, False), ("qwen3-moe", 2, False), ("qwen3-moe", 4, True),
-    ("dsv4", 2, False), ("dsv4", 2, True), ("dsv41", 2, False), ("dsv41", 2, True)])
-def test_every_rank_computes_the_logits_of_one_process(which, size, expert_parallel, models, seed):
+def decode(runner, step, padded: bool) -> torch.Tensor:
+    """The step's logits; with ``padded`` a decode step's MoE exchanges are padded, as in a decode graph."""
+    with padded_exchanges() if padded and set(step.query_lens) == {1} else contextlib.nullcontext():
+        return runner.run(step)
+
+
+@pytest.mark.parametrize("which,size,expert_parallel,padded", [
+    ("qwen3", 4, False, False), ("llama", 2, False, False), ("qwen3-moe", 2, False, False),
+    ("qwen3-moe", 4, True, False), ("qwen3-moe", 2, True, True), ("dsv4", 2, False, False), ("dsv4", 2, True, False),
+    ("dsv4", 2, True, True), ("dsv41", 2, False, False), ("dsv41", 2, True, False)])
+def test_every_rank_computes_the_logits_of_one_process(which, size, expert_parallel, padded, models, seed):
     model = models[which]
     config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
     vocab = ModelConfig.from_dir(model).vocab_size
     inputs = steps(vocab)
     expected = single(config, inputs)
     ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, expert_parallel=expert_parallel),
-                      size, lambda r, runner: [runner.run(step) for step in inputs])
+                      size, lambda r, runner: [decode(runner, step, padded) for step in inputs])
     for got in ranks:
         for g, e, step in zip(got, expected, inputs):
             assert g.shape == e.shape == (len(step.logits_indices), vocab)
@@ -83,11 +94,15 @@ def test_fp8_ranks_keep_the_slices_that_fill_whole_blocks(models, seed):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("which,size,dp,expert_parallel,idle", [
-    ("dsv4", 2, 2, True, None), ("dsv4", 2, 2, False, 1), ("dsv4", 4, 4, True, 0), ("qwen3-moe", 4, 4, True, 2),
-    ("qwen3-moe", 4, 4, False, 3), ("dsv41", 2, 2, True, 1), ("dsv4", 4, 2, True, 1), ("qwen3-moe", 4, 2, False, None)])
-def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, dp, expert_parallel, idle, models, seed):
-    """``size`` processes in ``dp`` data-parallel ranks, each rank's attention split over size / dp of them."""
+@pytest.mark.parametrize("which,size,dp,expert_parallel,idle,padded", [
+    ("dsv4", 2, 2, True, None, False), ("dsv4", 2, 2, True, None, True), ("dsv4", 2, 2, False, 1, False),
+    ("dsv4", 4, 4, True, 0, False), ("qwen3-moe", 4, 4, True, 2, False), ("qwen3-moe", 4, 4, False, 3, False),
+    ("dsv41", 2, 2, True, 1, False), ("dsv4", 4, 2, True, 1, False), ("qwen3-moe", 4, 2, False, None, False),
+    ("qwen3-moe", 4, 2, True, None, True)])
+def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, dp, expert_parallel, idle, padded,
+                                                                models, seed):
+    """``size`` processes in ``dp`` data-parallel ranks, each rank's attention split over size / dp of them;
+    ``padded``: the decode steps (2 sequences on every rank) exchange padded blocks, as in a decode graph."""
     model = models[which]
     config = EngineConfig(model=str(model), dtype="float32", page_size=PAGE_SIZE, num_pages=32)
     vocab = ModelConfig.from_dir(model).vocab_size
@@ -102,7 +117,7 @@ def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, dp
             for _ in range(4):
                 idle_forward(runner.model)
             return None
-        return [runner.run(step) for step in batch]
+        return [decode(runner, step, padded) for step in batch]
 
     ranks = run_ranks(dataclasses.replace(config, tensor_parallel_size=size, data_parallel_size=dp,
                                           enable_dp_attention=True, expert_parallel=expert_parallel), size, rank)

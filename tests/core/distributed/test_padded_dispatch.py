@@ -1,0 +1,126 @@
+"""The expert-parallel exchanges, each rank a thread of this process on one gloo group: the
+fixed-size padded dispatch (what a decode graph holds) gives what the exact one does and what one
+process computes with every expert at hand, whatever the routes (all pairs to one rank, none to
+another, a batch of no tokens); and recorded on the host graphs backend, collectives included,
+its replays recompute the exchange on new tokens and routes. Under data-parallel attention the
+ranks agree on the decode graph every one replays (core/graph_runner.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.core.distributed.group import connect, join_store, master_store
+from engine.core.graph_runner import DecodeGraphs
+from engine.core.distributed.moe import AllToAllDispatch, PaddedAllToAllDispatch
+from engine.core.native.graphs import RecordedOps
+
+from tp_helpers import TIMEOUT_S, within
+
+H, E, K = 8, 8, 3
+
+
+def linear_experts(maps: torch.Tensor, first: int):
+    """Expert e multiplies by maps[e] (global ids; this rank's from ``first``): torch operators only."""
+    def run(x, weights, ids):
+        return torch.einsum("th,tkhg,tk->tg", x, maps[ids + first], weights)
+    return run
+
+
+def one_process(maps, x, weights, ids):
+    return linear_experts(maps, 0)(x, weights, ids)
+
+
+def ranks(size: int, body) -> list:
+    """Each rank's ``body(rank, group)``, the ranks threads on one gloo group."""
+    store = master_store(size, TIMEOUT_S)
+    out: list = [None] * size
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            g = connect(store if r == 0 else join_store(store.port, size, TIMEOUT_S), r, size,
+                        torch.device("cpu"), TIMEOUT_S, "ep")
+            out[r] = body(r, g)
+            g.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def run_all() -> None:
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    within(TIMEOUT_S, run_all)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def routes(gen: torch.Generator, t: int, skew: str) -> torch.Tensor:
+    """Distinct experts per token; ``skew``: 'low' sends every pair to rank 0's experts."""
+    top = E // 2 if skew == "low" else E
+    return torch.stack([torch.randperm(top, generator=gen)[:K] for _ in range(t)]) if t else torch.empty(0, K, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_padded_dispatch_is_the_exact_one(size):
+    maps = torch.randn(E, H, H, generator=torch.Generator().manual_seed(0))
+    per_rank = E // size
+
+    def body(r, g):
+        gen = torch.Generator().manual_seed(100 + r)
+        got = []
+        for t, skew in ((5, "any"), (3, "low"), (1, "any"), (0, "any")):
+            x, w = torch.randn(t, H, generator=gen), torch.rand(t, K, generator=gen)
+            ids = routes(gen, t, skew)
+            experts = linear_experts(maps, r * per_rank)
+            exact = AllToAllDispatch(g, per_rank).run(x, w, ids, experts)
+            padded = PaddedAllToAllDispatch(g, per_rank).run(x, w, ids, experts)
+            got.append((exact, padded, one_process(maps, x, w, ids)))
+        return got
+
+    for got in ranks(size, body):
+        for exact, padded, want in got:
+            torch.testing.assert_close(exact, want)
+            torch.testing.assert_close(padded, exact, rtol=0, atol=0)
+
+
+def test_a_recorded_padded_dispatch_replays_its_exchanges():
+    maps = torch.randn(E, H, H, generator=torch.Generator().manual_seed(1))
+    size, t, per_rank = 2, 4, E // 2
+
+    def body(r, g):
+        gen = torch.Generator().manual_seed(200 + r)
+        x, w, ids = torch.randn(t, H, generator=gen), torch.rand(t, K, generator=gen), routes(gen, t, "any")
+        dispatch, experts = PaddedAllToAllDispatch(g, per_rank), linear_experts(maps, r * per_rank)
+        replay = RecordedOps(None).capture(lambda: dispatch.run(x, w, ids, experts))
+        got = []
+        for skew in ("low", "any", "any"):
+            x.copy_(torch.randn(t, H, generator=gen))
+            w.copy_(torch.rand(t, K, generator=gen))
+            ids.copy_(routes(gen, t, skew))
+            got.append((replay().clone(), one_process(maps, x, w, ids)))
+        return got
+
+    for got in ranks(size, body):
+        for replayed, want in got:
+            torch.testing.assert_close(replayed, want)
+
+
+@pytest.mark.parametrize("offers,bucket", [
+    ((3, 0), 4), ((1, 2), 4), ((2, 0), 4), ((5, 8), 8), ((0, 0), None), ((None, 2), None), ((2, 9), None)])
+def test_the_ranks_agree_on_one_bucket(offers, bucket):
+    """Rank 1's capture stopped at batch 4 (its budget): a bucket both hold, or eager (None) where a
+    rank's step fits no graph or no rank has sequences; 9 sequences exceed the largest bucket (8)."""
+
+    def body(r, g):
+        graphs = DecodeGraphs(None, None, None, 4, 64, 8, torch.device("cpu"), agree=g)
+        graphs.buckets = [1, 2, 4, 8] if r == 0 else [4, 8]
+        return graphs.agree(None if offers[r] is None or offers[r] > 8 else offers[r])
+
+    assert ranks(2, body) == [bucket, bucket]
