@@ -107,7 +107,7 @@ class EngineCore:
             c = build(config, plugins, progress=progress,
                       rendezvous=rendezvous or (self.workers.rendezvous if self.workers is not None else None))
             if self.workers is not None:
-                self.workers.ready(c.group, c.attention_group)
+                self.workers.ready(c.group, c.attention_group, c.plan_group)
         except BaseException:
             self.shutdown()
             raise

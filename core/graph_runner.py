@@ -17,7 +17,8 @@ moves it into place (a full-width table from the host would grow with ``max_mode
 MoE exchanges between ranks are captured padded (``padded_exchanges``, core/distributed/moe.py):
 their sizes follow from the bucket. Under data-parallel attention the ranks' batches differ, so
 before each step every process offers its batch size (or that it cannot replay) to ``agree``, the
-group the MoE layers span, and all replay the smallest bucket that holds the largest batch, a rank
+processes the MoE layers span in a group on the host (gloo: waiting for no device work, so the
+host still runs ahead of the device), and all replay the smallest bucket that holds the largest batch, a rank
 with nothing scheduled a batch of padding only; where one cannot, all run eagerly (SGLang pads its
 data-parallel ranks' decode batches to the largest the same way).
 """
@@ -54,7 +55,8 @@ def decode_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, page_size: int, max_model_len: int,
                  max_batch: int, device: torch.device, agree: ParallelGroup | None = None) -> None:
-        """``agree``: under data-parallel attention, the processes that replay one bucket together."""
+        """``agree``: under data-parallel attention, the processes that replay one bucket together, a
+        group on the host."""
         self.model = model
         self.agree_group = agree
         self.kv = kv
@@ -118,7 +120,7 @@ class DecodeGraphs:
         # each offers a bucket it holds (nothing scheduled: its smallest); the largest offer is held by
         # every process, as each captured all buckets from its smallest up (a budget stops the small ones)
         offer = self.max_batch + 1 if n is None else self._bucket(max(n, 1))
-        plan = torch.tensor([offer, int(bool(n))], dtype=torch.int64, device=self.packed.device)
+        plan = torch.tensor([offer, int(bool(n))], dtype=torch.int64)  # the group is the host's (gloo)
         b, busy = self.agree_group.all_reduce(plan, "max").tolist()
         return b if busy and b <= self.max_batch else None
 

@@ -52,6 +52,9 @@ class Components:
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
     group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
     attention_group: ParallelGroup = SINGLE  # the ranks its attention is split over: ``group`` but under DP attention
+    # under DP attention: where the processes agree on each step's decode graph, on the host (gloo), so
+    # the exchange waits for no device work (``group`` itself where that is gloo already)
+    plan_group: ParallelGroup = SINGLE
 
 
 def select_model_class(plugins: Plugins, ctx: SelectionContext, architecture: str) -> type[CausalLM]:
@@ -123,7 +126,9 @@ def prefill_graph_refusals(config: EngineConfig) -> list[str]:
 
 
 def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, model: CausalLM, kv: KVCache,
-                   max_model_len: int, device: torch.device, progress: bool) -> DecodeGraphs | None:
+                   max_model_len: int, device: torch.device, progress: bool,
+                   agree: ParallelGroup | None = None) -> DecodeGraphs | None:
+    """``agree``: under DP attention, where the processes agree on each step's graph (DecodeGraphs)."""
     unsafe = [f"{family} backend {b.name}" for family, b in vars(model.backends).items()
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
@@ -132,8 +137,7 @@ def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, 
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
         return None
     graphs = DecodeGraphs(model, kv, backend, config.page_size, max_model_len,
-                          min(config.max_graph_batch, config.max_num_seqs), device,
-                          model.backends.moe_group if config.enable_dp_attention else None)
+                          min(config.max_graph_batch, config.max_num_seqs), device, agree)
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception:
@@ -273,12 +277,13 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     plugins.pm.hook.engine_configure.call_historic(kwargs={"config": config})
     platform = plugins.detect_platform(config.device)
     device = torch.device(config.device or platform.torch_device)
-    group = attention = SINGLE
+    group = attention = plan = SINGLE
     if rendezvous is not None:
         device = rank_device(device, rendezvous.rank)
         group = attention = rendezvous.connect(device)
         if config.enable_dp_attention:  # each data-parallel rank's processes (dp_attention.py)
             attention = rendezvous.split(device, config.attention_tp_size, "attention")
+            plan = group if device.type == "cpu" else rendezvous.connect(torch.device("cpu"), "plan")
         if device.type == "cpu":  # the ranks share the host's cores: threads that spin on a busy core stall all
             set_cpu_threads(max(1, (config.cpu_threads or usable_cores()) // group.size))
     if config.cpu_threads and (group.size == 1 or device.type != "cpu"):
@@ -341,6 +346,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         graph_backend, explicit = graph_selection.create(ctx), graph_selection.explicit
         prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,
                                                 device, progress, proposer)
-        graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device, progress)
+        graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device, progress,
+                                plan if config.enable_dp_attention else None)
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, prefill_graphs, proposer, group, attention)
+                      selections["sampling"].create(ctx), graphs, prefill_graphs, proposer, group, attention,
+                      plan)

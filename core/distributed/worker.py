@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             serve(Connection(args.leader_fd) if args.leader_fd is not None else conn, runner)
     finally:
         c.attention_group.close()
+        c.plan_group.close()
         c.group.close()
     return 0
 

@@ -67,6 +67,7 @@ def run_ranks(config: EngineConfig, size: int, body: Callable[[int, ModelRunner]
             results[r] = body(r, ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.attention_group))
             c.group.close()
             c.attention_group.close()
+            c.plan_group.close()
         except BaseException as exc:
             errors.append(exc)
 
