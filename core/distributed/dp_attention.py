@@ -17,8 +17,8 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
 - The MoE layers span all N processes (core/distributed/moe.py): with ``--expert-parallel`` each
   holds E/N experts and sends its tokens to them and back with all_to_all; otherwise every process
   holds a share of every expert, the processes' tokens are all-gathered, the shares all-reduced,
-  and each keeps its rows. The processes of one rank hold the same tokens, so each sends or
-  gathers its own copy (redundant work at N > D, correct all the same).
+  and each keeps its rows. The processes of one rank hold the same tokens: each sends (or gives
+  the gather) its slice of them, and the rank's processes gather the slices' outputs.
 - Rank 0 (the engine process the front talks to) is also the controller: each new request goes to
   the rank that caches its longest prefix, or the least loaded (dp_router.py), which keeps it to
   the end; aborts, stop strings and the zeroing of counters follow it there. The first process of

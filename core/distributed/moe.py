@@ -22,9 +22,10 @@ with zero rows, or in a graph with a batch of padding):
   the rank's attention group), and the dispatcher sends them to the experts' ranks and back, as
   SGLang's DP attention with DeepEP does; each rank keeps its own rows.
 - ``GatheredExpertShards`` (experts split): the ranks' tokens (and their ids, which hash routing
-  reads) are all-gathered, padded to the longest, every rank computes its share of every expert on
-  all of them, one all-reduce sums the shares and each rank keeps its rows, as SGLang gathers
-  before a tensor-parallel MoE and scatters after.
+  reads) are all-gathered, padded to the longest, each token once (each of a rank's processes
+  gives its slice), every process computes its share of every expert on all of them, one
+  all-reduce sums the shares and the rows go back to their rank, as SGLang gathers before a
+  tensor-parallel MoE and scatters after.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from .group import ParallelGroup
+from .group import SINGLE, ParallelGroup
 from .layers import split
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weights, ids) -> [T, H]
@@ -189,35 +190,50 @@ class ExpertParallel:
     shared_split = (0, 1)
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        s, total, k = self.share, x.shape[0], layer.top_k
-        rows = -(-total // s.size)
-        if rows * s.size > total:  # a whole slice each: the padding rows are routed, their outputs dropped
-            x = torch.nn.functional.pad(x, (0, 0, 0, rows * s.size - total))
-            input_ids = torch.nn.functional.pad(input_ids, (0, rows * s.size - total))
-        xs = x[s.rank * rows: (s.rank + 1) * rows]
-        if rows:
-            weights, ids = layer.route(xs, input_ids[s.rank * rows: (s.rank + 1) * rows])
+        k = layer.top_k
+        xs, ids_s = share_slice(self.share, x, input_ids)
+        if xs.shape[0]:
+            weights, ids = layer.route(xs, ids_s)
         else:  # no tokens (an idle data-parallel rank): it takes part in the exchange all the same
             weights, ids = xs.new_empty((0, k), dtype=torch.float32), input_ids.new_empty((0, k))
         dispatcher = self.padded if _PADDED.get() else self.dispatcher
         y = dispatcher.run(xs, weights[:, :k], ids[:, :k], layer.routed)
         if weights.shape[1] > k:
             y = y + layer.shared(xs, weights[:, k:], ids[:, k:])
-        return s.all_gather(y, dim=0)[:total]
+        return self.share.all_gather(y, dim=0)[:x.shape[0]]
+
+
+def share_slice(share: ParallelGroup, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's slice of tokens that every process of ``share`` holds: ceil(T / size) rows,
+    the tokens padded to fill the last slice (the padding rows are routed, their outputs dropped)."""
+    total = x.shape[0]
+    rows = -(-total // share.size)
+    if rows * share.size > total:
+        x = torch.nn.functional.pad(x, (0, 0, 0, rows * share.size - total))
+        input_ids = torch.nn.functional.pad(input_ids, (0, rows * share.size - total))
+    return x[share.rank * rows: (share.rank + 1) * rows], input_ids[share.rank * rows: (share.rank + 1) * rows]
 
 
 class GatheredExpertShards(ExpertShards):
-    """Within ``padded_exchanges`` every rank's batch has its size: nothing is read on the host."""
+    """``share``: the processes of this one's data-parallel rank, which hold its tokens; each
+    contributes its slice of them to the gather, and the rows come back within ``share``. Within
+    ``padded_exchanges`` every process's slice has one size: nothing is read on the host."""
+
+    def __init__(self, group: ParallelGroup, share: ParallelGroup) -> None:
+        super().__init__(group)
+        self.share = share
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         g, total = self.group, x.shape[0]
-        rows = total if _PADDED.get() else max(g.all_gather(torch.tensor([total], device=x.device), dim=0).tolist())
+        xs, ids_s = share_slice(self.share, x, input_ids)
+        part = xs.shape[0]
+        rows = part if _PADDED.get() else max(g.all_gather(torch.tensor([part], device=x.device), dim=0).tolist())
         if rows == 0:
             return x
-        xs = g.all_gather(torch.nn.functional.pad(x, (0, 0, 0, rows - total)), dim=0)
-        ids = g.all_gather(torch.nn.functional.pad(input_ids, (0, rows - total)), dim=0)
-        y = g.all_reduce(layer.route_and_combine(xs, ids))
-        return y[g.rank * rows: g.rank * rows + total]
+        xg = g.all_gather(torch.nn.functional.pad(xs, (0, 0, 0, rows - part)), dim=0)
+        ids = g.all_gather(torch.nn.functional.pad(ids_s, (0, rows - part)), dim=0)
+        y = g.all_reduce(layer.route_and_combine(xg, ids))
+        return self.share.all_gather(y[g.rank * rows: g.rank * rows + part], dim=0)[:total]
 
 
 @torch.inference_mode()
@@ -239,5 +255,6 @@ def expert_placement(group: ParallelGroup, expert_parallel: bool, data_parallel:
     if group.size == 1:
         return ExpertShards(group)
     if data_parallel:
-        return ExpertParallel(group, attention) if expert_parallel else GatheredExpertShards(group)
+        attention = SINGLE if attention is None else attention
+        return ExpertParallel(group, attention) if expert_parallel else GatheredExpertShards(group, attention)
     return ExpertParallel(group) if expert_parallel else ExpertShards(group)

@@ -16,8 +16,8 @@ gets the logits one process computes for that batch, while the MoE layers span t
 partitioned, or split with the ranks' tokens gathered); one rank has no batch and runs idle
 forwards in step, and a first step where every rank is idle exchanges nothing. With 4 threads in 2
 data-parallel ranks each rank's attention is split over its 2 threads, which run its batch together
-(with expert parallelism each sends half of the rank's tokens to the experts); the decode steps
-again with padded exchanges, where every rank decodes 2 sequences."""
+(each sends half of the rank's tokens to the experts, or to the gather); the decode steps again
+with padded exchanges, where every rank decodes 2 sequences."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_fp8_ranks_keep_the_slices_that_fill_whole_blocks(models, seed):
     ("dsv4", 2, 2, True, None, False), ("dsv4", 2, 2, True, None, True), ("dsv4", 2, 2, False, 1, False),
     ("dsv4", 4, 4, True, 0, False), ("qwen3-moe", 4, 4, True, 2, False), ("qwen3-moe", 4, 4, False, 3, False),
     ("dsv41", 2, 2, True, 1, False), ("dsv4", 4, 2, True, 1, False), ("qwen3-moe", 4, 2, False, None, False),
-    ("qwen3-moe", 4, 2, True, None, True)])
+    ("qwen3-moe", 4, 2, True, None, True), ("dsv4", 4, 2, False, None, True)])
 def test_data_parallel_attention_ranks_compute_their_own_batches(which, size, dp, expert_parallel, idle, padded,
                                                                 models, seed):
     """``size`` processes in ``dp`` data-parallel ranks, each rank's attention split over size / dp of them;
