@@ -97,13 +97,21 @@ class DecodeGraphs:
             batch = self._batch(b)
             self._replays[b] = self.backend.capture(lambda batch=batch: self.model.compute_logits(self.model(batch, self.kv)))
             used = self.backend.memory_in_use() - start
-            if memory_budget is not None and used > memory_budget:
+            if memory_budget is not None and self._anyone(used > memory_budget):
                 logger.warning("decode graphs took %.0f MiB, past the budget of %.0f MiB: stopped at batch %d",
                                used / 2**20, memory_budget / 2**20, b)
                 break
         self.buckets = sorted(self._replays)
         logger.info("captured %d decode graphs (batch %d to %d) in %.0f MiB", len(self.buckets), self.buckets[0],
                     self.buckets[-1], (self.backend.memory_in_use() - start) / 2**20)
+
+    def _anyone(self, over: bool) -> bool:
+        """Whether any rank's graphs went past its budget: the ranks stop at one bucket together, so
+        they hold the same buckets (a replay's collectives meet only the same graph on every rank)."""
+        group = self.model.backends.moe_group
+        if group.size == 1:
+            return over
+        return bool(group.all_reduce(torch.tensor([int(over)], device=self.packed.device), "max").item())
 
     def can_run(self, query_lens: list[int], page_tables: PageTables, num_logits: int) -> bool:
         """A decode step that a graph holds: one token and one logits row per sequence."""
@@ -118,7 +126,7 @@ class DecodeGraphs:
         if self.agree_group is None:
             return None if n is None else self._bucket(n)
         # each offers a bucket it holds (nothing scheduled: its smallest); the largest offer is held by
-        # every process, as each captured all buckets from its smallest up (a budget stops the small ones)
+        # every process, as each holds all buckets from its smallest up
         offer = self.max_batch + 1 if n is None else self._bucket(max(n, 1))
         plan = torch.tensor([offer, int(bool(n))], dtype=torch.int64)  # the group is the host's (gloo)
         b, busy = self.agree_group.all_reduce(plan, "max").tolist()

@@ -115,8 +115,9 @@ def test_a_recorded_padded_dispatch_replays_its_exchanges():
 @pytest.mark.parametrize("offers,bucket", [
     ((3, 0), 4), ((1, 2), 4), ((2, 0), 4), ((5, 8), 8), ((0, 0), None), ((None, 2), None), ((2, 9), None)])
 def test_the_ranks_agree_on_one_bucket(offers, bucket):
-    """Rank 1's capture stopped at batch 4 (its budget): a bucket both hold, or eager (None) where a
-    rank's step fits no graph or no rank has sequences; 9 sequences exceed the largest bucket (8)."""
+    """The bucket of the largest batch, or eager (None) where a rank's step fits no graph or no rank
+    has sequences (9 exceed the largest bucket, 8); and where a rank lacks the small buckets (rank 1
+    none below 4), one both hold."""
 
     def body(r, g):
         graphs = DecodeGraphs(None, None, None, 4, 64, 8, torch.device("cpu"), agree=g)
