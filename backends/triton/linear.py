@@ -22,7 +22,7 @@ from engine.core.families.norm import NormBackend
 
 from . import gemv
 from .fp8_gemm import fp8_block_linear
-from .mxfp8 import mxfp8_grouped_gemm, mxfp8_linear
+from .mxfp8 import grouped_gemm, mxfp8_grouped_gemm, mxfp8_linear
 
 QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
 
@@ -42,6 +42,11 @@ class TritonLinear(LinearBackend):
         if w.scale is None:
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
+
+    def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme != "dense" or w.data.dtype != x.dtype:
+            return super().grouped(x, w)  # which names what is wrong, or rounds the weight to x's dtype
+        return grouped_gemm(x, w.data)
 
     def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
         if w.scheme != "mxfp8" or w.scale is None:

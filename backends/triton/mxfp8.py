@@ -101,12 +101,28 @@ MXFP8_GEMM = {
 }
 
 
+# the grouped output projection on unquantized (bf16, fp16, fp32) operands: the same kernel without
+# the scales, at half BLOCK_K (two bytes a value); smem, LDS and registers checked by the AOT tests
+DENSE_GROUPED_GEMM = {
+    "sm_90": GemmTuning(GemmConfig(64, 64, 64, 1, 4, 4), GemmConfig(128, 128, 64, 8, 8, 3)),
+    "sm_100": GemmTuning(GemmConfig(64, 64, 64, 1, 4, 4), GemmConfig(128, 128, 64, 8, 4, 3)),
+    "gfx942": GemmTuning(GemmConfig(32, 64, 64, 1, 4, 2), GemmConfig(128, 128, 32, 8, 8, 2)),
+    "gfx950": GemmTuning(GemmConfig(32, 64, 64, 1, 4, 2), GemmConfig(128, 128, 64, 8, 8, 2)),
+    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 32, 2, 4, 1), small_m=16),
+}
+
+
 @triton.jit
 def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
                        stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_cm,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Group ``program_id(1)``: its N columns of c from its slice of a and its N rows of b."""
+                       GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """Group ``program_id(1)``: its N columns of c from its slice of a and its N rows of b. Without
+    ``SCALED`` the operands are unquantized, of one dtype, and go to an ordinary dot
+    ("ieee": fp32 operands multiplied in fp32, not TF32; bf16 and fp16 ones as ever). ``UPCAST``
+    (the interpreter, whose dot multiplies bf16's raw bits) feeds it fp32 copies: the same exact
+    products, summed in fp32 as the MMA does."""
     group = tl.program_id(1).to(tl.int64)
     a_ptr += group * stride_ag
     a_scale_ptr += group * stride_asg
@@ -131,10 +147,15 @@ def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, 
         k_left = K - k0
         a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        # scales past K are 2**0: their data is zero, and a NaN scale (255) would poison the sum
-        a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
-        b_scale = tl.load(b_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
-        acc = tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)
+        if SCALED:
+            # scales past K are 2**0: their data is zero, and a NaN scale (255) would poison the sum
+            a_scale = tl.load(a_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
+            b_scale = tl.load(b_scale_ptrs, mask=rs[None, :] * MX < k_left, other=127)
+            acc = tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)
+        else:
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         a_scale_ptrs += BLOCK_K // MX
@@ -156,17 +177,18 @@ def _check_operands(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     return m, n, k
 
 
-def _launch(a, a_scale, b, b_scale, bias, out, m, n, k, groups):
+def _launch(a, a_scale, b, b_scale, bias, out, m, n, k, groups, scaled=True):
     if m == 0 or n == 0:
         return out
-    cfg = config_for(MXFP8_GEMM, a.device).for_m(m)
+    cfg = config_for(MXFP8_GEMM if scaled else DENSE_GROUPED_GEMM, a.device).for_m(m)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), groups)
     _mxfp8_gemm_kernel[grid](
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a.stride(1) if a.dim() == 3 else 0, a_scale.stride(0),
         a_scale.stride(1) if a.dim() == 3 else 0, b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        MX=MX_BLOCK, HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MX=MX_BLOCK, HAS_BIAS=bias is not None, SCALED=scaled, UPCAST=a.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -193,6 +215,21 @@ def mxfp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, 
     a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
     out = output_for(m, a.shape[1] * n, out_dtype, a.device, out)
     return _launch(a, a_scale, b, b_scale, None, out, m, n, k, a.shape[1])
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, G, K] and b [G * N, K] of one dtype (bf16, fp16 or fp32) -> [M, G * N] in it (or
+    written into ``out``): ``mxfp8_grouped_gemm`` on unquantized operands, one launch for every
+    group, accumulated in fp32 and rounded once."""
+    if a.dim() != 3 or b.dim() != 2 or b.shape[-1] != a.shape[-1] or b.shape[0] % a.shape[1]:
+        raise ValueError(f"a [M, G, K] and b [G * N, K] do not fit: {list(a.shape)} and {list(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a is {a.dtype} and b {b.dtype}: the grouped GEMM takes them in one dtype")
+    m, groups, k = a.shape
+    n = b.shape[0] // groups
+    a, b = unit_inner_stride(a, b)
+    out = output_for(m, groups * n, a.dtype, a.device, out)
+    return _launch(a, a, b, b, None, out, m, n, k, groups, scaled=False)
 
 
 def mxfp8_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,

@@ -85,6 +85,15 @@ class LinearBackend(ABC):
             h, summed = ops.add_rms_norm(x, residual, norm_weight, eps)
         return (self.gate_up_silu(h, w, ops) if silu_mul else self.apply(h, w)), summed
 
+    def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        """x [T, G, K] times each group's [R, K] block of a dense weight [G * R, K] (rounded to x's
+        dtype) -> [T, G * R] in x's dtype: DeepSeek-V4's grouped output projection, here one bmm."""
+        if w.scheme != "dense":
+            raise ValueError(f"a grouped product takes a dense weight here, not {w.scheme!r}")
+        t, groups, k = x.shape
+        b = w.data.to(x.dtype).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
+        return torch.bmm(x.transpose(0, 1), b).transpose(0, 1).reshape(t, -1)
+
     def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
         """x [T, G, K] in MXFP8 times each group's [R, K] block of an "mxfp8" weight [G * R, K] ->
         [T, G * R] in x's dtype (DeepSeek-V4's grouped output projection). Here the definition: both

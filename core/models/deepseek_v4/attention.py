@@ -66,8 +66,7 @@ class GroupedLinear(nn.Module):
             if self.weight_scale is None:
                 raise ValueError("the output projection was fed MXFP8 but holds its weight unquantized (keep_mxfp8)")
             return self.backend.grouped_mxfp8(x, LinearWeight(self.weight, "mxfp8", self.weight_scale))
-        w = self.weight.to(x.dtype).view(self.groups, -1, x.shape[-1]).transpose(1, 2)
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(x.shape[0], -1)
+        return self.backend.grouped(x, LinearWeight(self.weight))
 
 
 class Compressor(nn.Module):

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from engine.backends.triton.linear import TritonLinear
-from engine.backends.triton.mxfp8 import (MXFP8_GEMM, QUANT_BLOCKS, _mxfp8_gemm_kernel, _mxfp8_quant_kernel,
-                                          mxfp8_gemm, mxfp8_grouped_gemm, quantize_mxfp8)
+from engine.backends.triton.mxfp8 import (DENSE_GROUPED_GEMM, MXFP8_GEMM, QUANT_BLOCKS, _mxfp8_gemm_kernel,
+                                          _mxfp8_quant_kernel, grouped_gemm, mxfp8_gemm, mxfp8_grouped_gemm,
+                                          quantize_mxfp8)
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight, MXFP8Tensor
 from engine.core.native import quant
@@ -116,6 +117,35 @@ def test_mxfp8_grouped_gemm_matches_dequantized_bmm(seed, m, groups, n, k):
     assert got16.dtype == torch.float16 and rel_err(got16, ref) < 1e-3
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float32)])
+def test_dense_grouped_gemm_matches_native_bmm(seed, dtype, w_dtype):
+    """The grouped output projection on unquantized weights: each group's columns from its own
+    slice of x (a strided view, as the attention's output is) and its own rows of w, K tails
+    masked, fp32 sums rounded once: the native bmm (which the backend keeps for a weight in
+    another dtype than x's)."""
+    m, groups, n, k = 5, 3, 24, 80
+    x = random_activations((m, groups * 2, k), dtype)[:, ::2]
+    w = LinearWeight((torch.randn(groups * n, k) * 0.05).to(w_dtype))
+    out = torch.full((m, groups * n), float("nan"), dtype=dtype)
+    got = grouped_gemm(x, w.data.to(dtype), out=out)
+    ref = NativeLinear(None).grouped(x, w)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    exact = (x.float().transpose(0, 1) @ w.data.to(dtype).float().view(groups, n, k).transpose(1, 2))
+    exact = exact.transpose(0, 1).reshape(m, -1)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # one bf16 rounding of the fp32 sum
+    torch.testing.assert_close(got.float(), exact, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, ref, rtol=2 * tol, atol=2 * tol)
+    assert torch.equal(TritonLinear(None).grouped(x, w), got if dtype == w_dtype else ref)
+
+
+def test_grouped_refuses_a_quantized_weight():
+    x, w = grouped_operands(2, 2, 16, 32)
+    with pytest.raises(ValueError, match="dense weight"):
+        TritonLinear(None).grouped(x.dequantize(), w)
+
+
 def test_grouped_mxfp8_refuses_a_dense_weight():
     x, w = grouped_operands(2, 2, 16, 32)
     with pytest.raises(ValueError, match="mxfp8 weight"):
@@ -156,7 +186,7 @@ GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv"
 def compile_gemm(target: str, which: str, has_bias: bool = False, sass: bool = False) -> dict[str, str]:
     cfg = getattr(pick(MXFP8_GEMM, target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      MX=32, HAS_BIAS=has_bias)
+                      MX=32, HAS_BIAS=has_bias, SCALED=True, UPCAST=False)
     return compile_asm(_mxfp8_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, sass=sass,
                        divisible_by_16=["K", "stride_am", "stride_ag", "stride_as", "stride_bn", "stride_bs",
@@ -202,6 +232,29 @@ def test_mxfp8_gemm_dequantizes_in_registers_on_sm90(which):
     wgmmas = {line.split()[0] for line in asm["ptx"].splitlines() if "wgmma.mma_async" in line}
     assert wgmmas and all(w.endswith(".bf16.bf16") for w in wgmmas)
     assert local_memory_ops(asm["sass"]) == 0
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_dense_grouped_gemm_compiles(target, which):
+    """The unscaled grouped GEMM (bf16 wo_a) on each target's MMA, without spills or scratch and
+    within the LDS."""
+    cfg = getattr(pick(DENSE_GROUPED_GEMM, target), which)
+    signature = {**GEMM_SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_ptr": "*bf16", "b_scale_ptr": "*bf16"}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      MX=32, HAS_BIAS=False, SCALED=False, UPCAST=False)
+    cuda = TARGETS[target].backend == "cuda"
+    asm = compile_asm(_mxfp8_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, sass=cuda,
+                      divisible_by_16=["K", "stride_am", "stride_ag", "stride_bn", "stride_cm"])
+    if cuda:
+        assert ("wgmma.mma_async" if target == "sm_90" else "tcgen05.mma") in asm["ptx"]
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert "v_mfma" in asm["amdgcn"]
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 @pytest.mark.aot
