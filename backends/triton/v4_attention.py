@@ -3,7 +3,7 @@
 The whole step at once, with no per-sequence Python loop and no host sync: ``prepare`` turns the
 batch into per-token device tensors (each token's sequence and window slot, in one launch), and
 every piece reads the rest (positions, page table, window table) from the device. One module per piece:
-the window store (with the KV's RMSNorm) is here, ``attend`` (with the query's) is
+the window store (with the KV's RMSNorm) is v4_window.py, ``attend (with the query's) is
 v4_sparse_attention.py, ``compress`` v4_compressor.py and ``select`` (the lightning indexer)
 v4_indexer.py.
 """
@@ -23,11 +23,10 @@ from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import flat
 
 from .pdl import launch_options, wait_for_prior
-from .tail_rope import rotate_pairs, tail_cos_sin
-from .target import config_for
 from .v4_compressor import compress
 from .v4_indexer import select, select_candidates
 from .v4_sparse_attention import sparse_attention
+from .v4_window import store_window
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,11 @@ class TritonV4Attention(V4AttentionBackend):
     def compress(self, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression, layer: V4AttentionLayer,
                  kv: KVCache, batch: ForwardBatch, meta: TritonV4Metadata) -> None:
         compress(kv_proj, gate_proj, comp, layer, kv, batch, meta)
+
+    def store_and_compress(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
+                           comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+                           meta: TritonV4Metadata) -> None:
+        compress(kv_proj, gate_proj, comp, layer, kv, batch, meta, window=kv_new)  # one launch
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: TritonV4Metadata, candidates: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,51 +124,3 @@ def token_metadata(query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, wi
             query_start_loc, slot_mapping, windows, token_seq, slots, tokens, seqs, page_size, BLOCK_T=block_t,
             BLOCK_S=min(64, triton.next_power_of_2(max(1, seqs))), **launch_options(slot_mapping.device))
     return token_seq, slots
-
-
-@triton.jit
-def store_window_kernel(x_ptr, norm_ptr, cache_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, num_tokens,
-                        stride_x, stride_c, stride_cos, eps,
-                        HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tok < num_tokens
-    d = tl.arange(0, BLOCK_D)
-    mask = t_ok[:, None] & (d[None, :] < HEAD_DIM)
-    wait_for_prior(PDL)
-    pos = tl.load(positions_ptr + tok, mask=t_ok, other=0)
-    slot = tl.load(slots_ptr + tok, mask=t_ok, other=0)
-    x = tl.load(x_ptr + tok[:, None].to(tl.int64) * stride_x + d[None, :], mask=mask, other=0.0)
-    # the RMSNorm as backends/triton/norm.py's kernel runs it with an fp32 weight: one rounding
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=1) / HEAD_DIM + eps)[:, None]
-    x = (tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0)[None, :] * h).to(x.dtype)
-    cos, sin = tail_cos_sin(cos_ptr, sin_ptr, pos[:, None], stride_cos, x.dtype, HEAD_DIM, ROT_HALF, BLOCK_D)
-    y = rotate_pairs(x, cos, sin, BLOCK_T, BLOCK_D).to(x.dtype)
-    tl.store(cache_ptr + slot[:, None] * stride_c + d[None, :], y.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-STORE_ELEMENTS = {"cuda": 4096, "hip": 4096, "default": 1 << 16}  # row elements one program turns
-
-
-def store_window(x: torch.Tensor, norm: torch.Tensor, eps: float, cache: torch.Tensor, rope, positions: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """RMS-normalise each row of ``x`` [T, D] by the fp32 weight ``norm`` [D] (rounded to x's dtype),
-    rotate its tail at ``positions`` [T] (rounded again) and write it to row ``slots[t]`` of
-    ``cache`` [slots, D]."""
-    tokens, head_dim = x.shape
-    if cache.shape[-1] != head_dim:
-        raise ValueError(f"window KV rows of {cache.shape[-1]} channels cannot hold kv_new's {head_dim}")
-    if tuple(norm.shape) != (head_dim,) or norm.dtype != torch.float32:
-        raise ValueError(f"the KV norm's weight is {list(norm.shape)} {norm.dtype}; rows of {head_dim} need "
-                         f"[{head_dim}] torch.float32")
-    if tokens == 0:
-        return
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(triton.next_power_of_2(tokens), config_for(STORE_ELEMENTS, x.device) // block_d))
-    store_window_kernel[(triton.cdiv(tokens, block_t),)](
-        x, norm, cache, rope.cos, rope.sin, positions, slots, tokens, x.stride(0), cache.stride(0),
-        rope.cos.stride(0), eps,
-        HEAD_DIM=head_dim, ROT_HALF=rope.cos.shape[-1], BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=4, enable_fp_fusion=False, **launch_options(x.device))

@@ -26,6 +26,9 @@ rate 1 no gate and no projections (each token's kv row, normalised and rotated, 
 One that indexes also derives index keys from its entries: the launch keeps each closing token's
 latent (normalised, not rotated) in a scratch row, the index-key projection runs over those rows
 as a GEMM, and ``index_key_kernel`` normalises, rotates and keeps each key as the entry is kept.
+
+Given the layer's window KV too (``compress(..., window=)``), program t first stores token t's
+window row as v4_window.py's store does, so the layer's window store costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from engine.core.models.deepseek_v4.cache import entries_of, flat
 from .fp8_quant import FP8_MAX, e4m3_rne
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
+from .v4_window import check_window, window_rows
 
 
 @dataclass(frozen=True)
@@ -145,17 +149,23 @@ def compress_kernel(
     kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr,
     positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr, latent_ptr, eps,
     stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_entry_scale, stride_ape, stride_cos,
-    stride_pt, stride_latent,
+    stride_pt, stride_latent, win_ptr, win_norm_ptr, win_cache_ptr, stride_win, stride_wc, win_eps,
     WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
     OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
     QUANTIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     GATED: tl.constexpr = True, HAS_APE: tl.constexpr = True, LATENT: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, WIN_DIM: tl.constexpr = 1, WIN_BLOCK: tl.constexpr = 1,
 ):
     # GATED: pooled by the gate (else rate 1: the kv row is the entry, and there are no projections
-    # to keep); HAS_APE: the gate's position bias; LATENT: keep each entry's latent in row t of latent_ptr
+    # to keep); HAS_APE: the gate's position bias; LATENT: keep each entry's latent in row t of latent_ptr;
+    # WINDOW: store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py) first
     t = tl.program_id(0).to(tl.int64)
     dt = kv_cache_ptr.dtype.element_ty
     wait_for_prior(PDL)
+    if WINDOW:
+        one = t + tl.arange(0, 1)
+        window_rows(win_ptr, win_norm_ptr, win_cache_ptr, cos_ptr, sin_ptr, positions_ptr, window_slots_ptr, one,
+                    one >= 0, stride_win, stride_wc, stride_cos, win_eps, WIN_DIM, ROPE_HALF, 1, WIN_BLOCK)
     cw = tl.arange(0, BLOCK_W)
     w_mask = cw < WIDTH
     kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
@@ -285,12 +295,13 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression, layer: V4AttentionLayer,
-             kv: KVCache, batch: ForwardBatch, meta) -> None:
+             kv: KVCache, batch: ForwardBatch, meta, window: torch.Tensor | None = None) -> None:
     """``V4AttentionBackend.compress`` for the whole step: ``meta`` gives each token's sequence
     (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
     page table (``window_table``); nothing is read back to the host. A CSA2 KV source that indexes
     (``comp.index_key``) keeps its entries' index keys too: its projection runs on the latents the
-    launch leaves, then ``index_key_kernel`` keeps them."""
+    launch leaves, then ``index_key_kernel`` keeps them. ``window`` [T, head_dim]: the layer's window
+    KV, stored in the same launch as ``V4AttentionBackend.store`` stores it."""
     gated = comp.projections is not None
     projections = flat(kv, comp.projections) if gated else None
     entries, scales = entries_of(kv, comp.entries)
@@ -309,6 +320,12 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compre
         latent = _empty((tokens, head_dim), kv_cache.dtype if gated else kv_proj.dtype, kv_proj.device)
     num_slots = 2 * rate if comp.overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, config_for(COMPRESS, kv_proj.device))
+    win_cache = None
+    if window is not None:
+        win_cache = flat(kv, layer.window_kv)[0]
+        window = check_window(window, layer.kv_norm, win_cache)
+        if window.shape[0] != tokens:
+            raise ValueError(f"window KV for {window.shape[0]} tokens beside projections of {tokens}")
     compress_kernel[(tokens,)](
         kv_proj, gate_proj, kv_cache, gate_cache, entries, entries if scales is None else scales, ape,
         comp.norm_weight, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
@@ -316,11 +333,16 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compre
         kv_proj.stride(0), gate_proj.stride(0), kv_cache.stride(0), gate_cache.stride(0), entries.stride(0),
         0 if scales is None else scales.stride(0), ape.stride(0), cos.stride(0), batch.page_table.stride(0),
         0 if latent is None else latent.stride(0),
+        kv_proj if window is None else window, comp.norm_weight if window is None else layer.kv_norm,
+        kv_proj if window is None else win_cache, 0 if window is None else window.stride(0),
+        0 if window is None else win_cache.stride(0), layer.eps,
         WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
         NUM_SLOTS=num_slots, PAGE_SIZE=batch.page_size, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
         QUANTIZE=scales is not None,
         BLOCK_W=triton.next_power_of_2(width), BLOCK_S=block_s, BLOCK_D=block_d, GATED=gated,
-        HAS_APE=comp.ape is not None, LATENT=latent is not None,
+        HAS_APE=comp.ape is not None, LATENT=latent is not None, WINDOW=window is not None,
+        WIN_DIM=1 if window is None else window.shape[1],
+        WIN_BLOCK=1 if window is None else triton.next_power_of_2(window.shape[1]),
         num_warps=num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
         **launch_options(kv_proj.device),
     )

@@ -153,6 +153,14 @@ class V4AttentionBackend(ABC):
         position), stored in ``comp.entries``: rounded to the projections' dtype, then, where that
         layer keeps E4M3, quantized with one fp32 scale per entry (amax / 448; 1 for a zero entry)."""
 
+    def store_and_compress(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
+                           comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+                           meta: Any) -> None:
+        """``store`` of the window KV, then ``compress`` of the layer's own compressor: what a
+        compressed layer writes before it attends, which a backend may write in one pass."""
+        self.store(kv_new, layer, kv, batch, meta)
+        self.compress(kv_proj, gate_proj, comp, layer, kv, batch, meta)
+
     @abstractmethod
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: Any, candidates: torch.Tensor | None = None) -> torch.Tensor:

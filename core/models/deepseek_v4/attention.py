@@ -231,9 +231,11 @@ class Attention(nn.Module):
         p = self.x_proj(x)
         qs = self.q_proj.normed(p["wq_a"], self.q_norm)
         q = qs["wq_b"].view(-1, self.num_heads, self.head_dim)  # attend normalises each head
-        backend.store(p["wkv"], layer, kv, batch, meta)
         if self.compressor is not None:
-            backend.compress(p["compressor.wkv"], p.get("compressor.wgate"), layer.compression, layer, kv, batch, meta)
+            backend.store_and_compress(p["wkv"], p["compressor.wkv"], p.get("compressor.wgate"), layer.compression,
+                                       layer, kv, batch, meta)
+        else:
+            backend.store(p["wkv"], layer, kv, batch, meta)
         picks = None
         if self.indexer is not None:
             if self.indexer.compressor is not None:

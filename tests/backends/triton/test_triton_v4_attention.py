@@ -15,9 +15,9 @@ import torch
 from aot import LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton.descriptors import triton_descriptors
-from engine.backends.triton.v4_attention import TritonV4Attention, store_window_kernel, token_metadata, \
-    token_metadata_kernel
+from engine.backends.triton.v4_attention import TritonV4Attention, token_metadata, token_metadata_kernel
 from engine.backends.triton.target import pick
+from engine.backends.triton.v4_window import store_window_kernel
 from engine.backends.triton.v4_sparse_attention import DENSE, PICKED, sparse_attention_kernel
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch

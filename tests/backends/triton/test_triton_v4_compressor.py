@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, pdl
+from aot import (GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm,
+                 local_memory_ops, pdl)
 
 from engine.backends.triton import v4_compressor
 from engine.backends.triton.target import pick
@@ -50,11 +51,14 @@ class Case:
     indexer's compressor (its own cache layers) instead of the layer's. ``capacity``: positions each
     sequence's pages hold (a later ``fill`` may bring other lengths onto the same pages). ``fp8``: the
     indexer's keys in E4M3 with their scales, as beside FP8 weights. ``csa2``: a V4.1 KV source at
-    ``rate`` 1 or 2 (no position bias; no gate at rate 1) that derives index keys of 16 channels."""
+    ``rate`` 1 or 2 (no position bias; no gate at rate 1) that derives index keys of 16 channels.
+    ``window``: the layer's window KV stored with the compression (``store_and_compress``), its
+    pages NaN but for what the step writes."""
 
     def __init__(self, lens, head_dim, rope_dim, rate, overlap, page_size, dtype, device, act_dtype=None,
-                 indexer=False, capacity=None, fp8=False, csa2=False):
+                 indexer=False, capacity=None, fp8=False, csa2=False, window=False):
         self.rate, self.page_size, self.dtype, self.device = rate, page_size, dtype, device
+        self.window = window
         self.act_dtype = act_dtype or dtype
         main_dim, index_dim = (64, head_dim) if indexer else (head_dim, 16)
         roles = [CSA2Role(rate, 0, 0, keeps_index_keys=True)] if csa2 else None
@@ -81,7 +85,8 @@ class Case:
                                 projections=projections, entries=entries, index_key=key)
         self.written = [entries] + ([parts.index_keys] if csa2 else [])  # the per-entry layers a step writes
         self.layer = V4AttentionLayer(num_heads=1, head_dim=main_dim, window=4, sinks=torch.zeros(1, device=device),
-                                      rope=rope, window_kv=parts.window, kv_norm=torch.ones(main_dim, device=device),
+                                      rope=rope, window_kv=parts.window,
+                                      kv_norm=1 + 0.5 * torch.randn(main_dim, device=device),
                                       eps=1e-6, compression=self.comp)
         self.fill(lens)
 
@@ -96,10 +101,11 @@ class Case:
         self.gate_proj = (2 * torch.randn(sum(new), self.width, device=self.device)).to(self.act_dtype)
         if not self.gated:
             self.gate_proj = None
+        self.kv_new = torch.randn(sum(new), self.layer.head_dim, device=self.device).to(self.act_dtype)
         kv = self.cache(None)
         table = kv.window_table()
         projections = flat(kv, self.comp.projections) if self.gated else ()
-        for t in (*projections, *(t for i in self.written for t in flat(kv, i))):
+        for t in (*projections, *flat(kv, self.layer.window_kv), *(t for i in self.written for t in flat(kv, i))):
             t.fill_(float("nan"))
         for c, pages in zip(ctx, self.tables):
             seq = SeqView(0, c, 0, torch.tensor(pages, dtype=torch.int32, device=self.device), table, self.page_size)
@@ -126,16 +132,20 @@ class Case:
 
     def native(self) -> KVCache:
         kv = self.cache(self.state)
-        backend = NativeV4Attention(None)
-        backend.compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch,
-                         backend.prepare(self.batch, kv))
+        self._write(NativeV4Attention(None), kv, NativeV4Attention(None).prepare(self.batch, kv))
         return kv
 
     def triton(self) -> KVCache:
         kv = self.cache(self.state)
-        TritonV4Attention(None).compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch,
-                                         self.meta(kv))
+        self._write(TritonV4Attention(None), kv, self.meta(kv))
         return kv
+
+    def _write(self, backend, kv: KVCache, meta) -> None:
+        if self.window:
+            backend.store_and_compress(self.kv_new, self.kv_proj, self.gate_proj, self.comp, self.layer, kv,
+                                       self.batch, meta)
+        else:
+            backend.compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch, meta)
 
     def closed(self) -> int:
         return sum((c + q) // self.rate - c // self.rate for c, q in self.lens)
@@ -146,6 +156,10 @@ class Case:
         if self.gated:
             for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
                 torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+        (window, *_), (want_window, *_) = flat(got, self.layer.window_kv), flat(want, self.layer.window_kv)
+        stored = ~want_window.float().isnan().any(-1)
+        assert int(stored.sum()) == (self.kv_new.shape[0] if self.window else 0)
+        torch.testing.assert_close(window, want_window, equal_nan=True, **TOL[self.dtype])
         for layer in self.written:
             self._compare(got, want, layer)
 
@@ -188,6 +202,15 @@ def test_csa_interpreted(seed, dtype, page_size):
 def test_hca_interpreted(seed, dtype, rate, page_size):
     """Disjoint windows longer than a page: an entry per window in the page of its last token."""
     Case(mixed_lens(rate), 32, 16, rate, False, page_size, dtype, "cpu").check()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rate,overlap,csa2", [(4, True, False), (16, False, False), (1, False, True)])
+def test_window_stored_in_the_compress_launch_interpreted(seed, dtype, rate, overlap, csa2):
+    """A compressed layer's window KV stored by its compressor's launch: every token's row
+    normalised and turned as the native store writes it, and the compression unchanged."""
+    Case(mixed_lens(rate), 32, 16, rate, overlap, 4, dtype, "cpu", csa2=csa2, window=True).check()
 
 
 @pytest.mark.interpret
@@ -330,7 +353,8 @@ def test_compress_compiles(target, kind):
     """V4-Flash's three compressors in bf16 (the indexer's also with E4M3 keys) and V4.1-Flash's CSA2
     KV sources (pairs without a position bias, tokens without a gate, each leaving its latents):
     16-byte loads of the window tiles, and (as launched, without FP fusion) no fused multiply-add
-    that would skip one of the oracle's roundings."""
+    that would skip one of the oracle's roundings; the layers' own compressors store the window KV
+    in the same launch, without scratch on AMD and spills on NVIDIA but for HCA's on sm_100."""
     shape = FLASH[kind]
     head_dim, rate, overlap, csa2 = shape["head_dim"], shape["rate"], shape["overlap"], shape.get("csa2", False)
     fp8 = shape.get("fp8", False) and not csa2  # a CSA2 source's E4M3 keys are index_key_kernel's
@@ -341,21 +365,25 @@ def test_compress_compiles(target, kind):
                  **{p: "*fp32" for p in ("entry_scale_ptr", "ape_ptr", "norm_ptr", "cos_ptr", "sin_ptr")},
                  "positions_ptr": "*i64", "window_slots_ptr": "*i64", "latent_ptr": "*bf16",
                  **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
-                 "eps": "fp32", **{s: "i32" for s in strides}}
+                 "eps": "fp32", **{s: "i32" for s in strides},
+                 "win_ptr": "*bf16", "win_norm_ptr": "*fp32", "win_cache_ptr": "*bf16", "win_eps": "fp32"}
+    window = not shape.get("indexer", False)  # a layer's own compressor stores its window KV (512) too
     num_slots = 2 * rate if overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, pick(v4_compressor.COMPRESS, target))
     constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
                       NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), QUANTIZE=fp8, BLOCK_W=width,
                       BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target), GATED=rate > 1 or not csa2,
-                      HAS_APE=not csa2, LATENT=csa2)
+                      HAS_APE=not csa2, LATENT=csa2, WINDOW=window, WIN_DIM=512, WIN_BLOCK=512)
     asm = compile_asm(compress_kernel, signature, constexprs, target, num_warps=num_warps, divisible_by_16=strides,
-                      enable_fp_fusion=False)
+                      enable_fp_fusion=False, sass=window and target.startswith("sm_"))
     if target.startswith("sm_"):
         ptx = asm["ptx"]
         assert f".target {target}a" in ptx
         assert "ld.global.v4.b32" in ptx
         assert "fma.rn" not in ptx
         assert all(op in ptx for op in GRID_DEPENDENCY)
+        if window:  # HCA's 8 tiles on sm_100 with the window row before them: 6 local loads/stores (not measured)
+            assert local_memory_ops(asm["sass"]) <= (6 if (kind, target) == ("hca", "sm_100") else 0)
     else:
         gcn = asm["amdgcn"]
         assert target in amdgcn_target(gcn)
