@@ -141,7 +141,7 @@ class EngineCore:
             elif followers:
                 peers = Followers(followers)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
-                                  c.device, c.graphs, c.attention_group, peers, c.prefill_graphs)
+                                  c.device, c.graphs, c.attention_group, peers, c.prefill_graphs, c.verify_graphs)
         if c.proposer is not None:
             self.runner.feature = c.proposer.feature
             self.runner.feature_layers = c.proposer.feature_layers

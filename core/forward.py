@@ -195,9 +195,11 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def is_decode(self) -> bool:
-        """Every sequence brings exactly one new token (the shape graphs are captured for)."""
-        return all(q == 1 for q in self.query_lens_cpu)
+    def uniform_query_len(self) -> int | None:
+        """The number of new tokens every sequence brings, where all bring the same (decode steps,
+        and the verify steps of speculative decoding: the last token and K drafts each); else None."""
+        lens = set(self.query_lens_cpu)
+        return lens.pop() if len(lens) == 1 else None
 
     @property
     def max_query_len(self) -> int:

@@ -8,6 +8,14 @@ which no sequence ever owns; their logits are dropped. The attention backend mus
 ``graph_safe``: it reads the batch's lengths from the device tensors only, never from the host
 lists, which in a captured batch are placeholders (each sequence's bound, ``max_model_len``).
 
+Speculative decoding adds two things. Graphs of a fixed ``query_len`` per sequence hold its verify
+steps (the last token and K drafts each, K+1 logits rows each), where the attention backends take
+that many queries a sequence in a graph (``graph_query_len``: causal among them, lengths from the
+device); padding rows bring ``query_len`` tokens at positions 0.. on the null page. And where the
+proposer drafts from the target's per-token features (MTP's streams, DSpark's chosen layers), the
+graphs are captured asking for them, so the feature is one more static output, of which a replay
+hands back a copy (the next replay overwrites it).
+
 The static integer arrays of bucket ``b`` lie in one device buffer as the layout of a forward
 batch of ``b`` sequences puts them (core/forward.py), so a step packs its rows and the padding
 rows on the host and sends them with one copy. The page table is the exception: its rows have the
@@ -54,10 +62,15 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, page_size: int, max_model_len: int,
-                 max_batch: int, device: torch.device, agree: ParallelGroup | None = None) -> None:
+                 max_batch: int, device: torch.device, agree: ParallelGroup | None = None, query_len: int = 1,
+                 feature: str | None = None, feature_layers: tuple[int, ...] = ()) -> None:
         """``agree``: under data-parallel attention, the processes that replay one bucket together, a
-        group on the host."""
+        group on the host; ``query_len``: the new tokens of every sequence; ``feature``,
+        ``feature_layers``: what the proposer drafts from (ForwardBatch.features), if it does."""
         self.model = model
+        self.query_len = query_len
+        self.feature = feature
+        self.feature_layers = feature_layers
         self.agree_group = agree
         self.kv = kv
         self.backend = backend
@@ -65,11 +78,13 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = decode_buckets(max_batch)
         b, width = max_batch, -(-max_model_len // page_size)
-        self.packed = torch.zeros(batch_layout(b, b, b, width).nbytes, dtype=torch.uint8, device=device)
+        t = b * query_len
+        self.packed = torch.zeros(batch_layout(t, b, t, width).nbytes, dtype=torch.uint8, device=device)
         self.page_table = torch.zeros(b, width, dtype=torch.int32, device=device)
         self.staging = HostStaging(device)
         self._views: tuple = (None, None)  # (layout, host buffer) and the views a step of it writes and copies
-        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        # bucket -> its replay (the logits) and the feature it leaves (or None)
+        self._replays: dict[int, tuple[Callable[[], torch.Tensor], torch.Tensor | None]] = {}
 
     @property
     def max_batch(self) -> int:
@@ -77,10 +92,13 @@ class DecodeGraphs:
 
     def _batch(self, b: int) -> ForwardBatch:
         self._stage(b, [], [], np.zeros((0, 1), dtype=np.int32))  # all padding, so the warm-up runs of the capture read sane lengths
-        v = batch_layout(b, b, b, 0).views(self.packed)
+        q, t = self.query_len, b * self.query_len
+        v = batch_layout(t, b, t, 0).views(self.packed)
         v["page_table"] = self.page_table[:b]
-        batch = ForwardBatch(**v, page_size=self.page_size, query_lens_cpu=[1] * b,
-                             seq_lens_cpu=[self.max_model_len] * b, context_lens_cpu=[self.max_model_len - 1] * b)
+        batch = ForwardBatch(**v, page_size=self.page_size, query_lens_cpu=[q] * b,
+                             seq_lens_cpu=[self.max_model_len] * b, context_lens_cpu=[self.max_model_len - q] * b)
+        if self.feature is not None:
+            batch.features, batch.feature_layers = {}, self.feature_layers
         batch.attn_metadata = self.model.prepare(batch)
         return batch
 
@@ -91,19 +109,25 @@ class DecodeGraphs:
 
     def _capture(self, memory_budget: int | None, progress: bool) -> None:
         start = self.backend.memory_in_use()
-        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode graphs", disable=not progress):
+        for b in tqdm(sorted(self.buckets, reverse=True), desc=f"capturing {self.kind} graphs", disable=not progress):
             self.kv.window_table()  # staged window pages land before the capture, never inside it
             self.kv.loads.flush()  # and pages loaded from host memory
             batch = self._batch(b)
-            self._replays[b] = self.backend.capture(lambda batch=batch: self.model.compute_logits(self.model(batch, self.kv)))
+            replay = self.backend.capture(lambda batch=batch: self.model.compute_logits(self.model(batch, self.kv)))
+            # the capture's own run (the last) made the feature the replays write
+            self._replays[b] = replay, None if self.feature is None else batch.features[self.feature]
             used = self.backend.memory_in_use() - start
             if memory_budget is not None and self._anyone(used > memory_budget):
-                logger.warning("decode graphs took %.0f MiB, past the budget of %.0f MiB: stopped at batch %d",
-                               used / 2**20, memory_budget / 2**20, b)
+                logger.warning("%s graphs took %.0f MiB, past the budget of %.0f MiB: stopped at batch %d",
+                               self.kind, used / 2**20, memory_budget / 2**20, b)
                 break
         self.buckets = sorted(self._replays)
-        logger.info("captured %d decode graphs (batch %d to %d) in %.0f MiB", len(self.buckets), self.buckets[0],
-                    self.buckets[-1], (self.backend.memory_in_use() - start) / 2**20)
+        logger.info("captured %d %s graphs (batch %d to %d) in %.0f MiB", len(self.buckets), self.kind,
+                    self.buckets[0], self.buckets[-1], (self.backend.memory_in_use() - start) / 2**20)
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens a sequence)"
 
     def _anyone(self, over: bool) -> bool:
         """Whether any rank's graphs went past its budget: the ranks stop at one bucket together, so
@@ -113,11 +137,13 @@ class DecodeGraphs:
             return over
         return bool(group.all_reduce(torch.tensor([int(over)], device=self.packed.device), "max").item())
 
-    def can_run(self, query_lens: list[int], page_tables: PageTables, num_logits: int) -> bool:
-        """A decode step that a graph holds: one token and one logits row per sequence."""
+    def can_run(self, query_lens: list[int], page_tables: PageTables, num_logits: int, features: bool = False) -> bool:
+        """A step that a graph holds: ``query_len`` tokens and as many logits rows per sequence;
+        ``features``: it asks for the proposer's feature."""
         n = len(query_lens)
-        return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n \
-            and query_lens.count(1) == n and page_table_array(page_tables).shape[1] <= self.page_table.shape[1]
+        return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n * self.query_len \
+            and query_lens.count(self.query_len) == n and (not features or self.feature is not None) \
+            and page_table_array(page_tables).shape[1] <= self.page_table.shape[1]
 
     def agree(self, n: int | None) -> int | None:
         """The bucket every process replays this step: ``n`` sequences here (0: nothing scheduled,
@@ -139,26 +165,32 @@ class DecodeGraphs:
         """Replay bucket ``b`` on padding rows only: this process's part of the other ranks' step."""
         self._stage(b, [], [], np.zeros((0, 1), dtype=np.int32))
         self.kv.window_table()
-        self._replays[b]()
+        self._replays[b][0]()
 
     def run(self, input_ids: list[int], context_lens: list[int], page_tables: PageTables,
-            fill: Callable[[torch.Tensor], None] | None = None, bucket: int | None = None) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode step of n sequences, through ``bucket`` (``agree``'s) or
-        the smallest bucket >= n; ``fill`` writes, on the device, the input ids the host does not
-        have yet into the staged ones."""
-        n = len(input_ids)
-        b = bucket or self._bucket(n)
+            fill: Callable[[torch.Tensor], None] | None = None, bucket: int | None = None,
+            features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """fp32 logits [n * query_len, vocab] of a step of n sequences, through ``bucket`` (``agree``'s)
+        or the smallest bucket >= n; ``fill`` writes, on the device, the input ids the host does not
+        have yet into the staged ones; ``features``, where given, gets a copy of the step's feature."""
+        t = len(input_ids)
+        b = bucket or self._bucket(t // self.query_len)
         staged_ids = self._stage(b, input_ids, context_lens, page_table_array(page_tables))
         if fill is not None:
             fill(staged_ids)
         self.kv.window_table()  # the replay reads the window table as it is: apply the staged changes first
-        return self._replays[b]()[:n]
+        replay, feature = self._replays[b]
+        logits = replay()[:t]
+        if features is not None:
+            features[self.feature] = feature[:t].clone()
+        return logits
 
     def _stage(self, b: int, input_ids: list[int], context_lens: list[int], page_table: np.ndarray) -> torch.Tensor:
         """Fill bucket ``b``'s static buffers with these rows, padding rows after them (one key on
         page 0); returns the bucket's input ids on the device."""
-        pad = b - len(input_ids)
-        layout = batch_layout(b, b, b, page_table.shape[1])
+        q = self.query_len
+        pad, t = b - len(context_lens), b * q
+        layout = batch_layout(t, b, t, page_table.shape[1])
         host = self.staging.take(layout.nbytes)
         key = (layout, host.data_ptr())
         if self._views[0] != key:  # steps repeat a layout until the table widens: views made once for it
@@ -166,8 +198,8 @@ class DecodeGraphs:
             self._views = key, (layout.views(host.numpy()), self.packed[:layout.nbytes], device["page_table"],
                                 self.page_table[:b, :layout.width], device["input_ids"])
         fields, packed, table, static_table, staged_ids = self._views[1]
-        pack_batch(fields, input_ids + [0] * pad, [1] * b, context_lens + [0] * pad, page_table, self.page_size,
-                   range(b))  # the rows past the table's are padding
+        pack_batch(fields, input_ids + [0] * (pad * q), [q] * b, context_lens + [0] * pad, page_table, self.page_size,
+                   range(t))  # the rows past the table's are padding
         self.staging.send(host, packed)
         static_table.copy_(table)
         return staged_ids

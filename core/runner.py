@@ -1,5 +1,5 @@
 """The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
-graph that holds it, and returns its logits. Input tokens the host has not seen yet (the draws of
+graph that holds it (under speculative decoding a verify step: of the verify graph), and returns its logits. Input tokens the host has not seen yet (the draws of
 the step still in flight) are read from the token table on the device; the page tables are the
 rows the KV manager keeps (core/kv/page_table.py), gathered in one call.
 
@@ -66,10 +66,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable | None, page_table: PageTable | None,
                  page_size: int, device: torch.device, graphs: DecodeGraphs | None = None,
                  group: ParallelGroup = SINGLE, peers: Peers | None = None,
-                 prefill_graphs: PrefillGraphs | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, verify_graphs: DecodeGraphs | None = None) -> None:
         """``table`` and ``page_table`` belong to the rank that schedules (None on the others);
         ``group`` is the tensor-parallel group, ``peers`` what rank 0 sends every step to;
-        ``prefill_graphs`` run the steps no decode graph holds, where their tokens fit."""
+        ``verify_graphs``: speculative decoding's verify steps of K+1 tokens a sequence;
+        ``prefill_graphs`` run the steps no decode or verify graph holds, where their tokens fit."""
         self.model = model
         self.kv = kv
         self.table = table
@@ -77,12 +78,13 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs = graphs
+        self.verify_graphs = verify_graphs
         self.prefill_graphs = prefill_graphs
         self.group = group
         self.peers = peers
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
-        # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: such
-        # steps replay prefill graphs recorded with it, since a decode graph hands back logits only
+        # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: every
+        # step asks for it, and the graphs were captured asking for it
         self.feature: str | None = None
         self.feature_layers: tuple[int, ...] = ()  # where the feature is "layers": which
 
@@ -137,13 +139,14 @@ class ModelRunner:
                                    f"sequence's step on the host, but the step brings them for "
                                    f"{len(inputs.history)} of {len(inputs.query_lens)} sequences")
             self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
-        bucket = None
-        if self.graphs is not None:
-            held = features is None and self.graphs.can_run(inputs.query_lens, inputs.tables, len(inputs.logits_indices))
-            bucket = self.graphs.agree(len(inputs.query_lens) if held else None)
+        graphs, bucket, n = self.graphs, None, len(inputs.query_lens)
+        if graphs is not None:
+            bucket = graphs.agree(n if self._holds(graphs, inputs, features) else None)
+        if bucket is None and self._holds(self.verify_graphs, inputs, features):  # never under DP attention
+            graphs, bucket = self.verify_graphs, self.verify_graphs.agree(n)
         if bucket is not None:
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
-            return self.graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill, bucket)
+            return graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill, bucket, features)
         batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
                                    self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:
@@ -164,6 +167,11 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @staticmethod
+    def _holds(graphs: DecodeGraphs | None, inputs: StepInputs, features: dict | None) -> bool:
+        return graphs is not None and graphs.can_run(inputs.query_lens, inputs.tables, len(inputs.logits_indices),
+                                                     features is not None)
 
     def _fill(self, rows: list[int], slots: list[int] | None) -> Callable[[torch.Tensor], None] | None:
         """What writes the input ids the host lacks into a staged batch's ids: read from the token

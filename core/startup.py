@@ -49,6 +49,7 @@ class Components:
     sampling: SamplingBackend
     graphs: DecodeGraphs | None = None
     prefill_graphs: PrefillGraphs | None = None
+    verify_graphs: DecodeGraphs | None = None  # speculative decoding's verify steps of K+1 tokens a sequence
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
     group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
     attention_group: ParallelGroup = SINGLE  # the ranks its attention is split over: ``group`` but under DP attention
@@ -126,24 +127,48 @@ def prefill_graph_refusals(config: EngineConfig) -> list[str]:
 
 
 def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, model: CausalLM, kv: KVCache,
-                   max_model_len: int, device: torch.device, progress: bool,
-                   agree: ParallelGroup | None = None) -> DecodeGraphs | None:
-    """``agree``: under DP attention, where the processes agree on each step's graph (DecodeGraphs)."""
+                   max_model_len: int, device: torch.device, progress: bool, agree: ParallelGroup | None = None,
+                   proposer: SpecProposer | None = None) -> tuple[DecodeGraphs | None, DecodeGraphs | None]:
+    """The decode graphs and speculative decoding's verify graphs (K+1 tokens a sequence), each None
+    where not captured; both with the feature ``proposer`` drafts from, where it does. ``agree``:
+    under DP attention, where the processes agree on each step's graph (DecodeGraphs)."""
     unsafe = [f"{family} backend {b.name}" for family, b in vars(model.backends).items()
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
         unsafe.append(type(model).__name__)
     if unsafe:
         logger.info("%s not graph-safe: decode runs eagerly", ", ".join(unsafe))
-        return None
-    graphs = DecodeGraphs(model, kv, backend, config.page_size, max_model_len,
-                          min(config.max_graph_batch, config.max_num_seqs), device, agree)
+        return None, None
+    feature = (proposer.feature, proposer.feature_layers) if proposer is not None else (None, ())
+    graphs = _capture(config, explicit, DecodeGraphs(
+        model, kv, backend, config.page_size, max_model_len, min(config.max_graph_batch, config.max_num_seqs), device,
+        agree, 1, *feature), device, progress)
+    if graphs is None or proposer is None:
+        return graphs, None
+    q = config.speculative_config.num_speculative_tokens + 1
+    reasons = [f"{family} backend {b.name} takes {getattr(b, 'graph_query_len', 1)}"
+               for family, b in vars(model.backends).items()
+               if b is not None and family in ("attention", "v4_attention") and getattr(b, "graph_query_len", 1) < q]
+    if agree is not None:
+        reasons.append("data-parallel attention (the ranks agree on decode buckets only)")
+    if reasons:
+        logger.info("no verify graphs of %d tokens a sequence: %s; verify steps replay prefill graphs where they fit",
+                    q, "; ".join(reasons))
+        return graphs, None
+    return graphs, _capture(config, explicit, DecodeGraphs(
+        model, kv, backend, config.page_size, max_model_len, min(config.max_graph_batch, config.max_num_seqs), device,
+        None, q, *feature), device, progress)
+
+
+def _capture(config: EngineConfig, explicit: bool, graphs: DecodeGraphs, device: torch.device,
+             progress: bool) -> DecodeGraphs | None:
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception:
         if explicit or config.tensor_parallel_size > 1:  # the ranks replay together: none may run eagerly alone
             raise
-        logger.exception("capturing decode graphs failed; decode runs eagerly (--enforce-eager skips the attempt)")
+        logger.exception("capturing %s graphs failed; those steps run eagerly (--enforce-eager skips the attempt)",
+                         graphs.kind)
         return None
     return graphs
 
@@ -340,14 +365,14 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
                 per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
     proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
-    graphs = prefill_graphs = None
+    graphs = prefill_graphs = verify_graphs = None
     if graph_selection is not None:  # one backend, one memory pool: prefill's buckets, then decode's
         selections["graphs"] = graph_selection
         graph_backend, explicit = graph_selection.create(ctx), graph_selection.explicit
         prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,
                                                 device, progress, proposer)
-        graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device, progress,
-                                plan if config.enable_dp_attention else None)
+        graphs, verify_graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device,
+                                               progress, plan if config.enable_dp_attention else None, proposer)
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, prefill_graphs, proposer, group, attention,
+                      selections["sampling"].create(ctx), graphs, prefill_graphs, verify_graphs, proposer, group, attention,
                       plan)

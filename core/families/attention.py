@@ -60,6 +60,9 @@ class AttentionBackend(ABC):
     # True if forward reads lengths only from the batch's device tensors (never its host lists) and
     # syncs with nothing, so a decode step can be captured in a graph and replayed with new contents
     graph_safe: bool = False
+    # with graph_safe: the most new tokens per sequence a captured step may bring, each sequence the
+    # same number, causal among them (speculative decoding's verify steps of K+1 tokens)
+    graph_query_len: int = 1
 
     def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext; one constructor for all
         self.ctx = ctx

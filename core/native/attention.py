@@ -2,10 +2,15 @@
 
 Each step first stores its new K/V at ``batch.slot_mapping``, then reads every key back from the
 pages, so the pages are the only source of keys and values. Scores, softmax and the weighted sum
-are fp32. Prefill and mixed batches go one sequence at a time; pure decode batches go together,
-padded to the longest sequence with a mask. Work is split into chunks whose fp32 working tensors
+are fp32. Prefill and mixed batches go one sequence at a time; batches whose sequences all
+bring the same few new tokens (decodes, speculative decoding's verify steps) go together, padded
+to the longest sequence with a mask, each query masked by its position (so causal among a
+sequence's new tokens). Work is split into chunks whose fp32 working tensors
 stay under ``CHUNK_ELEMENTS``: long prompts never hold all T x L scores, and chunks small enough
 to stay in cache run faster than one big pass.
+
+The batched path reads no host list but the batch's shape, so a decode graph captures it on a
+placeholder batch whose lengths are each sequence's bound (its keys up to ``max_model_len``, masked).
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from ..families.attention import AttentionBackend, AttentionLayer, LayerKV
 from ..forward import ForwardBatch
 
 CHUNK_ELEMENTS = 1 << 21
+UNIFORM_QUERY_LEN = 16  # up to this many new tokens each, a batch of equal query lengths goes together
 
 
 @dataclass(frozen=True)
 class NativeAttentionMetadata:
-    """Shared by every layer of a step: ``key_slots`` [B, max_seq_len] is the slot of each sequence's
-    key at each position (past its length it points into padding and is masked)."""
+    """Each layer's view of the step's keys: ``key_slots`` [B, max_seq_len] is the slot of each
+    sequence's key at each position (past its length it points into padding and is masked). Made
+    by every layer from the batch's device tensors, not once a step by ``prepare``: a captured
+    graph's ``prepare`` runs once, outside the capture, and its replays read new page tables."""
 
     key_slots: torch.Tensor
     key_valid: torch.Tensor  # [B, max_seq_len] bool, position < seq_len
@@ -70,8 +78,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 
 class NativeAttention(AttentionBackend):
     name = "native"
+    graph_safe = True
+    graph_query_len = UNIFORM_QUERY_LEN
 
-    def prepare(self, batch: ForwardBatch) -> NativeAttentionMetadata:
+    @staticmethod
+    def keys(batch: ForwardBatch) -> NativeAttentionMetadata:
         positions = torch.arange(batch.max_seq_len, device=batch.page_table.device)
         pages = batch.page_table[:, positions // batch.page_size].long()
         return NativeAttentionMetadata(
@@ -85,9 +96,10 @@ class NativeAttention(AttentionBackend):
         values = kv.v.view(-1, *kv.v.shape[2:])
         keys.index_copy_(0, batch.slot_mapping, k.to(keys.dtype))
         values.index_copy_(0, batch.slot_mapping, v.to(values.dtype))
-        meta = batch.attn_metadata if isinstance(batch.attn_metadata, NativeAttentionMetadata) else self.prepare(batch)
-        if batch.is_decode:
-            out = self._decode(q, keys, values, layer, batch, meta)
+        meta = self.keys(batch)
+        q_len = batch.uniform_query_len
+        if q_len is not None and q_len <= UNIFORM_QUERY_LEN:
+            out = self._uniform(q, keys, values, layer, batch, meta, q_len)
         else:
             out = self._prefill(q, keys, values, layer, batch, meta)
         return out.to(q.dtype)
@@ -122,21 +134,23 @@ class NativeAttention(AttentionBackend):
         lo = max(0, first_pos - layer.sliding_window + 1) if layer.sliding_window is not None else 0
         return lo, hi
 
-    def _decode(self, q, keys, values, layer: AttentionLayer, batch: ForwardBatch,
-                meta: NativeAttentionMetadata) -> torch.Tensor:
-        """All sequences at once (in chunks of sequences), one query each, padded keys masked."""
+    def _uniform(self, q, keys, values, layer: AttentionLayer, batch: ForwardBatch,
+                 meta: NativeAttentionMetadata, q_len: int) -> torch.Tensor:
+        """All sequences at once (in chunks of sequences), ``q_len`` queries each, padded keys masked."""
         num_seqs, max_len = meta.key_slots.shape
-        out = q.new_empty(num_seqs, layer.num_heads, values.shape[-1], dtype=torch.float32)
+        out = q.new_empty(num_seqs * q_len, layer.num_heads, values.shape[-1], dtype=torch.float32)
         k_pos = torch.arange(max_len, device=q.device)
-        step = _chunk(max_len * (layer.num_heads + layer.num_kv_heads * (keys.shape[-1] + values.shape[-1])))
+        positions = batch.positions.view(num_seqs, q_len)
+        step = _chunk(max_len * (q_len * layer.num_heads + layer.num_kv_heads * (keys.shape[-1] + values.shape[-1])))
         for s in range(0, num_seqs, step):
             e = min(s + step, num_seqs)
             slots, valid = meta.key_slots[s:e], meta.key_valid[s:e]
             # padded slots may hold anything, even NaN: zero their values so 0 * NaN cannot leak in
             v_c = _heads_first(values[slots].masked_fill_(~valid[:, :, None, None], 0))  # [b, Hkv, L, Dv]
             k_c = _heads_first(keys[slots])
-            q_c = q[s:e].float().view(e - s, layer.num_kv_heads, -1, 1, q.shape[-1])  # [b, Hkv, G, 1, D]
-            allowed = _allowed(batch.positions[s:e, None], k_pos, layer) & valid[:, None, :]  # [b, 1, L]
-            o = attend(q_c, k_c, v_c, allowed[:, None, None], layer)
-            out[s:e] = o.view(e - s, layer.num_heads, -1)
+            q_c = q[s * q_len:e * q_len].float().view(e - s, q_len, layer.num_kv_heads, -1, q.shape[-1])
+            q_c = q_c.permute(0, 2, 3, 1, 4)  # [b, Hkv, G, q_len, D]
+            allowed = _allowed(positions[s:e], k_pos, layer) & valid[:, None, :]  # [b, q_len, L]
+            o = attend(q_c, k_c, v_c, allowed[:, None, None], layer)  # [b, Hkv, G, q_len, Dv]
+            out[s * q_len:e * q_len] = o.permute(0, 3, 1, 2, 4).reshape((e - s) * q_len, layer.num_heads, -1)
         return out

@@ -95,6 +95,7 @@ BATCHES = {
     "cached_prefix": [(5, 6), (16, 3), (1, 12)],
     "decode": [(0, 1), (6, 1), (17, 1), (32, 1)],
     "mixed": [(9, 1), (0, 13), (4, 5), (21, 1)],
+    "verify": [(3, 4), (6, 4), (13, 4), (0, 4)],  # K+1 = 4 tokens each, causal among them, across pages
 }
 
 
@@ -119,7 +120,7 @@ def test_variants(seed, kind, layer_args):
     torch.testing.assert_close(s.run(prepare=kind != "mixed"), s.reference(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["cached_prefix", "decode"])
+@pytest.mark.parametrize("kind", ["cached_prefix", "decode", "verify"])
 def test_chunked_work_matches(seed, monkeypatch, kind):
     """Tiny budget: every query (prefill) or sequence (decode) in its own chunk."""
     s = Setup(BATCHES[kind], make_layer(window=6, sinks=True), page_size=4)

@@ -1,7 +1,9 @@
 """Speculative decoding through captured graphs, on the CPU with the graphs backend that records
 torch operations: MTP and DSpark (whose steps ask for the target's features), a draft model and
-n-gram lookup, each with its verify steps (K+1 tokens a sequence) replaying prefill graphs, greedy
-output identical to the eager engine without speculation, drafts rejected and their KV rolled back."""
+n-gram lookup, greedy output identical to the eager engine without speculation, drafts rejected
+and their KV rolled back. Verify steps (K+1 tokens a sequence) replay the verify graphs where the
+target's backends are graph-safe (tiny-qwen3-py on the native ones), else the prefill graphs
+(tiny-dsv4-py: the native V4 attention and MoE read the host)."""
 
 from __future__ import annotations
 
@@ -44,10 +46,18 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
     llm = speculating(shared_dir, method, graph_backend="recorded")
     graphs, runner = llm.engine.runner.prefill_graphs, llm.engine.runner
     assert graphs is not None and graphs.feature == runner.feature
-    replays = []
+    replays = []  # (query lengths, features asked, through the verify graphs, logits rows)
     real = graphs.run
     monkeypatch.setattr(graphs, "run", lambda batch: replays.append(
-        (batch.query_lens_cpu, batch.features is not None)) or real(batch))
+        (batch.query_lens_cpu, batch.features is not None, False, batch.logits_indices.numel())) or real(batch))
+    whole_steps = CASES[method][0] == "tiny-qwen3-py"
+    assert (runner.verify_graphs is not None) == whole_steps
+    if whole_steps:
+        verify = runner.verify_graphs
+        assert verify.query_len == K + 1 and verify.feature == runner.feature
+        real_verify = verify.run
+        monkeypatch.setattr(verify, "run", lambda ids, ctx, *a: replays.append(
+            ([K + 1] * len(ctx), a[-1] is not None, True, len(ids))) or real_verify(ids, ctx, *a))
     handed = []  # the features each step handed the proposer, and a copy taken then: no later replay overwrites them
     execute = runner.execute
 
@@ -63,9 +73,15 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in references[CASES[method][0]].generate(prompts, params)]
     assert got == want
-    verifies = [(lens, f) for lens, f in replays if K + 1 in lens]
+    if whole_steps:  # one sequence alone (its prompt cached): steps of K+1 tokens, not mixed with another's prefill
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == want[:1]
+    verifies = [(lens, whole, rows) for lens, _, whole, rows in replays if K + 1 in lens]
     assert verifies, "no verify step replayed a graph"
-    assert all(f == (runner.feature is not None) for _, f in replays)
+    # K+1 tokens and logits rows every sequence: a verify graph's where captured (fewer drafts, a
+    # decode or a prefill chunk beside: prefill's)
+    assert all(whole == whole_steps for lens, whole, rows in verifies if set(lens) == {K + 1} and rows == sum(lens))
+    assert not whole_steps or any(whole for _, whole, _ in verifies), "no verify step replayed a verify graph"
+    assert all(f == (runner.feature is not None) for _, f, _, _ in replays)
     assert len(handed) == (len(replays) if runner.feature else 0)
     assert all(torch.equal(kept, copy) for kept, copy in handed)
     counters = llm.engine.speculator.counters
