@@ -96,8 +96,10 @@ def test_verify_steps_replay_cuda_graphs(method, shared_dir, eval_text, seed):
     verify steps replayed from CUDA graphs."""
     eager = LLM(str(shared_dir / "models" / CASES[method][0]), **{**OPTS, "device": "cuda", "enforce_eager": True})
     llm = speculating(shared_dir, method, device="cuda")
-    graphs = llm.engine.runner.prefill_graphs
-    assert graphs is not None and graphs.feature == llm.engine.runner.feature
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.feature == runner.feature
+    assert runner.graphs is not None and runner.graphs.feature == runner.feature  # one-token steps: decode graphs
     replays = []
     real = graphs.run
     graphs.run = lambda batch: replays.append(batch.query_lens_cpu) or real(batch)
