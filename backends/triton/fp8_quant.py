@@ -41,15 +41,29 @@ def e4m3_rne(y):
 
 
 @triton.jit
-def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, T, K, stride_x, stride_data, stride_scale,
-                              BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr):
-    """One program: BLOCK_T tokens x one group of GROUP_K channels."""
+def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, norm_ptr, T, K, stride_x, stride_data, stride_scale, eps,
+                              BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr,
+                              NORM: tl.constexpr = False, ROUND_BEFORE_WEIGHT: tl.constexpr = False):
+    """One program: BLOCK_T tokens x one group of GROUP_K channels. With NORM the group is first
+    RMS-normalised by its whole row (read here, a few KB from L1/L2) and the weight at ``norm_ptr``,
+    rounded to x's dtype as backends/triton/norm.py rounds it, so the norm costs no launch."""
     wait_for_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     group = tl.program_id(1)
     cols = group * GROUP_K + tl.arange(0, GROUP_K)
     mask = (rows[:, None] < T) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
+    if NORM:
+        ss = tl.zeros([BLOCK_T], tl.float32)
+        for k0 in range(0, K, GROUP_K):
+            c = k0 + tl.arange(0, GROUP_K)
+            xs = tl.load(x_rows + c[None, :], mask=(rows[:, None] < T) & (c[None, :] < K), other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        h = x.to(tl.float32) * tl.rsqrt(ss / K + eps)[:, None]
+        if ROUND_BEFORE_WEIGHT:
+            h = h.to(x.dtype).to(tl.float32)
+        x = (tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :] * h).to(x.dtype)
     data, scale = token_groups(x.to(tl.float32))
     tl.store(data_ptr + rows[:, None].to(tl.int64) * stride_data + cols[None, :], data, mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * stride_scale + group, scale, mask=rows < T)
@@ -78,9 +92,11 @@ QUANT = {
 
 
 def quantize_fp8_token_group(x: torch.Tensor, group: int = GROUP,
-                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [..., K] -> (E4M3 data [..., K], fp32 scale [..., ceil(K/group)]), written into
-    ``out`` (contiguous tensors of those shapes) where given."""
+    ``out`` (contiguous tensors of those shapes) where given. ``norm`` (weight [K], eps): of
+    rms_norm(x) instead, in the same launch."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
     if flat.stride(-1) != 1:
@@ -92,9 +108,14 @@ def quantize_fp8_token_group(x: torch.Tensor, group: int = GROUP,
         scale = torch.empty(t, groups, dtype=torch.float32, device=x.device)
     else:
         data, scale = out[0].view(t, k), out[1].view(t, groups)
+    norm_weight, eps = norm or (flat, 0.0)
+    if norm is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match the activations' {k}")
     cfg = config_for(QUANT, x.device)
     if t:
         _token_group_quant_kernel[(triton.cdiv(t, cfg.block_t), groups)](
-            flat, data, scale, t, k, flat.stride(0), data.stride(0), scale.stride(0),
-            BLOCK_T=cfg.block_t, GROUP_K=group, num_warps=cfg.num_warps, **launch_options(x.device))
+            flat, data, scale, norm_weight, t, k, flat.stride(0), data.stride(0), scale.stride(0), eps,
+            BLOCK_T=cfg.block_t, GROUP_K=group, NORM=norm is not None,
+            ROUND_BEFORE_WEIGHT=norm is not None and norm_weight.dtype == x.dtype and x.dtype != torch.float32,
+            num_warps=cfg.num_warps, **launch_options(x.device))
     return data.view(x.shape), scale.view(*x.shape[:-1], groups)

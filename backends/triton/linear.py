@@ -3,10 +3,14 @@ multiplied in their stored format instead of dequantized first.
 
 Dense products of one row (decode at batch 1) run the GEMV kernel, which on an H200 ran at 1.35x of
 cuBLAS by geometric mean over the Llama-8B and Qwen3-0.6B projections (benchmarks/gemv_bench.py,
-graph-timed); a gate/up projection there fuses its SiLU-and-mul, and one fed by a decoder layer's
-input norm computes that norm (and the residual add before it) in its prologue where the rows
-are short enough (``gemv.NORM_MAX_K``). More rows go to the
-library GEMM: at 4 and 8 rows the GEMV's tensor-core variant ran at 0.96x of cuBLAS. The
+graph-timed); a gate/up projection there fuses its SiLU-and-mul, and one fed by an RMSNorm (a
+decoder layer's input norm, DeepSeek-V4's q_norm) computes that norm (and the residual add before
+it) in its prologue where the rows are short enough (``gemv.NORM_MAX_K``). More rows go to the
+library GEMM: at 4 and 8 rows the GEMV's tensor-core variant ran at 0.96x of cuBLAS; a projection
+fed by a norm keeps the GEMV up to ``gemv.MAX_ROWS`` rows, where the norm's launch it saves
+outweighs that (not measured). Block-FP8 weights take the norm into the activations'
+quantization (each of its programs reads its rows whole for the statistic), so norm, quantize
+and GEMM are two launches. The
 activations of quantized schemes are quantized to the weight's format on the way in (per token
 and 128 channels for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands;
 this is the one numerical difference from the native backend, which multiplies unquantized x.
@@ -21,7 +25,8 @@ from engine.core.families.linear import LinearBackend, LinearWeight, MXFP8Tensor
 from engine.core.families.norm import NormBackend
 
 from . import gemv
-from .fp8_gemm import fp8_block_linear
+from .fp8_gemm import fp8_block_gemm, fp8_block_linear
+from .fp8_quant import quantize_fp8_token_group
 from .mxfp8 import grouped_gemm, mxfp8_grouped_gemm, mxfp8_linear
 
 QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
@@ -60,11 +65,18 @@ class TritonLinear(LinearBackend):
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     w: LinearWeight, ops: NormBackend, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w) and gemv.norm_fits(x):
+        if not gemv.norm_fits(x):
+            return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
+        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w, gemv.MAX_ROWS):
             return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
+        if w.scheme == "fp8_block" and w.scale is not None and residual is None:
+            k = x.shape[-1]
+            data, scale = quantize_fp8_token_group(x.reshape(-1, k), norm=(norm_weight, eps))
+            out = fp8_block_gemm(data, scale, w.data, w.scale, x.dtype, w.bias).view(*x.shape[:-1], -1)
+            return (ops.silu_and_mul(out) if silu_mul else out), x
         return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
 
-    def _gemv_serves(self, x: torch.Tensor, w: LinearWeight) -> bool:
-        """On a GPU, for one row of x in the weight's own dtype."""
-        return (x.device.type in self.gemv_devices and x.dtype == w.data.dtype and x.numel() == x.shape[-1]
-                and gemv.fits(x, w.data))
+    def _gemv_serves(self, x: torch.Tensor, w: LinearWeight, rows: int = 1) -> bool:
+        """On a GPU, for 1 to ``rows`` rows of x in the weight's own dtype."""
+        return (x.device.type in self.gemv_devices and x.dtype == w.data.dtype
+                and 0 < x.numel() <= rows * x.shape[-1] and gemv.fits(x, w.data))

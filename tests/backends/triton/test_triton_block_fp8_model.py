@@ -78,6 +78,16 @@ class CheckedTriton(TritonLinear):
             self.products += 1
         return out
 
+    def norm_linear(self, x, residual, norm_weight, eps, w, ops, silu_mul=False):
+        """Where the norm runs inside the activations' quantization (no residual), the same check
+        against the oracle's norm then product."""
+        out, summed = super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
+        if w.scheme == "fp8_block" and residual is None:
+            want, _ = self.oracle.norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
+            self.worst = max(self.worst, _rel(out.float(), want.float()))
+            self.products += 1
+        return out, summed
+
 
 @pytest.fixture(scope="module")
 def fp8_qwen3(tiny_qwen3, tmp_path_factory):

@@ -20,10 +20,12 @@ from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearWeight
 from engine.core.models.fused_projection import FusedProjection
 from engine.core.models.layers import Linear
+from engine.backends.triton.norm import TritonNorm
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
+from engine.core.native.norm import NativeNorm, rms_norm
 
-from aot import GRID_DEPENDENCY, TARGETS, compile_asm, pdl
+from aot import GRID_DEPENDENCY, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
 
 FP8 = torch.float8_e4m3fn
 
@@ -151,6 +153,58 @@ def test_fused_projection_on_triton_equals_its_parts(seed):
         assert torch.equal(got[name], want[name]), name
 
 
+def check_norm_quant(rows, k, dtype, norm_dtype, device="cpu"):
+    """rms_norm(x) quantized in one launch: as the native norm then the native quantization, but
+    where the row's fp32 sum of squares, taken in another order, moves a normalised value across a
+    rounding boundary of x's dtype."""
+    x = random_activations((rows, k), dtype, device)
+    g = (1 + 0.3 * torch.randn(k, device=device)).to(norm_dtype)
+    out = poisoned_quant_out(x.shape, device)
+    data, scale = quantize_fp8_token_group(x, out=out, norm=(g, 1e-6))
+    ref_data, ref_scale = quant.quantize_fp8_token_group(rms_norm(x, g, 1e-6))
+    assert data.data_ptr() == out[0].data_ptr() and not scale.isnan().any()
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-2, atol=0)
+    assert (data.view(torch.uint8) == ref_data.view(torch.uint8)).float().mean() > 0.99
+    torch.testing.assert_close(quant.dequantize_fp8_token_group(data, scale),
+                               quant.dequantize_fp8_token_group(ref_data, ref_scale), rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,norm_dtype", [(torch.float16, torch.float32), (torch.float16, torch.float16),
+                                              (torch.float32, torch.float32)])
+def test_token_group_quant_with_the_norm_in_it_interpreted(seed, dtype, norm_dtype):
+    """K of 300: a group's tail masked. Not bf16: the interpreter's fp32 -> bf16 cast truncates."""
+    check_norm_quant(5, 300, dtype, norm_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_token_group_quant_with_the_norm_in_it_gpu(seed, rows):
+    """DeepSeek-V4-Flash's q_norm: bf16 rows of 1024 with an fp32 weight."""
+    check_norm_quant(rows, 1024, torch.bfloat16, torch.float32, "cuda")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rows,silu_mul", [(1, False), (3, True)])
+def test_fp8_norm_linear_folds_the_norm_into_the_quantization(seed, monkeypatch, rows, silu_mul):
+    """DeepSeek-V4's q_norm before a block-FP8 projection: no launch of the norm family's (it is
+    refused), the result within E4M3's rounding of the native norm and linear, x returned as the sum."""
+    x = random_activations((rows, 256), torch.float16)
+    g = 1 + 0.3 * torch.randn(256)
+    data, scale = quant.quantize_fp8_block(torch.randn(256, 256) * 0.05)
+    w = LinearWeight(data, "fp8_block", scale)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the norm ran on its own")
+
+    ops = TritonNorm(None)
+    monkeypatch.setattr(ops, "rms_norm", refused)
+    got, summed = TritonLinear(None).norm_linear(x, None, g, 1e-6, w, ops, silu_mul=silu_mul)
+    want, _ = NativeLinear(None).norm_linear(x, None, g, 1e-6, w, NativeNorm(None), silu_mul=silu_mul)
+    assert summed is x and got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) < 0.06
+
+
 def test_triton_linear_refuses_unknown_scheme_and_missing_scale():
     data = torch.zeros(8, 128).to(FP8)
     with pytest.raises(ValueError, match="needs its scale"):
@@ -211,12 +265,20 @@ def test_fp8_gemm_compiles(target, which, even_k):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_token_group_quant_compiles(target):
+@pytest.mark.parametrize("norm", [False, True])
+def test_token_group_quant_compiles(target, norm):
+    """With and without the RMSNorm in it (an fp32 weight, as DeepSeek-V4's q_norm): no spills, no scratch."""
     cfg = pick(QUANT, target)
-    signature = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "T": "i32", "K": "i32",
-                 "stride_x": "i32", "stride_data": "i32", "stride_scale": "i32"}
-    asm = compile_asm(_token_group_quant_kernel, signature, dict(BLOCK_T=cfg.block_t, GROUP_K=128, PDL=pdl(target)),
-                      target, num_warps=cfg.num_warps)
+    signature = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "norm_ptr": "*fp32", "T": "i32",
+                 "K": "i32", "stride_x": "i32", "stride_data": "i32", "stride_scale": "i32", "eps": "fp32"}
+    asm = compile_asm(_token_group_quant_kernel, signature,
+                      dict(BLOCK_T=cfg.block_t, GROUP_K=128, PDL=pdl(target), NORM=norm, ROUND_BEFORE_WEIGHT=False),
+                      target, num_warps=cfg.num_warps, sass=target.startswith("sm_"))
+    if target.startswith("sm_"):
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        scratch, _ = amd_scratch_and_lds(asm)
+        assert scratch == 0
     text = asm.get("ptx") or asm["amdgcn"]
     if target.startswith("sm_"):
         assert "div.rn.f32" in text  # correctly rounded, as torch divides

@@ -167,10 +167,38 @@ def test_norm_gemv_rounds_as_the_norm_family_gpu(seed, norm_dtype, m):
     check_norm_rounding(m, torch.bfloat16, norm_dtype, device="cuda")
 
 
+class CPUGemvLinear(TritonLinear):
+    """The linear backend routing as on a GPU, its GEMV interpreted."""
+
+    gemv_devices = ("cpu",)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("m,residual", [(1, False), (3, True), (MAX_ROWS, False)])
+def test_norm_linear_keeps_the_norm_in_the_gemv_up_to_max_rows_interpreted(seed, monkeypatch, m, residual):
+    """A projection fed by an RMSNorm (DeepSeek-V4's q_norm, a decoder layer's input norm) runs
+    the norm in the GEMV's prologue at every row count the GEMV takes: the norm family is refused."""
+    x = torch.randn(m, 96, dtype=torch.float16)
+    r = torch.randn_like(x) if residual else None
+    g = 1 + 0.3 * torch.randn(96)
+    w = LinearWeight((torch.randn(40, 96) / 96**0.5).to(torch.float16))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the norm ran on its own")
+
+    ops = TritonNorm(None)
+    monkeypatch.setattr(ops, "rms_norm", refused)
+    monkeypatch.setattr(ops, "add_rms_norm", refused)
+    got, got_sum = CPUGemvLinear(None).norm_linear(x, r, g, 1e-6, w, ops)
+    want, want_sum = NativeLinear(None).norm_linear(x, r, g, 1e-6, w, NativeNorm(None))
+    assert _rel(got, want) < TOL[torch.float16] and torch.equal(got_sum, want_sum)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS + 1, 64])
 def test_triton_linear_matches_native_at_decode_rows(seed, m):
-    """The backend's routing: GEMV at one row, the library GEMM past it, both as native computes."""
+    """The backend's routing: GEMV at one row (up to MAX_ROWS behind a norm), the library GEMM past
+    it, both as native computes."""
     x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
     w = LinearWeight((torch.randn(2 * 1536, 2048, device="cuda") / 2048**0.5).to(torch.bfloat16),
                      bias=torch.randn(2 * 1536, dtype=torch.bfloat16, device="cuda"))
