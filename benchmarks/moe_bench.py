@@ -19,7 +19,11 @@ Two more comparisons at the DeepSeek-V4-Flash shape, through the fused Triton ex
   launched apart (``route`` then ``experts``), the shared expert folded, at decode batch sizes:
   ``dispatch_over_apart`` above 1 at a batch says ``DISPATCH.tokens`` should stop below it;
 - ``fp8_quantize``: FP8 experts with the activations quantized inside the two GEMMs (decode) against
-  a quantization launch before each.
+  a quantization launch before each;
+- ``one_launch``: a decode step's layer through ``TritonMoE.route_experts`` with each stack's experts
+  in one launch (moe_one_launch.py: gate/up then down and the combine) against their two grouped
+  GEMM launches, in bf16 (the shared expert folded), FP8 and FP4 (routed experts only):
+  ``one_over_two`` below 1 says the one launch pays at that batch.
 
     python benchmarks/moe_bench.py [--json benchmarks/results/moe-<device>.json]
 """
@@ -213,6 +217,7 @@ def measure_fold(shape: dict, stack: ExpertWeights, num_tokens: int, device, rep
 
 
 DECODE_TOKENS = (1, 4, 8, 16, 32, 64, 128)
+ONE_LAUNCH_TOKENS = (1, 4, 16, 64)  # what one dispatch program routes on a GPU (DISPATCH.tokens)
 
 
 def v4_routing(shape: dict, device):
@@ -245,6 +250,26 @@ def measure_dispatch(shape: dict, stack: ExpertWeights, num_tokens: int, device,
             "dispatch_over_apart": round(dispatch_ms / apart_ms, 3), "equal": torch.equal(apart(), dispatched())}
 
 
+def measure_one_launch(shape: dict, stack: ExpertWeights, num_tokens: int, device, repeats: int,
+                       shared: bool) -> dict:
+    """``stack``: the routed experts and, with ``shared``, the shared one last (folded)."""
+    import dataclasses
+
+    from engine.backends.triton.moe import TritonMoE
+
+    one, two = TritonMoE(None), TritonMoE(None)
+    two.one_launch = False
+    cfg = v4_routing(shape, device)
+    cfg = cfg if shared else dataclasses.replace(cfg, shared_expert=None)
+    x = torch.randn(num_tokens, shape["hidden"], device=device).to(torch.bfloat16)
+    logits = torch.randn(num_tokens, shape["num_experts"], device=device) * 3
+    one_ms = graph_ms(lambda: one.route_experts(x, logits, cfg, stack), device, repeats)
+    two_ms = graph_ms(lambda: two.route_experts(x, logits, cfg, stack), device, repeats)
+    return {"tokens": num_tokens, "scheme": stack.scheme, "one_launch_graph_ms": round(one_ms, 4),
+            "two_launches_graph_ms": round(two_ms, 4), "one_over_two": round(one_ms / two_ms, 3),
+            "equal": torch.equal(one.route_experts(x, logits, cfg, stack), two.route_experts(x, logits, cfg, stack))}
+
+
 def measure_fp8_quantize(shape: dict, w8: ExpertWeights, num_tokens: int, device, repeats: int) -> dict:
     from engine.backends.triton.fused_moe import fused_moe
 
@@ -274,18 +299,21 @@ def fp8_experts(w: ExpertWeights) -> ExpertWeights:
 
 
 def run_v4(device, tokens=TOKENS, repeats: int = 20) -> dict:
-    """The fp4, fold, dispatch and fp8_quantize comparisons at the DeepSeek-V4-Flash shape."""
+    """The fp4, fold, dispatch, one_launch and fp8_quantize comparisons at the DeepSeek-V4-Flash shape."""
     device = torch.device(device)
     shape = SHAPES["deepseek-v4-flash"]
     stack = random_experts({**shape, "num_experts": shape["num_experts"] + 1}, device)
     result = {"fold": [measure_fold(shape, stack, t, device, repeats) for t in tokens],
-              "dispatch": [measure_dispatch(shape, stack, t, device, repeats) for t in DECODE_TOKENS]}
+              "dispatch": [measure_dispatch(shape, stack, t, device, repeats) for t in DECODE_TOKENS],
+              "one_launch": [measure_one_launch(shape, stack, t, device, repeats, True) for t in ONE_LAUNCH_TOKENS]}
     w = ExpertWeights(stack.gate_up[:-1], stack.down[:-1], swiglu_limit=shape["swiglu_limit"])
     w4 = fp4_experts(w)
     result["fp4"] = [measure_fp4(shape, w, w4, t, device, repeats) for t in tokens]
+    result["one_launch"] += [measure_one_launch(shape, w4, t, device, repeats, False) for t in ONE_LAUNCH_TOKENS]
     del w4, stack
     w8 = fp8_experts(w)
     result["fp8_quantize"] = [measure_fp8_quantize(shape, w8, t, device, repeats) for t in DECODE_TOKENS[:5]]
+    result["one_launch"] += [measure_one_launch(shape, w8, t, device, repeats, False) for t in ONE_LAUNCH_TOKENS]
     return result
 
 

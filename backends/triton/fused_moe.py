@@ -133,7 +133,7 @@ def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N,
 @triton.jit
 def _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, up_scale_offset, K, GATED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      PTX_UNPACK: tl.constexpr):
+                      PTX_UNPACK: tl.constexpr, A_CACHE: tl.constexpr):
     """The K loop of FP4 weights unpacked in registers -> (gate or down, up) products [BLOCK_M, BLOCK_N].
 
     The weights are the dot's first operand (rows of the expert against the block's tokens, the
@@ -147,12 +147,12 @@ def _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, up_scale_offset, 
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)
+            a = tl.load(a_ptrs, cache_modifier=A_CACHE)
             b = tl.load(b_ptrs)
             b_scale = tl.load(b_scale_ptrs)
         else:
             k_left = K - k0
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0, cache_modifier=A_CACHE)
             b = tl.load(b_ptrs, mask=2 * rb[None, :] < k_left, other=0)
             b_scale = tl.load(b_scale_ptrs, mask=rs[None, :] * 32 < k_left, other=127)
         tokens = tl.trans(a)
@@ -212,14 +212,31 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     """
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
+                    sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
+                    stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om,
+                    stride_wt, BLOCK_M, BLOCK_N, BLOCK_K, GATED, HAS_LIMIT, FP8, SCALE_BLOCK, FP4, SCALED_MMA,
+                    EVEN_K, PTX_UNPACK, QUANTIZE_A, ACCUMULATE, GATED, "")
+
+
+@triton.jit
+def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
+                sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
+                stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om, stride_wt,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP4: tl.constexpr,
+                SCALED_MMA: tl.constexpr, EVEN_K: tl.constexpr, PTX_UNPACK: tl.constexpr, QUANTIZE_A: tl.constexpr,
+                ACCUMULATE: tl.constexpr, CLEAR: tl.constexpr, A_CACHE: tl.constexpr):
+    """Tile (pid_m, pid_n) of ``_moe_gemm_kernel``, of a block in use; CLEAR: clear its tokens' arrival
+    counts (the gate/up GEMM does, for the down GEMM of a later launch); A_CACHE: how a's tiles are
+    loaded (".cg" past L1 where a was written by the same launch)."""
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < num_assignments
     # padding rows read row 0 and columns past N read column N-1 again; neither is stored
     am = tl.where(valid, ids // rows_per_a, 0).to(tl.int64)
-    if GATED:
+    if CLEAR:
         if pid_n == 0:
             _clear_arrivals(arrivals_ptr, am, valid, tiles, BLOCK_M, BLOCK_N)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,11 +269,11 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP4 and not SCALED_MMA:
         acc, acc_up = _fp4_row_products(a_ptrs, b_ptrs, b_scale_ptrs, up_offset, N * stride_bsn, K, GATED,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PTX_UNPACK)
+                                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PTX_UNPACK, A_CACHE)
     else:
         for k0 in range(0, K, BLOCK_K):
             k_left = K - k0
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0, cache_modifier=A_CACHE)
             if FP4:
                 # bytes and scales past K are 0 and 2**0 (a NaN scale would poison the sum)
                 b = tl.load(b_ptrs, mask=2 * rb[:, None] < k_left, other=0)

@@ -15,11 +15,13 @@ from engine.core.native.moe import NativeMoE
 from . import moe_routing
 from .fused_moe import PACKED_FP4, fused_moe, moe_config
 from .moe_dispatch import fits_one_program, route_and_align
+from .moe_one_launch import arrival_counts, fits_one_launch, moe_one_launch
 
 
 class TritonMoE(MoEBackend):
     name = "triton"
     schemes = ("dense", "fp8_block", "fp4")
+    one_launch = True  # a decode step's stack in one launch (moe_one_launch) where it fits; else two
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,17 +32,20 @@ class TritonMoE(MoEBackend):
     def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
                       input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
         """A decode step's routing and alignment in one launch (``moe_dispatch``), the shared expert's
-        own stack aligned by it too, then each stack's two grouped GEMMs, the shared stack's down GEMM
-        adding to the routed one's output: three launches a layer with the shared expert folded, five
-        with it apart; larger batches and grouped routing route and align apart."""
+        own stack aligned by it too, then each stack's experts in one launch (``moe_one_launch``; or
+        its two grouped GEMMs where that does not fit), the shared stack's adding to the routed one's
+        output: two launches a layer with the shared expert folded, three with it apart; larger
+        batches and grouped routing route and align apart, and take two GEMM launches a stack."""
         for stack in (w, shared or w):
             self._check_scheme(stack)
         num_tokens, k = x.shape[0], cfg.top_k
         gemm = self._gemm_config(num_tokens, k if shared else moe_routing.route_width(cfg), w)
         shared_gemm = self._gemm_config(num_tokens, 1, shared) if shared else None
         if fits_one_program(router_logits.shape[0], cfg, router_logits.device):
-            weights, ids, blocks, shared_blocks = route_and_align(router_logits, cfg, input_ids, w.gate_up.shape[0],
-                                                                  gemm.block_m, shared_gemm and shared_gemm.block_m)
+            weights, ids, blocks, shared_blocks = route_and_align(
+                router_logits, cfg, input_ids, w.gate_up.shape[0], gemm.block_m, shared_gemm and shared_gemm.block_m,
+                arrival_counts=self._arrival_counts(x, w, gemm, k if shared else moe_routing.route_width(cfg)),
+                shared_arrival_counts=shared and self._arrival_counts(x, shared, shared_gemm, 1))
         else:
             (weights, ids), blocks, shared_blocks = self.route(router_logits, cfg, input_ids), None, None
         if shared is None:
@@ -52,9 +57,19 @@ class TritonMoE(MoEBackend):
     def _gemm_config(num_tokens: int, columns: int, w: ExpertWeights):
         return moe_config(num_tokens, columns, w.gate_up.shape[0], w.gate_up.device, fp4=w.gate_up.dtype == PACKED_FP4)
 
+    def _arrival_counts(self, x: torch.Tensor, w: ExpertWeights, gemm, columns: int) -> int | None:
+        """The counters a stack's one launch needs, None where it takes two."""
+        if not self.one_launch or not fits_one_launch(w.gate_up, gemm, x.shape[0], columns):
+            return None
+        return arrival_counts(x.shape[0], x.shape[1], gemm)
+
     @staticmethod
     def _fused(x, weights, ids, w: ExpertWeights, gemm, blocks, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fused_moe of ``w``; with ``out``, added to it."""
+        """fused_moe of ``w``, in one launch where the blocks carry its counters; with ``out``, added to it."""
+        if blocks is not None and blocks.counters is not None:
+            return moe_one_launch(x, blocks, w.gate_up, w.down, weights, gemm,
+                                  torch.empty_like(x) if out is None else out, swiglu_limit=w.swiglu_limit,
+                                  gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, accumulate=out is not None)
         return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,
                          gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, config=gemm, blocks=blocks, out=out,
                          accumulate=out is not None)

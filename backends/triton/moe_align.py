@@ -34,13 +34,16 @@ from .target import config_for
 class ExpertBlocks:
     """``sorted_ids`` [blocks * block_m] int32: assignments grouped by expert, padded per expert
     with ``num_assignments``; ``block_expert`` [blocks] int32: the expert of each block of
-    ``block_m`` rows, -1 past the rows in use; ``num_padded`` [1] int32: the rows in use."""
+    ``block_m`` rows, -1 past the rows in use; ``num_padded`` [1] int32: the rows in use;
+    ``counters``: int32 zeros for running both GEMMs in one launch (moe_one_launch: a flag per block,
+    a ticket, then the combine's arrival counts), where the aligning launch zeroed them."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
     num_assignments: int
+    counters: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -182,12 +185,16 @@ def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int
     return -(-rows // block_m) * block_m
 
 
-def unfilled_blocks(num_assignments: int, num_experts: int, block_m: int, device: torch.device) -> ExpertBlocks:
-    """The alignment's tensors as allocated, for a kernel that writes every entry (``align_lanes``)."""
+def unfilled_blocks(num_assignments: int, num_experts: int, block_m: int, device: torch.device,
+                    arrival_counts: int | None = None) -> ExpertBlocks:
+    """The alignment's tensors as allocated, for a kernel that writes every entry (``align_lanes``);
+    with ``arrival_counts``, counters for one launch of both GEMMs with that many arrival counts."""
     rows = max_padded_rows(num_assignments, num_experts, block_m)
+    counters = None if arrival_counts is None else \
+        torch.empty(rows // block_m + 1 + arrival_counts, dtype=torch.int32, device=device)
     return ExpertBlocks(torch.empty(rows, dtype=torch.int32, device=device),
                         torch.empty(rows // block_m, dtype=torch.int32, device=device),
-                        torch.empty(1, dtype=torch.int32, device=device), block_m, num_assignments)
+                        torch.empty(1, dtype=torch.int32, device=device), block_m, num_assignments, counters)
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:

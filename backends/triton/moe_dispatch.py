@@ -78,7 +78,8 @@ def _block_lanes(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, sc
 def _route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling,
                         weights_ptr, ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, T, num_experts,
                         num_blocks, shared_sorted_ids_ptr, shared_block_expert_ptr, shared_num_padded_ptr,
-                        shared_num_blocks, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
+                        shared_num_blocks, counters_ptr, num_counters, shared_counters_ptr, num_shared_counters,
+                        SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
                         RENORMALIZE: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                         EXPERTS: tl.constexpr, ROUND_TO: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_M: tl.constexpr, STACK_EXPERTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr,
@@ -87,7 +88,8 @@ def _route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, strid
     ``num_experts`` (STACK_EXPERTS its power of two; a folded shared expert is the stack's last) as
     ``align_by_expert`` stores it. SHARED_APART: the shared expert has a stack of its own; the routed
     columns are aligned alone, and the shared column's alignment (every token in order, one expert)
-    is written to the shared_* tensors in blocks of SHARED_BLOCK_M rows."""
+    is written to the shared_* tensors in blocks of SHARED_BLOCK_M rows. counters and shared_counters:
+    zeroed for the experts' one launch (moe_one_launch), num_counters and num_shared_counters words."""
     wait_for_prior(PDL)
     ALIGNED: tl.constexpr = TOP_K if SHARED_APART else TOP_K + (SHARED >= 0)
     LANES: tl.constexpr = BLOCK_T * K_POW2
@@ -124,6 +126,15 @@ def _route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, strid
     if SHARED_APART:
         _align_every_token(shared_sorted_ids_ptr, shared_block_expert_ptr, shared_num_padded_ptr, T,
                            shared_num_blocks, SHARED_BLOCK_M, LANES)
+    _zero(counters_ptr, num_counters, LANES)
+    _zero(shared_counters_ptr, num_shared_counters, LANES)
+
+
+@triton.jit
+def _zero(ptr, n, LANES: tl.constexpr):
+    lane = tl.arange(0, LANES)
+    for i0 in range(0, n, LANES):
+        tl.store(ptr + i0 + lane, tl.zeros((LANES,), tl.int32), mask=i0 + lane < n)
 
 
 @triton.jit
@@ -158,13 +169,15 @@ def fits_one_program(num_tokens: int, cfg: RoutingConfig, device: torch.device) 
 
 
 def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None,
-                    num_experts: int, block_m: int, shared_block_m: int | None = None
+                    num_experts: int, block_m: int, shared_block_m: int | None = None, *,
+                    arrival_counts: int | None = None, shared_arrival_counts: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks, ExpertBlocks | None]:
     """[T, E] logits -> (weights [T, K] fp32, expert ids [T, K] int64, their ``ExpertBlocks`` over a
     stack of ``num_experts`` in blocks of ``block_m`` rows, None), K = top_k (+ 1 with a shared
     expert), in one launch; only where ``fits_one_program``. ``shared_block_m``: the shared expert
     has a stack of its own; the blocks are then the routed columns' (``ids[:, :top_k]``), and the
-    fourth item the shared column's in blocks of that many rows."""
+    fourth item the shared column's in blocks of that many rows. ``arrival_counts`` (and
+    ``shared_arrival_counts``): the blocks carry counters for the experts' one launch, zeroed here."""
     t, device = router_logits.shape[0], router_logits.device
     if not fits_one_program(t, cfg, device):
         raise ValueError(f"{t} tokens of {cfg.num_experts} experts, top {cfg.top_k} (groups {cfg.num_groups}) "
@@ -178,14 +191,16 @@ def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: 
     width = route_width(cfg)
     weights = torch.empty(t, width, dtype=torch.float32, device=device)
     ids = torch.empty(t, width, dtype=torch.int64, device=device)
-    blocks = unfilled_blocks(t * (cfg.top_k if apart else width), num_experts, block_m, device)
-    shared = unfilled_blocks(t, 1, shared_block_m, device) if apart else None
+    blocks = unfilled_blocks(t * (cfg.top_k if apart else width), num_experts, block_m, device, arrival_counts)
+    shared = unfilled_blocks(t, 1, shared_block_m, device, shared_arrival_counts) if apart else None
+    counters = [(None, 0) if b is None or b.counters is None else (b.counters, b.counters.numel())
+                for b in (blocks, shared)]
     shared_args = (shared.sorted_ids, shared.block_expert, shared.num_padded, shared.num_blocks) if apart else \
         (None, None, None, 0)
     arch = arch_of(device)
     _route_align_kernel[(1,)](
         *args, weights, ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, t, num_experts,
-        blocks.num_blocks, *shared_args, **constexprs,
+        blocks.num_blocks, *shared_args, *counters[0], *counters[1], **constexprs,
         BLOCK_T=min(block_tokens(cfg, num_experts, arch), triton.next_power_of_2(t)), BLOCK_M=block_m,
         STACK_EXPERTS=triton.next_power_of_2(num_experts), SCAN_BLOCKS=pick(ALIGN, arch).scan_blocks,
         SHARED_APART=apart, SHARED_BLOCK_M=shared_block_m or 1, num_warps=pick(ROUTE_TILE, arch)[1],

@@ -278,7 +278,9 @@ def test_dispatch_kernel_compiles(target, hashed, apart):
                  "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                  "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
                  "num_experts": "i32", "num_blocks": "i32", "shared_sorted_ids_ptr": "*i32",
-                 "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32", "shared_num_blocks": "i32"}
+                 "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32", "shared_num_blocks": "i32",
+                 "counters_ptr": "*i32", "num_counters": "i32", "shared_counters_ptr": "*i32",
+                 "num_shared_counters": "i32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=block_t, BLOCK_M=16,
                       STACK_EXPERTS=triton.next_power_of_2(stack), SCAN_BLOCKS=align.scan_blocks,
