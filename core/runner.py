@@ -1,7 +1,8 @@
 """The model runner: turns a scheduled step into one forward batch, or into a replay of the decode
-graph that holds it (under speculative decoding a verify step: of the verify graph), and returns its logits. Input tokens the host has not seen yet (the draws of
-the step still in flight) are read from the token table on the device; the page tables are the
-rows the KV manager keeps (core/kv/page_table.py), gathered in one call.
+graph that holds it (a verify step of speculative decoding: of the verify graph), and returns its
+logits. Input tokens the host has not seen yet (the draws of the step still in flight) are read
+from the token table on the device; the page tables are the rows the KV manager keeps
+(core/kv/page_table.py), gathered in one call.
 
 A step's batch is first its host data (``StepInputs``), then a forward. Under tensor parallelism
 rank 0's runner sends that data to the other ranks (``peers``, core/distributed/workers.py), whose

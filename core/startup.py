@@ -374,5 +374,5 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         graphs, verify_graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device,
                                                progress, plan if config.enable_dp_attention else None, proposer)
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
-                      selections["sampling"].create(ctx), graphs, prefill_graphs, verify_graphs, proposer, group, attention,
-                      plan)
+                      selections["sampling"].create(ctx), graphs, prefill_graphs, verify_graphs, proposer, group,
+                      attention, plan)

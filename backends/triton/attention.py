@@ -4,7 +4,9 @@ Like the native oracle, each step first stores its new K/V at ``batch.slot_mappi
 reads every key back from the pages. Sequences that bring one new token go to the split-KV
 decode kernel, the others to the prefill kernel. ``prepare`` sorts them once per step from the
 host-side query lengths, so no layer syncs with the device; a pure decode batch (the shape CUDA
-graphs capture) needs nothing but its size.
+graphs capture) needs nothing but its size. A batch whose sequences all bring the same few tokens
+(speculative decoding's verify steps, which verify graphs capture) goes to the decode kernel
+whole, causal among each sequence's queries.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class TritonAttentionMetadata:
     decode_seqs: torch.Tensor | None  # [Bd] int32, the sequences with exactly one new token; None: all of them
     prefill_seqs: torch.Tensor  # [Bp] int32, the others
     max_prefill_query_len: int
+    query_len: int = 1  # with decode_seqs None: the new tokens of every sequence
 
 
 def _indices(ids: list[int], num_seqs: int, device: torch.device) -> torch.Tensor:
@@ -38,9 +41,13 @@ def _indices(ids: list[int], num_seqs: int, device: torch.device) -> torch.Tenso
 class TritonAttention(AttentionBackend):
     name = "triton"
     graph_safe = True
+    graph_query_len = 16
 
     def prepare(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         device = batch.seq_lens.device
+        q_len = batch.uniform_query_len
+        if q_len is not None and 1 < q_len <= self.graph_query_len:
+            return TritonAttentionMetadata(None, _indices([], batch.num_seqs, device), 0, q_len)
         decode = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1]
         prefill = [i for i, n in enumerate(batch.query_lens_cpu) if n != 1]
         return TritonAttentionMetadata(
@@ -74,7 +81,7 @@ class TritonAttention(AttentionBackend):
         if out is None:
             out = q.new_empty(q.shape[0], layer.num_heads, kv.v.shape[-1])
         decode_attention(q, kv, layer, out, batch.page_table, batch.query_start_loc, batch.seq_lens,
-                         meta.decode_seqs)
+                         meta.decode_seqs, query_len=meta.query_len)
         prefill_attention(q, kv, layer, out, batch.page_table, batch.query_start_loc, batch.seq_lens,
                           meta.prefill_seqs, meta.max_prefill_query_len)
         return out

@@ -1,4 +1,5 @@
-"""Paged decode attention, split-KV (flash-decoding): one new query per sequence over its pages.
+"""Paged decode attention, split-KV (flash-decoding): one new query per sequence over its pages,
+or a fixed few (``query_len``, speculative decoding's verify steps of K+1 tokens), causal among them.
 
 A decode step has few queries and long key ranges, so one program per sequence and KV head
 leaves most of the chip idle. The visible keys of each sequence are cut into ``num_splits``
@@ -8,6 +9,11 @@ it all: the program that arrives last at its (sequence, KV head block) counter c
 splits (and the sink logit, which belongs to no split) into the output, so at batch 1 a layer
 pays one launch, not two. A range that fits one split (short sequences, graph padding) is
 written as the output directly, and splits past the end of a short sequence do nothing.
+
+With ``query_len`` > 1 every sequence brings that many queries, row i of q being query i %
+query_len of sequence i // query_len; each query is a row of the grid as a decode sequence is,
+over its keys up to its own position. The keys are read once per query (SGLang's target-verify
+kernels share them among a sequence's queries; not done here).
 
 The number of splits depends only on the batch size, never on sequence lengths, so a captured
 graph's grid holds across replays; the counters live in one zeroed buffer per device that every
@@ -156,15 +162,17 @@ def decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, SUB_G: tl.constexpr, CHUNK_S: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
-    ALL_DECODE: tl.constexpr, PDL: tl.constexpr,
+    ALL_DECODE: tl.constexpr, QUERY_LEN: tl.constexpr, CAUSAL: tl.constexpr, PDL: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
     wait_for_prior(PDL)
     # a pure decode batch (every graph replay) is row i = sequence i: two dependent loads fewer
-    seq = i if ALL_DECODE else tl.load(seq_ids_ptr + i)
+    seq = i // QUERY_LEN if ALL_DECODE else tl.load(seq_ids_ptr + i)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if CAUSAL:  # query i % QUERY_LEN of its sequence's new tokens sees the keys up to its own
+        seq_len -= QUERY_LEN - 1 - i % QUERY_LEN
 
     # the query sits at seq_len - 1: it sees every key below seq_len that the window keeps. The
     # splits cut that range in whole key blocks, so a short one fills only the first ``used``
@@ -237,12 +245,14 @@ def combine_tile(group_rows: int, splits: int, block_dv: int) -> tuple[int, int]
 def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: torch.Tensor,
                      page_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                      seq_ids: torch.Tensor | None, config: DecodeConfig | None = None,
-                     splits: int | None = None) -> None:
+                     splits: int | None = None, query_len: int = 1) -> None:
     """Attend the one new query of each sequence in ``seq_ids`` (its row ``query_start_loc[seq]``
     of q and out) over its first ``seq_lens`` keys in ``kv``'s pages; ``seq_ids`` None: every
-    sequence has one query, row i of q being sequence i. ``config`` and ``splits`` override the
-    tuning table (the tuning sweep passes each candidate)."""
-    num_seqs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+    sequence has ``query_len`` queries, rows i * query_len.. of q being sequence i's. ``config`` and
+    ``splits`` override the tuning table (the tuning sweep passes each candidate)."""
+    if query_len > 1 and seq_ids is not None:
+        raise ValueError("several queries a sequence need every sequence to bring them (seq_ids None)")
+    num_seqs = seq_lens.shape[0] * query_len if seq_ids is None else seq_ids.shape[0]
     if num_seqs == 0:
         return
     head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
@@ -272,5 +282,6 @@ def decode_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: t
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_DV=block_dv,
         BLOCK_S=triton.next_power_of_2(splits), SUB_G=sub_g, CHUNK_S=chunk_s,
         SLIDING=layer.sliding_window is not None, HAS_SINKS=layer.sinks is not None, ALL_DECODE=seq_ids is None,
+        QUERY_LEN=query_len, CAUSAL=layer.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )

@@ -128,6 +128,21 @@ def test_pure_batches_and_page_sizes(seed, kind, page_size):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("splits", [None, 3], ids=["tuned", "3splits"])
+@pytest.mark.parametrize("query_len", [2, 4])
+@pytest.mark.parametrize("name", ["gqa4_window", "all_d128", "bidirectional"])
+def test_verify_batch_matches_native(seed, monkeypatch, name, query_len, splits):
+    """Speculative decoding's verify step: every sequence the same few queries, causal among them,
+    across page boundaries, one split and several."""
+    if splits:
+        _force_splits(monkeypatch, splits)
+    lens = [(random.randint(0, 30), query_len) for _ in range(3)]
+    case = Case(lens, make_layer(**LAYERS[name]), page_size=4, dtype=torch.float32)
+    assert TritonAttention(ctx=None).prepare(case.batch).query_len == query_len
+    case.check()
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_head_dim_512(seed, dtype):
     layer = make_layer(heads=4, kv_heads=1, head_dim=512, window=6, sinks=True)
@@ -378,7 +393,7 @@ ARRIVAL = {"sm_90": r"atom\.global\.gpu\.acq_rel\.add", "sm_100": r"atom\.global
            "gfx942": CDNA_ARRIVAL, "gfx950": CDNA_ARRIVAL}
 
 
-def _compile_decode(target, cfg, splits, all_decode):
+def _compile_decode(target, cfg, splits, all_decode, query_len=1):
     """The decode kernel at head dim 128, GQA 4, window and sinks; one split has no partials."""
     from aot import pdl
     partials = ({"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"} if splits > 1
@@ -392,7 +407,7 @@ def _compile_decode(target, cfg, splits, all_decode):
          **_ints(STRIDES + ["stride_pt", "stride_ot", "stride_oh"]), "qk_scale": "fp32", "window": "i32"},
         dict(NUM_HEADS=32, GROUP=4, NUM_SPLITS=splits, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=cfg.block_n,
              BLOCK_S=block_s, SUB_G=sub_g, CHUNK_S=chunk_s, SLIDING=True, HAS_SINKS=True, ALL_DECODE=all_decode,
-             PDL=pdl(target), **none, **SHAPE), target, cfg)
+             QUERY_LEN=query_len, CAUSAL=True, PDL=pdl(target), **none, **SHAPE), target, cfg)
 
 
 @pytest.mark.aot
@@ -412,10 +427,13 @@ def test_kernels_compile_for_target(target):
         dict(GROUP=4, BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, CAUSAL=True, HAS_SINKS=True,
              SLIDING=True, **SHAPE), target, prefill_cfg)
     decode_cfg = pick_dim(pick(DECODE, target).per_dim, 128)
-    # a graph's pure decode batch over 24 splits; a mixed batch's decode rows in one split
+    # a graph's pure decode batch over 24 splits; a mixed batch's decode rows in one split; a verify
+    # graph's 4 queries a sequence
     split, single = _compile_decode(target, decode_cfg, 24, True), _compile_decode(target, decode_cfg, 1, False)
+    verify = _compile_decode(target, decode_cfg, 24, True, query_len=4)
     assert re.search(PREFILL_MMA[target], prefill)
-    assert re.search(DECODE_MMA[target], split) and re.search(DECODE_MMA[target], single)
+    assert all(re.search(DECODE_MMA[target], asm) for asm in (split, single, verify))
+    assert len(re.findall(ARRIVAL[target], verify)) == 1
     if target.startswith("sm_"):  # the page gathers are pipelined through shared memory
         assert all("cp.async.cg.shared.global" in asm for asm in (prefill, split, single))
     else:  # 128-bit gathers
