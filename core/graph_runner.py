@@ -190,6 +190,9 @@ class DecodeGraphs:
         page 0); returns the bucket's input ids on the device."""
         q = self.query_len
         pad, t = b - len(context_lens), b * q
+        short = -(-q // self.page_size) - page_table.shape[1]
+        if short > 0:  # the padding rows' q positions span that many columns (of the null page)
+            page_table = np.pad(page_table, ((0, 0), (0, short)))
         layout = batch_layout(t, b, t, page_table.shape[1])
         host = self.staging.take(layout.nbytes)
         key = (layout, host.data_ptr())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -101,6 +102,56 @@ def test_each_step_fills_its_bucket_and_the_padding_rows(seed):
         for i in range(n, b):  # token 0 at position 0, one key, on the null page
             assert full[i, :8].tolist() == [0, 0, 0, 1, 0, i, i + 1, 0]
             assert (full[i, 8:] == -1).all()
+
+
+class EchoFeature(Echo):
+    """Echo that also hands back a per-token feature where the batch asks (MTP's streams): twice its
+    rows, in one buffer, as a graph's replays write the same memory (the first call, the capture of
+    the largest bucket, sizes it)."""
+
+    feature: torch.Tensor | None = None
+
+    def __call__(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        out = super().__call__(batch, kv)
+        if batch.features is not None:
+            if self.feature is None:
+                self.feature = torch.empty_like(out)
+            batch.features["streams"] = torch.mul(out, 2, out=self.feature[:out.shape[0]])
+        return out
+
+
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_verify_graphs_stage_k_plus_one_tokens_and_hand_back_the_feature(seed, query_len):
+    """Graphs of ``query_len`` tokens a sequence (speculative decoding's verify steps) captured with
+    a feature: every field as an eager batch of that step has it, padding rows at positions 0.. on
+    the null page, and a copy of the feature that the next replay leaves as it was."""
+    rng = random.Random(seed)
+    q, page, max_len = query_len, rng.choice([1, 4, 16]), 64
+    echo = EchoFeature(page, -(-max_len // page))
+    kv = KVCache([KVLayerSpec(1, 4, 4)], 2, page, torch.float32, CPU)
+    graphs = DecodeGraphs(echo, kv, ReplayByRerun(None), page, max_len, 6, CPU, query_len=q, feature="streams")
+    graphs.capture(progress=False)
+    width, handed = graphs.page_table.shape[1], []
+    with torch.inference_mode():  # as the runner replays
+        for _ in range(12):
+            n = rng.randint(1, graphs.max_batch)
+            ctx = [rng.randrange(max_len - q) for _ in range(n)]
+            tables = [rng.sample(range(1, 10000), min(width, -(-(c + q) // page) + rng.randint(0, 2))) for c in ctx]
+            ids = [rng.randrange(50000) for _ in range(n * q)]
+            assert graphs.can_run([q] * n, tables, n * q, features=True)
+            assert q == 1 or not graphs.can_run([q] * n, tables, n, features=True)  # a row each: no verify step
+            features = {}
+            got = graphs.run(ids, ctx, tables, features=features)
+            full = echo.last.clone()
+            want = echo(ForwardBatch.build(ids, [q] * n, ctx, tables, page, list(range(n * q))), None)
+            assert torch.equal(got, want) and torch.equal(features["streams"], want * 2)
+            handed.append((features["streams"], want * 2))
+            b = min(size for size in graphs.buckets if size >= n)
+            for i in range(n, b):  # padding: q tokens at positions 0.., context 0, on the null page
+                for j in range(q):
+                    row = full[i * q + j]
+                    assert row[:8].tolist() == [0, j, j % page, q, 0, i * q, (i + 1) * q, 0]
+    assert all(torch.equal(kept, want) for kept, want in handed)
 
 
 def test_graphs_refuse_what_they_do_not_hold(seed):
