@@ -49,6 +49,7 @@ def _min_rate(ctx) -> int:
 class TritonV4Attention(V4AttentionBackend):
     name = "triton"
     graph_safe = True
+    graph_query_len = 16  # each piece takes a step of any shape, every token's sequence and position on the device
     can_emit_mxfp8 = True
 
     def __init__(self, ctx) -> None:

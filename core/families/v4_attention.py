@@ -126,6 +126,9 @@ class V4AttentionBackend(ABC):
     name: str = "?"
     # True if every method reads the batch's shape from device tensors only and syncs with nothing
     graph_safe: bool = False
+    # with graph_safe: the most new tokens per sequence a captured step may bring, each sequence the
+    # same number (speculative decoding's verify steps of K+1 tokens; AttentionBackend's likewise)
+    graph_query_len: int = 1
     # True if ``attend`` can quantize its output to MXFP8 in its epilogue (``emits_mxfp8`` says whether it does)
     can_emit_mxfp8: bool = False
 

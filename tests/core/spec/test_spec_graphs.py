@@ -94,7 +94,7 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
 def test_verify_steps_replay_cuda_graphs(method, shared_dir, eval_text, seed):
     """fp32 on the CUDA backends: greedy output equal to the eager engine without speculation there,
     verify steps replayed from CUDA graphs: the verify graphs where the attention backends take K+1
-    queries a sequence (Triton attention: tiny-qwen3-py), else the prefill graphs (V4 attention)."""
+    queries a sequence (the Triton attention and V4 attention both do), the mixed ones the prefill graphs."""
     eager = LLM(str(shared_dir / "models" / CASES[method][0]), **{**OPTS, "device": "cuda", "enforce_eager": True})
     llm = speculating(shared_dir, method, device="cuda")
     runner = llm.engine.runner
@@ -104,17 +104,14 @@ def test_verify_steps_replay_cuda_graphs(method, shared_dir, eval_text, seed):
     replays = []
     real = graphs.run
     graphs.run = lambda batch: replays.append(batch.query_lens_cpu) or real(batch)
-    whole_steps = CASES[method][0] == "tiny-qwen3-py"
-    assert (runner.verify_graphs is not None) == whole_steps
-    if whole_steps:
-        verify, real_verify = runner.verify_graphs, runner.verify_graphs.run
-        verify.run = lambda ids, ctx, *a: replays.append([K + 1] * len(ctx) + ["verify graph"]) or real_verify(
-            ids, ctx, *a)
+    verify = runner.verify_graphs
+    assert verify is not None and verify.query_len == K + 1 and verify.feature == runner.feature
+    real_verify = verify.run
+    verify.run = lambda ids, ctx, *a: replays.append([K + 1] * len(ctx) + ["verify graph"]) or real_verify(ids, ctx, *a)
     prompts = [repetitive(llm, eval_text) for _ in range(3)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(10))]
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy(10))]
     assert got == want
-    if whole_steps:  # one sequence alone (its prompt cached): steps of K+1 tokens
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy(10))] == want[:1]
-    assert any(K + 1 in lens for lens in replays)
-    assert not whole_steps or any("verify graph" in lens for lens in replays)
+    # one sequence alone (its prompt cached): steps of K+1 tokens, not mixed with another's prefill
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy(10))] == want[:1]
+    assert any("verify graph" in lens for lens in replays)
