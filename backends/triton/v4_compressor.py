@@ -27,8 +27,9 @@ One that indexes also derives index keys from its entries: the launch keeps each
 latent (normalised, not rotated) in a scratch row, the index-key projection runs over those rows
 as a GEMM, and ``index_key_kernel`` normalises, rotates and keeps each key as the entry is kept.
 
-Given the layer's window KV too (``compress(..., window=)``), program t first stores token t's
-window row as v4_window.py's store does, so the layer's window store costs no launch of its own.
+Given the layer's window KV too (``compress(..., window=)``), the launch has a second program per
+token, (t, 1), which stores token t's window row as v4_window.py's store does, so the layer's
+window store costs no launch of its own (and, a program apart, no registers of the pooling's).
 """
 
 from __future__ import annotations
@@ -158,68 +159,69 @@ def compress_kernel(
 ):
     # GATED: pooled by the gate (else rate 1: the kv row is the entry, and there are no projections
     # to keep); HAS_APE: the gate's position bias; LATENT: keep each entry's latent in row t of latent_ptr;
-    # WINDOW: store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py) first
+    # WINDOW: programs (t, 1) store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py)
     t = tl.program_id(0).to(tl.int64)
     dt = kv_cache_ptr.dtype.element_ty
     wait_for_prior(PDL)
-    if WINDOW:
+    if WINDOW and tl.program_id(1) == 1:  # a program of its own: the pooling's registers stay its own
         one = t + tl.arange(0, 1)
         window_rows(win_ptr, win_norm_ptr, win_cache_ptr, cos_ptr, sin_ptr, positions_ptr, window_slots_ptr, one,
                     one >= 0, stride_win, stride_wc, stride_cos, win_eps, WIN_DIM, ROPE_HALF, 1, WIN_BLOCK)
-    cw = tl.arange(0, BLOCK_W)
-    w_mask = cw < WIDTH
-    kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
-    if GATED:
-        slot = tl.load(window_slots_ptr + t)
-        gate_row = tl.load(gate_ptr + t * stride_gate + cw, mask=w_mask)
-        tl.store(kv_cache_ptr + slot * stride_kvc + cw, kv_row.to(dt), mask=w_mask)
-        tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
+    else:
+        cw = tl.arange(0, BLOCK_W)
+        w_mask = cw < WIDTH
+        kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
+        if GATED:
+            slot = tl.load(window_slots_ptr + t)
+            gate_row = tl.load(gate_ptr + t * stride_gate + cw, mask=w_mask)
+            tl.store(kv_cache_ptr + slot * stride_kvc + cw, kv_row.to(dt), mask=w_mask)
+            tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
 
-    p = tl.load(positions_ptr + t)
-    s = tl.load(token_seq_ptr + t).to(tl.int64)  # beside p, not after it: one round trip less to a pooling
-    pages = page_table_ptr + s * stride_pt
-    ch = tl.arange(0, BLOCK_D)
-    ch_mask = ch < HEAD_DIM
-    if not GATED:  # BLOCK_W == BLOCK_D: the row is the entry's channels, in the projection's dtype
-        normed = _rms_normed(tl.where(ch_mask, kv_row.to(tl.float32), 0.0), norm_ptr, ch, ch_mask, eps,
-                             kv_row.dtype, HEAD_DIM)
-        if LATENT:
-            tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
-        _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
-              stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
-    elif (p + 1) % RATE == 0:
-        w = (p + 1) // RATE - 1
-        row0 = tl.load(query_start_ptr + s).to(tl.int64)
-        ctx = p - (t - row0)  # the sequence's first position in this step
-        first_q = (w - OVERLAP) * RATE
+        p = tl.load(positions_ptr + t)
+        s = tl.load(token_seq_ptr + t).to(tl.int64)  # beside p, not after it: one round trip less to a pooling
+        pages = page_table_ptr + s * stride_pt
+        ch = tl.arange(0, BLOCK_D)
+        ch_mask = ch < HEAD_DIM
+        if not GATED:  # BLOCK_W == BLOCK_D: the row is the entry's channels, in the projection's dtype
+            normed = _rms_normed(tl.where(ch_mask, kv_row.to(tl.float32), 0.0), norm_ptr, ch, ch_mask, eps,
+                                 kv_row.dtype, HEAD_DIM)
+            if LATENT:
+                tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
+            _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
+                  stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
+        elif (p + 1) % RATE == 0:
+            w = (p + 1) // RATE - 1
+            row0 = tl.load(query_start_ptr + s).to(tl.int64)
+            ctx = p - (t - row0)  # the sequence's first position in this step
+            first_q = (w - OVERLAP) * RATE
 
-        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in range(0, NUM_SLOTS, BLOCK_S):  # a loop, not unrolled: unrolled tiles spill registers
-            g, rows, slots, fresh, cached, cols = _gate_tile(
-                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
-                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
-            m_new = tl.maximum(m, tl.max(g, axis=0))
-            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of absent slots adds nothing
-            total = total * tl.exp(m - base) + tl.sum(tl.exp(g - base[None, :]), axis=0)
-            m = m_new
-        base = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for j0 in range(0, NUM_SLOTS, BLOCK_S):
-            g, rows, slots, fresh, cached, cols = _gate_tile(
-                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
-                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
-            kv = _load_slots(kv_ptr, stride_kv, kv_cache_ptr, stride_kvc, rows, slots, fresh, cached, cols, ch_mask)
-            weight = (tl.exp(g - base[None, :]) / total[None, :]).to(dt).to(tl.float32)
-            acc += tl.sum((kv.to(tl.float32) * weight).to(dt).to(tl.float32), axis=0)
+            m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_D], tl.float32)
+            for j0 in range(0, NUM_SLOTS, BLOCK_S):  # a loop, not unrolled: unrolled tiles spill registers
+                g, rows, slots, fresh, cached, cols = _gate_tile(
+                    gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                    j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
+                m_new = tl.maximum(m, tl.max(g, axis=0))
+                base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of absent slots adds nothing
+                total = total * tl.exp(m - base) + tl.sum(tl.exp(g - base[None, :]), axis=0)
+                m = m_new
+            base = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            for j0 in range(0, NUM_SLOTS, BLOCK_S):
+                g, rows, slots, fresh, cached, cols = _gate_tile(
+                    gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                    j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
+                kv = _load_slots(kv_ptr, stride_kv, kv_cache_ptr, stride_kvc, rows, slots, fresh, cached, cols, ch_mask)
+                weight = (tl.exp(g - base[None, :]) / total[None, :]).to(dt).to(tl.float32)
+                acc += tl.sum((kv.to(tl.float32) * weight).to(dt).to(tl.float32), axis=0)
 
-        pooled = tl.where(ch_mask, acc.to(dt).to(tl.float32), 0.0)
-        normed = _rms_normed(pooled, norm_ptr, ch, ch_mask, eps, dt, HEAD_DIM)
-        if LATENT:
-            tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
-        _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
-              stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
+            pooled = tl.where(ch_mask, acc.to(dt).to(tl.float32), 0.0)
+            normed = _rms_normed(pooled, norm_ptr, ch, ch_mask, eps, dt, HEAD_DIM)
+            if LATENT:
+                tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
+            _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
+                  stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
 
 
 @triton.jit
@@ -326,7 +328,7 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compre
         window = check_window(window, layer.kv_norm, win_cache)
         if window.shape[0] != tokens:
             raise ValueError(f"window KV for {window.shape[0]} tokens beside projections of {tokens}")
-    compress_kernel[(tokens,)](
+    compress_kernel[(tokens, 1 if window is None else 2)](
         kv_proj, gate_proj, kv_cache, gate_cache, entries, entries if scales is None else scales, ape,
         comp.norm_weight, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
         batch.page_table, batch.query_start_loc, kv_proj if latent is None else latent, comp.eps,
