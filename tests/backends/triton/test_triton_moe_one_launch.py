@@ -182,9 +182,11 @@ DECODE_MMA = {
     ("gfx942", "dense"): r"v_mfma_f32_\w+_bf16", ("gfx950", "dense"): r"v_mfma_f32_\w+_bf16",
     ("gfx942", "fp8_block"): r"v_mfma_f32_\w+_f16", ("gfx950", "fp8_block"): r"v_mfma_f32_\w+_f8f6f4",
 }
-# the flags' release and acquire, and the ticket's relaxed add, at GPU scope; on CDNA the release
-# writes L2 back (buffer_wbl2) and the acquire invalidates (buffer_inv) around the atomic add
-FLAG_ATOMICS = {"cuda": (r"atom\.global\.gpu\.acq_rel\.add", r"atom\.global\.gpu\.relaxed\.add"),
+# at GPU scope: the ticket's relaxed add, a flag's release (a reduction: its result unused) and the
+# spin's acquire (an add of 0, a load); on CDNA the release writes L2 back (buffer_wbl2) and the
+# acquire invalidates (buffer_inv)
+FLAG_ATOMICS = {"cuda": (r"atom\.global\.gpu\.relaxed\.add", r"red\.global\.gpu\.release\.add",
+                         r"ld\.global\.gpu\.acquire"),
                 "hip": (r"buffer_wbl2", r"buffer_inv", r"global_atomic_add")}
 
 
