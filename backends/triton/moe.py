@@ -1,5 +1,6 @@
 """MoE on Triton: routing in one kernel (moe_routing.py), the experts through the fused grouped GEMMs;
-in a decode step routing and alignment in one (moe_dispatch.py).
+in a decode step routing and alignment in one (moe_dispatch.py) and each stack's experts in one more
+(moe_one_launch.py).
 
 Grouped top-k (DeepSeek-V3) keeps the native routing, torch ops without a host synchronisation.
 Neither path reads a device value on the host, so routing and experts can be captured in a graph.

@@ -9,7 +9,9 @@ padding rows, stored. The second routes each block again (from the logits: cheap
 trip through memory a program would have to order) and places each assignment at its expert's
 first row plus the assignments of that expert before it (earlier blocks' counts, then its rank in
 the block). Every entry is written exactly once and nothing the program wrote is read back, so
-no barrier is needed and nothing depends on how a target orders a program's stores.
+no barrier is needed and nothing depends on how a target orders a program's stores. It also zeroes
+the counters of the experts' one launch that follows (moe_one_launch.py), so that launch needs no
+fill and a graph replays both as captured.
 
 One program routes every token, so this is for decode: ``fits_one_program`` says when (at most
 ``DISPATCH``); a prefill's tokens route and align in their own launches. Grouped top-k stays
