@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.core.spec.ngram import lookup
 from test_spec_decode import PAGE, assert_clean, greedy, repetitive
 
 ASSETS = Path(__file__).parents[2] / "assets"
@@ -39,6 +40,21 @@ def speculating(shared_dir, method: str, **kw) -> LLM:
         extra = {**extra, "model": str(shared_dir / "models" / "tiny-qwen3-py")}
     spec = {"method": method, "num_speculative_tokens": K, **extra}
     return LLM(str(shared_dir / "models" / target), speculative_config=spec, **{**OPTS, **kw})
+
+
+def kept_in_part(reference: LLM, llm: LLM, eval_text: str, params, tries: int = 48) -> tuple[list[int], list[int]]:
+    """A prompt, and the reference's greedy output for it, whose first verify step checks K n-gram
+    drafts of which the target keeps some but not all (read from that output and the proposer's
+    lookup), so its step after the prefill is one of K+1 tokens and a draft is rejected there."""
+    spec = CASES["ngram"][1]
+    prompts = [repetitive(llm, eval_text) for _ in range(tries)]
+    for prompt, out in zip(prompts, reference.generate(prompts, params)):
+        target = out.outputs[0].token_ids
+        drafts = lookup(prompt + target[:1], spec["prompt_lookup_min"], spec["prompt_lookup_max"], K)
+        kept = next((i for i, (d, t) in enumerate(zip(drafts, target[1:])) if d != t), len(drafts))
+        if len(drafts) == K and 0 < kept < K:
+            return prompt, target
+    pytest.fail(f"none of {tries} repetitive prompts has K drafts of which some are kept and some rejected")
 
 
 @pytest.mark.parametrize("method", list(CASES))
@@ -73,8 +89,9 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in references[CASES[method][0]].generate(prompts, params)]
     assert got == want
-    if whole_steps:  # one sequence alone (its prompt cached): steps of K+1 tokens, not mixed with another's prefill
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)] == want[:1]
+    if whole_steps:  # one sequence alone: a step of K+1 tokens, not mixed with another's prefill
+        alone, its_want = kept_in_part(references["tiny-qwen3-py"], llm, eval_text, params)
+        assert [o.outputs[0].token_ids for o in llm.generate([alone], params)] == [its_want]
     verifies = [(lens, whole, rows) for lens, _, whole, rows in replays if K + 1 in lens]
     assert verifies, "no verify step replayed a graph"
     # K+1 tokens and logits rows every sequence: a verify graph's where captured (fewer drafts, a
@@ -86,7 +103,7 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
     assert all(torch.equal(kept, copy) for kept, copy in handed)
     counters = llm.engine.speculator.counters
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, "no draft both kept and rejected"
-    assert_clean(llm, [p + g for p, g in zip(prompts, got)])
+    assert_clean(llm, [p + g for p, g in zip(prompts, got)] + ([alone + its_want] if whole_steps else []))
 
 
 @pytest.mark.gpu
