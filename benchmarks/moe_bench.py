@@ -118,7 +118,7 @@ def time_ms(fn, device: torch.device, warmup: int = 5, repeats: int = 20) -> flo
 
 
 def random_case(shape: dict, num_tokens: int, device: torch.device, dtype=torch.bfloat16):
-    e, k, h, i = shape["num_experts"], shape["top_k"], shape["hidden"], shape["inner"]
+    e, k, h = shape["num_experts"], shape["top_k"], shape["hidden"]
     x = torch.randn(num_tokens, h, device=device).to(dtype)
     ids = torch.rand(num_tokens, e, device=device).argsort(dim=1)[:, :k]
     weights = torch.rand(num_tokens, k, device=device).softmax(dim=1)

@@ -8,7 +8,6 @@ is compared (the Triton test in tests/backends/triton checks real logits on a fe
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
