@@ -266,11 +266,6 @@ class EngineConfig:
                              "tensor_parallel_size (each data-parallel rank's attention tensor-parallel over "
                              f"tensor_parallel_size / data_parallel_size processes), got data_parallel_size "
                              f"{self.data_parallel_size} and tensor_parallel_size {self.tensor_parallel_size}")
-        if self.speculative_config is not None:
-            raise ValueError("speculative_config with enable_dp_attention is not built yet")
-        if self.warmup:
-            raise ValueError("warmup with enable_dp_attention is not built yet (the ranks' steps are driven by "
-                             "their requests)")
 
     @property
     def attention_tp_size(self) -> int:

@@ -44,7 +44,7 @@ from .structured.compiler import GrammarCompiler, GrammarHandle
 from .to_device import to_device
 from .token_table import TokenTable
 from .spec.verify_length import LoadAwareLength, profile_verify
-from .warmup import WarmupReport, warm_up
+from .warmup import WarmupReport, warm_up, warm_up_sampling
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,8 +157,11 @@ class EngineCore:
                                         config.grammar_cache_memory)  # structured outputs: nothing loads until used
         self._awaiting_grammar: dict[str, GrammarHandle] = {}  # requests whose grammar still compiles
         self.warmup: WarmupReport | None = None
-        if config.warmup if config.warmup is not None else self.device.type == "cuda" and not self.idle_steps:
-            self.warmup = warm_up(self, progress)
+        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+            if rendezvous is None:
+                self.warmup = warm_up(self, progress)
+            else:  # another data-parallel rank: rank 0's warm-up runs its steps, with requests of its own
+                warm_up_sampling(self)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -172,13 +175,16 @@ class EngineCore:
         params.validate_against(self.vocab_size)
         check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len, params.min_tokens)
 
-    def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request | None:
+    def add_request(self, request_id: str, ids: list[int], params: SamplingParams,
+                    rank: int | None = None) -> Request | None:
         """Queue a request; every step that changes it reports it. Under data-parallel attention it
-        may go to another rank (None here)."""
+        may go to another rank (None here): ``rank``, else the one the router places it on."""
         if request_id in self.requests or (self.dp is not None and self.dp.owns(request_id)):
             raise InvalidRequest("request_id", f"{request_id!r} is already in use")
         self.validate(ids, params)
-        if self.dp is not None and (rank := self.dp.place(ids, len(self.requests))):
+        if self.dp is not None and rank is None:
+            rank = self.dp.place(ids, len(self.requests))
+        if rank:
             self.dp.add(rank, request_id, ids, params)
             self.counters.prompt_tokens += len(ids)
             return None
@@ -326,6 +332,8 @@ class EngineCore:
                 out.prefix_cache_queries += r.prefix_cache_queries
                 out.prefix_cache_hits += r.prefix_cache_hits
                 out.num_preemptions += r.num_preemptions
+                if r.spec is not None:
+                    out.spec = out.spec.plus(r.spec)
             out.kv_usage /= self.dp.ranks
         return out
 

@@ -18,6 +18,13 @@ warm already. Triton keeps what it compiles on disk (``TRITON_CACHE_DIR``,
 
 Afterwards the engine is as it was: the warm-up's prefixes leave the cache, its counters are
 zeroed, and every page is free.
+
+Under data-parallel attention (core/distributed/dp_attention.py) rank 0's steps are every rank's,
+and the MoE layers' exchanges inside each forward need every rank: rank 0 runs the warm-up, and
+sends every warm-up request to every rank (each rank's copy its own), so each rank meets every
+shape in the same steps; a rank done before the others runs idle forwards, as it would serving.
+Each rank's sampling backend compiles its launch classes as that rank starts (``warm_up_sampling``),
+and the other ranks' prefix caches and counters are reset with one last step of no requests.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
     through the core's own ``add_request``."""
     from .engine import EngineCore
 
-    add = EngineCore.add_request.__get__(core)
+    add = _sender(core)
     cfg, kv = core.config, core.kv_manager
     free = kv.stats().num_free
     phases = plan(cfg.page_size, cfg.max_num_batched_tokens, cfg.chunked_prefill_size, core.max_model_len,
@@ -123,13 +130,35 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
                 add(f"warmup-{phase.name}-again", prompts[0], phase.prompts[0][1])
                 n, hit = _drain(core)
                 steps, cached = steps + n, cached + hit
-        core.sampler.backend.warm_up(core.sampler.vocab_size, cfg.max_num_seqs, core.sampler.device)
+        warm_up_sampling(core)
     kv.reset_prefix_cache()
     core.reset_counters()
+    if core.dp is not None:  # the other ranks' resets go with a step
+        core.dp.reset_prefix_caches()
+        core.step_outputs()
     report = WarmupReport(len(phases), steps, cached, time.perf_counter() - start)
     logger.info("warm-up: %d steps of %d phases in %.1f s (--skip-warmup skips it)", steps, len(phases),
                 report.seconds)
     return report
+
+
+def warm_up_sampling(core: EngineCore) -> None:
+    """Compile each of the sampling backend's launch classes (no request meets them all)."""
+    core.sampler.backend.warm_up(core.sampler.vocab_size, core.config.max_num_seqs, core.sampler.device)
+
+
+def _sender(core: EngineCore):
+    """How a warm-up request goes in: through the core's own ``add_request``, under data-parallel
+    attention to every rank (a copy for rank r is named with ``@r``)."""
+    from .engine import EngineCore
+
+    if core.dp is None:
+        return EngineCore.add_request.__get__(core)
+
+    def everywhere(request_id: str, ids: list[int], params: SamplingParams) -> None:
+        for rank in range(core.dp.ranks):
+            EngineCore.add_request(core, f"{request_id}@{rank}" if rank else request_id, ids, params, rank)
+    return everywhere
 
 
 _JOINER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -138,12 +167,11 @@ _JOINER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 def _drain(core: EngineCore, joiners: list[tuple[str, list[int]]] = ()) -> tuple[int, int]:
     """Step until every request has finished -> (steps, prompt tokens served from the prefix cache);
     ``joiners`` (request id, prompt) are sent one before each step after the first."""
-    from .engine import EngineCore
-
     steps = cached = 0
+    add = _sender(core)
     while core.has_unfinished_requests():
         if steps and steps <= len(joiners):
-            EngineCore.add_request(core, *joiners[steps - 1], _JOINER)
+            add(*joiners[steps - 1], _JOINER)
         cached += sum(out.num_cached_tokens for out in core.step_outputs() if out.finished)
         steps += 1
     return steps, cached

@@ -30,8 +30,18 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
   meet it; or, where the others replay a decode graph, the same graph on padding only
   (``ModelRunner.idle``; the ranks agree on the graph before each step, core/graph_runner.py).
 
-Not built: prefill graphs (the exact exchanges' sizes are read on the host), the start-up warm-up
-and speculative decoding under it.
+- Speculative decoding: each rank drafts for its own requests and verifies them (core/spec); a
+  verify step (K+1 tokens a sequence) runs eagerly, as every step no decode graph holds does: a
+  rank offers no bucket and all run that step eagerly, each its own tokens. A proposer whose
+  forwards reach the MoE exchanges (MTP's next-n layer, whose MoE spans the ranks too) agrees with
+  the other ranks on the step's number of drafting forwards before the target's, and runs those it
+  lacks with no tokens (core/spec/mtp.py); n-gram lookup runs none and a draft model is a model of
+  this process alone, without collectives.
+- The start-up warm-up (core/warmup.py): rank 0 drives it, every rank running every phase on
+  copies of its requests, in the same steps.
+
+Not built: prefill graphs (the exact exchanges' sizes are read on the host); MTP where a rank's
+attention is split over processes (the rank's other processes do not hand back their streams).
 """
 
 from __future__ import annotations
@@ -84,7 +94,12 @@ class DataParallelRanks:
         """Zero every rank's counters with the next step; their totals read as zero until then."""
         for msg in self._next:
             msg.reset_counters = True
-        self.stats = [RankStats(r.num_running, r.num_waiting, r.kv_usage, 0, 0, 0) for r in self.stats]
+        self.stats = [RankStats(r.num_running, r.num_waiting, r.kv_usage, 0, 0, 0, None) for r in self.stats]
+
+    def reset_prefix_caches(self) -> None:
+        """Empty every other rank's prefix cache with the next step."""
+        for msg in self._next:
+            msg.reset_prefix_cache = True
 
     def busy(self) -> bool:
         return bool(self.owner)
@@ -132,6 +147,8 @@ def serve_requests(conn, replies, core) -> None:
             return
         if msg.reset_counters:
             core.reset_counters()
+        if msg.reset_prefix_cache:
+            core.kv_manager.reset_prefix_cache()
         for a in msg.adds:
             try:
                 core.add_request(a.request_id, a.prompt_token_ids, a.params)
@@ -143,5 +160,5 @@ def serve_requests(conn, replies, core) -> None:
         failures = [(rid, exc.code.value, exc.detail, exc.field) for rid, exc in core.take_failures()]
         s = core.stats()
         stats = RankStats(s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                          s.num_preemptions)
+                          s.num_preemptions, s.spec)
         replies.send_bytes(encoder.encode(RankOutputs(outputs, failures, stats)))

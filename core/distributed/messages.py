@@ -13,6 +13,7 @@ import numpy as np
 from ..outputs import EngineCoreOutput
 from ..runner import StepInputs
 from ..sampling_params import SamplingParams
+from ..spec.counters import SpecCounters
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -48,12 +49,13 @@ class AddRequest(msgspec.Struct, array_like=True):
 
 class RankRequests(msgspec.Struct, tag=True):
     """A data-parallel step: run one step, after taking these (and zeroing the rank's counters first
-    if rank 0's were zeroed since the last step)."""
+    if rank 0's were zeroed since the last step, and emptying its prefix cache if asked)."""
 
     adds: list[AddRequest]
     aborts: list[str]
     finishes: list[tuple[str, int, str]]  # (request id, completion index, stop string)
     reset_counters: bool = False
+    reset_prefix_cache: bool = False  # after the warm-up (core/warmup.py)
 
 
 class RankStats(msgspec.Struct, array_like=True):
@@ -65,6 +67,7 @@ class RankStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec: SpecCounters | None = None  # speculative decoding's totals, where it is on
 
 
 class RankOutputs(msgspec.Struct, tag=True):

@@ -70,6 +70,11 @@ class SpecProposer(ABC):
         """Draft for every sequence of the step; ``features``: the target's hidden states of
         ``feature_layers`` at each sequence's last verified token, packed, when the proposer asks."""
 
+    def idle(self) -> None:
+        """A step in which this engine drafts nothing (``propose`` is not called). Under data-parallel
+        attention a proposer whose forwards reach the MoE layers' exchanges (MTP) still meets the other
+        ranks' drafting forwards here, with no tokens."""
+
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """With ``feature``: the target computed positions ``start``.. of the sequence, with these
         features (one row each); positions it computes again (after drafts it rejected, or

@@ -28,6 +28,12 @@ class SpecCounters(msgspec.Struct):
         """Tokens a verified sequence gains per step: its kept drafts and the target's own (0 before any)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def plus(self, other: SpecCounters) -> SpecCounters:
+        """The totals of two engines together (data-parallel attention's ranks)."""
+        return SpecCounters(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                            self.num_accepted_tokens + other.num_accepted_tokens,
+                            [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)])
+
     def snapshot(self) -> SpecCounters:
         return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                             list(self.accepted_per_position))

@@ -107,6 +107,7 @@ class DraftModelProposer(OwnKVProposer):
         spec = config.speculative_config
         draft_config = replace(config, model=spec.model, speculative_config=None, enable_hierarchical_cache=False,
                                hicache_storage_backend=None, disaggregation=None, tensor_parallel_size=1,
+                               data_parallel_size=1, enable_dp_attention=False, expert_parallel=False,
                                enforce_eager=True, warmup=False, window_pages=None)
         try:  # drafts of one step are rolled back together: up to k - 1 fed back, then the catch-up row's end
             c = build(draft_config, progress=False, max_rollback=spec.num_speculative_tokens)

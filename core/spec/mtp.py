@@ -13,6 +13,12 @@ after it, so the cache is keyed by pairs of neighbouring tokens. Positions compu
 layer's own streams are rolled back at the next catch-up and recomputed from the target's (the
 target's streams there are known by then). A sequence whose earlier positions the target did not
 compute (a target prefix hit the layer's cache lacks) gets no drafts.
+
+Under data-parallel attention (core/distributed/dp_attention.py) the layer's MoE spans every
+rank, as the target's MoE layers do: each of its forwards is an exchange every rank joins. A rank
+drafts its own requests, so the ranks first agree on the step's number of drafting forwards (the
+most drafts any rank's request takes, one forward each), and a rank with fewer, or none
+(``idle``), runs the rest with no tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 
 import torch
 
+from ..distributed.moe import idle_forward
 from ..families.spec import DraftRequest, Drafts
 from ..forward import ForwardBatch
 from .config import SpecConfigError
@@ -44,8 +51,9 @@ def mtp_reasons(ctx) -> list[str]:
         return [f"MTP runs DeepSeek-V4's next-n layers; {target.architecture} has none"]
     if not target.get("num_nextn_predict_layers"):
         return ["the model's config.json has no next-n layers (num_nextn_predict_layers is 0)"]
-    if ctx.engine_config.tensor_parallel_size > 1:
-        return ["MTP under tensor parallelism is not built (the ranks do not hand back their streams)"]
+    if ctx.engine_config.attention_tp_size > 1:
+        return ["MTP with attention split over processes (tensor parallelism) is not built (the ranks do not "
+                "hand back their streams); under data-parallel attention each rank's attention must be whole"]
     if spec is not None and spec.model is not None:  # a next-n layer trained for it (engine train-drafter)
         return drafter_reasons(spec.model, "mtp", target.path)
     if not checkpoint_has_nextn(target.path):
@@ -78,6 +86,8 @@ class MTPProposer(OwnKVProposer):
         self.cache, self.kv = proposer_kv(config, self.layer, device, ctx.model_config.dtype,
                                           ctx.model_config.max_model_len, k)
         self.target = target
+        group = target.backends.moe_group  # under DP attention its forwards meet the other ranks'
+        self.lockstep = group if target.backends.dp_attention and group.size > 1 else None
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, streams from it)
         logger.info("MTP: DeepSeek-V4's next-n layer drafts %d tokens a step", k)
 
@@ -102,7 +112,10 @@ class MTPProposer(OwnKVProposer):
                 ids.append(row[0])
                 keys.append(row[1])
                 streams.append(row[2])
-        while rows:
+        for _ in range(self._forwards(max((r.k for r in rows), default=0))):
+            if not rows:  # this rank's drafts are done: the others' forwards go on
+                idle_forward(self.layer)
+                continue
             out, last = self._forward([self._seqs[r.seq_id] for r in rows], ids, keys, torch.cat(streams))
             for r, t in zip(rows, out):
                 drafts[r.seq_id].append(t)
@@ -112,6 +125,16 @@ class MTPProposer(OwnKVProposer):
             ids = [[out[i]] for i in more]
             streams = [last[i:i + 1] for i in more]
         return Drafts([drafts[r.seq_id] for r in requests])
+
+    def idle(self) -> None:
+        for _ in range(self._forwards(0)):
+            idle_forward(self.layer)
+
+    def _forwards(self, n: int) -> int:
+        """The drafting forwards of this step: ``n`` here, under data-parallel attention the most of any rank."""
+        if self.lockstep is None:
+            return n
+        return int(self.lockstep.all_reduce(torch.tensor([n], device=self.device), "max").item())
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The catch-up row of ``r``: the tokens x[p + 1], their pair keys and the target's streams

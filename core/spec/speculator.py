@@ -127,17 +127,17 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], budget: int) -> dict[int, list[int]]:
         """Drafts per sequence id for the decodes ``seqs`` (their latest token on the host), at most
-        ``budget`` in all, none past what a sequence may still output (the target adds one)."""
+        ``budget`` in all, none past what a sequence may still output (the target adds one). Called
+        once every step (the scheduler's), with no decodes too: the proposer drafts or idles."""
         requests = []
         for seq in seqs:
             k = min(self.k, seq.max_output - len(seq.output_token_ids) - 1, budget)
             if k > 0:
                 requests.append(DraftRequest(seq.seq_id, seq.tokens, k))
                 budget -= k
-        if not requests:
-            return {}
         load = self.verify_length
-        if load is not None and not load.worth_drafting(len(requests), len(seqs) - len(requests)):
+        if not requests or load is not None and not load.worth_drafting(len(requests), len(seqs) - len(requests)):
+            self.proposer.idle()
             return {}
         started = time.perf_counter()
         drafts = self.proposer.propose(requests)

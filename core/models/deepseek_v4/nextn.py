@@ -71,6 +71,11 @@ class NextN(DecoderLayer):
         self.target = (target,)  # not a submodule: its weights are the target's
         self.dtype = dtype
 
+    @property
+    def config(self):
+        """The target's model config: the layer runs at its hidden size and dtype."""
+        return self.target[0].config
+
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return list(self.specs)
 
@@ -101,8 +106,8 @@ class NextN(DecoderLayer):
             rest = MTP_NAME.match(name)[2]
             if rest.startswith(_SHARED):
                 return None
-            t = target.resolve("nextn." + _HEAD.get(rest, rest))
-            return replace(t, param=t.param.removeprefix("nextn."))
+            t = target.resolve("nextn." + _HEAD.get(rest, rest))  # None: an expert another rank holds
+            return None if t is None else replace(t, param=t.param.removeprefix("nextn."))
         try:
             yield resolve
         finally:
