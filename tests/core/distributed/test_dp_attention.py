@@ -148,8 +148,8 @@ def test_the_flags_and_what_is_refused(tmp_path):
     with pytest.raises(ValueError, match="data_parallel_size of at least 2 that divides tensor_parallel_size"):
         EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=3, enable_dp_attention=True)
     assert EngineConfig(model="m", tensor_parallel_size=4, data_parallel_size=2, enable_dp_attention=True).attention_tp_size == 2
-    c = EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2, enable_dp_attention=True, warmup=True,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # test_dp_speculative.py
+    c = EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2, enable_dp_attention=True,
+                     warmup=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert c.warmup and c.speculative_config.num_speculative_tokens == 2
 
 

@@ -59,8 +59,9 @@ def test_ranks_speculate_after_warming_up_in_step(dsv4, eval_text, run_seed, met
     passages = [one.tokenizer.encode(eval_text[s:s + 4000])[:rng.randint(60, 200)] for s in starts]
     batch = [p + p[:len(p) // 3] for p in passages]  # a passage and its start again: a copying model drafts well
     expected = [o.outputs[0].token_ids for o in one.generate(batch, params)]
-    spec = {"method": method, "num_speculative_tokens": 3,
-            **({"model": str(ASSETS / "tiny-dsv4-py-mtp")} if method == "mtp" else {"prompt_lookup_min": 1, "prompt_lookup_max": 3})}
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"model": str(ASSETS / "tiny-dsv4-py-mtp")} if method == "mtp" else
+                {"prompt_lookup_min": 1, "prompt_lookup_max": 3})
     llm = within(TIMEOUT_S * 4, lambda: LLM(dsv4, tensor_parallel_size=2, data_parallel_size=2,
                                             enable_dp_attention=True, expert_parallel=True, speculative_config=spec,
                                             distributed_timeout=TIMEOUT_S, **OPTS))
