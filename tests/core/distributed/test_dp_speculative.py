@@ -1,7 +1,8 @@
 """Speculative decoding under data-parallel attention: tiny-dsv4-py on 2 processes over gloo, the
 experts partitioned over both (all_to_all), each rank drafting for its own requests and verifying
 them (n-gram lookup; the next-n layer trained for it, tests/assets/tiny-dsv4-py-mtp, whose MoE
-spans both ranks; a draft model), gives the greedy tokens of one process without speculation:
+spans both ranks; a draft model), gives the greedy tokens of one process without speculation, and
+drafts as many tokens, and keeps as many, as one speculating process does:
 through chunked prefill, drafts kept and drafts rejected on both ranks, and a prompt sent again to
 the rank that caches it (a prefix hit), drafted for there while the other rank idles; every KV
 page back on both ranks. And the start-up warm-up under data-parallel attention: every rank runs every
@@ -29,14 +30,19 @@ K = 3
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def speculating(dsv4: Path, method: str, **kw) -> LLM:
+def spec_config(dsv4: Path, method: str) -> dict:
     spec = {"method": method, "num_speculative_tokens": K}
     spec.update({"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3},
                  "mtp": {"model": str(ASSETS / "tiny-dsv4-py-mtp")},
                  "draft_model": {"model": str(dsv4.parent / "tiny-qwen3-py")}}[method])
+    return spec
+
+
+def speculating(dsv4: Path, method: str, **kw) -> LLM:
     return within(TIMEOUT_S, lambda: LLM(dsv4, num_pages=128, tensor_parallel_size=2, data_parallel_size=2,
-                                         enable_dp_attention=True, expert_parallel=True, speculative_config=spec,
-                                         distributed_timeout=TIMEOUT_S, **{**OPTS, **kw}))
+                                         enable_dp_attention=True, expert_parallel=True,
+                                         speculative_config=spec_config(dsv4, method), distributed_timeout=TIMEOUT_S,
+                                         **{**OPTS, **kw}))
 
 
 def repetitive(llm: LLM, text: str, rng: random.Random) -> list[int]:
@@ -64,6 +70,9 @@ def test_greedy_tokens_of_one_process(method, single, dsv4, eval_text, run_seed)
         engine = llm.engine
         own, both = engine.speculator.counters, engine.stats().spec
         assert 0 < own.num_draft_tokens < both.num_draft_tokens, "both ranks drafted"
+        # the drafts of one speculating process, kept as often (MTP: its next-n layer's experts partitioned too)
+        one = LLM(dsv4, speculative_config=spec_config(dsv4, method), **DSV4_OPTS)
+        assert tokens(one, batch, params) == want and one.engine.stats().spec == both
         if method != "draft_model":  # the draft model (another model) keeps few of its drafts
             assert 0 < both.num_accepted_tokens < both.num_draft_tokens, "drafts both kept and rejected"
         # prompt 1 again: rank 1 caches it (its proposer's cache too) and speculates alone, rank 0 idles
