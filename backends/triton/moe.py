@@ -1,6 +1,6 @@
 """MoE on Triton: routing in one kernel (moe_routing.py), the experts through the fused grouped GEMMs;
-in a decode step routing and alignment in one (moe_dispatch.py) and each stack's experts in one more
-(moe_one_launch.py).
+in a decode step routing and alignment in one (moe_dispatch.py; at batch 1 with the router's GEMV,
+moe_router.py) and each stack's experts in one more (moe_one_launch.py).
 
 Grouped top-k (DeepSeek-V3) keeps the native routing, torch ops without a host synchronisation.
 Neither path reads a device value on the host, so routing and experts can be captured in a graph.
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.families.moe import ExpertWeights, MoEBackend, RoutingConfig
+from engine.core.families.moe import ExpertWeights, MoEBackend, Router, RoutingConfig, router_logits_of
 from engine.core.native.moe import NativeMoE
 
 from . import moe_routing
 from .fused_moe import PACKED_FP4, fused_moe, moe_config
 from .moe_dispatch import fits_one_program, route_and_align
 from .moe_one_launch import arrival_counts, fits_one_launch, moe_one_launch
+from .moe_router import project_route_and_align, projects_in_dispatch
 
 
 class TritonMoE(MoEBackend):
@@ -30,25 +31,33 @@ class TritonMoE(MoEBackend):
             return NativeMoE.route(self, router_logits, cfg, input_ids)
         return moe_routing.route(router_logits, cfg, input_ids)
 
-    def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
+    def route_experts(self, x: torch.Tensor, router: torch.Tensor | Router, cfg: RoutingConfig, w: ExpertWeights,
                       input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
-        """A decode step's routing and alignment in one launch (``moe_dispatch``), the shared expert's
-        own stack aligned by it too, then each stack's experts in one launch (``moe_one_launch``; or
-        its two grouped GEMMs where that does not fit), the shared stack's adding to the routed one's
-        output: two launches a layer with the shared expert folded, three with it apart; larger
-        batches and grouped routing route and align apart, and take two GEMM launches a stack."""
+        """A decode step's routing and alignment in one launch (``moe_dispatch``; at batch 1 given the
+        ``Router``, with its GEMV, ``moe_router``), the shared expert's own stack aligned by it too,
+        then each stack's experts in one launch (``moe_one_launch``; or its two grouped GEMMs where
+        that does not fit), the shared stack's adding to the routed one's output: two launches a
+        layer with the shared expert folded, three with it apart; larger batches and grouped routing
+        route and align apart, and take two GEMM launches a stack."""
         for stack in (w, shared or w):
             self._check_scheme(stack)
         num_tokens, k = x.shape[0], cfg.top_k
         gemm = self._gemm_config(num_tokens, k if shared else moe_routing.route_width(cfg), w)
         shared_gemm = self._gemm_config(num_tokens, 1, shared) if shared else None
-        if fits_one_program(router_logits.shape[0], cfg, router_logits.device):
-            weights, ids, blocks, shared_blocks = route_and_align(
-                router_logits, cfg, input_ids, w.gate_up.shape[0], gemm.block_m, shared_gemm and shared_gemm.block_m,
-                arrival_counts=self._arrival_counts(x, w, gemm, k if shared else moe_routing.route_width(cfg)),
-                shared_arrival_counts=shared and self._arrival_counts(x, shared, shared_gemm, 1))
+        if fits_one_program(num_tokens, cfg, x.device):
+            dispatch = dict(num_experts=w.gate_up.shape[0], block_m=gemm.block_m,
+                            shared_block_m=shared_gemm and shared_gemm.block_m,
+                            arrival_counts=self._arrival_counts(x, w, gemm, k if shared else moe_routing.route_width(cfg)),
+                            shared_arrival_counts=shared and self._arrival_counts(x, shared, shared_gemm, 1))
+            if isinstance(router, Router) and projects_in_dispatch(x, router.weight):
+                weights, ids, blocks, shared_blocks = project_route_and_align(x, router.weight, cfg, input_ids,
+                                                                              **dispatch)
+            else:
+                weights, ids, blocks, shared_blocks = route_and_align(router_logits_of(router, x), cfg, input_ids,
+                                                                      **dispatch)
         else:
-            (weights, ids), blocks, shared_blocks = self.route(router_logits, cfg, input_ids), None, None
+            weights, ids = self.route(router_logits_of(router, x), cfg, input_ids)
+            blocks = shared_blocks = None
         if shared is None:
             return self._fused(x, weights, ids, w, gemm, blocks)
         out = self._fused(x, weights[:, :k], ids[:, :k], w, gemm, blocks)

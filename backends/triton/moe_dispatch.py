@@ -86,13 +86,33 @@ def _route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, strid
                         EXPERTS: tl.constexpr, ROUND_TO: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_M: tl.constexpr, STACK_EXPERTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr,
                         SHARED_APART: tl.constexpr, SHARED_BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """``route_align`` in a program of its own."""
+    wait_for_prior(PDL)
+    route_align(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling, weights_ptr, ids_ptr,
+                sorted_ids_ptr, block_expert_ptr, num_padded_ptr, T, num_experts, num_blocks, shared_sorted_ids_ptr,
+                shared_block_expert_ptr, shared_num_padded_ptr, shared_num_blocks, counters_ptr, num_counters,
+                shared_counters_ptr, num_shared_counters, SCORING, HAS_BIAS, HASHED, RENORMALIZE, TOP_K, K_POW2,
+                EXPERTS, ROUND_TO, SHARED, BLOCK_T, BLOCK_M, STACK_EXPERTS, SCAN_BLOCKS, SHARED_APART,
+                SHARED_BLOCK_M)
+
+
+@triton.jit
+def route_align(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, E, stride_l, scaling,
+                weights_ptr, ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, T, num_experts,
+                num_blocks, shared_sorted_ids_ptr, shared_block_expert_ptr, shared_num_padded_ptr,
+                shared_num_blocks, counters_ptr, num_counters, shared_counters_ptr, num_shared_counters,
+                SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
+                RENORMALIZE: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                EXPERTS: tl.constexpr, ROUND_TO: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_M: tl.constexpr, STACK_EXPERTS: tl.constexpr, SCAN_BLOCKS: tl.constexpr,
+                SHARED_APART: tl.constexpr, SHARED_BLOCK_M: tl.constexpr):
     """weights and ids [T, WIDTH] as ``_route_kernel`` stores them, and their alignment over a stack of
     ``num_experts`` (STACK_EXPERTS its power of two; a folded shared expert is the stack's last) as
-    ``align_by_expert`` stores it. SHARED_APART: the shared expert has a stack of its own; the routed
-    columns are aligned alone, and the shared column's alignment (every token in order, one expert)
-    is written to the shared_* tensors in blocks of SHARED_BLOCK_M rows. counters and shared_counters:
-    zeroed for the experts' one launch (moe_one_launch), num_counters and num_shared_counters words."""
-    wait_for_prior(PDL)
+    ``align_by_expert`` stores it, by one program. SHARED_APART: the shared expert has a stack of its
+    own; the routed columns are aligned alone, and the shared column's alignment (every token in
+    order, one expert) is written to the shared_* tensors in blocks of SHARED_BLOCK_M rows. counters
+    and shared_counters: zeroed for the experts' one launch (moe_one_launch), num_counters and
+    num_shared_counters words."""
     ALIGNED: tl.constexpr = TOP_K if SHARED_APART else TOP_K + (SHARED >= 0)
     LANES: tl.constexpr = BLOCK_T * K_POW2
     lane = tl.arange(0, LANES)
@@ -180,6 +200,19 @@ def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: 
     has a stack of its own; the blocks are then the routed columns' (``ids[:, :top_k]``), and the
     fourth item the shared column's in blocks of that many rows. ``arrival_counts`` (and
     ``shared_arrival_counts``): the blocks carry counters for the experts' one launch, zeroed here."""
+    routes, args, constexprs = dispatch_arguments(router_logits, cfg, input_ids, num_experts, block_m, shared_block_m,
+                                                  arrival_counts, shared_arrival_counts)
+    device = router_logits.device
+    _route_align_kernel[(1,)](*args, **constexprs, num_warps=pick(ROUTE_TILE, arch_of(device))[1],
+                              **launch_options(device))
+    return routes
+
+
+def dispatch_arguments(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: torch.Tensor | None,
+                       num_experts: int, block_m: int, shared_block_m: int | None, arrival_counts: int | None,
+                       shared_arrival_counts: int | None) -> tuple[tuple, tuple, dict]:
+    """What ``route_and_align`` returns, allocated, with ``route_align``'s arguments that write it
+    (tensors and scalars, constexprs), checked; the logits are read only once the kernel runs."""
     t, device = router_logits.shape[0], router_logits.device
     if not fits_one_program(t, cfg, device):
         raise ValueError(f"{t} tokens of {cfg.num_experts} experts, top {cfg.top_k} (groups {cfg.num_groups}) "
@@ -200,11 +233,9 @@ def route_and_align(router_logits: torch.Tensor, cfg: RoutingConfig, input_ids: 
     shared_args = (shared.sorted_ids, shared.block_expert, shared.num_padded, shared.num_blocks) if apart else \
         (None, None, None, 0)
     arch = arch_of(device)
-    _route_align_kernel[(1,)](
-        *args, weights, ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, t, num_experts,
-        blocks.num_blocks, *shared_args, *counters[0], *counters[1], **constexprs,
-        BLOCK_T=min(block_tokens(cfg, num_experts, arch), triton.next_power_of_2(t)), BLOCK_M=block_m,
-        STACK_EXPERTS=triton.next_power_of_2(num_experts), SCAN_BLOCKS=pick(ALIGN, arch).scan_blocks,
-        SHARED_APART=apart, SHARED_BLOCK_M=shared_block_m or 1, num_warps=pick(ROUTE_TILE, arch)[1],
-        **launch_options(device))
-    return weights, ids, blocks, shared
+    args = (*args, weights, ids, blocks.sorted_ids, blocks.block_expert, blocks.num_padded, t, num_experts,
+            blocks.num_blocks, *shared_args, *counters[0], *counters[1])
+    constexprs = dict(**constexprs, BLOCK_T=min(block_tokens(cfg, num_experts, arch), triton.next_power_of_2(t)),
+                      BLOCK_M=block_m, STACK_EXPERTS=triton.next_power_of_2(num_experts),
+                      SCAN_BLOCKS=pick(ALIGN, arch).scan_blocks, SHARED_APART=apart, SHARED_BLOCK_M=shared_block_m or 1)
+    return (weights, ids, blocks, shared), args, constexprs

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .linear import LinearBackend, LinearWeight
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -61,6 +63,24 @@ class ExpertWeights:
     down_scale: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Router:
+    """A MoE layer's router: the linear layer [E, H] whose logits the routing reads, and the backend
+    that applies it. ``route_experts`` takes it in place of the logits where a MoE backend may
+    compute them in its routing's launch (a decode step's router GEMV, one launch fewer)."""
+
+    weight: torch.Tensor
+    linear: LinearBackend
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear.apply(x, LinearWeight(self.weight))
+
+
+def router_logits_of(router: torch.Tensor | Router, x: torch.Tensor) -> torch.Tensor:
+    """The [T, E] logits ``route_experts`` was given, or its router's of x."""
+    return router.logits(x) if isinstance(router, Router) else router
+
+
 class MoEBackend(ABC):
     name: str = "?"
     graph_safe: bool = True  # False if route or experts syncs with the host or sizes work from device values
@@ -83,14 +103,15 @@ class MoEBackend(ABC):
         """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]. ``weights`` and
         ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride)."""
 
-    def route_experts(self, x: torch.Tensor, router_logits: torch.Tensor, cfg: RoutingConfig, w: ExpertWeights,
+    def route_experts(self, x: torch.Tensor, router: torch.Tensor | Router, cfg: RoutingConfig, w: ExpertWeights,
                       input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:
         """``experts`` of every column of ``route`` through the stack ``w`` (a shared expert folded in as
         its last), or, with ``shared``, the routed columns through ``w`` plus the shared one through
-        ``shared`` (its own stack): the whole layer on one device after the router, which a backend
-        may fuse (the routing and the alignment by expert in one launch). Expert-parallel placements
-        route, dispatch and run ``experts`` apart instead."""
-        weights, ids = self.route(router_logits, cfg, input_ids)
+        ``shared`` (its own stack): the whole layer on one device from the router's logits or from
+        the router itself, which a backend may fuse (the router, the routing and the alignment by
+        expert in one launch). Expert-parallel placements route, dispatch and run ``experts`` apart
+        instead."""
+        weights, ids = self.route(router_logits_of(router, x), cfg, input_ids)
         if shared is None:
             return self.experts(x, weights, ids, w)
         k = cfg.top_k

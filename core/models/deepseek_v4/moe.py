@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...families.linear import LinearWeight
-from ...families.moe import RoutingConfig
+from ...families.moe import Router, RoutingConfig
 from ..base import Backends
 from ..experts import ExpertStack
 from ..layers import empty_param
@@ -74,15 +73,15 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and ids [T, top_k + 1]: the shared expert last."""
-        return self.backend.route(self.router_logits(x), self.routing(x.dtype), input_ids)
+        return self.backend.route(self.router().logits(x), self.routing(x.dtype), input_ids)
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear.apply(x, LinearWeight(self.gate.weight))
+    def router(self) -> Router:
+        return Router(self.gate.weight, self.linear)
 
     def route_and_combine(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The backend routes and runs both stacks in one call (the shared one folded or apart)."""
+        """The backend projects, routes and runs both stacks in one call (the shared one folded or apart)."""
         shared = None if self.folded else self.shared_experts.weights(self.activation, self.limit)
-        return self.backend.route_experts(x, self.router_logits(x), self.routing(x.dtype),
+        return self.backend.route_experts(x, self.router(), self.routing(x.dtype),
                                           self.experts.weights(self.activation, self.limit), input_ids, shared)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
