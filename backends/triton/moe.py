@@ -47,7 +47,8 @@ class TritonMoE(MoEBackend):
         if fits_one_program(num_tokens, cfg, x.device):
             dispatch = dict(num_experts=w.gate_up.shape[0], block_m=gemm.block_m,
                             shared_block_m=shared_gemm and shared_gemm.block_m,
-                            arrival_counts=self._arrival_counts(x, w, gemm, k if shared else moe_routing.route_width(cfg)),
+                            arrival_counts=self._arrival_counts(x, w, gemm, k if shared else
+                                                                moe_routing.route_width(cfg)),
                             shared_arrival_counts=shared and self._arrival_counts(x, shared, shared_gemm, 1))
             if isinstance(router, Router) and projects_in_dispatch(x, router.weight):
                 weights, ids, blocks, shared_blocks = project_route_and_align(x, router.weight, cfg, input_ids,

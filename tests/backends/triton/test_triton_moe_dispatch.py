@@ -261,6 +261,15 @@ def test_route_experts_gpu(seed, layout, tokens):
 # ahead-of-time compilation
 
 
+ROUTING_SIGNATURE = {  # the routing's arguments
+    "logits_ptr": "*fp32", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64", "E": "i32",
+    "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ids_ptr": "*i32",
+    "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32", "num_experts": "i32", "num_blocks": "i32",
+    "shared_sorted_ids_ptr": "*i32", "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32",
+    "shared_num_blocks": "i32", "counters_ptr": "*i32", "num_counters": "i32", "shared_counters_ptr": "*i32",
+    "num_shared_counters": "i32"}
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("hashed,apart", [(False, False), (True, False), (False, True)],
@@ -274,18 +283,11 @@ def test_dispatch_kernel_compiles(target, hashed, apart):
     (_, num_warps), align = pick(ROUTE_TILE, target), pick(ALIGN, target)
     stack = 256 if apart else 257
     block_t = block_tokens(v4_routing(256, 6, hashed, True), stack, target)
-    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64",
-                 "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
-                 "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
-                 "num_experts": "i32", "num_blocks": "i32", "shared_sorted_ids_ptr": "*i32",
-                 "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32", "shared_num_blocks": "i32",
-                 "counters_ptr": "*i32", "num_counters": "i32", "shared_counters_ptr": "*i32",
-                 "num_shared_counters": "i32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=block_t, BLOCK_M=16,
                       STACK_EXPERTS=triton.next_power_of_2(stack), SCAN_BLOCKS=align.scan_blocks,
                       SHARED_APART=apart, SHARED_BLOCK_M=16, PDL=pdl(target))
-    asm = compile_asm(_route_align_kernel, signature, constexprs, target, num_warps=num_warps,
+    asm = compile_asm(_route_align_kernel, ROUTING_SIGNATURE, constexprs, target, num_warps=num_warps,
                       sass=target == "sm_90")
     assert ("ptx" if target.startswith("sm_") else "amdgcn") in asm
     if target == "sm_90":  # a pass's comparisons held in registers (8 tokens a pass: spills)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from test_triton_moe import activations, random_experts
-from test_triton_moe_dispatch import same_blocks, v4_routing
+from test_triton_moe_dispatch import ROUTING_SIGNATURE, same_blocks, v4_routing
 
 from engine.backends.triton import moe as triton_moe
 from engine.backends.triton.attention_decode import arrival_counters
@@ -105,14 +105,8 @@ def test_projection_and_dispatch_compile(target, hashed):
     from aot import GRID_DEPENDENCY, LDS_BYTES, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
 
     gemv_cfg, align = pick(GEMV, target).for_shape(1, 4096), pick(ALIGN, target)
-    signature = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "table_ptr": "*i64", "token_ids_ptr": "*i64",
-                 "E": "i32", "stride_l": "i32", "scaling": "fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
-                 "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "T": "i32",
-                 "num_experts": "i32", "num_blocks": "i32", "shared_sorted_ids_ptr": "*i32",
-                 "shared_block_expert_ptr": "*i32", "shared_num_padded_ptr": "*i32", "shared_num_blocks": "i32",
-                 "counters_ptr": "*i32", "num_counters": "i32", "shared_counters_ptr": "*i32",
-                 "num_shared_counters": "i32", "x_ptr": "*bf16", "gate_ptr": "*bf16", "tickets_ptr": "*i32",
-                 "K": "i32", "stride_gn": "i32"}
+    signature = {**ROUTING_SIGNATURE, "logits_ptr": "*bf16", "x_ptr": "*bf16", "gate_ptr": "*bf16",
+                 "tickets_ptr": "*i32", "K": "i32", "stride_gn": "i32"}
     constexprs = dict(SCORING=SCORINGS["sqrtsoftplus"], HAS_BIAS=not hashed, HASHED=hashed, RENORMALIZE=True,
                       TOP_K=6, K_POW2=8, EXPERTS=256, ROUND_TO=tl.bfloat16, SHARED=256, BLOCK_T=1, BLOCK_M=16,
                       STACK_EXPERTS=triton.next_power_of_2(257), SCAN_BLOCKS=align.scan_blocks, SHARED_APART=False,

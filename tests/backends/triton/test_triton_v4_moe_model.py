@@ -1,7 +1,7 @@
 """tiny-dsv4-py with every family on its Triton backend (the MoE's decode steps through the one-launch
-dispatch, its prefill chunks routing and aligning apart) greedy-identical to the native families, in
-the interpreter, in fp32: two prompts of random lengths decoded together, their hash layers routed
-by token id.
+dispatch, with the router's GEMV in it once one sequence is left, its prefill chunks routing and
+aligning apart) greedy-identical to the native families, in the interpreter, in fp32: two prompts of
+random lengths decoded together, then the second alone, their hash layers routed by token id.
 
 The Triton descriptors refuse a CPU, so a test plugin offers them under the same names on it.
 """
@@ -13,6 +13,7 @@ import types
 
 import pytest
 
+from engine.backends.triton import moe as triton_moe
 from engine.backends.triton.descriptors import triton_descriptors
 from engine.backends.triton.moe import TritonMoE
 from engine.core.config import EngineConfig
@@ -47,6 +48,14 @@ def test_tiny_dsv4_on_the_triton_families_is_greedy_identical_to_native(seed, sh
         return route_experts(self, x, *args, **kwargs)
 
     monkeypatch.setattr(TritonMoE, "route_experts", counted)
+    projected = []
+    project = triton_moe.project_route_and_align
+
+    def counted_projection(x, *args, **kwargs):
+        projected.append(x.shape[0])
+        return project(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "project_route_and_align", counted_projection)
     tokens = []
     for name in ("native", "triton"):
         config = EngineConfig(model=str(shared_dir / "models" / "tiny-dsv4-py"), dtype="float32", device="cpu",
@@ -54,12 +63,13 @@ def test_tiny_dsv4_on_the_triton_families_is_greedy_identical_to_native(seed, sh
         engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
         assert type(engine.components.model.model.layers[0].ffn.backend).__name__ == (
             "TritonMoE" if name == "triton" else "NativeMoE")
-        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
+        for i, p in enumerate(prompts):  # the second decodes alone for its last 2 tokens
+            engine.add_request(str(i), p, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
         outs = {}
         while engine.has_unfinished_requests():
             outs.update({o.request_id: o for o in engine.step() if o.finished})
         tokens.append([outs[str(i)].outputs[0].token_ids for i in range(len(prompts))])
     assert tokens[1] == tokens[0]
     assert 2 in dispatched and max(dispatched) > 16  # decode steps of both prompts, and a prefill
+    # one row only, and at least the 2 steps of the second prompt alone through every layer
+    assert set(projected) == {1} and len(projected) >= 2 * len(engine.components.model.model.layers)
