@@ -1,7 +1,7 @@
 """DeepSeek-V4's lightning indexer for a whole step: scores over the paged index keys, then top-k.
 
-Two launches, both graph-safe (the grid comes from T and the static ``max_entries``; every loop
-bound that depends on a sequence is read on the device):
+Two kernels, in one launch (``index_topk_kernel``) or two, graph-safe (the grid comes from T and the
+static ``max_entries``; every loop bound that depends on a sequence is read on the device):
 
 1. ``index_scores_kernel``: a program takes one token and every head at once (heads are the MMA's
    M dimension: all of them share one key), rotates the query's rope tail at its position in
@@ -15,6 +15,14 @@ bound that depends on a sequence is read on the device):
    the lowest entries. Exact and stable: among equal scores the lowest entry index wins.
 
 Both take part in programmatic dependent launch (pdl.py), as the other decode-path kernels do.
+
+``index_topk`` runs both in one launch: the scores' grid, each program then counting itself in at
+its token's arrival counter (a barrier, then an acq_rel atomic at GPU scope, as the split decode
+attention counts; the same counters, left at 0 by every launch); the last of a token's splits to
+arrive sees the whole row and runs the top-k's program for it. The top-k so starts as soon as a
+token's scores are in rather than after every token's and a launch, on the scoring's warps (both
+4 in the tables); what it computes is the two launches' to the bit. The candidate filter keeps its
+launches (``block_best_kernel`` runs between).
 
 FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
 the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
@@ -40,6 +48,7 @@ from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import entries_of
 
+from .attention_decode import arrival_counters
 from .pdl import launch_options, wait_for_prior
 from .tail_rope import rotate_pairs, tail_cos_sin
 from .target import config_for
@@ -232,6 +241,33 @@ def block_best_kernel(scores_ptr, positions_ptr, out_ptr, max_entries, stride_s,
         tl.store(out_ptr + token * stride_o + b, best, mask=b < n)
 
 
+@triton.jit
+def index_topk_kernel(
+    q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr,
+    cand_ptr, max_entries, sm_scale, w_scale,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c,
+    picks_ptr, counters_ptr, stride_picks,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOPK_BLOCK: tl.constexpr, NUM_CAND: tl.constexpr = 0, CAND_SIZE: tl.constexpr = 1,
+):
+    """``index_scores_kernel``'s program (token, split), then the count at the token's counter: the
+    last of its SPLITS programs to arrive sees every score of the row, sets the counter back to 0 and
+    runs ``stable_topk_kernel``'s program for the token into ``picks_ptr``."""
+    index_scores_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr,
+                        page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale, w_scale, stride_qt, stride_qh,
+                        stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c, NUM_HEADS, HEAD_DIM,
+                        ROT_HALF, RATE, PAGE_SIZE, SPLITS, HAS_SCALES, DOT_FP32, BLOCK_H, BLOCK_N, BLOCK_D, PDL,
+                        NUM_CAND, CAND_SIZE)
+    tl.debug_barrier()  # every thread's scores stored before the release
+    counter = counters_ptr + tl.program_id(0)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        tl.store(counter, 0)
+        stable_topk_kernel(out_ptr, positions_ptr, cand_ptr, picks_ptr, max_entries, stride_out, stride_c,
+                           stride_picks, TOP_K, RATE, TOPK_BLOCK, False, 1, NUM_CAND, CAND_SIZE)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Where the kernels' outputs come from (tests poison them)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -256,11 +292,26 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scale
 def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
             key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
-            cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
+            cfg: IndexerConfig):
     """(a, b, scores [b - a, max_entries]) for chunks a..b of the step's tokens, each chunk's scores
-    launched just before it is yielded; with ``candidates`` [T, B] only the entries of those blocks
-    of ``block_size`` are scored (the rest of a row is unwritten). The kernel takes the weights in
-    their own dtype and scales them in fp32 (as ``weights.float() * weight_scale``)."""
+    launched just before it is yielded."""
+    for a, b, scores, args, constexprs in _scoring(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
+                                                  token_seq, page_table, page_size, rate, max_entries, cfg):
+        index_scores_kernel[(b - a, constexprs["SPLITS"])](*args, **constexprs, num_warps=cfg.num_warps,
+                                                            enable_fp_fusion=False, **launch_options(q.device))
+        yield a, b, scores
+
+
+def _scoring(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
+             key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
+             cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
+    """(a, b, scores [b - a, max_entries], arguments, constexprs) for chunks a..b of the step's tokens:
+    what ``index_scores_kernel`` takes to score the chunk (grid: b - a tokens x SPLITS), the kernel
+    taking the weights in their own dtype and scaling them in fp32 (as ``weights.float() *
+    weight_scale``); with ``candidates`` [T, B] only the entries of those blocks of ``block_size``
+    are scored (the rest of a row is unwritten). A fused multiply-add would skip the rotation's
+    roundings: launch with ``enable_fp_fusion=False``."""
     tokens, num_heads, head_dim = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
@@ -273,21 +324,17 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: t
     for a in range(0, tokens, step):
         b = min(a + step, tokens)
         scores = _empty((b - a, max_entries), torch.float32, q.device)
-        splits = max(1, min(blocks, cfg.programs // (b - a)))
-        index_scores_kernel[(b - a, splits)](
-            q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
-            page_table, scores, token_seq if candidates is None else candidates[a:b], max_entries, head_dim ** -0.5,
-            weight_scale,
-            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cos.stride(0), page_table.stride(0),
-            scores.stride(0), 0 if candidates is None else candidates.stride(0),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate, PAGE_SIZE=page_size,
-            SPLITS=splits, HAS_SCALES=fp8, DOT_FP32=not exact or q.dtype == torch.float32,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
-            BLOCK_D=triton.next_power_of_2(head_dim), NUM_CAND=num_cand, CAND_SIZE=block_size,
-            num_warps=cfg.num_warps, enable_fp_fusion=False,  # a fused multiply-add skips the rotation's roundings
-            **launch_options(q.device),
-        )
-        yield a, b, scores
+        args = (q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
+                page_table, scores, token_seq if candidates is None else candidates[a:b], max_entries,
+                head_dim ** -0.5, weight_scale, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+                cos.stride(0), page_table.stride(0), scores.stride(0),
+                0 if candidates is None else candidates.stride(0))
+        constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate,
+                          PAGE_SIZE=page_size, SPLITS=max(1, min(blocks, cfg.programs // (b - a))), HAS_SCALES=fp8,
+                          DOT_FP32=not exact or q.dtype == torch.float32,
+                          BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=cfg.block_n,
+                          BLOCK_D=triton.next_power_of_2(head_dim), NUM_CAND=num_cand, CAND_SIZE=block_size)
+        yield a, b, scores, args, constexprs
 
 
 def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
@@ -313,17 +360,14 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
                          f"block_size {block_size} >= 1 entries")
     picks = _empty((tokens, top_k), torch.int32, q.device)
     cfg = config_for(INDEXER, q.device)
-    num_cand = 0 if candidates is None else candidates.shape[1]
     # the blocks ascending (-1 first): the top-k walks their entries in entry order, ties to the lowest
-    cands = picks if candidates is None else candidates.sort(dim=1).values  # an unread placeholder without them
-    for a, b, scores in _scored(q, weights, weight_scale, keys, key_scales, cos, sin, positions, token_seq,
-                                page_table, page_size, rate, max_entries, cfg, None if candidates is None else cands,
-                                max(1, block_size)):
-        stable_topk_kernel[(b - a,)](scores, positions[a:b], cands[a:b], picks[a:b], max_entries, scores.stride(0),
-                                     cands.stride(0), picks.stride(0),
-                                     TOP_K=top_k, RATE=rate, BLOCK=cfg.topk_block, NUM_CAND=num_cand,
-                                     CAND_SIZE=max(1, block_size), num_warps=cfg.topk_warps,
-                                     **launch_options(q.device))
+    cands = None if candidates is None else candidates.sort(dim=1).values
+    for a, b, _, args, constexprs in _scoring(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
+                                              token_seq, page_table, page_size, rate, max_entries, cfg, cands,
+                                              max(1, block_size)):
+        index_topk_kernel[(b - a, constexprs["SPLITS"])](
+            *args, picks[a:b], arrival_counters(b - a, q.device), picks.stride(0), **constexprs, TOP_K=top_k,
+            TOPK_BLOCK=cfg.topk_block, num_warps=cfg.num_warps, enable_fp_fusion=False, **launch_options(q.device))
     return picks
 
 

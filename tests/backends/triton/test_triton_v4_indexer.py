@@ -16,8 +16,10 @@ import torch
 from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, pdl
 
 from engine.backends.triton import v4_indexer
-from engine.backends.triton.v4_indexer import (block_best_kernel, index_scores_kernel, index_topk, select,
-                                               select_candidates, stable_topk_kernel)
+from engine.backends.triton.attention_decode import arrival_counters
+from engine.backends.triton.v4_indexer import (block_best_kernel, index_scores_kernel, index_topk, index_topk_kernel,
+                                               select, select_candidates, stable_topk_kernel)
+from engine.backends.triton.target import pick
 from engine.core.families.v4_attention import Compression, IndexerLayer, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache, KVLayerSpec
@@ -283,6 +285,29 @@ def test_splits_and_token_chunks_interpreted(seed, poisoned_scratch, monkeypatch
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("kind", ["random", "fp8-ties"])
+def test_one_launch_equals_scores_then_topk_interpreted(seed, poisoned_scratch, monkeypatch, kind):
+    """The scores and the top-k in one launch (each token's last split to arrive selects) pick what the
+    scores' launch followed by the top-k's launch pick, to the bit, entries over several splits and
+    top-k blocks; every token's counter is left at 0."""
+    monkeypatch.setitem(v4_indexer.INDEXER, "default",
+                        v4_indexer.IndexerConfig(block_n=4, num_warps=1, programs=64, topk_block=4, topk_warps=1))
+    case = Case(LENS, 3, 32, 16, 4, 4, torch.float32, "cpu", kind=kind)
+    keys, scales = entries_of(case.kv, 0)
+    args = (case.rope.cos, case.rope.sin, case.batch.positions, case.meta.token_seq, case.batch.page_table, 4, 4)
+    got = index_topk(case.q, case.weights, keys, scales, *args, 4, case.meta.max_entries)
+    cfg = v4_indexer.INDEXER["default"]
+    want = torch.full_like(got, POISON[torch.int32])
+    for a, b, scores in v4_indexer._scored(case.q, case.weights, 1.0, keys, scales, *args, case.meta.max_entries,
+                                           cfg):
+        stable_topk_kernel[(b - a,)](scores, case.batch.positions[a:b], want, want[a:b], case.meta.max_entries,
+                                     scores.stride(0), 0, want.stride(0), TOP_K=4, RATE=4, BLOCK=cfg.topk_block,
+                                     PDL=False)
+    assert torch.equal(got, want)
+    assert not arrival_counters(got.shape[0], got.device)[:got.shape[0]].any()
+
+
+@pytest.mark.interpret
 def test_bad_inputs_name_the_field(seed):
     case = Case([(0, 5)], 2, 32, 16, 2, 4, torch.float32, "cpu")
     keys, args = flat(case.kv, 0)[0], (case.rope.cos, case.rope.sin, case.batch.positions, case.meta.token_seq,
@@ -297,13 +322,15 @@ def test_bad_inputs_name_the_field(seed):
         select(case.q[:, :1], case.weights, case.layer, case.kv, case.batch, case.meta)
 
 
+SCORES_SIGNATURE = {"q_ptr": "*bf16", "w_ptr": "*bf16", "keys_ptr": "*bf16", "scales_ptr": "*fp32", "cos_ptr": "*fp32",
+                    "sin_ptr": "*fp32", "positions_ptr": "*i64", "token_seq_ptr": "*i32", "page_table_ptr": "*i32",
+                    "out_ptr": "*fp32", "cand_ptr": "*i32", "max_entries": "i32", "sm_scale": "fp32", "w_scale": "fp32",
+                    **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
+
+
 def _compile(target: str, key_dtype: str, fp32: bool = False, filtered: bool = False):
     q = "fp32" if fp32 else "bf16"
-    signature = {"q_ptr": f"*{q}", "w_ptr": f"*{q}", "keys_ptr": f"*{key_dtype}", "scales_ptr": "*fp32",
-                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64", "token_seq_ptr": "*i32",
-                 "page_table_ptr": "*i32", "out_ptr": "*i64", "cand_ptr": "*i32", "max_entries": "i32",
-                 "sm_scale": "fp32", "w_scale": "fp32",
-                 **{name: "i32" for name in index_scores_kernel.arg_names if name.startswith("stride_")}}
+    signature = {**SCORES_SIGNATURE, "q_ptr": f"*{q}", "w_ptr": f"*{q}", "keys_ptr": f"*{key_dtype}"}
     # filtered: V4.1-Flash's Reindex layers, inside 2048 candidate blocks of 8 entries at rate 1
     constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=1 if filtered else 4, PAGE_SIZE=64, SPLITS=4,
                       HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=fp32, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128,
@@ -353,6 +380,34 @@ def test_stable_topk_compiles(target, stage):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8e4nv"])
+def test_index_topk_compiles(target, key_dtype):
+    """The V4-Flash indexer's scores and top-512 in one launch, with the scoring's tiles and warps as
+    launched: its MMA, the tokens' GPU-scope acq_rel arrival, PDL; no spills on sm_90, no scratch and
+    within the LDS on AMD."""
+    from aot import local_memory_ops
+
+    cfg = pick(v4_indexer.INDEXER, target)
+    signature = {**SCORES_SIGNATURE, "keys_ptr": f"*{key_dtype}",
+                 "picks_ptr": "*i32", "counters_ptr": "*i32", "stride_picks": "i32"}
+    constexprs = dict(NUM_HEADS=64, HEAD_DIM=128, ROT_HALF=32, RATE=4, PAGE_SIZE=64, SPLITS=4,
+                      HAS_SCALES=key_dtype == "fp8e4nv", DOT_FP32=False, BLOCK_H=64, BLOCK_N=cfg.block_n,
+                      BLOCK_D=128, PDL=pdl(target), TOP_K=512, TOPK_BLOCK=cfg.topk_block, NUM_CAND=0, CAND_SIZE=1)
+    asm = compile_asm(index_topk_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      enable_fp_fusion=False, sass=target == "sm_90")
+    if target.startswith("sm_"):
+        assert "atom.global.gpu.acq_rel.add" in asm["ptx"] and all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+        assert ("wgmma" if target == "sm_90" else "tcgen05.mma") in asm["ptx"]
+        if target == "sm_90":
+            assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert "mfma" in asm["amdgcn"] and "global_atomic_add" in asm["amdgcn"]
         scratch, lds = amd_scratch_and_lds(asm)
         assert scratch == 0 and lds <= LDS_BYTES[target]
 
