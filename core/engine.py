@@ -357,7 +357,11 @@ class EngineCore:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any; the engine serves no more steps."""
+        """Stop the other tensor-parallel ranks, if any, and the storage tier's writer (its queued writes
+        land first, for a bounded time); the engine serves no more steps."""
+        lower = self.kv_manager.lower if hasattr(self, "kv_manager") else None
+        if lower is not None:
+            lower.close()
         if self.workers is not None:
             self.workers.close()
 

@@ -40,6 +40,7 @@ from .pages import PagePool
 from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
 from .storage import KVCache
+from .storage_writer import StorageWriter
 from .window import WindowPool
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class TierStats:
     bytes_loaded: int = 0
     storage_written: int = 0  # records written to the storage tier
     storage_refused: int = 0  # records it did not take (full, unreachable)
+    storage_dropped: int = 0  # records never handed to it (of writers since detached: storage_dropped())
     storage_hit_tokens: int = 0  # prefix tokens found only in storage and brought into host memory
     storage_loaded_tokens: int = 0  # of hit_tokens, those a match brought from storage in the same load
     storage_bytes_written: int = 0
@@ -113,6 +115,7 @@ class KVHierarchy:
         self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="hicache-checksum") \
             if CHECK_THREADS > 1 else None
         self.reader: StorageReader | None = None
+        self.writer: StorageWriter | None = None  # writes to the storage tier, beside the reader
         self._prefetches: dict[str, Prefetch] = {}  # by the key of the first page each reads
         radix.lower = self
 
@@ -121,6 +124,7 @@ class KVHierarchy:
         self.stats = TierStats()
         if self.reader is not None:
             self.reader.tier.rejected = self.reader.tier.read_failures = 0
+            self.writer.dropped = 0
 
     # -- what the radix tree asks -------------------------------------------------------------
 
@@ -190,20 +194,45 @@ class KVHierarchy:
         return True
 
     def _store(self, records: list[TierPage]) -> None:
-        """Write what host memory took to the storage tier too, where there is one. A write it
-        refuses (a full disk, an unreachable store) is counted and the tier detached, logged once:
-        serving goes on with host memory, and an operator may attach it again (the admin route)."""
-        if self.reader is None:
+        """Hand what host memory took to the storage tier's writer too, where there is one (never
+        waiting on the tier: a full queue drops the write, storage_writer.py)."""
+        if self.reader is None or self._storage_failed():
             return
-        tier = self.reader.tier
-        stored = tier.put(records)
+        self.writer.submit(records)
+
+    def _written(self, records: list[TierPage], stored: list[bool]) -> None:
+        """The writer's thread wrote ``records`` (``stored`` says which the tier took)."""
         self.stats.storage_written += sum(stored)
         self.stats.storage_refused += len(stored) - sum(stored)
         self.stats.storage_bytes_written += sum(r.data.numel() for r, ok in zip(records, stored) if ok)
-        if not all(stored):
-            self.detach_storage()
-            logger.warning("hierarchical cache: the storage tier %s failed a write (%s); detached, serving goes on "
-                           "with host memory only", tier.name, tier.last_error or "no reason given")
+
+    def _storage_failed(self) -> bool:
+        """Whether the storage tier refused a write (a full disk, an unreachable store): then it is
+        detached, logged once; serving goes on with host memory, and an operator may attach it
+        again (the admin route)."""
+        if self.reader is None or self.writer.failure is None:
+            return False
+        tier, failure = self.reader.tier, self.writer.failure
+        self.detach_storage()
+        logger.warning("hierarchical cache: the storage tier %s failed a write (%s); detached, serving goes on "
+                       "with host memory only", tier.name, failure)
+        return True
+
+    def flush_storage(self, timeout: float | None = None) -> bool:
+        """Wait until the writes handed to the storage tier have landed (detaching it where one
+        failed); whether they did in time."""
+        done = self.writer is None or self.writer.flush(timeout)
+        self._storage_failed()
+        return done
+
+    def storage_dropped(self) -> int:
+        """Records never written to storage: its writer's queue was full, or the tier had failed or gone."""
+        return self.stats.storage_dropped + (self.writer.dropped if self.writer is not None else 0)
+
+    def close(self) -> None:
+        """The engine stops: queued storage writes land (for a bounded time), the rest are dropped."""
+        if self.writer is not None:
+            self.writer.close()
 
     # -- the storage tier (L3) --------------------------------------------------------------------
 
@@ -212,6 +241,7 @@ class KVHierarchy:
         if self.reader is not None:
             self.detach_storage()
         self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size)
+        self.writer = StorageWriter(tier, self._written)
 
     @contextlib.contextmanager
     def storage_paused(self):
@@ -229,6 +259,9 @@ class KVHierarchy:
         if self.reader is None:
             return None
         reader, self.reader = self.reader, None
+        writer, self.writer = self.writer, None
+        writer.close(0)  # queued writes dropped; one under way ends alone
+        self.stats.storage_dropped += writer.dropped
         self.stats.foreign_records += reader.tier.rejected
         self.stats.storage_read_failures += reader.tier.read_failures
         for p in self._prefetches.values():
@@ -239,7 +272,7 @@ class KVHierarchy:
 
     def prefetch(self, tokens: list[int]) -> None:
         """A request arrived: start reading from storage what it may hit past the tree."""
-        if self.reader is None:
+        if self.reader is None or self._storage_failed():
             return
         _, start, keys = self._beyond(tokens)
         if keys and keys[0] not in self._prefetches:
@@ -318,7 +351,7 @@ class KVHierarchy:
         """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
         (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
         frees ``n`` device pages (evicting) or says it cannot."""
-        fetched = self._fetch(tokens) if self.reader is not None else 0
+        fetched = self._fetch(tokens) if self.reader is not None and not self._storage_failed() else 0
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
             self._restore_windows(frontier, device_pages)

@@ -29,17 +29,24 @@ def engine(directory, windowed: bool, rng: random.Random, policy: str = "wait_co
     return m, TieredHarness(m, kv, rng), files
 
 
+def run(m, harness, prompt, **kwargs):
+    """run_to_completion, then wait for what it handed the storage tier's writer to land."""
+    out = run_to_completion(m, harness, prompt, **kwargs)
+    assert m.lower.flush_storage(5)
+    return out
+
+
 @pytest.mark.parametrize("windowed", [False, True])
 def test_a_second_engine_fetches_what_the_first_stored(tmp_path, seed, windowed):
     rng = random.Random(seed)
     first, h1, _ = engine(tmp_path, windowed, rng)
     prompt = [rng.randrange(1000) for _ in range(rng.randint(5, 8) * 4 + rng.randrange(4))]
-    run_to_completion(first, h1, prompt, outputs=rng.randint(0, 5))
+    run(first, h1, prompt, outputs=rng.randint(0, 5))
     assert first.lower.stats.storage_written > 0
     second, h2, _ = engine(tmp_path, windowed, rng)
     follow = prompt + [rng.randrange(1000) for _ in range(3)]
     second.prefetch(follow[:-1])
-    hit, _ = run_to_completion(second, h2, follow)  # reads every hit token back from the fetched pages
+    hit, _ = run(second, h2, follow)  # reads every hit token back from the fetched pages
     assert hit == len(prompt) // 4 * 4 and second.lower.stats.storage_hit_tokens == hit
     second.check_consistency()
     second.reset_prefix_cache()
@@ -51,16 +58,16 @@ def test_a_short_storage_hit_is_not_fetched_and_a_corrupted_record_ends_it(tmp_p
     rng = random.Random(seed)
     first, h1, files = engine(tmp_path, False, rng)
     prompt = [rng.randrange(1000) for _ in range(40)]
-    run_to_completion(first, h1, prompt + [1])
+    run(first, h1, prompt + [1])
     short, hs, _ = engine(tmp_path, False, rng, threshold=44)
-    assert run_to_completion(short, hs, prompt + [2])[0] == 0  # 40 tokens stored, 44 wanted
+    assert run(short, hs, prompt + [2])[0] == 0  # 40 tokens stored, 44 wanted
     key = prefix_keys(prompt, 4, first.lower.model_key)[6]
     path = files._path(key)
     raw = bytearray(path.read_bytes())
     raw[-1 - rng.randrange(16)] ^= 0x55
     path.write_bytes(bytes(raw))
     second, h2, _ = engine(tmp_path, False, rng)
-    assert run_to_completion(second, h2, prompt + [3])[0] == 24
+    assert run(second, h2, prompt + [3])[0] == 24
     assert second.lower.stats.checksum_failures == 1
     second.check_consistency()
 
@@ -74,18 +81,18 @@ def test_a_bad_stored_record_is_counted_and_removed_and_a_good_one_takes_its_pla
     windowed = kind == "window"
     first, h1, files = engine(tmp_path, windowed, rng)
     prompt = [rng.randrange(1000) for _ in range(40)]
-    run_to_completion(first, h1, prompt + [1])
+    run(first, h1, prompt + [1])
     page_keys = prefix_keys(prompt, 4, first.lower.model_key)
     path = rng.choice(sorted(tmp_path.rglob("*-w*.kv"))) if windowed else files._path(page_keys[6])
     raw = bytearray(path.read_bytes())
     raw[-1 - rng.randrange(16)] ^= 0x55
     path.write_bytes(bytes(raw))
     second, h2, _ = engine(tmp_path, windowed, rng)
-    assert run_to_completion(second, h2, prompt + [3])[0] < 40
+    assert run(second, h2, prompt + [3])[0] < 40
     assert second.lower.stats.checksum_failures == 1
     second.check_consistency()
     third, h3, _ = engine(tmp_path, windowed, rng)
-    assert run_to_completion(third, h3, prompt + [4])[0] == 40 and third.lower.stats.checksum_failures == 0
+    assert run(third, h3, prompt + [4])[0] == 40 and third.lower.stats.checksum_failures == 0
 
 
 class Slow:
@@ -109,13 +116,13 @@ def test_the_prefetch_policy_decides_how_long_admission_waits(tmp_path, seed, po
     monkeypatch.setattr(prefetch, "TIMEOUT_PER_KI_TOKEN", 0.0)
     first, h1, _ = engine(tmp_path, False, rng)
     prompt = [rng.randrange(1000) for _ in range(40)]
-    run_to_completion(first, h1, prompt + [1])
+    run(first, h1, prompt + [1])
     slow = []
     second, h2, _ = engine(tmp_path, False, rng, policy, tier_wrapper=lambda t: slow.append(Slow(t)) or slow[0])
     second.prefetch(prompt)
     if policy == "wait_complete":
         threading.Timer(0.2, slow[0].go.set).start()
-    hit = run_to_completion(second, h2, prompt + [2])[0]
+    hit = run(second, h2, prompt + [2])[0]
     slow[0].go.set()
     assert hit == (40 if policy == "wait_complete" else 0)
     second.check_consistency()
