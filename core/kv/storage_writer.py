@@ -102,10 +102,11 @@ class StorageWriter:
                 self._cond.wait(left)
         return True
 
-    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
-        """Write what is queued for up to ``drain_s`` seconds, drop the rest (counted) and stop; a write
-        under way ends alone (whole or not at all: the tier's writes are atomic)."""
+    def close(self, drain_s: float | None = None) -> None:
+        """Write what is queued for up to ``drain_s`` seconds (``CLOSE_DRAIN_S``), drop the rest (counted)
+        and stop; a write under way ends alone (whole or not at all: the tier's writes are atomic)."""
         atexit.unregister(self.close)
+        drain_s = CLOSE_DRAIN_S if drain_s is None else drain_s
         if drain_s > 0:
             self.flush(drain_s)
         with self._cond:

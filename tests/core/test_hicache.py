@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -126,6 +127,7 @@ def test_a_store_that_fills_up_is_detached_logged_once_and_serving_goes_on(share
     with caplog.at_level(logging.WARNING, logger="engine.core.kv.hierarchy"):
         tiered, llm = run(shared_dir / "models" / "tiny-qwen3-py", prompts, enable_hierarchical_cache=True,
                           hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+        assert llm.engine.kv_manager.lower.flush_storage(10)  # the writes land on the writer's thread
     assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
     assert tiered[2].num_cached_tokens == 100  # from host memory
     kv = llm.engine.kv_manager
@@ -139,6 +141,32 @@ def test_a_store_that_fills_up_is_detached_logged_once_and_serving_goes_on(share
     assert f'engine:hicache_storage_failures_total{{model_name="m"}} {stats.storage_failures}' in text
     assert 'engine:hicache_storage_attached{model_name="m",backend=""} 0' in text
     kv.check_consistency()
+
+
+def test_a_slow_store_holds_up_no_step_and_its_records_land_later(shared_dir, without_hierarchy, tmp_path,
+                                                                  monkeypatch):
+    """Every storage write hangs until released: the workload runs through (the engine loop hands
+    the writes over and goes on), decodes as without the hierarchy, hits host memory, and leaves
+    no record in storage yet; released, they land, and closing the engine leaves nothing queued."""
+    go, real = threading.Event(), FileTier._write
+
+    def slow(self, fd, parts):
+        go.wait(60)
+        real(self, fd, parts)
+
+    monkeypatch.setattr(FileTier, "_write", slow)
+    prompts, plain = without_hierarchy("tiny-qwen3-py")
+    tiered, llm = run(shared_dir / "models" / "tiny-qwen3-py", prompts, enable_hierarchical_cache=True,
+                      hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    assert tiered[2].num_cached_tokens == 100  # from host memory
+    lower = llm.engine.kv_manager.lower
+    assert not list(tmp_path.rglob("*.kv")) and lower.stats.storage_written == 0
+    llm.engine.kv_manager.check_consistency()
+    go.set()
+    llm.engine.shutdown()
+    landed = len(list(tmp_path.rglob("*.kv")))
+    assert landed == lower.stats.storage_written == lower.stats.written_pages - lower.storage_dropped() > 0
 
 
 def test_the_flags_reach_the_config_and_bad_values_are_refused(tiny_qwen3):
@@ -167,6 +195,7 @@ llm = LLM(path, dtype="float32", progress=False, page_size=4, num_pages=40, enab
           hicache_storage_backend="file", hicache_storage_dir=directory, hicache_storage_prefetch_threshold=64,
           hicache_storage_prefetch_policy="wait_complete")
 out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+llm.engine.kv_manager.lower.flush_storage(60)
 s = llm.engine.kv_manager.lower.stats
 print(json.dumps([out.outputs[0].token_ids, out.num_cached_tokens, s.storage_hit_tokens, s.storage_written]))
 """
