@@ -147,6 +147,7 @@ class EngineConfig:
     hicache_mem_layout: str = "layer_first"  # layer_first | page_first
     hicache_storage_backend: str | None = None  # L3: a cache-tier name (file, or a plugin's)
     hicache_storage_dir: str | None = None  # the file backend's directory (shared by engines)
+    hicache_storage_max_size: float = 0.0  # GiB the file backend's directory may hold (LRU records go); 0: no bound
     hicache_storage_prefetch_policy: str = "best_effort"  # best_effort | wait_complete | timeout
     hicache_storage_prefetch_threshold: int = 256  # tokens a storage hit must reach to be fetched
     # speculative decoding (core/spec/): a SpeculativeConfig, or its fields as a mapping or a JSON object
@@ -239,6 +240,9 @@ class EngineConfig:
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} "
                              f"and {self.hicache_size}")
+        if self.hicache_storage_max_size < 0:
+            raise ValueError(f"hicache_storage_max_size must be >= 0 (GiB; 0: no bound), "
+                             f"got {self.hicache_storage_max_size}")
         if self.hicache_storage_prefetch_policy not in HICACHE_PREFETCH_POLICIES:
             raise ValueError(f"hicache_storage_prefetch_policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, "
                              f"got {self.hicache_storage_prefetch_policy!r}")

@@ -124,6 +124,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-storage-backend", default=None,
                    help="a storage tier below host memory (L3): file, or a plugin's (`engine plugins`, family cache_tier)")
     h.add_argument("--hicache-storage-dir", default=None, help="the file backend's directory (engines may share it)")
+    h.add_argument("--hicache-storage-max-size", type=float, default=0.0,
+                   help="GiB the file backend's directory may hold: least recently used records are deleted "
+                        "past it (0: no bound)")
     h.add_argument("--hicache-storage-prefetch-policy", default="best_effort", choices=HICACHE_PREFETCH_POLICIES,
                    help="how long a request waits for its prefix to arrive from storage: not at all (best_effort), "
                         "until all of it has (wait_complete), or a bound of 1 s + 0.25 s per 1K tokens (timeout)")
@@ -174,7 +177,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
         hicache_size=args.hicache_size, hicache_write_policy=args.hicache_write_policy,
         hicache_mem_layout=args.hicache_mem_layout, hicache_storage_backend=args.hicache_storage_backend,
-        hicache_storage_dir=args.hicache_storage_dir,
+        hicache_storage_dir=args.hicache_storage_dir, hicache_storage_max_size=args.hicache_storage_max_size,
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
         hicache_storage_prefetch_threshold=args.hicache_storage_prefetch_threshold,
     )

@@ -8,9 +8,11 @@ engines writing the same record at once each rename a complete copy. The file ca
 (record.py): a file that is not a record, or names another key (foreign), is a miss; a truncated
 one fails its checksum where the caller checks it. A write that fails (a full disk, a gone mount)
 is logged and refused, and a read that fails other than by absence is a counted miss; serving
-goes on. Records are deleted only when bad (``reject``: not a record of their key, or failing
-their checksum): the directory is shared, and its size is the operator's to bound (the usage gauges report the file system's). Subclasses may move the bytes their own way (``_write``,
-``_read``: NIXL's file plugins).
+goes on. A read that hits a record touches it (its modification time), and with a size bound
+(``--hicache-storage-max-size``) the writing engine deletes the least recently used records once
+the directory outgrows it (``bound.py``). Otherwise records are deleted only when bad (``reject``:
+not a record of their key, or failing their checksum). Subclasses may move the bytes their own way
+(``_write``, ``_read``: NIXL's file plugins).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..families.cache_tier import CacheTier, TierContext, TierPage
+from .bound import TMP_PREFIX, DirectoryBound
 from .record import decode, encode
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ class FileTier(CacheTier):
         self.root = Path(ctx.engine_config.hicache_storage_dir).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.failed_writes = 0
+        max_size = getattr(ctx.engine_config, "hicache_storage_max_size", 0)
+        self.bound = DirectoryBound(self.root, int(max_size * 2**30)) if max_size else None
         self._usage: tuple[float, tuple[int, int] | None] = (float("-inf"), None)
 
     def _path(self, key: str) -> Path:
@@ -62,18 +67,24 @@ class FileTier(CacheTier):
         return self.root / name[:2] / f"{name}.kv"
 
     def put(self, pages: list[TierPage]) -> list[bool]:
-        return [self._put(p) for p in pages]
+        done = [self._put(p) for p in pages]
+        if self.bound is not None:
+            self.bound.keep()
+        return done
 
     def _put(self, page: TierPage) -> bool:
         path = self._path(page.key)
-        if path.exists():
+        if _touch(path):  # there already (another engine wrote it): now recently used
             return True
         tmp = None
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            self._write(fd, encode(page))
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX)
+            parts = encode(page)
+            self._write(fd, parts)
             os.replace(tmp, path)
+            if self.bound is not None:
+                self.bound.wrote(sum(memoryview(p).nbytes for p in parts))
             return True
         except OSError as exc:
             self.failed_writes += 1
@@ -115,13 +126,15 @@ class FileTier(CacheTier):
                                    self._path(key), exc, self.read_failures)
             return None
         try:
-            return decode(key, raw)
+            record = decode(key, raw)
         except ValueError as exc:
             self.rejected += 1
             logger.warning("hierarchical cache: %s is not a record of its key (%s); a miss, removed",
                            self._path(key), exc)
             self.reject(key)
             return None
+        _touch(self._path(key))
+        return record
 
     def reject(self, key: str) -> None:
         """Remove the file (atomic: an engine reading it meanwhile keeps its copy), so the next
@@ -146,3 +159,12 @@ class FileTier(CacheTier):
 
     def contains(self, keys: list[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self._path(k).exists()), len(keys))
+
+
+def _touch(path: Path) -> bool:
+    """Mark the record at ``path`` recently used (what the size bound evicts by); whether it is there."""
+    try:
+        os.utime(path)
+        return True
+    except OSError:
+        return False

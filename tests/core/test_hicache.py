@@ -173,15 +173,17 @@ def test_the_flags_reach_the_config_and_bad_values_are_refused(tiny_qwen3):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--model", str(tiny_qwen3), "--enable-hierarchical-cache", "--hicache-size", "1.5",
-                              "--hicache-write-policy", "write_through_selective", "--hicache-mem-layout", "page_first"])
+                              "--hicache-write-policy", "write_through_selective", "--hicache-mem-layout", "page_first",
+                              "--hicache-storage-max-size", "2.5"])
     c = engine_config(args)
-    assert (c.enable_hierarchical_cache, c.hicache_size, c.hicache_write_policy, c.hicache_mem_layout) == \
-        (True, 1.5, "write_through_selective", "page_first")
+    assert (c.enable_hierarchical_cache, c.hicache_size, c.hicache_write_policy, c.hicache_mem_layout,
+            c.hicache_storage_max_size) == (True, 1.5, "write_through_selective", "page_first", 2.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--hicache-write-policy", "write_around"])
     for bad, match in [(dict(hicache_write_policy="write_around"), "hicache_write_policy"),
                        (dict(hicache_mem_layout="token_first"), "hicache_mem_layout"),
                        (dict(hicache_ratio=0), "hicache_ratio"),
+                       (dict(hicache_storage_max_size=-1), "hicache_storage_max_size"),
                        (dict(enable_hierarchical_cache=True, enable_prefix_caching=False), "prefix caching")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="m", **bad)
