@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -36,6 +37,7 @@ import torch
 
 from ..config import HICACHE_WRITE_POLICIES
 from ..families.cache_tier import CHECKSUM, CacheTier, TierLayout, TierPage, prefix_keys
+from .host_copy import HostCopy
 from .pages import PagePool
 from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
@@ -56,6 +58,15 @@ MAX_PREFETCHES = 256  # storage reads of requests not admitted yet
 def window_keys(end_key: str, num_pages: int) -> list[str]:
     """The keys of the window records of a prefix's tail, named after the key of its last page."""
     return [f"{end_key}:w{i}" for i in range(num_pages)]
+
+
+@dataclass
+class _Landing:
+    """Records on their way from the device to the lower tier."""
+
+    keys: list[str]
+    kind: str
+    copy: HostCopy
 
 
 @dataclass
@@ -117,6 +128,9 @@ class KVHierarchy:
         self.reader: StorageReader | None = None
         self.writer: StorageWriter | None = None  # writes to the storage tier, beside the reader
         self._prefetches: dict[str, Prefetch] = {}  # by the key of the first page each reads
+        self._landing: deque[_Landing] = deque()  # records copied from the device, in the order queued
+        self._pending: dict[str, str] = {}  # the kind of each record on its way, its room taken
+        self._reserved: Counter[str] = Counter()  # records on their way, by kind
         radix.lower = self
 
     def reset_stats(self) -> None:
@@ -151,42 +165,79 @@ class KVHierarchy:
         return Tier.HOST in node.tiers
 
     def forget(self, node: _Node) -> None:
-        """The tree no longer refers to ``node``'s records."""
-        self.tier.discard((node.lower or []) + (node.lower_window or []))
+        """The tree no longer refers to ``node``'s records (those still on their way are dropped)."""
+        keys = (node.lower or []) + (node.lower_window or [])
+        self.tier.discard([k for k in keys if not self._unreserve(k)])
 
     # -- writing ------------------------------------------------------------------------------
 
     def _save(self, node: _Node) -> None:
-        """Put the node's pages, and the windows its end holds, in the lower tier where they are not yet."""
+        """Put the node's pages, and the windows its end holds, in the lower tier where they are not
+        yet: their room is taken and the tree records them now; the bytes follow, copied behind the
+        step that wrote them (host_copy.py), and land in the tier when there (``_settle``)."""
+        self._settle()
         if Tier.HOST not in node.tiers:
             keys = self._keys(node)
-            records = self._records(keys, self.kv.read_records(node.pages), "page")
-            if self._put(node, records):
+            if self._reserve(node, keys, "page"):
                 node.lower = keys
                 node.tiers.add(Tier.HOST)
                 self.stats.written_pages += len(keys)
-                self._store(records)
+                self._landing.append(_Landing(keys, "page", self.kv.copy_records(node.pages)))
         if node.window is not None and node.lower_window is None and node.lower:
             keys = window_keys(node.lower[-1], len(node.window))
-            rows = [self.window.page_of(p) for p in node.window]
-            records = self._records(keys, self.kv.read_records(rows, windowed=True), "window")
-            if self._put(node, records):
+            if self._reserve(node, keys, "window"):
                 node.lower_window = keys
                 self.stats.written_windows += len(keys)
-                self._store(records)
+                rows = [self.window.page_of(p) for p in node.window]
+                self._landing.append(_Landing(keys, "window", self.kv.copy_records(rows, windowed=True)))
+        self._settle()  # what is there already (on the CPU: everything)
 
-    def _records(self, keys: list[str], rows: torch.Tensor, kind: str) -> list[TierPage]:
-        self.stats.bytes_written += rows.numel()
-        return [TierPage.of(k, r, kind) for k, r in zip(keys, rows)]
+    def _settle(self, wait: bool = False) -> None:
+        """Put the records whose bytes have landed (``wait``: all of them, waiting for the device) in
+        the lower tier, checksummed now, and hand them to the storage tier; those whose node let
+        them go meanwhile (``forget``) are dropped."""
+        while self._landing and (wait or self._landing[0].copy.ready()):
+            landing = self._landing.popleft()
+            rows = landing.copy.wait()
+            self.stats.bytes_written += rows.numel()
+            records = [TierPage.of(k, r, landing.kind) for k, r in zip(landing.keys, rows) if self._unreserve(k)]
+            if not records:
+                continue
+            done = self.tier.put(records)
+            if not all(done):  # room was taken for them: only a tier refusing them outright gets here
+                self.stats.refused += len(done) - sum(done)
+                records = [r for r, ok in zip(records, done) if ok]
+            self._store(records)
+
+    def _reserve(self, keep: _Node, keys: list[str], kind: str) -> bool:
+        """Take room in the lower tier for ``keys``' records of ``kind`` (all or none)."""
+        if not self._make_room(keep, kind, len(keys)):
+            self.stats.refused += len(keys)
+            return False
+        self._pending.update((k, kind) for k in keys)
+        self._reserved[kind] += len(keys)
+        return True
+
+    def _unreserve(self, key: str) -> bool:
+        """Give back the room taken for ``key``; whether it was still taken."""
+        kind = self._pending.pop(key, None)
+        if kind is not None:
+            self._reserved[kind] -= 1
+        return kind is not None
+
+    def _make_room(self, keep: _Node, kind: str, n: int) -> bool:
+        """Whether ``n`` more records of ``kind`` fit in the lower tier beside those on their way,
+        after letting go of others (never ``keep``'s or those below it)."""
+        if self.tier.free(kind) is None:
+            return True
+        room = lambda: self.tier.free(kind) - self._reserved[kind] >= n  # noqa: E731
+        return room() or self.radix.release_lower(room, keep=keep)
 
     def _put(self, keep: _Node, records: list[TierPage]) -> bool:
-        """Store ``records`` (of one kind) in host memory, making room first (never at the expense of
-        ``keep`` or what is below it); all or none."""
+        """Store ``records`` (of one kind, read from storage) in host memory, making room first (never
+        at the expense of ``keep`` or what is below it); all or none."""
         kind, n = records[0].kind, len(records)
-        free = self.tier.free(kind)
-        if free is not None and free < n:
-            self.radix.release_lower(lambda: self.tier.free(kind) >= n, keep=keep)
-        done = self.tier.put(records)
+        done = self.tier.put(records) if self._make_room(keep, kind, n) else [False] * n
         if not all(done):
             self.tier.discard([r.key for r, ok in zip(records, done) if ok])
             self.stats.refused += n
@@ -231,6 +282,7 @@ class KVHierarchy:
 
     def close(self) -> None:
         """The engine stops: queued storage writes land (for a bounded time), the rest are dropped."""
+        self._settle(wait=True)
         if self.writer is not None:
             self.writer.close()
 
@@ -272,6 +324,7 @@ class KVHierarchy:
 
     def prefetch(self, tokens: list[int]) -> None:
         """A request arrived: start reading from storage what it may hit past the tree."""
+        self._settle()
         if self.reader is None or self._storage_failed():
             return
         _, start, keys = self._beyond(tokens)
@@ -351,6 +404,7 @@ class KVHierarchy:
         """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
         (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
         frees ``n`` device pages (evicting) or says it cannot."""
+        self._settle()
         fetched = self._fetch(tokens) if self.reader is not None and not self._storage_failed() else 0
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
@@ -412,6 +466,8 @@ class KVHierarchy:
     def _read(self, keys: list[str], kind: str) -> tuple[list[torch.Tensor], str | None]:
         """The leading records of ``keys`` that are there and intact, and the key of the first that
         is missing or fails its checksum (None if every one is good)."""
+        if any(k in self._pending for k in keys):  # a node demoted before its bytes landed: they are needed now
+            self._settle(wait=True)
         got = self.tier.get(keys)
         present = list(itertools.takewhile(lambda r: r is not None and r.kind == kind, got))
         good: list[torch.Tensor] = []
@@ -465,13 +521,19 @@ class KVHierarchy:
     # -- checks -------------------------------------------------------------------------------
 
     def check_consistency(self) -> None:
-        """Raise AssertionError unless the lower tier holds exactly the records the tree refers to."""
+        """Raise AssertionError unless the lower tier holds, or has room taken for, exactly the records
+        the tree refers to."""
         referred = set()
         for n in self.radix.lower_nodes():
             if len(n.lower) * self.page_size != len(n.key):
                 raise AssertionError(f"a node of {len(n.key)} tokens has {len(n.lower)} lower-tier records")
             referred.update(n.lower + (n.lower_window or []))
-        held = self.tier.keys() if hasattr(self.tier, "keys") else referred
-        if held != referred:
-            raise AssertionError(f"the lower tier holds {len(held - referred)} record(s) no node refers to and "
-                                 f"misses {len(referred - held)} that nodes refer to")
+        pending = set(self._pending)
+        if sum(self._reserved.values()) != len(pending) or any(v < 0 for v in self._reserved.values()):
+            raise AssertionError(f"room taken for {dict(self._reserved)} records, {len(pending)} on their way")
+        held = self.tier.keys() if hasattr(self.tier, "keys") else referred - pending
+        if held & pending:
+            raise AssertionError(f"{len(held & pending)} record(s) both held and on their way")
+        if held | pending != referred:
+            raise AssertionError(f"the lower tier holds {len((held | pending) - referred)} record(s) no node refers "
+                                 f"to and misses {len(referred - held - pending)} that nodes refer to")

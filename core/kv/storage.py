@@ -16,6 +16,7 @@ import torch
 
 from ..families.attention import LayerKV
 from ..to_device import to_device
+from .host_copy import HostCopy, to_host
 from .layer_loads import LayerLoads
 
 
@@ -206,10 +207,15 @@ class KVCache:
     def read_records(self, rows: list[int], windowed: bool = False) -> torch.Tensor:
         """[len(rows), record bytes] uint8 on the host: pages ``rows`` (window pages, if ``windowed``)
         in every K and V array, concatenated in ``record_segments`` order. Waits for the device."""
+        return self.copy_records(rows, windowed).wait()
+
+    def copy_records(self, rows: list[int], windowed: bool = False) -> HostCopy:
+        """``read_records``' records, copied to the host behind the work queued so far (host_copy.py):
+        the pages may be reused at once, and nothing waits for the device until the copy is asked for."""
         if not windowed:
             self.loads.flush()
         idx = to_device(rows, torch.int64, self.device)
-        return torch.cat([t.index_select(0, idx) for t in self._parts(windowed)], dim=1).cpu()
+        return to_host(torch.cat([t.index_select(0, idx) for t in self._parts(windowed)], dim=1))
 
     def write_records(self, rows: list[int], records: torch.Tensor, windowed: bool = False) -> None:
         """Write ``records`` (as ``read_records`` returns them, on the host) into pages ``rows``: window

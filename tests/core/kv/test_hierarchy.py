@@ -16,6 +16,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.families.cache_tier import TierContext
 from engine.core.kv.hierarchy import SELECTIVE_HITS, host_capacity, tier_layout
+from engine.core.kv.host_copy import HostCopy
 from engine.core.kv.manager import KVManager
 from engine.core.kv.radix import Tier
 from engine.core.kv.storage import KVCache
@@ -216,8 +217,13 @@ def test_a_full_host_tier_lets_go_of_the_least_recently_used(seed):
 @pytest.mark.parametrize("page_size,windowed,policy", [
     (1, False, "write_through"), (4, False, "write_back"), (2, True, "write_through"), (4, True, "write_back"),
     (4, True, "write_through_selective")])
+@pytest.mark.parametrize("copies", ["landed", "held"])
 def test_random_operations_with_a_small_host_tier_keep_every_page_and_record_accounted_for(
-        seed, page_size, windowed, policy):
+        seed, page_size, windowed, policy, copies, monkeypatch):
+    """``held``: every copy from the device stays on its way (as a GPU's behind a long step) until a
+    read needs it, while its pages are freed and reused: the tree and the tier still agree."""
+    if copies == "held":
+        monkeypatch.setattr(HostCopy, "ready", lambda self: False)
     rng = random.Random(seed)
     m, kv, tier = make(page_size, windowed, policy, rng.choice(["layer_first", "page_first"]), ratio=1.0,
                        window_ratio=4.0)  # room for the windows of the pages' ends
