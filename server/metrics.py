@@ -137,6 +137,9 @@ class ServerMetrics:
         metric("hicache_storage_failures_total", "counter",
                "Storage-tier writes and reads that failed (a full disk, an unreachable store).",
                [f"engine:hicache_storage_failures_total{{{L}}} {h.storage_failures}"])
+        metric("hicache_storage_dropped_total", "counter",
+               "Records never written to the storage tier: its writer's queue was full, or the tier had failed.",
+               [f"engine:hicache_storage_dropped_total{{{L}}} {h.storage_dropped}"])
         metric("hicache_used_bytes", "gauge", "Bytes each tier holds (l3: its file system's, where it is one).",
                samples("hicache_used_bytes", h.used_bytes))
         metric("hicache_capacity_bytes", "gauge", "Bytes each tier can hold (l3: its file system's size).",

@@ -30,6 +30,7 @@ class HiCacheStats(msgspec.Struct):
     bytes_read: dict[str, int] = msgspec.field(default_factory=dict)
     checksum_failures: int = 0
     storage_failures: int = 0
+    storage_dropped: int = 0  # records never written to storage (its writer's queue full, or the tier gone)
     used_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     storage_backend: str | None = None  # the L3 tier attached now, if any
@@ -55,5 +56,5 @@ def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
         bytes_read={"l2": s.bytes_loaded, "l3": s.storage_bytes_read},
         checksum_failures=s.checksum_failures + s.foreign_records + (storage.rejected if storage is not None else 0),
         storage_failures=s.storage_refused + s.storage_read_failures + (storage.read_failures if storage is not None else 0),
-        used_bytes=used, capacity_bytes=capacity,
+        storage_dropped=lower.storage_dropped(), used_bytes=used, capacity_bytes=capacity,
         storage_backend=storage.name if storage is not None else None)

@@ -18,7 +18,10 @@ component or ends at an earlier node that has them (honestly shorter).
 Every record carries the checksum taken when it was written and is checked when it is read: a
 record that fails is a miss (counted), the nodes from it on leave the tree, and their tokens are
 computed again. A load's pages reach the device layer by layer beside the next forward
-(layer_loads.py: on CUDA a copy stream and an event per layer); a write waits for the pages' step.
+(layer_loads.py: on CUDA a copy stream and an event per layer). A write waits for nothing: the
+tree records the node below at once, its room in host memory taken, while its pages are copied to
+the host behind the step that wrote them (host_copy.py); the records are checksummed and put in
+host memory once landed, then handed to the storage tier's writer thread (storage_writer.py).
 """
 
 from __future__ import annotations

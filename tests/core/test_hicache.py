@@ -139,6 +139,8 @@ def test_a_store_that_fills_up_is_detached_logged_once_and_serving_goes_on(share
     assert stats.storage_backend is None and stats.storage_failures == kv.lower.stats.storage_refused
     text = ServerMetrics("m", 4, 40).render(wire.Stats(hicache=stats), 0)
     assert f'engine:hicache_storage_failures_total{{model_name="m"}} {stats.storage_failures}' in text
+    assert stats.storage_dropped == kv.lower.storage_dropped()  # queued after the failure
+    assert f'engine:hicache_storage_dropped_total{{model_name="m"}} {stats.storage_dropped}' in text
     assert 'engine:hicache_storage_attached{model_name="m",backend=""} 0' in text
     kv.check_consistency()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -39,6 +40,18 @@ def generate(server, ids: list[int]) -> list[int]:
 
 def records(directory) -> int:
     return len(list(directory.rglob("*.kv")))
+
+
+def settled(directories) -> list[int]:
+    """The records in each directory once no more arrive for half a second (at most 10 s)."""
+    deadline, counts = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        now = [records(d) for d in directories]
+        if now == counts and any(now):
+            break
+        counts = now
+        time.sleep(0.5)
+    return counts
 
 
 def test_attach_and_detach_under_load_leave_outputs_unchanged(server, tmp_path, seed):
@@ -78,9 +91,9 @@ def test_attach_and_detach_under_load_leave_outputs_unchanged(server, tmp_path, 
         {"hicache_storage_backend": "file"}
     assert admin(server, "GET").json() == {"hicache_storage_backend": "file"}
     generate(server, [rng.randrange(4096) for _ in range(30)])
-    assert records(target) > 0
+    assert settled([target])[0] > 0  # written by the storage tier's writer thread, soon after
     assert admin(server, "DELETE").json() == {"hicache_storage_backend": None}
-    before = [records(d) for d in (*dirs, target)]
+    before = settled([*dirs, target])  # a write under way at the detach ends alone
     generate(server, [rng.randrange(4096) for _ in range(30)])
     assert [records(d) for d in (*dirs, target)] == before
 

@@ -41,6 +41,18 @@ def moved(m: dict[str, float], tier: str, direction: str) -> float:
     return m[f'engine:hicache_bytes_total{{{L},tier="{tier}",direction="{direction}"}}']
 
 
+def landed(server, before: dict[str, float]) -> dict[str, float]:
+    """/metrics once storage has taken every record host memory took since ``before`` (its writes
+    land on the writer's thread, soon after), or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(server)
+        wrote = {t: moved(m, t, "write") - moved(before, t, "write") for t in ("l2", "l3")}
+        if wrote["l2"] == wrote["l3"] or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 def test_hits_bytes_and_usage_are_counted_per_tier(hicache_server, seed):
     rng = random.Random(seed)
     s = hicache_server
@@ -58,7 +70,7 @@ def test_hits_bytes_and_usage_are_counted_per_tier(hicache_server, seed):
     generate(s, other)
     again = generate(s, first + [rng.randrange(4096) for _ in range(5)])
     assert again["meta_info"]["cached_tokens"] == 100
-    mid = metrics(s)
+    mid = landed(s, before)
     got = {t: mid_v - before_v for (t, mid_v), before_v in zip(hits(mid).items(), hits(before).values())}
     assert got == {"l1": 0, "l2": 0, "l3": 100}
     for tier, direction in (("l2", "write"), ("l2", "read"), ("l3", "write"), ("l3", "read")):
