@@ -275,6 +275,7 @@ class KVHierarchy:
     def flush_storage(self, timeout: float | None = None) -> bool:
         """Wait until the writes handed to the storage tier have landed (detaching it where one
         failed); whether they did in time."""
+        self._settle(wait=True)
         done = self.writer is None or self.writer.flush(timeout)
         self._storage_failed()
         return done

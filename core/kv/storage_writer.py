@@ -48,7 +48,7 @@ class StorageWriter:
         has failed or the writer is closing. Never blocks on the tier."""
         size = sum(r.data.numel() for r in records)
         with self._cond:
-            full = self._queue and self._queued_bytes + size > MAX_QUEUED_BYTES
+            full = bool(self._queue) and self._queued_bytes + size > MAX_QUEUED_BYTES
             if full or self.failure is not None or self._closing:
                 self.dropped += len(records)
                 if full and not self._dropping:

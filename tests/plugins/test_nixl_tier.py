@@ -55,6 +55,7 @@ def test_an_engine_hits_what_another_stored_through_nixl(shared_dir, tmp_path, s
                   hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
     first = LLM(path, **tiered)
     first.generate([prompt], params)
+    assert first.engine.kv_manager.lower.flush_storage(30)  # written on the storage writer's thread
     assert first.engine.kv_manager.lower.stats.storage_written >= 25
     second = LLM(path, **tiered)
     out = second.generate([follow], params)[0]
