@@ -126,3 +126,23 @@ def test_the_prefetch_policy_decides_how_long_admission_waits(tmp_path, seed, po
     slow[0].go.set()
     assert hit == (40 if policy == "wait_complete" else 0)
     second.check_consistency()
+
+
+def test_records_evicted_while_a_prefetch_reads_them_end_the_hit_without_a_failure(tmp_path, seed):
+    """Another engine's size bound deletes the tail of a prefix between this engine's lookup and its
+    reads: the hit is the records read before it, nothing counted as failed or damaged."""
+    rng = random.Random(seed)
+    first, h1, files = engine(tmp_path, False, rng)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    run(first, h1, prompt + [1])
+    slow = []
+    second, h2, _ = engine(tmp_path, False, rng, tier_wrapper=lambda t: slow.append(Slow(t)) or slow[0])
+    second.prefetch(prompt)  # finds all 10 records, then waits to read them
+    cut = rng.randrange(2, 10)
+    for key in prefix_keys(prompt, 4, first.lower.model_key)[cut:]:
+        files._path(key).unlink()
+    slow[0].go.set()
+    assert run(second, h2, prompt + [2])[0] == cut * 4
+    s = second.lower.stats
+    assert s.checksum_failures == s.storage_read_failures == 0 and slow[0].tier.read_failures == 0
+    second.check_consistency()
