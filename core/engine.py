@@ -249,7 +249,7 @@ class EngineCore:
     # -- the storage tier at run time (called between steps) ---------------------------------------
 
     def attach_storage(self, backend: str, directory: str | None = None, prefetch_policy: str | None = None,
-                       prefetch_threshold: int | None = None) -> str:
+                       prefetch_threshold: int | None = None, max_size: float | None = None) -> str:
         """Attach the storage tier (L3) ``backend`` below host memory, in place of any attached now; the
         fields not given keep the start-up flags'. ``InvalidRequest`` naming the field where it cannot be
         (the attached tier, if any, stays). Requests in flight go on; later matches may hit it."""
@@ -259,7 +259,7 @@ class EngineCore:
                                  "(--enable-hierarchical-cache)")
         given = {"hicache_storage_backend": backend, "hicache_storage_dir": directory,
                  "hicache_storage_prefetch_policy": prefetch_policy,
-                 "hicache_storage_prefetch_threshold": prefetch_threshold}
+                 "hicache_storage_prefetch_threshold": prefetch_threshold, "hicache_storage_max_size": max_size}
         given = {k: v for k, v in given.items() if v is not None}
         if given.get("hicache_storage_prefetch_threshold", 1) < 1:
             raise InvalidRequest("hicache_storage_prefetch_threshold", "must be >= 1")

@@ -91,7 +91,7 @@ class EngineLoop:
                 e.detach_storage()
                 return wire.StorageDone(msg.admin_id)
             return wire.StorageDone(msg.admin_id, e.attach_storage(msg.backend, msg.directory, msg.prefetch_policy,
-                                                                   msg.prefetch_threshold))
+                                                                   msg.prefetch_threshold, msg.max_size))
         except EngineError as exc:
             stats = e.kv_manager.hicache_stats()
             return wire.StorageDone(msg.admin_id, stats.storage_backend if stats else None, exc.code.value,

@@ -33,6 +33,7 @@ class AttachStorageRequest(StrictRequest):
     hicache_storage_dir: str | None = None
     hicache_storage_prefetch_policy: Literal[HICACHE_PREFETCH_POLICIES] | None = None  # type: ignore[valid-type]
     hicache_storage_prefetch_threshold: Int64 | None = None
+    hicache_storage_max_size: float | None = None
 
 
 def _answer(backend: str | None) -> JSONResponse:
@@ -55,7 +56,7 @@ async def attach_storage(s: Serving, req: AttachStorageRequest, _: Request) -> R
             raise invalid("hicache_storage_dir", "; ".join(reasons))
     return await _command(s, wire.AttachStorage(uuid.uuid4().hex, req.hicache_storage_backend, req.hicache_storage_dir,
                                                 req.hicache_storage_prefetch_policy,
-                                                req.hicache_storage_prefetch_threshold))
+                                                req.hicache_storage_prefetch_threshold, req.hicache_storage_max_size))
 
 
 def add_hicache_routes(app: FastAPI, state: ServerState) -> None:

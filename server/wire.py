@@ -75,6 +75,7 @@ class AttachStorage(msgspec.Struct, tag="attach_storage"):
     directory: str | None = None
     prefetch_policy: str | None = None
     prefetch_threshold: int | None = None
+    max_size: float | None = None  # GiB the file backend's directory may hold
 
 
 class DetachStorage(msgspec.Struct, tag="detach_storage"):

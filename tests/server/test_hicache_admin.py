@@ -115,6 +115,7 @@ def test_bad_fields_are_refused_by_name_and_the_key_is_required(server, tmp_path
                          "hicache_storage_prefetch_policy"),
                         ({"hicache_storage_backend": "file", "hicache_storage_prefetch_threshold": 0},
                          "hicache_storage_prefetch_threshold"),
+                        ({"hicache_storage_backend": "file", "hicache_storage_max_size": -1}, "hicache_storage_max_size"),
                         ({"hicache_storage_backend": "file", "hicache_write_policy": "write_back"}, "hicache_write_policy")]:
         r = admin(server, "PUT", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
@@ -124,6 +125,18 @@ def test_bad_fields_are_refused_by_name_and_the_key_is_required(server, tmp_path
         assert r.status_code == 401, (method, r.text)
     assert admin(server, "GET").json() == {"hicache_storage_backend": "file"}
     generate(server, [rng.randrange(4096) for _ in range(20)])  # still serving
+    assert admin(server, "DELETE").status_code == 200
+
+
+def test_a_tier_attached_with_a_size_bound_keeps_its_directory_within_it(server, tmp_path, seed):
+    rng = random.Random(seed)
+    bound = 2**17  # bytes: a few pages' records of tiny-qwen3-py
+    assert admin(server, "PUT", {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path),
+                                 "hicache_storage_max_size": bound / 2**30}).status_code == 200
+    for _ in range(4):
+        generate(server, [rng.randrange(4096) for _ in range(40)])
+    settled([tmp_path])
+    assert 0 < sum(p.stat().st_size for p in tmp_path.rglob("*.kv")) <= bound
     assert admin(server, "DELETE").status_code == 200
 
 
