@@ -108,7 +108,6 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
     """Run every phase of ``plan`` through ``core``'s step loop, then leave no trace of it. It runs
     as the core's construction ends, before a subclass has set up its readers: requests go in
     through the core's own ``add_request``."""
-    from .engine import EngineCore
 
     add = _sender(core)
     cfg, kv = core.config, core.kv_manager
