@@ -217,10 +217,9 @@ class Scheduler:
         drafts = None
         if self.speculator is not None:
             # decodes with their latest token on the host and an output (the first token, where n > 1
-            # siblings fork, is drawn from the prompt alone) and no grammar (structured outputs mask
-            # each draw by the state the tokens before it lead to, which a draft's row would not know)
+            # siblings fork, is drawn from the prompt alone)
             decodes = [s for s, kind in zip(running, kinds)
-                       if kind == (False, False) and not s.num_pending and s.output_token_ids and s.grammar is None]
+                       if kind == (False, False) and not s.num_pending and s.output_token_ids]
             drafts = self.speculator.propose(decodes, cfg.max_num_batched_tokens - decode_tokens)
             decode_tokens += sum(map(len, drafts.values()))
         prefill_budget = max(cfg.max_num_batched_tokens - decode_tokens, 0)

@@ -12,6 +12,11 @@ engine the kept tokens in order, whose endings by token it applies one at a time
 max_tokens inside a kept run ends the output where it would without drafts, and the rest of the
 run is dropped.
 
+A sequence with a grammar (structured outputs) gets drafts too: they end before the first its
+grammar refuses, and each of its rows is masked by the grammar's state after the drafts before it
+(core/structured/drafts.py), so what is kept and given is what the sequence would draw without
+drafts, from the allowed tokens only.
+
 Drafts need each sequence's latest token on the host, so an engine with a proposer reads every
 step's tokens before it schedules the next (no overlap, core/engine.py).
 """
@@ -25,6 +30,7 @@ import torch
 
 from ..families.spec import DraftRequest, SpecProposer
 from ..host_copy import HostCopy
+from ..structured.drafts import accepted_prefix, mask_verify_rows
 from ..to_device import to_device
 from . import rejection
 from .counters import SpecCounters
@@ -129,11 +135,12 @@ class Speculator:
         """Drafts per sequence id for the decodes ``seqs`` (their latest token on the host), at most
         ``budget`` in all, none past what a sequence may still output (the target adds one). Called
         once every step (the scheduler's), with no decodes too: the proposer drafts or idles."""
-        requests = []
+        requests, drafting = [], []
         for seq in seqs:
             k = min(self.k, seq.max_output - len(seq.output_token_ids) - 1, budget)
             if k > 0:
                 requests.append(DraftRequest(seq.seq_id, seq.tokens, k))
+                drafting.append(seq)
                 budget -= k
         load = self.verify_length
         if not requests or load is not None and not load.worth_drafting(len(requests), len(seqs) - len(requests)):
@@ -148,11 +155,13 @@ class Speculator:
             load.drafted(len(requests), seconds, drafts.confidence)
             lengths = choose_lengths(drafts.confidence, load.curve, seconds, len(seqs) - len(requests))
         out, self._probs, row = {}, {}, 0
-        for req, ids, n in zip(requests, drafts.token_ids, lengths):
+        for req, seq, ids, n in zip(requests, drafting, drafts.token_ids, lengths):
             drafted, ids = ids, ids[:n]
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"proposer {self.proposer.name} drafted ids outside [0, {self.vocab_size})")
+            if seq.grammar is not None:  # none past the first its grammar refuses (core/structured/drafts.py)
+                ids = ids[:accepted_prefix(seq.grammar, ids)]
             if ids:
-                if not all(0 <= t < self.vocab_size for t in ids):
-                    raise ValueError(f"proposer {self.proposer.name} drafted ids outside [0, {self.vocab_size})")
                 out[req.seq_id] = list(ids)
                 if drafts.probs is not None:
                     self._probs[req.seq_id] = drafts.probs[row:row + len(ids)]
@@ -177,9 +186,12 @@ class Speculator:
         after: list[int] = []  # per row the draft that follows it, -1 after the last
         positions: list[_Position] = []
         sampled: list[int] = []
+        constrained: list[tuple] = []  # (matcher, drafts, first row) of the sequences with a grammar
         for s, start in rows:
             d = s.drafts
             n = len(d) + 1
+            if s.seq.grammar is not None:
+                constrained.append((s.seq.grammar, d, len(index)))
             if not s.seq.params.greedy:
                 sampled.extend(range(len(index), len(index) + n))
             index.extend(range(start, start + n))
@@ -188,6 +200,8 @@ class Speculator:
             positions += [_Position(s.seq, d[:j]) for j in range(n)]
             s.seq.num_pending += 1
         raw = logits.index_select(0, to_device(index, torch.int64, dev))
+        if constrained:  # each row masked as the sampler masks a draw, by the state the drafts before it lead to
+            raw = mask_verify_rows(raw, constrained)
         x = self.sampler.process(raw, positions)
         draft = to_device(after, torch.int64, dev)
         uniform = noise = q = None

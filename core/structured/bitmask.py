@@ -16,12 +16,10 @@ import torch
 from ..to_device import to_device
 
 
-def host_bitmask(matchers: list[Any], vocab_size: int, pinned: bool) -> torch.Tensor:
-    """[len(matchers), ceil(vocab_size / 32)] int32: what each matcher allows next."""
-    mask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(mask, i)
-    return mask
+def allow_all(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, ceil(vocab_size / 32)] int32 on the host, every token allowed, for matchers to fill
+    (pinned where it goes to a CUDA device)."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -31,13 +29,20 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> torch.Tensor:
-    """``logits`` with every token the matcher of row ``rows[i]`` forbids at -inf (a new tensor:
+def apply_bitmask(logits: torch.Tensor, rows: list[int], host: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token that ``host[i]`` forbids at -inf in row ``rows[i]`` (a new tensor:
     the logits may be a graph's output buffer)."""
     dev = logits.device
-    host = host_bitmask(matchers, logits.shape[1], pinned=dev.type == "cuda")
     allowed = unpack(host.to(dev, non_blocking=True), logits.shape[1])
     if len(rows) == logits.shape[0]:  # every row constrained, in order
         return logits.masked_fill(~allowed, float("-inf"))
     idx = to_device(rows, torch.int64, dev)
     return logits.index_copy(0, idx, logits.index_select(0, idx).masked_fill(~allowed, float("-inf")))
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> torch.Tensor:
+    """``logits`` with every token the matcher of row ``rows[i]`` forbids at -inf."""
+    host = allow_all(len(matchers), logits.shape[1], logits.device)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(host, i)
+    return apply_bitmask(logits, rows, host)
