@@ -2,10 +2,13 @@
 each position sampled as the sequence would be with the drafts before it drawn: a presence penalty
 makes position j's target depend on the tokens before it, and many sequences verified in one step
 give tokens tested against it by chi-square (one-hot drafts, as n-gram's, and drafts drawn from a
-distribution the proposer hands over). A speculator that forgot the drafts before a row fails it."""
+distribution the proposer hands over), under a grammar too, whose rows give the target with what the
+grammar refuses after the drafts before them taken out. A speculator that forgot the drafts before a
+row fails it."""
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 
 import pytest
@@ -47,26 +50,54 @@ class FixedDrafts(SpecProposer):
         self.told.append((seq_ids, num_accepted))
 
 
+class BanAfter:
+    """A grammar over the test's vocabulary, in xgrammar's matcher calls: after token ``a`` it refuses
+    ``ban[a]``, so what a row allows depends on the drafts before it. It starts after the output token 3."""
+
+    def __init__(self, ban: dict[int, int]) -> None:
+        self.ban, self.tokens = ban, [3]
+
+    def accept_token(self, t: int) -> bool:
+        if t == self.ban[self.tokens[-1]]:
+            return False
+        self.tokens.append(t)
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self.tokens[len(self.tokens) - n:]
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_next_token_bitmask(self, mask: torch.Tensor, row: int) -> None:
+        mask[row, 0] = ~(1 << self.ban[self.tokens[-1]])
+
+
 class NoRollback:
     def rewind(self, seq, num_computed) -> None:
         pass
 
 
-def target(logits: torch.Tensor, before: tuple[int, ...]) -> torch.Tensor:
-    """What the target gives after ``before``: the presence penalty on every token drawn, then temperature."""
+def target(logits: torch.Tensor, before: tuple[int, ...], ban: dict[int, int] | None = None) -> torch.Tensor:
+    """What the target gives after ``before``: the presence penalty on every token drawn, then temperature;
+    under a grammar ``ban``, without the token it refuses after the last of ``before``."""
     x = logits.clone()
+    if ban is not None:
+        x[ban[before[-1]]] = float("-inf")
     x[list(set(before))] -= PENALTY
     return (x / TEMPERATURE).softmax(dim=-1)
 
 
-def verify_chains(logits: torch.Tensor, proposer: FixedDrafts, seed: int) -> tuple[list[list[int]], Speculator]:
+def verify_chains(logits: torch.Tensor, proposer: FixedDrafts, seed: int,
+                  ban: dict[int, int] | None = None) -> tuple[list[list[int]], Speculator]:
     """``SEQS`` sequences with the same prompt and target logits [K + 1, V], their drafts verified in
-    one step: the tokens each gives."""
+    one step (each under the grammar ``ban``, if given): the tokens each gives."""
     sampler = Sampler(VOCAB, set(), TokenTable(4, "cpu"), seed=seed)
     spec = Speculator(proposer, K, sampler, VOCAB)
     params = SamplingParams(temperature=TEMPERATURE, presence_penalty=PENALTY, max_tokens=50)
     prompt = [0, 1, 2]
-    seqs = [Sequence(i, f"r{i}", 0, prompt, params, output_token_ids=[3], max_output=50) for i in range(SEQS)]
+    seqs = [Sequence(i, f"r{i}", 0, prompt, params, output_token_ids=[3], max_output=50,
+                     grammar=BanAfter(ban) if ban is not None else None) for i in range(SEQS)]
     drafts = spec.propose(seqs, SEQS * K)
     rows = [(ScheduledSeq(s, K + 1, len(prompt), SeqKV(), False, True, False, drafts[s.seq_id]), (K + 1) * i)
             for i, s in enumerate(seqs)]
@@ -78,7 +109,7 @@ def verify_chains(logits: torch.Tensor, proposer: FixedDrafts, seed: int) -> tup
     return [chains[s.seq_id] for s in seqs], spec
 
 
-def p_values(chains: list[list[int]], logits: torch.Tensor) -> list[float]:
+def p_values(chains: list[list[int]], logits: torch.Tensor, ban: dict[int, int] | None = None) -> list[float]:
     """Per position and per prefix that at least 200 chains reach, the chi-square p-value of the
     tokens given there against the target after that prefix (the sequence's output token 3 first)."""
     out = []
@@ -91,7 +122,7 @@ def p_values(chains: list[list[int]], logits: torch.Tensor) -> list[float]:
         assert tested, f"no prefix reaches position {j} often enough"
         for prefix, tokens in tested:
             counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
-            out.append(chi_square_p(counts, target(logits[j], (3, *prefix)).double()))
+            out.append(chi_square_p(counts, target(logits[j], (3, *prefix), ban).double()))
     return out
 
 
@@ -123,3 +154,18 @@ def test_the_same_test_fails_a_speculator_that_forgets_the_drafts_before_a_row(s
     logits, proposer = setting(seed, "one-hot")
     chains, _ = verify_chains(logits, proposer, seed)
     assert min(p_values(chains, logits)) < 1e-6
+
+
+def test_under_a_grammar_every_position_is_distributed_as_the_masked_target_after_the_drafts_before_it(seed):
+    logits, proposer = setting(seed, "one-hot")
+    a, b = proposer.chain
+    rest = list(range(VOCAB))
+    # after 3 and after the first draft, the most likely token but the draft is refused (another after
+    # each): the masks bite, and a row masked as the one before it would be is told apart
+    ban = {t: random.choice(rest) for t in rest}
+    ban[3] = max((t for t in rest if t != a), key=lambda t: float(logits[0, t]))
+    ban[a] = max((t for t in rest if t not in (b, ban[3])), key=lambda t: float(target(logits[1], (3, a))[t]))
+    chains, spec = verify_chains(logits, proposer, seed, ban)
+    assert spec.counters.num_draft_tokens == SEQS * K  # the chain is the grammar's: no draft was cut
+    assert min(p_values(chains, logits, ban)) > 1e-6
+    assert all(ban[([3] + c)[j]] != c[j] for c in chains for j in range(len(c)))
