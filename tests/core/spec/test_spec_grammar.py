@@ -167,3 +167,20 @@ def test_after_each_verify_the_matcher_holds_exactly_the_kept_tokens(ngram_pair,
             compared += 1
     assert compared and rejected_steps
     assert_clean(spec, [o.prompt_token_ids + c.token_ids for o in ended for c in o.outputs])
+
+
+def test_sampled_constrained_output_holds_to_its_grammar_(ngram_pair, eval_text, seed):
+    _, spec = ngram_pair
+    spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
+    rng = random.Random(seed)
+    prompts, params = batch(spec, eval_text, rng)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=rng.randrange(2**31), max_tokens=400 if p.structured_outputs else 40,
+                             structured_outputs=p.structured_outputs, ignore_eos=p.ignore_eos) for p in params]
+    with GrammarDrafts(spec) as constrained:
+        got = spec.generate(prompts, params)
+    assert constrained.kept > 0 and constrained.rejected > 0
+    for p, o in zip(params, got):
+        c = o.outputs[0]
+        if p.structured_outputs is not None:
+            assert c.finish_reason == "stop" and holds(p, c.text), (p.structured_outputs, c.text)
+    assert_clean(spec, [o.prompt_token_ids + c.token_ids for o in got for c in o.outputs])
