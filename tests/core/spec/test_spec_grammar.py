@@ -19,19 +19,12 @@ from engine.core.structured.params import StructuredOutputsParams as S
 from random_schemas import random_schema
 from test_draft_model import assert_both_clean, make as make_drafting
 from test_mtp import make as make_mtp, pairs, write_nextn
-from test_spec_decode import MODELS, assert_clean, completions, make, repetitive
+from test_spec_decode import assert_clean, completions, pair, repetitive  # pair: (plain, n-gram) per model
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module", params=MODELS)
-def ngram_pair(request, shared_dir):
-    """(without speculation and without a prefix cache: the reference; with n-gram speculation)"""
-    path = shared_dir / "models" / request.param
-    return make(path, False, enable_prefix_caching=False), make(path, True)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +122,8 @@ def check_equal_and_valid(plain: LLM, spec: LLM, prompts, params, kept_too: bool
     return [o.prompt_token_ids + c.token_ids for o in got for c in o.outputs]
 
 
-def test_ngram_greedy_constrained_output_equals_decoding_without_drafts(ngram_pair, eval_text, seed):
-    plain, spec = ngram_pair
+def test_ngram_greedy_constrained_output_equals_decoding_without_drafts(pair, eval_text, seed):
+    plain, spec = pair
     prompts, params = batch(plain, eval_text, random.Random(seed))
     sequences = check_equal_and_valid(plain, spec, prompts, params)
     assert_clean(spec, sequences)
@@ -163,8 +156,9 @@ def matcher_state(matcher, vocab_size: int) -> tuple:
     return mask.tolist(), history
 
 
-def test_after_each_verify_the_matcher_holds_exactly_the_kept_tokens(ngram_pair, eval_text, seed):
-    plain, spec = ngram_pair
+@pytest.mark.parametrize("pair", ["tiny-qwen3-py"], indirect=True)
+def test_after_each_verify_the_matcher_holds_exactly_the_kept_tokens(pair, eval_text, seed):
+    plain, spec = pair
     engine = spec.engine
     engine.kv_manager.reset_prefix_cache()  # what earlier tests left
     prompts, params = batch(plain, eval_text, random.Random(seed))
@@ -187,13 +181,15 @@ def test_after_each_verify_the_matcher_holds_exactly_the_kept_tokens(ngram_pair,
     assert_clean(spec, [o.prompt_token_ids + c.token_ids for o in ended for c in o.outputs])
 
 
-def test_sampled_constrained_output_holds_to_its_grammar_(ngram_pair, eval_text, seed):
-    _, spec = ngram_pair
+@pytest.mark.parametrize("pair", ["tiny-qwen3-py"], indirect=True)
+def test_sampled_constrained_output_holds_to_its_grammar(pair, eval_text, seed):
+    _, spec = pair
     spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
     rng = random.Random(seed)
     prompts, params = batch(spec, eval_text, rng)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=rng.randrange(2**31), max_tokens=400 if p.structured_outputs else 40,
-                             structured_outputs=p.structured_outputs, ignore_eos=p.ignore_eos) for p in params]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=rng.randrange(2**31),
+                             max_tokens=400 if p.structured_outputs else 40, structured_outputs=p.structured_outputs,
+                             ignore_eos=p.ignore_eos) for p in params]
     with GrammarDrafts(spec) as constrained:
         got = spec.generate(prompts, params)
     assert constrained.kept > 0 and constrained.rejected > 0

@@ -53,8 +53,8 @@ def history(matcher) -> str:
 
 
 def case(tokenizer, rng: random.Random) -> tuple[S, list[int], list[int]]:
-    """A grammar, the tokens on the host, and drafts: the valid text's next tokens, perhaps one
-    replaced by a random token, perhaps the stop token after the whole text."""
+    """A grammar, the tokens on the host, and drafts: the valid text's next tokens, a third of the
+    time all of them and the stop token, else perhaps one replaced by a random token, and cut."""
     words = ["".join(rng.choice("abcxyz") for _ in range(rng.randint(2, 6))) for _ in range(rng.randint(3, 6))]
     text = " ".join(words) + "."
     params = rng.choice([S(regex=r"[a-z]+( [a-z]+){0,8}\."), S(choice=[text, words[0] + "!"]),
@@ -63,7 +63,9 @@ def case(tokenizer, rng: random.Random) -> tuple[S, list[int], list[int]]:
         text = '{"w": "%s"}' % text
     ids = tokenizer.encode(text)
     cut = rng.randrange(1, len(ids))
-    drafts = ids[cut:] + ([min(tokenizer.eos_token_ids)] if rng.random() < 0.5 else [rng.randrange(VOCAB)])
+    drafts = ids[cut:] + [min(tokenizer.eos_token_ids)]
+    if rng.random() < 1 / 3:
+        return params, ids[:cut], drafts
     if rng.random() < 0.6:
         drafts[rng.randrange(len(drafts))] = rng.randrange(VOCAB)
     return params, ids[:cut], drafts[:rng.randint(1, len(drafts))]
@@ -117,6 +119,7 @@ def test_only_the_rows_of_sequences_with_a_grammar_are_masked(compiler, tokenize
         if i not in rows:
             assert torch.equal(out[i], logits[i])
     for j, i in enumerate(rows):
-        allowed = unpack(torch.tensor([mask_of(fresh(compiler, params, host + drafts[:j]))], dtype=torch.int32), VOCAB)[0]
+        words = torch.tensor([mask_of(fresh(compiler, params, host + drafts[:j]))], dtype=torch.int32)
+        allowed = unpack(words, VOCAB)[0]
         assert not allowed.all()
         assert torch.equal(out[i][allowed], logits[i][allowed]) and out[i][~allowed].eq(float("-inf")).all()
