@@ -19,7 +19,7 @@ from engine.core.structured.params import StructuredOutputsParams as S
 from random_schemas import random_schema
 from test_draft_model import assert_both_clean, make as make_drafting
 from test_mtp import make as make_mtp, pairs, write_nextn
-from test_spec_decode import assert_clean, completions, pair, repetitive  # pair: (plain, n-gram) per model
+from test_spec_decode import assert_clean, completions, make, pair, repetitive  # pair: (plain, n-gram) per model
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -198,3 +198,15 @@ def test_sampled_constrained_output_holds_to_its_grammar(pair, eval_text, seed):
         if p.structured_outputs is not None:
             assert c.finish_reason == "stop" and holds(p, c.text), (p.structured_outputs, c.text)
     assert_clean(spec, [o.prompt_token_ids + c.token_ids for o in got for c in o.outputs])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny-qwen3-py", "tiny-dsv4-py"])
+def test_on_cuda_greedy_constrained_output_equals_decoding_without_drafts(shared_dir, model, eval_text, seed):
+    """fp32 (in bf16 a verify row and a decode reach the same logits through different kernels), with
+    decode, verify and prefill graphs: the masks reach the device behind the queued work."""
+    path = shared_dir / "models" / model
+    plain, spec = make(path, False, device="cuda", enable_prefix_caching=False), make(path, True, device="cuda")
+    prompts, params = batch(plain, eval_text, random.Random(seed))
+    sequences = check_equal_and_valid(plain, spec, prompts, params)
+    assert_clean(spec, sequences)
