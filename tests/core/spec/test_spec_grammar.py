@@ -24,7 +24,7 @@ from test_spec_decode import assert_clean, completions, make, pair, repetitive  
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-MAX_TOKENS = 160
+MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
