@@ -19,12 +19,20 @@ from engine.core.structured.params import StructuredOutputsParams as S
 from random_schemas import random_schema
 from test_draft_model import assert_both_clean, make as make_drafting
 from test_mtp import make as make_mtp, pairs, write_nextn
-from test_spec_decode import assert_clean, completions, make, pair, repetitive  # pair: (plain, n-gram) per model
+from test_spec_decode import MODELS, assert_clean, completions, make, repetitive
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pair(request, shared_dir):
+    """(without speculation and without a prefix cache: the reference; with n-gram speculation), as
+    test_spec_decode's"""
+    path = shared_dir / "models" / request.param
+    return make(path, False, enable_prefix_caching=False), make(path, True)
 
 
 @pytest.fixture(scope="module")
