@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 
 import pytest
 
@@ -238,31 +237,3 @@ def test_seeded_sampling_repeats_whatever_the_batch(qwen_pair, eval_text, seed):
     assert completions(alone) == completions([mixed[2]])
     assert accepted(spec) > before
     assert_clean(spec, [o.prompt_token_ids + c.token_ids for o in [*alone, *mixed] for c in o.outputs])
-
-
-def test_a_request_with_a_grammar_gets_no_drafts_and_holds_its_grammar_beside_drafted_ones(qwen_pair, eval_text,
-                                                                                           seed):
-    pytest.importorskip("xgrammar")
-    from engine.core.structured.params import StructuredOutputsParams
-
-    plain, spec = qwen_pair
-    regex = rf"[a-z]{{{random.randint(1, 4)}}}-[0-9]{{2,6}}"
-    prompts = [repetitive(plain, eval_text) for _ in range(3)]
-    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
-    params = [greedy(24), constrained, greedy(24)]
-    before = accepted(spec)
-    speculator, asked = spec.engine.speculator, set()
-    propose = speculator.propose
-
-    def spied(seqs, budget):
-        asked.update(s.request_id for s in seqs)
-        return propose(seqs, budget)
-    speculator.propose = spied
-    try:
-        got = spec.generate(prompts, params)
-    finally:
-        del speculator.propose
-    assert completions(got) == completions(plain.generate(prompts, params))
-    assert re.fullmatch(regex, got[1].outputs[0].text) and accepted(spec) > before
-    ids = [o.request_id for o in got]
-    assert ids[0] in asked and ids[2] in asked and ids[1] not in asked
