@@ -39,8 +39,10 @@ def run(x, weights, ids, w, in_gemm, config=DECODE):
 
 
 @pytest.mark.interpret
-# FP8 and MXFP8: two roundings of the activations that native does not make (test_triton_moe's bounds)
-@pytest.mark.parametrize("scheme,bound", [("fp8_block", 0.1), ("fp4", 0.1)])
+# FP8 and MXFP8: two roundings of the activations that native does not make. Over 300 seeds of one
+# token in fp32 the relative error reached 0.097 (FP8) and 0.109 (MXFP8), medians 0.055 and 0.065:
+# one token's 256 outputs spread more than test_triton_moe's batches, whose bound was 0.1 here too
+@pytest.mark.parametrize("scheme,bound", [("fp8_block", 0.15), ("fp4", 0.15)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens,hidden", [(1, 256), (3, 160)], ids=["one-token", "K-tail"])
 def test_quantized_in_the_gemms_equals_a_launch_before_each(seed, monkeypatch, scheme, bound, dtype, tokens, hidden):
