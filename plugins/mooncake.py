@@ -1,44 +1,27 @@
-"""Mooncake's distributed store as a storage tier (L3).
+"""Mooncake's distributed store as a storage tier (L3). The plugin registers Mooncake's KV
+transport too (mooncake_kv.py).
 
 Records (core/tiers/record.py: header and bytes, checked against the key they are found under)
 are put and got by content key in a Mooncake store (``pip install mooncake-transfer-engine``;
-a ``mooncake_master`` running). Configured by ``plugin_options["mooncake"]`` (or the environment
-SGLang's integration reads): ``master_server_address`` (MOONCAKE_MASTER), ``metadata_server``
-(MOONCAKE_TE_META_DATA_SERVER, default "P2PHANDSHAKE"), ``local_hostname``
-(MOONCAKE_LOCAL_HOSTNAME, default "localhost"), ``protocol`` (MOONCAKE_PROTOCOL, "tcp"),
-``device_name`` (MOONCAKE_DEVICE, "" picks RDMA devices itself), ``global_segment_size`` and
-``local_buffer_size`` (bytes; 4 GiB and 512 MiB). The store evicts by its own policy, so the
-tier deletes only a bad record (``reject``); a read the store fails is a counted miss. Refused, with the reason, where the package is missing or no master is named.
+a ``mooncake_master`` running), configured by mooncake_settings.py's settings (the master's address
+among them). The store evicts by its own policy, so the tier deletes only a bad record
+(``reject``); a read the store fails is a counted miss. Refused, with the reason, where the package
+is missing or no master is named.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 from ..core.families.cache_tier import CacheTier, TierPage
 from ..core.hookspecs import hookimpl
 from ..core.registry import Descriptor
 from ..core.tiers.record import decode, encode
+from .mooncake_kv import engine_register_kv_transports  # noqa: F401  (the mooncake KV transport: one plugin)
+from .mooncake_settings import mooncake_settings
 
 logger = logging.getLogger(__name__)
-
-SETTINGS = {  # option: (environment variable, default)
-    "master_server_address": ("MOONCAKE_MASTER", None),
-    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
-    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
-    "protocol": ("MOONCAKE_PROTOCOL", "tcp"),
-    "device_name": ("MOONCAKE_DEVICE", ""),
-    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE", 4 * 2**30),
-    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE", 512 * 2**20),
-}
-
-
-def mooncake_settings(ctx) -> dict:
-    options = (getattr(ctx.engine_config, "plugin_options", None) or {}).get("mooncake", {})
-    return {k: options.get(k, os.environ.get(env, default)) for k, (env, default) in SETTINGS.items()}
-
 
 def mooncake_reasons(ctx) -> list[str]:
     reasons = []

@@ -13,7 +13,8 @@ Reply    (prefill -> decode): REPLY header, tag; then, when OK, per page a PAGE 
 bytes, and a tag over the reply header and all page headers; otherwise a REASON and its text.
 
 Other transports keep this control plane (rooms, the request, refusals, the timeout) and move the
-pages their own way by overriding ``_send_pages`` and ``_receive_pages`` (plugins/nixl_kv.py).
+pages their own way by overriding ``_send_pages`` and ``_receive_pages`` (kv_staged.py for those that
+move a staged buffer with a transfer library; backends/cuda/kv_ipc.py).
 """
 
 from __future__ import annotations

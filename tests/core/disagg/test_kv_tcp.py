@@ -1,5 +1,6 @@
 """The tcp KV transport on its own, the nixl one (the same control plane, pages moved by a
-NIXL READ over UCX) where nixl is installed, and the cuda_ipc one between two engines of one process
+NIXL READ over UCX) where nixl is installed, the mooncake one (a Mooncake Transfer Engine read over
+its TCP protocol) where its engine loads, and the cuda_ipc one between two engines of one process
 (the pages lent in memory, no IPC handle: CUDA opens none in the process that made it): pages move whole (only those past the ones the fetcher holds),
 and what is forged, stale or withdrawn is refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
 
@@ -18,9 +19,11 @@ from engine.core.disagg.payload import page_digest
 from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
 from engine.backends.cuda.kv_ipc import CudaIpcTransport
 from engine.core.native.kv_tcp import TcpTransport
+from engine.plugins.mooncake_kv import MooncakeTransport, mooncake_kv_reasons
 from engine.plugins.nixl_kv import NixlTransport
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+NO_MOONCAKE = mooncake_kv_reasons(None)
 
 TIMEOUT = 1.5
 
@@ -52,8 +55,9 @@ def _wait(handle, timeout: float = 10.0) -> TransferStatus:
 
 
 @pytest.fixture(scope="module", params=[TcpTransport, pytest.param(NixlTransport, marks=pytest.mark.skipif(
-    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')")), CudaIpcTransport],
-    ids=["tcp", "nixl", "cuda_ipc-one-process"])
+    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')")),
+    pytest.param(MooncakeTransport, marks=pytest.mark.skipif(bool(NO_MOONCAKE), reason="; ".join(NO_MOONCAKE))),
+    CudaIpcTransport], ids=["tcp", "nixl", "mooncake", "cuda_ipc-one-process"])
 def ends(request):
     prefill, decode = _transport("prefill", kind=request.param), _transport("decode", kind=request.param)
     yield prefill, decode
