@@ -18,9 +18,11 @@ from engine.core.disagg.config import DisaggConfig
 from engine.core.disagg.payload import page_digest
 from engine.core.families.kv_transport import KVExpectation, KVPayload, KVPeer, TransferStatus
 from engine.backends.cuda.kv_ipc import CudaIpcTransport
-from engine.core.native.kv_tcp import TcpTransport
+from engine.core.native.kv_staged import DESC, DONE, StagedTransport
+from engine.core.native.kv_tcp import FETCH, PAGE, REPLY, TAG_BYTES, TcpTransport
 from engine.plugins.mooncake_kv import MooncakeTransport, mooncake_kv_reasons
 from engine.plugins.nixl_kv import NixlTransport
+from tampering_proxy import TamperingProxy
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 NO_MOONCAKE = mooncake_kv_reasons(None)
@@ -152,3 +154,96 @@ def test_pages_nobody_fetches_are_dropped_after_the_timeout(ends):
     assert "in time" in offer.error and offer.payload is None
     late = decode.fetch(_peer(prefill, room), _expect(payload))
     assert _wait(late) is TransferStatus.FAILED
+
+
+# -- the transports moving a staged buffer with a transfer library (core/native/kv_staged.py) -------
+
+@pytest.fixture(scope="module", params=[pytest.param(NixlTransport, marks=pytest.mark.skipif(
+    not HAVE_NIXL, reason="nixl is not installed (pip install 'engine[nixl]')")),
+    pytest.param(MooncakeTransport, marks=pytest.mark.skipif(bool(NO_MOONCAKE), reason="; ".join(NO_MOONCAKE)))],
+    ids=["nixl", "mooncake"])
+def staged(request):
+    prefill, decode = _transport("prefill", kind=request.param), _transport("decode", kind=request.param)
+    yield prefill, decode
+    prefill.close()
+
+
+def _exposures(monkeypatch, prefill: StagedTransport) -> list:
+    """The prefill's staged buffers still exposed, as they come and go."""
+    held, expose, withdraw = [], prefill._expose, prefill._withdraw
+
+    def exposing(staged):
+        metadata, exposed = expose(staged)
+        held.append(exposed)
+        return metadata, exposed
+
+    def withdrawing(exposed):
+        held.remove(exposed)
+        withdraw(exposed)
+
+    monkeypatch.setattr(prefill, "_expose", exposing)
+    monkeypatch.setattr(prefill, "_withdraw", withdrawing)
+    return held
+
+
+def _descriptor(part: str, num_pages: int):
+    """Where in the prefill's answer ``part`` of its descriptor lies (a random byte of it)."""
+    start, pick = REPLY.size + TAG_BYTES, random.random()
+
+    def where(seen: bytes) -> int | None:
+        if len(seen) < start + DESC.size:
+            return None
+        length = DESC.unpack_from(seen, start)[0]
+        at, size = {"address": (start + 4, 8), "metadata": (start + DESC.size, length),
+                    "page header": (start + DESC.size + length, PAGE.size * num_pages)}[part]
+        return at + int(pick * size)
+    return where
+
+
+@pytest.mark.parametrize("part", ["address", "metadata", "page header"])
+def test_a_tampered_descriptor_is_refused_and_the_buffer_withdrawn(staged, part, monkeypatch, seed):
+    prefill, decode = staged
+    held = _exposures(monkeypatch, prefill)
+    room, payload = random.randrange(2**63), _payload()
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    proxy = TamperingProxy(prefill.bootstrap_port, to_decode=_descriptor(part, len(payload.pages)))
+    fetch = decode.fetch(KVPeer("127.0.0.1", proxy.port, room), _expect(payload))
+    assert _wait(fetch) is TransferStatus.FAILED and "descriptors are not authenticated" in fetch.error
+    assert proxy.flipped.is_set()
+    assert _wait(offer) is TransferStatus.FAILED and held == []
+
+
+def test_a_tampered_done_fails_the_room_and_the_buffer_is_withdrawn(staged, monkeypatch, seed):
+    prefill, decode = staged
+    held = _exposures(monkeypatch, prefill)
+    room, payload = random.randrange(2**63), _payload()
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    at = FETCH.size + TAG_BYTES + random.randrange(len(DONE) + TAG_BYTES)
+    proxy = TamperingProxy(prefill.bootstrap_port, to_prefill=lambda seen: at)
+    fetch = decode.fetch(KVPeer("127.0.0.1", proxy.port, room), _expect(payload))
+    assert _wait(fetch) is TransferStatus.DONE and fetch.payload() == payload  # it read them, then said so
+    assert _wait(offer) is TransferStatus.FAILED and "did not confirm reading the pages" in offer.error
+    assert proxy.flipped.is_set() and held == []
+
+
+def test_pages_not_read_in_time_are_withdrawn(staged, monkeypatch, seed):
+    prefill, decode = staged
+    held = _exposures(monkeypatch, prefill)
+    monkeypatch.setattr(prefill, "read_timeout", 0.3)
+    room, payload = random.randrange(2**63), _payload()
+    offer = prefill.offer(room)
+    offer.publish(payload)
+    read = decode._read
+
+    def late(*args):
+        _wait(offer)  # the prefill gave up on this reader
+        read(*args)
+
+    monkeypatch.setattr(decode, "_read", late)
+    fetch = decode.fetch(_peer(prefill, room), _expect(payload))
+    assert _wait(offer) is TransferStatus.FAILED and held == []
+    if decode.library == "Mooncake":  # its server reads registered buffers only (UCX's shared-memory
+        # transports, NIXL's here, read a withdrawn buffer still: a NIXL peer is trusted with more than its pages)
+        assert _wait(fetch) is TransferStatus.FAILED and "Mooncake read" in fetch.error
