@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation served: a prefill and a decode `engine serve` behind
 `engine gateway --pd-disaggregation` (SGLang's smg drives SGLang's bootstrap protocol), on
-tiny-qwen3-py and tiny-dsv4-py over the tcp transport, tiny-qwen3-py over nixl where installed and
-over cuda_ipc on a GPU (two engine processes sharing it).
+tiny-qwen3-py and tiny-dsv4-py over the tcp transport and over mooncake where its Transfer Engine
+loads, tiny-qwen3-py over nixl where installed and over cuda_ipc on a GPU (two engine processes
+sharing it).
 Greedy answers equal a single engine's; bootstrap fields are checked at the edge and a room in
 use is refused on the prefill server; a decode whose prefill never sends computes the prompt itself
 (counted) and answers as a single engine does; a killed prefill fails its requests through the
@@ -20,10 +21,13 @@ pytest.importorskip("smg", reason="engine gateway needs the gateway extra: pip i
 import openai  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.plugins.mooncake_kv import mooncake_kv_reasons  # noqa: E402
 from live_gateway import LiveGateway  # noqa: E402
 from live_server import API_KEY, LiveServer, free_port  # noqa: E402
 
 MAX_TOKENS = 6
+NO_MOONCAKE = mooncake_kv_reasons(None)
+MOONCAKE = pytest.mark.skipif(bool(NO_MOONCAKE), reason="; ".join(NO_MOONCAKE))
 TIMEOUT_S = 4  # --disaggregation-timeout: how long a room waits for its other side
 PROMPTS = ["def fibonacci(n):", "import os\nimport"]
 
@@ -32,6 +36,8 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport"]
     ("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp"),
     pytest.param(("tiny-qwen3-py", "nixl"), marks=pytest.mark.skipif(
         importlib.util.find_spec("nixl") is None, reason="nixl is not installed (pip install 'engine[nixl]')")),
+    pytest.param(("tiny-qwen3-py", "mooncake"), marks=MOONCAKE),
+    pytest.param(("tiny-dsv4-py", "mooncake"), marks=MOONCAKE),
     pytest.param(("tiny-qwen3-py", "cuda_ipc"), marks=pytest.mark.gpu)])
 def pd(request, shared_dir, tmp_path_factory):
     name, transport = request.param

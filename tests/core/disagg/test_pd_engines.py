@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation between two engines in this process over the tcp transport
-(loopback), over nixl where it is installed and over cuda_ipc on a GPU: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
+(loopback), over nixl where it is installed, over mooncake where its Transfer Engine loads and over
+cuda_ipc on a GPU: greedy output equal to a colocated engine on tiny-qwen3-py and tiny-dsv4-py, every
 page back afterwards; an aborted request gives its pages back on both sides; a room in use is
 refused on the prefill engine; a transfer that fails (a prefill engine that dies mid-page, sends a
 corrupt page, refuses, is not one, or is gone) is counted and the decode engine computes the prompt
@@ -13,6 +14,7 @@ import logging
 import random
 import re
 import socket
+import sys
 import time
 
 import pytest
@@ -26,6 +28,7 @@ from engine.core.errors import InvalidRequest
 from engine.core.registry import SelectionError
 from engine.core.families.kv_transport import KVPeer
 from engine.core.sampling_params import SamplingParams
+from engine.plugins.mooncake_kv import mooncake_kv_reasons
 from fake_prefill import FakePrefill
 
 MAX_TOKENS = 8
@@ -87,11 +90,15 @@ def assert_idle(engine: EngineCore) -> None:
 
 NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                           reason="nixl is not installed (pip install 'engine[nixl]')")
+NO_MOONCAKE = mooncake_kv_reasons(None)
+MOONCAKE = pytest.mark.skipif(bool(NO_MOONCAKE), reason="; ".join(NO_MOONCAKE))
 OVER_TCP = [("tiny-qwen3-py", "tcp"), ("tiny-dsv4-py", "tcp")]
 
 
 @pytest.fixture(scope="module", params=OVER_TCP + [pytest.param(("tiny-qwen3-py", "nixl"), marks=NIXL),
                                                    pytest.param(("tiny-dsv4-py", "nixl"), marks=NIXL),
+                                                   pytest.param(("tiny-qwen3-py", "mooncake"), marks=MOONCAKE),
+                                                   pytest.param(("tiny-dsv4-py", "mooncake"), marks=MOONCAKE),
                                                    pytest.param(("tiny-qwen3-py", "cuda_ipc"), marks=pytest.mark.gpu)],
                 ids=lambda p: "-".join(p))
 def engines(request, shared_dir):
@@ -198,9 +205,12 @@ def test_a_failed_transfer_is_computed_here_with_the_colocated_answer(engines, f
 
 @pytest.mark.parametrize("backend,why", [("cuda_ipc", "needs NVIDIA GPUs of one node"),
                                          ("nixl", r"nixl package is not installed \(pip install 'engine\[nixl\]'\)"),
-                                         ("mooncake", "'mooncake' is not registered")])
-def test_a_transport_that_cannot_serve_here_is_refused_with_the_reason(shared_dir, backend, why):
+                                         ("mooncake", r"mooncake package is not installed \(pip install 'engine\[mooncake\]'\)"
+                                                      "|Mooncake's Transfer Engine does not load here"),
+                                         ("mori", "'mori' is not registered")])
+def test_a_transport_that_cannot_serve_here_is_refused_with_the_reason(shared_dir, backend, why, monkeypatch):
     if {"cuda_ipc": torch.cuda.is_available(), "nixl": importlib.util.find_spec("nixl") is not None}.get(backend):
         pytest.skip(f"{backend} can serve here")
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # an engine that does not load (no libibverbs)
     with pytest.raises(SelectionError, match=why):
         _engine(shared_dir / "models" / "tiny-qwen3-py", mode="decode", transfer_backend=backend)
