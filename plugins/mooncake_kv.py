@@ -16,6 +16,7 @@ imports its hook).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 from ..core.hookspecs import hookimpl
@@ -28,7 +29,7 @@ def mooncake_kv_reasons(ctx) -> list[str]:
     if importlib.util.find_spec("mooncake") is None:
         return ["the mooncake package is not installed (pip install 'engine[mooncake]')"]
     try:
-        import mooncake.engine  # noqa: F401  (its shared libraries: libibverbs at least)
+        importlib.import_module("mooncake.engine")  # its shared libraries load (libibverbs at least)
     except ImportError as exc:
         return [f"Mooncake's Transfer Engine does not load here: {exc}"]
     return []

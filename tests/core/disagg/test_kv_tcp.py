@@ -1,8 +1,11 @@
 """The tcp KV transport on its own, the nixl one (the same control plane, pages moved by a
 NIXL READ over UCX) where nixl is installed, the mooncake one (a Mooncake Transfer Engine read over
 its TCP protocol) where its engine loads, and the cuda_ipc one between two engines of one process
-(the pages lent in memory, no IPC handle: CUDA opens none in the process that made it): pages move whole (only those past the ones the fetcher holds),
-and what is forged, stale or withdrawn is refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time)."""
+(the pages lent in memory, no IPC handle: CUDA opens none in the process that made it): pages move
+whole (only those past the ones the fetcher holds), and what is forged, stale or withdrawn is
+refused (a wrong secret, another prompt, an unknown or aborted room, pages nobody fetched in time).
+The transports moving a staged buffer (nixl, mooncake) also refuse a descriptor or DONE tampered in
+transit and withdraw the buffer, confirmed or not."""
 
 from __future__ import annotations
 
