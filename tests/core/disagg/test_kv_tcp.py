@@ -33,9 +33,11 @@ NO_MOONCAKE = mooncake_kv_reasons(None)
 TIMEOUT = 1.5
 
 
-def _transport(mode: str, secret: str = "s3cret", kind: type[TcpTransport] = TcpTransport) -> TcpTransport:
+def _transport(mode: str, secret: str = "s3cret", kind: type[TcpTransport] = TcpTransport,
+               plugin_options: dict | None = None) -> TcpTransport:
     cfg = DisaggConfig(mode=mode, bootstrap_port=0, secret=secret, timeout=TIMEOUT, transfer_backend=kind.name)
-    return kind(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg, device=None),
+    return kind(SimpleNamespace(engine_config=SimpleNamespace(disaggregation=cfg, device=None,
+                                                              plugin_options=plugin_options),
                                 platform=SimpleNamespace(torch_device="cpu")))
 
 
@@ -250,3 +252,25 @@ def test_pages_not_read_in_time_are_withdrawn(staged, monkeypatch, seed):
     if decode.library == "Mooncake":  # its server reads registered buffers only (UCX's shared-memory
         # transports, NIXL's here, read a withdrawn buffer still: a NIXL peer is trusted with more than its pages)
         assert _wait(fetch) is TransferStatus.FAILED and "Mooncake read" in fetch.error
+
+
+@pytest.mark.skipif(bool(NO_MOONCAKE), reason="; ".join(NO_MOONCAKE))
+def test_mooncake_takes_the_settings_the_storage_tier_takes(monkeypatch, seed):
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    prefill = _transport("prefill", kind=MooncakeTransport)  # the environment's name
+    decode = _transport("decode", kind=MooncakeTransport, plugin_options={"mooncake": {"local_hostname": "localhost"}})
+    astray = _transport("prefill", kind=MooncakeTransport,
+                        plugin_options={"mooncake": {"local_hostname": "nowhere.invalid"}})
+    try:
+        assert prefill.session.startswith(b"127.0.0.1:") and decode.session.startswith(b"localhost:")
+        for source, fails in ((prefill, False), (astray, True)):  # the reader goes where the prefill's name says
+            room, payload = random.randrange(2**63), _payload()
+            source.offer(room).publish(payload)
+            fetch = decode.fetch(_peer(source, room), _expect(payload))
+            if fails:
+                assert _wait(fetch) is TransferStatus.FAILED and "nowhere.invalid" in fetch.error
+            else:
+                assert _wait(fetch) is TransferStatus.DONE and fetch.payload() == payload
+    finally:
+        prefill.close()
+        astray.close()
