@@ -149,17 +149,17 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr,
                          BLOCK_M, BLOCK_K, HAS_RESIDUAL, EVEN_K)
     acc = _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_ptr + rows[:, None] * stride_wn, M, K, stride_xm,
                         stride_rm, rk0, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, ROUND_BEFORE_WEIGHT)
-    out_ty = out_ptr.dtype.element_ty
+    ty = x_ptr.dtype.element_ty  # the product's dtype; out_ptr's, or fp32 that holds its values (logits)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         up = _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_ptr + (rows + N)[:, None] * stride_wn, M, K, stride_xm,
                            stride_rm, rk0, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, NORM, HAS_RESIDUAL, ROUND_BEFORE_WEIGHT)
-        gate = acc.to(out_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-        acc = act * up.to(out_ty).to(tl.float32)
+        gate = acc.to(ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+        acc = act * up.to(ty).to(tl.float32)
     rm = tl.arange(0, BLOCK_M)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ty),
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(ty).to(out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -175,11 +175,13 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T (+ bias) -> [..., N] in x's dtype; with
     ``silu_mul`` weight is a gate/up projection [2I, K] and the result silu(gate) * up [..., I].
-    ``config`` overrides the tuning table (the tuning sweep passes each candidate)."""
-    return _launch(x, weight, bias, silu_mul, config, out, None)[0]
+    ``out_dtype`` fp32: the same values (rounded to x's dtype) stored in fp32, as an LM head's
+    logits go to the sampler. ``config`` overrides the tuning table (the tuning sweep passes each candidate)."""
+    return _launch(x, weight, bias, silu_mul, config, out, None, out_dtype or x.dtype)[0]
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -191,12 +193,13 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match hidden size {x.shape[-1]}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} does not match x {tuple(x.shape)}")
-    return _launch(x, weight, None, silu_mul, config, None, (residual, norm_weight, eps))
+    return _launch(x, weight, None, silu_mul, config, None, (residual, norm_weight, eps), x.dtype)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             config: GemvConfig | None, out: torch.Tensor | None,
-            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], weight.shape[0] // (2 if silu_mul else 1)
@@ -206,7 +209,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     if silu_mul and (weight.shape[0] % 2 or bias is not None):
         raise ValueError("a gate/up projection has an even number of rows and no bias")
     x2, weight = unit_inner_stride(x2, weight)
-    out2 = output_for(m, n, x.dtype, x.device, None if out is None else out.view(m, n))
+    out2 = output_for(m, n, out_dtype, x.device, None if out is None else out.view(m, n))
     residual, norm_weight, eps = norm or (None, None, 0.0)
     res2 = None if residual is None else unit_inner_stride(residual.reshape(-1, k))[0]
     summed = x2 if res2 is None else torch.empty_like(x2)

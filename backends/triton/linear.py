@@ -48,6 +48,11 @@ class TritonLinear(LinearBackend):
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
 
+    def logits(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "dense" and self._gemv_serves(x, w):
+            return gemv.gemv(x, w.data, w.bias, out_dtype=torch.float32)  # rounded to x's dtype, stored as fp32
+        return super().logits(x, w)
+
     def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         if w.scheme != "dense" or w.data.dtype != x.dtype:
             return super().grouped(x, w)  # which names what is wrong, or rounds the weight to x's dtype

@@ -115,7 +115,8 @@ def _check_streams(streams: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"streams must be [T, n, D], not {list(streams.shape)}")
     if not 1 <= streams.shape[1] <= MAX_STREAMS:
         raise ValueError(f"streams: n = {streams.shape[1]} streams; the kernels take 1 to {MAX_STREAMS}")
-    return streams if streams.stride(2) == 1 and streams.stride(1) == streams.shape[2] else streams.contiguous()
+    # a stride of 0 between streams (one row a token, expanded) is read as it is: no copy, no launch
+    return streams if streams.stride(2) == 1 and streams.stride(1) in (0, streams.shape[2]) else streams.contiguous()
 
 
 def _check_weights(w: MixWeights, streams: torch.Tensor, head: bool) -> None:
@@ -220,13 +221,13 @@ def _first(streams: torch.Tensor, w: MixWeights, norm: tuple[torch.Tensor, float
     streams = _check_streams(streams)
     _check_weights(w, streams, head=head)
     cfg = config_for(MIX, streams.device)
-    t, n, d = streams.shape
+    t = streams.shape[0]
     launch = partials_launch(streams, w.fn, cfg.partials)
     out, ((x, post, comb, weight), scalars), shape = _mixes(streams, w, norm, cfg, head, launch.grid[1])
     if t:
         streams_, fn, mix, ss, *sizes = launch.args
         pre_kernel[launch.grid](streams_, fn, mix, ss, arrival_counters(streams.device, launch.grid[0]),
-                                w.base.float(), w.scale.float(), x, post, comb, weight, *sizes, d, streams.stride(1),
+                                w.base.float(), w.scale.float(), x, post, comb, weight, *sizes, streams.stride(1),
                                 x.stride(0), *scalars, **shape, **launch.shape, **launch_options(streams.device))
     return out
 

@@ -97,13 +97,13 @@ def pre_kernel(streams_ptr, fn_ptr, mix_ptr, ss_ptr, counters_ptr, base_ptr, sca
                norm_eps, hc_eps, iters, eps,
                N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                SPLITS: tl.constexpr, TOKEN_BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr,
-               ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr):
+               ROUND_BEFORE_WEIGHT: tl.constexpr, BROADCAST: tl.constexpr, PDL: tl.constexpr):
     """A pre (or the head) with no post before it, a model's first: program (token block, split of
     K = N * D) writes its partials of the streams in memory; the block's last program to arrive then
-    mixes its tokens."""
+    mixes its tokens. BROADCAST: every stream of a token is one row (stride_si 0), the embedding's."""
     wait_for_prior(PDL)
-    partials_block(streams_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_st, stride_fn, BLOCK_T,
-                   BLOCK_K, MP)
+    partials_block(streams_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_st, stride_fn, D, BLOCK_T,
+                   BLOCK_K, MP, BROADCAST)
     _mix_on_arrival(counters_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, streams_ptr, x_ptr, next_post_ptr,
                     next_comb_ptr, norm_ptr, T, D, stride_st, stride_si, stride_xt, norm_eps, hc_eps, iters, eps, N,
                     NP, MP, BLOCK_T, SPLITS, TOKEN_BLOCK_D, HEAD, NORM, ROUND_BEFORE_WEIGHT)

@@ -69,11 +69,12 @@ def _store(mix_ptr, ss_ptr, acc, ss, split, rt, T, MP: tl.constexpr):
 
 
 @triton.jit
-def partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
+def partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn, D,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, BROADCAST: tl.constexpr):
     """Tokens of block ``program_id(0)``, split ``program_id(1)`` of K: x [T, K] @ fn [M, K].T ->
     mix [split, T, MP] and the sum of x^2 -> ss [split, T], both fp32. Columns past M reread fn's
-    last row; nothing reads them."""
+    last row; nothing reads them. BROADCAST: x is one row of D a token, every stream of K = N * D
+    that row (a model's first streams, the embedding's row spread over them, never written out)."""
     split = tl.program_id(1)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = tl.minimum(rt, T - 1).to(tl.int64)  # rows past T reread the last one; they are not stored
@@ -84,7 +85,11 @@ def partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         rk = k0 + rk0
-        x = tl.load(x_ptr + rows[:, None] * stride_x + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        if BROADCAST:
+            cols = rk % D
+        else:
+            cols = rk
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=rk[None, :] < K, other=0.0)
         w = tl.load(fn_ptr + rm[None, :] * stride_fn + rk[:, None], mask=rk[:, None] < K, other=0.0).to(tl.float32)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
@@ -93,11 +98,13 @@ def partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_
 
 
 @triton.jit
-def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
+def mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn, D,
+                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, BROADCAST: tl.constexpr,
+                        PDL: tl.constexpr):
     """``partials_block`` as a launch of its own."""
     wait_for_prior(PDL)
-    partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn, BLOCK_T, BLOCK_K, MP)
+    partials_block(x_ptr, fn_ptr, mix_ptr, ss_ptr, T, M, K, k_per_split, stride_x, stride_fn, D, BLOCK_T, BLOCK_K, MP,
+                   BROADCAST)
 
 
 @triton.jit
@@ -194,19 +201,19 @@ class ProductLaunch(NamedTuple):
 
 
 def partials_launch(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) -> ProductLaunch:
-    """What ``partials_block`` is launched with for streams [T, n, D] (unit stride within a token)
-    and fn [M, n * D]."""
-    t, k = streams.shape[0], streams.shape[1] * streams.shape[2]
-    block_t, k_per_split, splits = _grid(t, k, cfg.block_k, cfg)
+    """What ``partials_block`` is launched with for streams [T, n, D] (unit stride within a token,
+    or a stride of 0 between its streams: one row each) and fn [M, n * D]."""
+    t, n, d = streams.shape
+    block_t, k_per_split, splits = _grid(t, n * d, cfg.block_k, cfg)
     fn, partials = _with_buffers(fn, splits, t)
-    args = (streams, fn, *partials, t, fn.shape[0], k, k_per_split, streams.stride(0), fn.stride(0))
-    shape = dict(BLOCK_T=block_t, BLOCK_K=cfg.block_k, MP=partials.mix.shape[2], num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages)
+    args = (streams, fn, *partials, t, fn.shape[0], n * d, k_per_split, streams.stride(0), fn.stride(0), d)
+    shape = dict(BLOCK_T=block_t, BLOCK_K=cfg.block_k, MP=partials.mix.shape[2],
+                 BROADCAST=n > 1 and streams.stride(1) == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ProductLaunch((triton.cdiv(t, block_t), splits), args, shape, None, partials)
 
 
 def mix_partials(streams: torch.Tensor, fn: torch.Tensor, cfg: ProductConfig) -> Partials:
-    """The partials of streams [T, n, D] (unit stride within a token) and fn [M, n * D], one launch."""
+    """The partials of streams [T, n, D] (as ``partials_launch`` takes them) and fn [M, n * D], one launch."""
     launch = partials_launch(streams, fn, cfg)
     if streams.shape[0]:
         mix_partials_kernel[launch.grid](*launch.args, **launch.shape, **launch_options(streams.device))

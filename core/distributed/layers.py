@@ -102,7 +102,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(ColumnParallelLinear):
-    """Logits of the rank's vocabulary slice, gathered: every rank ends with all of them."""
+    """Logits of the rank's vocabulary slice in fp32 (the linear backend's ``logits``), gathered:
+    every rank ends with all of them."""
 
     def __init__(self, hidden: int, vocab: int, backend: LinearBackend, group: ParallelGroup, *,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -110,4 +111,4 @@ class ParallelLMHead(ColumnParallelLinear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(super().forward(x), dim=-1)
+        return self.group.all_gather(self.backend.logits(x, self.linear_weight), dim=-1)

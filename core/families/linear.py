@@ -71,6 +71,11 @@ class LinearBackend(ABC):
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         """x [..., K] @ w.T -> [..., N] in x's dtype."""
 
+    def logits(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        """An LM head: ``apply`` (its values rounded to x's dtype) as fp32 logits [..., N], which the
+        sampler reads; a backend may write them in fp32 from its product, so the cast costs no launch."""
+        return self.apply(x, w).float()
+
     # A GEMM and the elementwise op before or after it, which a backend may run as one launch; where
     # it does not, the norm family's backend (``ops``) runs the op.
 

@@ -47,7 +47,8 @@ class MHCBackend(ABC):
     @abstractmethod
     def pre(self, streams: torch.Tensor, w: MixWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> (sublayer input [T, D] in streams' dtype, post [T, n] fp32,
-        comb [T, n, n] fp32, doubly stochastic by Sinkhorn-Knopp)."""
+        comb [T, n, n] fp32, doubly stochastic by Sinkhorn-Knopp). A model's first streams come as a
+        view of one row a token expanded over the n streams (stride 0), which every method takes."""
 
     @abstractmethod
     def post(self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -160,7 +160,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(batch, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # fp32
 
     def resolve(self, name: str) -> Target | None:
         """Checkpoint name -> parameter (and row range of a fused projection); an FP8 weight's

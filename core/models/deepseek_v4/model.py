@@ -148,7 +148,9 @@ class Decoder(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous())
+        # the embedding's row as every stream, a view (stride 0 across the streams): the first
+        # sublayer's pre reads it so, and the post after it writes the streams out
+        state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1))
         meta = self.attention.prepare(batch, kv)
         share = StepShare(ngram_ids=None if self.ngrams is None else self.ngrams(batch, kv))
         kept = []
@@ -224,7 +226,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.model(batch, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+        return self.head(hidden)  # fp32
 
     def layer_feature_size(self) -> int:
         return self.model.hc_mult * self.config.hf["hidden_size"]  # every residual stream

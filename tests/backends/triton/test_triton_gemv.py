@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aot import GRID_DEPENDENCY, TARGETS, amdgcn_target, compile_asm, pdl
+from aot import GRID_DEPENDENCY, TARGETS, amd_scratch_and_lds, amdgcn_target, compile_asm, local_memory_ops, pdl
 
 from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, gemv, gemv_kernel, norm_gemv
 from engine.backends.triton.linear import TritonLinear
@@ -194,6 +194,30 @@ def test_norm_linear_keeps_the_norm_in_the_gemv_up_to_max_rows_interpreted(seed,
     assert _rel(got, want) < TOL[torch.float16] and torch.equal(got_sum, want_sum)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,bias", [(1, False), (3, True)])
+def test_logits_written_in_fp32_by_the_gemv_interpreted(seed, dtype, m, bias):
+    """An LM head's logits: the GEMV stores its product rounded to x's dtype as fp32, equal to the
+    bit to the product in x's dtype cast after it (the launch that saves), and near the native's."""
+    x = torch.randn(m, 96, dtype=dtype)
+    w = LinearWeight((torch.randn(72, 96) / 96**0.5).to(dtype), bias=torch.randn(72, dtype=dtype) if bias else None)
+    got = CPUGemvLinear(None).logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, 72)
+    assert torch.equal(got, CPUGemvLinear(None).apply(x, w).float())  # the GEMV at one row, F.linear at more
+    assert _rel(got, NativeLinear(None).logits(x, w)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_logits_written_in_fp32_by_the_gemv_gpu(seed, m):
+    """At Qwen3's vocabulary (151936 rows of 1024): the logits' fp32 store equals the cast after the bf16 one."""
+    x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+    w = LinearWeight((torch.randn(151936, 1024, device="cuda") / 32).to(torch.bfloat16))
+    got = TritonLinear(None).logits(x, w)
+    assert got.dtype == torch.float32 and torch.equal(got, gemv(x, w.data).float())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS + 1, 64])
 def test_triton_linear_matches_native_at_decode_rows(seed, m):
@@ -247,3 +271,24 @@ def test_gemv_compiles(target, rows, silu_mul, norm):
         assert all(op in ptx for op in GRID_DEPENDENCY)
     else:
         assert target in amdgcn_target(asm["amdgcn"])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("rows", [1, 8])
+def test_logits_gemv_compiles(target, rows):
+    """An LM head's GEMV (V4-Flash's hidden 4096) storing fp32 logits: the product rounded to bf16
+    before the store, as the cast after a bf16 store rounded it, in registers (no spills, no scratch)."""
+    cfg = pick(GEMV, target).for_shape(rows, 4096)
+    asm = compile_asm(gemv_kernel, dict(SIGNATURE, out_ptr="*fp32"),
+                      dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, NORM=False, HAS_RESIDUAL=False,
+                           ROUND_BEFORE_WEIGHT=False, PDL=pdl(target)),
+                      target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"], sass=target.startswith("sm_"))
+    if target.startswith("sm_"):
+        assert re.search(r"cvt\.rn\.bf16(x2)?\.f32", asm["ptx"]) and "st.global.b32" in asm["ptx"]
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert target in amdgcn_target(asm["amdgcn"])
+        assert amd_scratch_and_lds(asm)[0] == 0

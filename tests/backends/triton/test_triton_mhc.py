@@ -221,6 +221,33 @@ def test_mhc_reads_strided_streams_interpreted(seed, poisoned):
     _check_post(wide[:, :4], post, comb)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,t,n,d", [(torch.float16, 3, 4, 256), (torch.float32, 18, 3, 40)])
+def test_mhc_reads_one_row_as_every_stream_interpreted(seed, poisoned, dtype, t, n, d):
+    """A model's first streams: the embedding's row expanded over the streams (stride 0), read as
+    it is by the first pre (one launch or two, with the norm or the head) and by the post after it,
+    each result equal to the bit to that of the streams copied out, and the pre to the oracle's."""
+    row = (torch.randn(t, d) * 4).to(dtype)
+    shared, copied = row.unsqueeze(1).expand(-1, n, -1), row.unsqueeze(1).repeat(1, n, 1)
+    assert shared.stride(1) == 0
+    w, head, g = _weights(n, d, (2 + n) * n, 3, "cpu"), _weights(n, d, n, 1, "cpu"), _norm_weight(d, dtype, "cpu")
+    ops = NativeNorm(None)
+    triton_mhc = mhc.TritonMHC(None)
+    got = triton_mhc.pre_norm(shared, w, g, 1e-6, ops)
+    assert all(torch.equal(a, b) for a, b in zip(got, triton_mhc.pre_norm(copied, w, g, 1e-6, ops)))
+    assert all(torch.equal(a, b) for a, b in zip(mhc.two_launch_pre(shared, w, (g, 1e-6)),
+                                                 mhc.two_launch_pre(copied, w, (g, 1e-6))))
+    assert torch.equal(mhc.mhc_head(shared, head), mhc.mhc_head(copied, head))
+    want = ORACLE.pre_norm(shared, w, g, 1e-6, ops)
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, **MIX_TOL)
+    block_out = torch.randn(t, d).to(dtype)
+    new = triton_mhc.post_pre_norm(block_out, shared, got[1], got[2], w, g, 1e-6, ops)
+    assert all(torch.equal(a, b)
+               for a, b in zip(new, triton_mhc.post_pre_norm(block_out, copied, got[1], got[2], w, g, 1e-6, ops)))
+
+
 def test_mhc_names_the_field_of_bad_input():
     streams = torch.zeros(2, 4, 32)
     with pytest.raises(ValueError, match="MixWeights.fn"):
@@ -367,7 +394,8 @@ def _signature(x: str) -> dict:
         "first": {k: first[k] for k in mhc_boundary.pre_kernel.arg_names if k in first},
         "post": post,
         "partials": {"x_ptr": f"*{x}", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "ss_ptr": "*fp32", "T": "i32",
-                     "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32"},
+                     "M": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_fn": "i32",
+                     "D": "i32"},
         "pre": per_token,
         "head": {k: v for k, v in per_token.items() if k not in ("post_ptr", "comb_ptr", "iters")},
     }
@@ -390,12 +418,13 @@ def test_mhc_compiles(target):
     matrix units, the norm's reciprocal root, post * block_out rounded before the sum, and the post
     that writes the next pre's partials (at a decode step's 16-token block and at the table's block)
     in registers alone where the table was chosen (sm_90; AMD: no scratch), with 16-byte stores of
-    the new streams at the table's block."""
+    the new streams at the table's block; a model's first pre also reading one row as every stream."""
     sig, cfg = _signature("bf16"), pick(mhc.MIX, target)
     token = dict(N=4, NP=4, SPLITS=128, BLOCK_D=cfg.block_d)
     post = dict(N=4, NP=4, MP=32, BLOCK_D=cfg.post.block_k // 4)
     asm = {"partials": _compile(mhc_partials.mix_partials_kernel, sig["partials"],
-                                {"BLOCK_T": cfg.partials.block_t, "BLOCK_K": cfg.partials.block_k, "MP": 32}, target,
+                                {"BLOCK_T": cfg.partials.block_t, "BLOCK_K": cfg.partials.block_k, "MP": 32,
+                                 "BROADCAST": False}, target,
                                 cfg.partials),
            "pre": _compile(mhc.pre_mix_kernel, sig["pre"], {**token, "MP": 32, "NORM": False,
                                                             "ROUND_BEFORE_WEIGHT": False}, target),
@@ -421,10 +450,10 @@ def test_mhc_compiles(target):
                                         {"N": 4, "NP": 4, "MP": 16 if tail == "head" else 32, "BLOCK_T": 16,
                                          "BLOCK_K": cfg.partials.block_k, "SPLITS": 128,
                                          "TOKEN_BLOCK_D": cfg.boundary_block_d, "HEAD": tail == "head", "NORM": True,
-                                         "ROUND_BEFORE_WEIGHT": False}, target, cfg.partials,
-                                        sass=target.startswith("sm_"))
-              for tail in ("pre", "head")}}
-    boundaries = ("boundary_pre", "boundary_head", "first_pre", "first_head")
+                                         "ROUND_BEFORE_WEIGHT": False, "BROADCAST": tail == "pre_broadcast"},
+                                        target, cfg.partials, sass=target.startswith("sm_"))
+              for tail in ("pre", "head", "pre_broadcast")}}  # broadcast: the embedding's row as every stream
+    boundaries = ("boundary_pre", "boundary_head", "first_pre", "first_head", "first_pre_broadcast")
     if target.startswith("sm_"):
         assert all(f".target {target}a" in a["ptx"] for a in asm.values())
         assert all("mma" in asm[k]["ptx"] for k in ("partials", "post_pre", "post_pre_prefill"))
