@@ -74,8 +74,8 @@ class TritonV4Attention(V4AttentionBackend):
 
     def store_and_compress(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
                            comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
-                           meta: TritonV4Metadata) -> None:
-        compress(kv_proj, gate_proj, comp, layer, kv, batch, meta, window=kv_new)  # one launch
+                           meta: TritonV4Metadata, indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        compress(kv_proj, gate_proj, comp, layer, kv, batch, meta, window=kv_new, indexer=indexer)  # one launch
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: TritonV4Metadata, candidates: torch.Tensor | None = None) -> torch.Tensor:

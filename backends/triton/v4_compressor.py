@@ -30,6 +30,9 @@ as a GEMM, and ``index_key_kernel`` normalises, rotates and keeps each key as th
 Given the layer's window KV too (``compress(..., window=)``), the launch has a second program per
 token, (t, 1), which stores token t's window row as v4_window.py's store does, so the layer's
 window store costs no launch of its own (and, a program apart, no registers of the pooling's).
+Given a CSA layer's indexer projections too (``compress(..., indexer=)``), one more program per
+token runs the indexer's compressor (same rate, overlapping windows and rope, its own width, head
+dim, cache layers and E4M3 keys) as its own launch would, so the two compressors share a launch.
 """
 
 from __future__ import annotations
@@ -146,82 +149,121 @@ def _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride
 
 
 @triton.jit
+def _compress_token(
+    t, kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr,
+    sin_ptr, positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr,
+    latent_ptr, eps, stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_entry_scale, stride_ape,
+    stride_cos, stride_pt, stride_latent,
+    WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
+    OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
+    QUANTIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr, HAS_APE: tl.constexpr, LATENT: tl.constexpr,
+):
+    """Token t of one compression: its projections stored, and the entry of the window it closes."""
+    dt = kv_cache_ptr.dtype.element_ty
+    cw = tl.arange(0, BLOCK_W)
+    w_mask = cw < WIDTH
+    kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
+    if GATED:
+        slot = tl.load(window_slots_ptr + t)
+        gate_row = tl.load(gate_ptr + t * stride_gate + cw, mask=w_mask)
+        tl.store(kv_cache_ptr + slot * stride_kvc + cw, kv_row.to(dt), mask=w_mask)
+        tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
+
+    p = tl.load(positions_ptr + t)
+    s = tl.load(token_seq_ptr + t).to(tl.int64)  # beside p, not after it: one round trip less to a pooling
+    pages = page_table_ptr + s * stride_pt
+    ch = tl.arange(0, BLOCK_D)
+    ch_mask = ch < HEAD_DIM
+    if not GATED:  # BLOCK_W == BLOCK_D: the row is the entry's channels, in the projection's dtype
+        normed = _rms_normed(tl.where(ch_mask, kv_row.to(tl.float32), 0.0), norm_ptr, ch, ch_mask, eps,
+                             kv_row.dtype, HEAD_DIM)
+        if LATENT:
+            tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
+        _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
+              stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
+    elif (p + 1) % RATE == 0:
+        w = (p + 1) // RATE - 1
+        row0 = tl.load(query_start_ptr + s).to(tl.int64)
+        ctx = p - (t - row0)  # the sequence's first position in this step
+        first_q = (w - OVERLAP) * RATE
+
+        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_D], tl.float32)
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):  # a loop, not unrolled: unrolled tiles spill registers
+            g, rows, slots, fresh, cached, cols = _gate_tile(
+                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE,
+                HAS_APE)
+            m_new = tl.maximum(m, tl.max(g, axis=0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of absent slots adds nothing
+            total = total * tl.exp(m - base) + tl.sum(tl.exp(g - base[None, :]), axis=0)
+            m = m_new
+        base = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j0 in range(0, NUM_SLOTS, BLOCK_S):
+            g, rows, slots, fresh, cached, cols = _gate_tile(
+                gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
+                j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE,
+                HAS_APE)
+            kv = _load_slots(kv_ptr, stride_kv, kv_cache_ptr, stride_kvc, rows, slots, fresh, cached, cols, ch_mask)
+            weight = (tl.exp(g - base[None, :]) / total[None, :]).to(dt).to(tl.float32)
+            acc += tl.sum((kv.to(tl.float32) * weight).to(dt).to(tl.float32), axis=0)
+
+        pooled = tl.where(ch_mask, acc.to(dt).to(tl.float32), 0.0)
+        normed = _rms_normed(pooled, norm_ptr, ch, ch_mask, eps, dt, HEAD_DIM)
+        if LATENT:
+            tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
+        _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
+              stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
+
+
+@triton.jit
 def compress_kernel(
     kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr,
     positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr, latent_ptr, eps,
     stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_entry_scale, stride_ape, stride_cos,
     stride_pt, stride_latent, win_ptr, win_norm_ptr, win_cache_ptr, stride_win, stride_wc, win_eps,
+    ix_kv_ptr, ix_gate_ptr, ix_kv_cache_ptr, ix_gate_cache_ptr, ix_entry_ptr, ix_entry_scale_ptr, ix_ape_ptr,
+    ix_norm_ptr, ix_eps, stride_ix_kv, stride_ix_gate, stride_ix_kvc, stride_ix_gc, stride_ix_entry,
+    stride_ix_entry_scale, stride_ix_ape,
     WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
     OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
     QUANTIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     GATED: tl.constexpr = True, HAS_APE: tl.constexpr = True, LATENT: tl.constexpr = False,
     WINDOW: tl.constexpr = False, WIN_DIM: tl.constexpr = 1, WIN_BLOCK: tl.constexpr = 1,
+    INDEXER: tl.constexpr = False, IX_WIDTH: tl.constexpr = 1, IX_HEAD_DIM: tl.constexpr = 1,
+    IX_QUANTIZE: tl.constexpr = False, IX_BLOCK_W: tl.constexpr = 1, IX_BLOCK_S: tl.constexpr = 1,
+    IX_BLOCK_D: tl.constexpr = 2,
 ):
     # GATED: pooled by the gate (else rate 1: the kv row is the entry, and there are no projections
     # to keep); HAS_APE: the gate's position bias; LATENT: keep each entry's latent in row t of latent_ptr;
-    # WINDOW: programs (t, 1) store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py)
+    # WINDOW: programs (t, 1) store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py);
+    # INDEXER: programs (t, 1 + WINDOW) run the CSA indexer's compression (ix_*: its own projections,
+    # cache layers, bias, norm and IX_ shape), of the same rate, overlap and rope
     t = tl.program_id(0).to(tl.int64)
-    dt = kv_cache_ptr.dtype.element_ty
+    role = tl.program_id(1)
     wait_for_prior(PDL)
-    if WINDOW and tl.program_id(1) == 1:  # a program of its own: the pooling's registers stay its own
+    if WINDOW and role == 1:  # a program of its own: the pooling's registers stay its own
         one = t + tl.arange(0, 1)
         window_rows(win_ptr, win_norm_ptr, win_cache_ptr, cos_ptr, sin_ptr, positions_ptr, window_slots_ptr, one,
                     one >= 0, stride_win, stride_wc, stride_cos, win_eps, WIN_DIM, ROPE_HALF, 1, WIN_BLOCK)
+    elif INDEXER and role == 1 + WINDOW:
+        _compress_token(t, ix_kv_ptr, ix_gate_ptr, ix_kv_cache_ptr, ix_gate_cache_ptr, ix_entry_ptr,
+                        ix_entry_scale_ptr, ix_ape_ptr, ix_norm_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr,
+                        window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr, latent_ptr, ix_eps,
+                        stride_ix_kv, stride_ix_gate, stride_ix_kvc, stride_ix_gc, stride_ix_entry,
+                        stride_ix_entry_scale, stride_ix_ape, stride_cos, stride_pt, stride_latent,
+                        IX_WIDTH, IX_HEAD_DIM, ROPE_HALF, RATE, OVERLAP, NUM_SLOTS, PAGE_SIZE, ENTRIES_PER_PAGE,
+                        IX_QUANTIZE, IX_BLOCK_W, IX_BLOCK_S, IX_BLOCK_D, GATED, HAS_APE, False)
     else:
-        cw = tl.arange(0, BLOCK_W)
-        w_mask = cw < WIDTH
-        kv_row = tl.load(kv_ptr + t * stride_kv + cw, mask=w_mask)
-        if GATED:
-            slot = tl.load(window_slots_ptr + t)
-            gate_row = tl.load(gate_ptr + t * stride_gate + cw, mask=w_mask)
-            tl.store(kv_cache_ptr + slot * stride_kvc + cw, kv_row.to(dt), mask=w_mask)
-            tl.store(gate_cache_ptr + slot * stride_gc + cw, gate_row.to(dt), mask=w_mask)
-
-        p = tl.load(positions_ptr + t)
-        s = tl.load(token_seq_ptr + t).to(tl.int64)  # beside p, not after it: one round trip less to a pooling
-        pages = page_table_ptr + s * stride_pt
-        ch = tl.arange(0, BLOCK_D)
-        ch_mask = ch < HEAD_DIM
-        if not GATED:  # BLOCK_W == BLOCK_D: the row is the entry's channels, in the projection's dtype
-            normed = _rms_normed(tl.where(ch_mask, kv_row.to(tl.float32), 0.0), norm_ptr, ch, ch_mask, eps,
-                                 kv_row.dtype, HEAD_DIM)
-            if LATENT:
-                tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
-            _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
-                  stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
-        elif (p + 1) % RATE == 0:
-            w = (p + 1) // RATE - 1
-            row0 = tl.load(query_start_ptr + s).to(tl.int64)
-            ctx = p - (t - row0)  # the sequence's first position in this step
-            first_q = (w - OVERLAP) * RATE
-
-            m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_D], tl.float32)
-            for j0 in range(0, NUM_SLOTS, BLOCK_S):  # a loop, not unrolled: unrolled tiles spill registers
-                g, rows, slots, fresh, cached, cols = _gate_tile(
-                    gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
-                    j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
-                m_new = tl.maximum(m, tl.max(g, axis=0))
-                base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of absent slots adds nothing
-                total = total * tl.exp(m - base) + tl.sum(tl.exp(g - base[None, :]), axis=0)
-                m = m_new
-            base = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.where(ch_mask, total, 1.0)  # channels past the head dim pool nothing
-            acc = tl.zeros([BLOCK_D], tl.float32)
-            for j0 in range(0, NUM_SLOTS, BLOCK_S):
-                g, rows, slots, fresh, cached, cols = _gate_tile(
-                    gate_ptr, stride_gate, gate_cache_ptr, stride_gc, ape_ptr, stride_ape, pages, window_table_ptr,
-                    j0 + tl.arange(0, BLOCK_S), first_q, row0, ctx, ch, ch_mask, RATE, HEAD_DIM, NUM_SLOTS, PAGE_SIZE, HAS_APE)
-                kv = _load_slots(kv_ptr, stride_kv, kv_cache_ptr, stride_kvc, rows, slots, fresh, cached, cols, ch_mask)
-                weight = (tl.exp(g - base[None, :]) / total[None, :]).to(dt).to(tl.float32)
-                acc += tl.sum((kv.to(tl.float32) * weight).to(dt).to(tl.float32), axis=0)
-
-            pooled = tl.where(ch_mask, acc.to(dt).to(tl.float32), 0.0)
-            normed = _rms_normed(pooled, norm_ptr, ch, ch_mask, eps, dt, HEAD_DIM)
-            if LATENT:
-                tl.store(latent_ptr + t * stride_latent + ch, normed, mask=ch_mask)
-            _keep(normed, p, pages, entry_ptr, entry_scale_ptr, cos_ptr, sin_ptr, stride_entry, stride_entry_scale,
-                  stride_cos, ch, ch_mask, HEAD_DIM, ROPE_HALF, RATE, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_D)
+        _compress_token(t, kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr,
+                        norm_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr,
+                        page_table_ptr, query_start_ptr, latent_ptr, eps, stride_kv, stride_gate, stride_kvc,
+                        stride_gc, stride_entry, stride_entry_scale, stride_ape, stride_cos, stride_pt, stride_latent,
+                        WIDTH, HEAD_DIM, ROPE_HALF, RATE, OVERLAP, NUM_SLOTS, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE,
+                        BLOCK_W, BLOCK_S, BLOCK_D, GATED, HAS_APE, LATENT)
 
 
 @triton.jit
@@ -296,56 +338,98 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class _Pooling:
+    """One compression's part of a launch: its tensors (kv and gate projections, their cache
+    layers, entries, entry scales, ape, norm weight), eps, their row strides and its shape."""
+
+    tensors: tuple[torch.Tensor, ...]
+    eps: float
+    strides: tuple[int, ...]
+    shape: dict
+    num_warps: int
+
+
+def _pooling(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression,
+             layer: V4AttentionLayer, kv: KVCache) -> _Pooling:
+    gated = comp.projections is not None
+    projections = flat(kv, comp.projections) if gated else None
+    entries, scales = entries_of(kv, comp.entries)
+    _check(kv_proj, gate_proj, comp, layer, projections, entries)
+    kv_proj = _unit_last(kv_proj)
+    gate_proj = _unit_last(gate_proj) if gated else kv_proj  # unread placeholders where there is no gate
+    kv_cache, gate_cache = projections if gated else (entries, entries)
+    ape = comp.ape if comp.ape is not None else comp.norm_weight
+    quantize = scales is not None
+    scales = scales if quantize else entries  # an unread placeholder where the entries are not E4M3
+    num_slots = 2 * comp.rate if comp.overlap else comp.rate
+    block_d, block_s, num_warps = tiles(comp.head_dim, num_slots, config_for(COMPRESS, kv_proj.device))
+    return _Pooling((kv_proj, gate_proj, kv_cache, gate_cache, entries, scales, ape, comp.norm_weight), comp.eps,
+                    tuple(x.stride(0) for x in (kv_proj, gate_proj, kv_cache, gate_cache, entries, scales, ape)),
+                    dict(WIDTH=kv_proj.shape[1], HEAD_DIM=comp.head_dim, QUANTIZE=quantize,
+                         BLOCK_W=triton.next_power_of_2(kv_proj.shape[1]), BLOCK_S=block_s, BLOCK_D=block_d),
+                    num_warps)
+
+
+def _indexer_pooling(indexer: tuple[torch.Tensor, torch.Tensor], comp: Compression, layer: V4AttentionLayer,
+                     kv: KVCache) -> _Pooling:
+    """The CSA indexer's compression beside ``comp``, the layer's: same rate, overlap and gating."""
+    ix = layer.indexer.compression if layer.indexer is not None else None
+    if ix is None or (ix.rate, ix.overlap, ix.projections is None, ix.ape is None, ix.index_key) != (
+            comp.rate, comp.overlap, comp.projections is None, comp.ape is None, None):
+        raise ValueError("indexer projections need layer.indexer.compression at the layer's compression's rate, "
+                         "overlap, gate and position bias (a CSA layer's)")
+    return _pooling(*indexer, ix, layer, kv)
+
+
 def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression, layer: V4AttentionLayer,
-             kv: KVCache, batch: ForwardBatch, meta, window: torch.Tensor | None = None) -> None:
+             kv: KVCache, batch: ForwardBatch, meta, window: torch.Tensor | None = None,
+             indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``V4AttentionBackend.compress`` for the whole step: ``meta`` gives each token's sequence
     (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
     page table (``window_table``); nothing is read back to the host. A CSA2 KV source that indexes
     (``comp.index_key``) keeps its entries' index keys too: its projection runs on the latents the
     launch leaves, then ``index_key_kernel`` keeps them. ``window`` [T, head_dim]: the layer's window
-    KV, stored in the same launch as ``V4AttentionBackend.store`` stores it."""
-    gated = comp.projections is not None
-    projections = flat(kv, comp.projections) if gated else None
-    entries, scales = entries_of(kv, comp.entries)
-    _check(kv_proj, gate_proj, comp, layer, projections, entries)
-    tokens, width = kv_proj.shape
+    KV, stored in the same launch as ``V4AttentionBackend.store`` stores it. ``indexer``: the CSA
+    indexer's (kv, gate) projections, compressed into ``layer.indexer.compression`` in the same
+    launch (programs of their own)."""
+    main = _pooling(kv_proj, gate_proj, comp, layer, kv)
+    ix = None if indexer is None else _indexer_pooling(indexer, comp, layer, kv)
+    tokens = kv_proj.shape[0]
+    if indexer is not None and indexer[0].shape[0] != tokens:
+        raise ValueError(f"the indexer's projections for {indexer[0].shape[0]} tokens beside projections of {tokens}")
     if tokens == 0:
         return
-    kv_proj = _unit_last(kv_proj)
-    gate_proj = _unit_last(gate_proj) if gated else kv_proj  # unread placeholders where there is no gate
-    kv_cache, gate_cache = projections if gated else (entries, entries)
-    ape = comp.ape if comp.ape is not None else comp.norm_weight
+    gated = comp.projections is not None
     cos, sin = layer.rope.cos, layer.rope.sin
-    head_dim, rate = comp.head_dim, comp.rate
     latent = None
     if comp.index_key is not None:  # the latent is in the dtype the entry is normalised in
-        latent = _empty((tokens, head_dim), kv_cache.dtype if gated else kv_proj.dtype, kv_proj.device)
-    num_slots = 2 * rate if comp.overlap else rate
-    block_d, block_s, num_warps = tiles(head_dim, num_slots, config_for(COMPRESS, kv_proj.device))
+        latent = _empty((tokens, comp.head_dim), main.tensors[2].dtype if gated else kv_proj.dtype, kv_proj.device)
     win_cache = None
     if window is not None:
         win_cache = flat(kv, layer.window_kv)[0]
         window = check_window(window, layer.kv_norm, win_cache)
         if window.shape[0] != tokens:
             raise ValueError(f"window KV for {window.shape[0]} tokens beside projections of {tokens}")
-    compress_kernel[(tokens, 1 if window is None else 2)](
-        kv_proj, gate_proj, kv_cache, gate_cache, entries, entries if scales is None else scales, ape,
-        comp.norm_weight, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
-        batch.page_table, batch.query_start_loc, kv_proj if latent is None else latent, comp.eps,
-        kv_proj.stride(0), gate_proj.stride(0), kv_cache.stride(0), gate_cache.stride(0), entries.stride(0),
-        0 if scales is None else scales.stride(0), ape.stride(0), cos.stride(0), batch.page_table.stride(0),
-        0 if latent is None else latent.stride(0),
+    rate = comp.rate
+    compress_kernel[(tokens, 1 + (window is not None) + (ix is not None))](
+        *main.tensors, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
+        batch.page_table, batch.query_start_loc, kv_proj if latent is None else latent, main.eps, *main.strides,
+        cos.stride(0), batch.page_table.stride(0), 0 if latent is None else latent.stride(0),
         kv_proj if window is None else window, comp.norm_weight if window is None else layer.kv_norm,
         kv_proj if window is None else win_cache, 0 if window is None else window.stride(0),
         0 if window is None else win_cache.stride(0), layer.eps,
-        WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
-        NUM_SLOTS=num_slots, PAGE_SIZE=batch.page_size, ENTRIES_PER_PAGE=-(-batch.page_size // rate),
-        QUANTIZE=scales is not None,
-        BLOCK_W=triton.next_power_of_2(width), BLOCK_S=block_s, BLOCK_D=block_d, GATED=gated,
-        HAS_APE=comp.ape is not None, LATENT=latent is not None, WINDOW=window is not None,
+        *(main if ix is None else ix).tensors, (main if ix is None else ix).eps,  # unread without the indexer
+        *(main if ix is None else ix).strides,
+        **main.shape, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
+        NUM_SLOTS=2 * rate if comp.overlap else rate, PAGE_SIZE=batch.page_size,
+        ENTRIES_PER_PAGE=-(-batch.page_size // rate), GATED=gated, HAS_APE=comp.ape is not None,
+        LATENT=latent is not None, WINDOW=window is not None,
         WIN_DIM=1 if window is None else window.shape[1],
         WIN_BLOCK=1 if window is None else triton.next_power_of_2(window.shape[1]),
-        num_warps=num_warps, enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
+        INDEXER=ix is not None, **({} if ix is None else {f"IX_{k}": v for k, v in ix.shape.items()}),
+        num_warps=max(main.num_warps, 1 if ix is None else ix.num_warps),
+        enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
         **launch_options(kv_proj.device),
     )
     if latent is not None:

@@ -5,10 +5,11 @@ shared K=V head) and, in compressed layers, pooled entries, one per ``rate`` tok
 visible entry; CSA: the ``top_k`` the lightning indexer picks). Where each component lives in the
 KV pages is core/models/deepseek_v4/cache.py's layout; a backend reads and writes them there.
 
-Per layer the model calls, in order: ``store`` (the window KV), ``compress`` for each compressor
-(its projections, and the entries of windows that close in this step), ``select`` (CSA only),
-then ``attend``. The KV and the query come raw from their projections: ``store`` and ``attend``
-run their RMSNorms, so neither costs a launch of its own. ``prepare`` runs once per step, inside
+Per layer the model calls, in order: ``store`` (the window KV) and ``compress`` for each compressor
+(its projections, and the entries of windows that close in this step), in a compressed layer as
+one ``store_and_compress``, then ``select`` (CSA only), then ``attend``. The KV and the query come
+raw from their projections: ``store`` and ``attend`` run their RMSNorms, so neither costs a launch
+of its own. ``prepare`` runs once per step, inside
 the step (so inside a captured graph), and its result is passed to every call.
 
 Masking, as the oracle (core/native/v4_attention.py) does it: a query at position p sees window
@@ -158,11 +159,14 @@ class V4AttentionBackend(ABC):
 
     def store_and_compress(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
                            comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
-                           meta: Any) -> None:
-        """``store`` of the window KV, then ``compress`` of the layer's own compressor: what a
-        compressed layer writes before it attends, which a backend may write in one pass."""
+                           meta: Any, indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``store`` of the window KV, then ``compress`` of the layer's own compressor and, given a CSA
+        layer's ``indexer`` (kv, gate) projections, of its indexer's into ``layer.indexer.compression``:
+        what a compressed layer writes before it reads, which a backend may write in one pass."""
         self.store(kv_new, layer, kv, batch, meta)
         self.compress(kv_proj, gate_proj, comp, layer, kv, batch, meta)
+        if indexer is not None:
+            self.compress(*indexer, layer.indexer.compression, layer, kv, batch, meta)
 
     @abstractmethod
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,

@@ -231,16 +231,16 @@ class Attention(nn.Module):
         p = self.x_proj(x)
         qs = self.q_proj.normed(p["wq_a"], self.q_norm)
         q = qs["wq_b"].view(-1, self.num_heads, self.head_dim)  # attend normalises each head
-        if self.compressor is not None:
+        if self.compressor is not None:  # in CSA the indexer's compressor too
+            index = None
+            if self.indexer is not None and self.indexer.compressor is not None:
+                index = (p["indexer.compressor.wkv"], p["indexer.compressor.wgate"])
             backend.store_and_compress(p["wkv"], p["compressor.wkv"], p.get("compressor.wgate"), layer.compression,
-                                       layer, kv, batch, meta)
+                                       layer, kv, batch, meta, indexer=index)
         else:
             backend.store(p["wkv"], layer, kv, batch, meta)
         picks = None
         if self.indexer is not None:
-            if self.indexer.compressor is not None:
-                backend.compress(p["indexer.compressor.wkv"], p["indexer.compressor.wgate"],
-                                 layer.indexer.compression, layer, kv, batch, meta)
             q_index = qs["indexer.wq_b"].view(-1, self.indexer.num_heads, self.indexer.head_dim)
             weights = p["indexer.weights_proj"]  # the backend scales it by num_heads^-0.5 in fp32
             if layer.indexer.candidate_blocks:

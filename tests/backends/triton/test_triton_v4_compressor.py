@@ -4,6 +4,7 @@ indexer's keys quantized to E4M3 where the compressor writes them; DeepSeek-V4.1
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from engine.backends.triton import v4_compressor
 from engine.backends.triton.target import pick
 from engine.backends.triton.v4_attention import TritonV4Attention
 from engine.backends.triton.v4_compressor import compress, compress_kernel, index_key_kernel, tiles
-from engine.core.families.v4_attention import Compression, IndexKey, V4AttentionLayer
+from engine.core.families.v4_attention import Compression, IndexerLayer, IndexKey, V4AttentionLayer
 from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import SeqView, cache_layout, entries_of, flat
@@ -53,14 +54,15 @@ class Case:
     indexer's keys in E4M3 with their scales, as beside FP8 weights. ``csa2``: a V4.1 KV source at
     ``rate`` 1 or 2 (no position bias; no gate at rate 1) that derives index keys of 16 channels.
     ``window``: the layer's window KV stored with the compression (``store_and_compress``), its
-    pages NaN but for what the step writes."""
+    pages NaN but for what the step writes. ``with_indexer``: with the window, the CSA indexer's
+    compressor too (keys of ``index_dim`` channels), in the same call."""
 
     def __init__(self, lens, head_dim, rope_dim, rate, overlap, page_size, dtype, device, act_dtype=None,
-                 indexer=False, capacity=None, fp8=False, csa2=False, window=False):
+                 indexer=False, capacity=None, fp8=False, csa2=False, window=False, with_indexer=False, index_dim=16):
         self.rate, self.page_size, self.dtype, self.device = rate, page_size, dtype, device
-        self.window = window
+        self.window = window or with_indexer
         self.act_dtype = act_dtype or dtype
-        main_dim, index_dim = (64, head_dim) if indexer else (head_dim, 16)
+        main_dim, index_dim = (64, head_dim) if indexer else (head_dim, index_dim)
         roles = [CSA2Role(rate, 0, 0, keeps_index_keys=True)] if csa2 else None
         self.specs, (parts,) = cache_layout(main_dim, [rate], [overlap], index_dim, fp8_index_keys=fp8, roles=roles)
         projections, entries = ((parts.index_projections, parts.index_keys) if indexer
@@ -83,11 +85,18 @@ class Case:
                                 ape=None if csa2 else torch.randn(rate, self.width, device=device),
                                 norm_weight=1 + 0.5 * torch.randn(head_dim, device=device), eps=1e-6,
                                 projections=projections, entries=entries, index_key=key)
-        self.written = [entries] + ([parts.index_keys] if csa2 else [])  # the per-entry layers a step writes
+        self.written = [entries] + ([parts.index_keys] if csa2 or with_indexer else [])  # the per-entry layers
+        self.ix_comp = None
+        if with_indexer:
+            self.ix_comp = Compression(rate=rate, overlap=overlap, ape=torch.randn(rate, 2 * index_dim, device=device),
+                                       norm_weight=1 + 0.5 * torch.randn(index_dim, device=device), eps=1e-6,
+                                       projections=parts.index_projections, entries=parts.index_keys)
+        self.projections = [c.projections for c in (self.comp, self.ix_comp) if c is not None and c.projections]
         self.layer = V4AttentionLayer(num_heads=1, head_dim=main_dim, window=4, sinks=torch.zeros(1, device=device),
                                       rope=rope, window_kv=parts.window,
                                       kv_norm=1 + 0.5 * torch.randn(main_dim, device=device),
-                                      eps=1e-6, compression=self.comp)
+                                      eps=1e-6, compression=self.comp,
+                                      indexer=IndexerLayer(1, index_dim, 4, self.ix_comp) if with_indexer else None)
         self.fill(lens)
 
     def fill(self, lens) -> None:
@@ -102,9 +111,14 @@ class Case:
         if not self.gated:
             self.gate_proj = None
         self.kv_new = torch.randn(sum(new), self.layer.head_dim, device=self.device).to(self.act_dtype)
+        self.indexer_proj = None
+        if self.ix_comp is not None:
+            width = 2 * self.ix_comp.head_dim
+            self.indexer_proj = (torch.randn(sum(new), width, device=self.device).to(self.act_dtype),
+                                 (2 * torch.randn(sum(new), width, device=self.device)).to(self.act_dtype))
         kv = self.cache(None)
         table = kv.window_table()
-        projections = flat(kv, self.comp.projections) if self.gated else ()
+        projections = [t for layer in self.projections for t in flat(kv, layer)]
         for t in (*projections, *flat(kv, self.layer.window_kv), *(t for i in self.written for t in flat(kv, i))):
             t.fill_(float("nan"))
         for c, pages in zip(ctx, self.tables):
@@ -143,7 +157,7 @@ class Case:
     def _write(self, backend, kv: KVCache, meta) -> None:
         if self.window:
             backend.store_and_compress(self.kv_new, self.kv_proj, self.gate_proj, self.comp, self.layer, kv,
-                                       self.batch, meta)
+                                       self.batch, meta, indexer=self.indexer_proj)
         else:
             backend.compress(self.kv_proj, self.gate_proj, self.comp, self.layer, kv, self.batch, meta)
 
@@ -153,8 +167,8 @@ class Case:
     def check(self, got: KVCache | None = None) -> None:
         want = self.native()
         got = self.triton() if got is None else got
-        if self.gated:
-            for a, b in zip(flat(got, self.comp.projections), flat(want, self.comp.projections)):
+        for layer in self.projections:
+            for a, b in zip(flat(got, layer), flat(want, layer)):
                 torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
         (window, *_), (want_window, *_) = flat(got, self.layer.window_kv), flat(want, self.layer.window_kv)
         stored = ~want_window.float().isnan().any(-1)
@@ -244,6 +258,41 @@ def test_csa2_fp8_index_keys_interpreted(seed, rate):
     Case(mixed_lens(rate), 32, 16, rate, False, 4, torch.float16, "cpu", csa2=True, fp8=True).check()
 
 
+class CountedLaunches:
+    """compress_kernel, its launches counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+def test_csa_indexer_compressed_in_the_layer_launch_interpreted(seed, monkeypatch, dtype, fp8):
+    """A CSA layer's window KV, its compressor and its indexer's (index keys of another head dim,
+    E4M3 beside FP8 weights) in one launch, each as the native calls one by one write them."""
+    counted = CountedLaunches(v4_compressor.compress_kernel)
+    monkeypatch.setattr(v4_compressor, "compress_kernel", counted)
+    case = Case(mixed_lens(4), 32, 16, 4, True, 4, dtype, "cpu", with_indexer=True, fp8=fp8)
+    case.check()
+    assert counted.launches == 1
+
+
+@pytest.mark.interpret
+def test_indexer_projections_beside_a_layer_without_its_compression_are_refused(seed):
+    case = Case([(0, 4)], 16, 8, 4, True, 4, torch.float32, "cpu", with_indexer=True)
+    kv = case.cache(case.state)
+    with pytest.raises(ValueError, match="layer.indexer.compression"):
+        compress(case.kv_proj, case.gate_proj, case.comp, dataclasses.replace(case.layer, indexer=None), kv,
+                 case.batch, case.meta(kv), indexer=case.indexer_proj)
+    with pytest.raises(ValueError, match="indexer's projections for 3 tokens"):
+        compress(case.kv_proj, case.gate_proj, case.comp, case.layer, kv, case.batch, case.meta(kv),
+                 indexer=tuple(x[:3] for x in case.indexer_proj))
+
+
 @pytest.mark.interpret
 def test_indexer_compressor_interpreted(seed):
     """The CSA indexer's own compressor, in its own cache layers (fp32 activations into fp16 pages)."""
@@ -290,6 +339,9 @@ def test_bad_projection_width_is_refused(seed):
 
 
 FLASH = {"csa": dict(head_dim=512, rate=4, overlap=True), "hca": dict(head_dim=512, rate=128, overlap=False),
+         # a CSA layer's window KV, compressor and indexer's compressor in one launch (keys of 128, E4M3 or not)
+         "csa+indexer": dict(head_dim=512, rate=4, overlap=True, with_indexer=True, index_dim=128),
+         "csa+indexer-fp8": dict(head_dim=512, rate=4, overlap=True, with_indexer=True, index_dim=128, fp8=True),
          "indexer": dict(head_dim=128, rate=4, overlap=True, indexer=True),
          "indexer-fp8": dict(head_dim=128, rate=4, overlap=True, indexer=True, fp8=True),
          # V4.1-Flash's CSA2 KV sources (index keys of 16 channels here, 128 in the AOT test of their kernel)
@@ -319,29 +371,32 @@ def test_flash_shapes_gpu(seed, kind, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", sorted(FLASH))
 def test_flash_decode_graph_gpu(seed, kind):
-    """Captured once on a decode batch of 32, replayed on new projections at new positions (rows
-    that close a window and rows that do not) over the same pages: each replay equals the oracle."""
+    """Captured once on a decode batch of 32, replayed on new projections (and window KV) at new
+    positions (rows that close a window and rows that do not) over the same pages: each replay
+    equals the oracle."""
     rate = FLASH[kind]["rate"]
 
     def lens():
         return [(rate * random.randint(2, 12) - random.choice([1, 2]), 1) for _ in range(32)]
 
     case = flash_case(kind, lens(), capacity=12 * rate)
-    kv, kv_proj, gate_proj, batch = case.cache(case.state), case.kv_proj, case.gate_proj, case.batch
+    kv, batch = case.cache(case.state), case.batch
+    inputs = [x for x in (case.kv_proj, case.gate_proj, case.kv_new, *(case.indexer_proj or ())) if x is not None]
     meta = case.meta(kv)
-    compress(kv_proj, gate_proj, case.comp, case.layer, kv, batch, meta)  # compiles outside the capture
+    backend = TritonV4Attention(None)
+    case._write(backend, kv, meta)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        compress(kv_proj, gate_proj, case.comp, case.layer, kv, batch, meta)
+        case._write(backend, kv, meta)
     for _ in range(3):
         case.fill(lens())
         case.restore(kv)
         for name in ("positions", "query_start_loc", "page_table", "slot_mapping"):
             getattr(batch, name).copy_(getattr(case.batch, name))
         meta.window_slots.copy_(case.meta(kv).window_slots)
-        kv_proj.copy_(case.kv_proj)
-        if gate_proj is not None:  # rate 1 (CSA2) has no gate
-            gate_proj.copy_(case.gate_proj)
+        new = [x for x in (case.kv_proj, case.gate_proj, case.kv_new, *(case.indexer_proj or ())) if x is not None]
+        for captured, fresh in zip(inputs, new):  # rate 1 (CSA2) has no gate
+            captured.copy_(fresh)
         graph.replay()
         case.check(got=kv)
 
@@ -354,10 +409,14 @@ def test_compress_compiles(target, kind):
     KV sources (pairs without a position bias, tokens without a gate, each leaving its latents):
     16-byte loads of the window tiles, and (as launched, without FP fusion) no fused multiply-add
     that would skip one of the oracle's roundings; the layers' own compressors store the window KV
-    in the same launch (programs of their own), without spills or scratch."""
+    in the same launch (programs of their own), a CSA layer's also running its indexer's compressor
+    there, without spills or scratch."""
     shape = FLASH[kind]
     head_dim, rate, overlap, csa2 = shape["head_dim"], shape["rate"], shape["overlap"], shape.get("csa2", False)
-    fp8 = shape.get("fp8", False) and not csa2  # a CSA2 source's E4M3 keys are index_key_kernel's
+    with_indexer = shape.get("with_indexer", False)
+    # E4M3 entries: the indexer's compressor's alone (a CSA2 source's E4M3 keys are index_key_kernel's)
+    fp8 = shape.get("fp8", False) and not csa2 and not with_indexer
+    ix_fp8 = shape.get("fp8", False) and with_indexer
     width = 2 * head_dim if overlap else head_dim
     strides = [name for name in compress_kernel.arg_names if name.startswith("stride_")]
     signature = {**{p: "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr")},
@@ -366,14 +425,25 @@ def test_compress_compiles(target, kind):
                  "positions_ptr": "*i64", "window_slots_ptr": "*i64", "latent_ptr": "*bf16",
                  **{p: "*i32" for p in ("token_seq_ptr", "window_table_ptr", "page_table_ptr", "query_start_ptr")},
                  "eps": "fp32", **{s: "i32" for s in strides},
-                 "win_ptr": "*bf16", "win_norm_ptr": "*fp32", "win_cache_ptr": "*bf16", "win_eps": "fp32"}
+                 "win_ptr": "*bf16", "win_norm_ptr": "*fp32", "win_cache_ptr": "*bf16", "win_eps": "fp32",
+                 **{f"ix_{p}": "*bf16" for p in ("kv_ptr", "gate_ptr", "kv_cache_ptr", "gate_cache_ptr")},
+                 "ix_entry_ptr": "*fp8e4nv" if ix_fp8 else "*bf16", "ix_eps": "fp32",
+                 **{f"ix_{p}": "*fp32" for p in ("entry_scale_ptr", "ape_ptr", "norm_ptr")}}
     window = not shape.get("indexer", False)  # a layer's own compressor stores its window KV (512) too
     num_slots = 2 * rate if overlap else rate
     block_d, block_s, num_warps = tiles(head_dim, num_slots, pick(v4_compressor.COMPRESS, target))
+    indexer = dict(INDEXER=False, IX_WIDTH=1, IX_HEAD_DIM=1, IX_QUANTIZE=False, IX_BLOCK_W=1, IX_BLOCK_S=1,
+                   IX_BLOCK_D=2)  # the kernel's defaults
+    if with_indexer:
+        index_dim = shape["index_dim"]
+        ix_block_d, ix_block_s, ix_warps = tiles(index_dim, num_slots, pick(v4_compressor.COMPRESS, target))
+        indexer = dict(INDEXER=True, IX_WIDTH=2 * index_dim, IX_HEAD_DIM=index_dim, IX_QUANTIZE=ix_fp8,
+                       IX_BLOCK_W=2 * index_dim, IX_BLOCK_S=ix_block_s, IX_BLOCK_D=ix_block_d)
+        num_warps = max(num_warps, ix_warps)
     constexprs = dict(WIDTH=width, HEAD_DIM=head_dim, ROPE_HALF=32, RATE=rate, OVERLAP=int(overlap),
                       NUM_SLOTS=num_slots, PAGE_SIZE=64, ENTRIES_PER_PAGE=-(-64 // rate), QUANTIZE=fp8, BLOCK_W=width,
                       BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(target), GATED=rate > 1 or not csa2,
-                      HAS_APE=not csa2, LATENT=csa2, WINDOW=window, WIN_DIM=512, WIN_BLOCK=512)
+                      HAS_APE=not csa2, LATENT=csa2, WINDOW=window, WIN_DIM=512, WIN_BLOCK=512, **indexer)
     asm = compile_asm(compress_kernel, signature, constexprs, target, num_warps=num_warps, divisible_by_16=strides,
                       enable_fp_fusion=False, sass=window and target.startswith("sm_"))
     if target.startswith("sm_"):
