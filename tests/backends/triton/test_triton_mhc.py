@@ -221,16 +221,14 @@ def test_mhc_reads_strided_streams_interpreted(seed, poisoned):
     _check_post(wide[:, :4], post, comb)
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("dtype,t,n,d", [(torch.float16, 3, 4, 256), (torch.float32, 18, 3, 40)])
-def test_mhc_reads_one_row_as_every_stream_interpreted(seed, poisoned, dtype, t, n, d):
+def _check_one_row_as_every_stream(t: int, n: int, d: int, dtype, device):
     """A model's first streams: the embedding's row expanded over the streams (stride 0), read as
     it is by the first pre (one launch or two, with the norm or the head) and by the post after it,
     each result equal to the bit to that of the streams copied out, and the pre to the oracle's."""
-    row = (torch.randn(t, d) * 4).to(dtype)
+    row = (torch.randn(t, d, device=device) * 4).to(dtype)
     shared, copied = row.unsqueeze(1).expand(-1, n, -1), row.unsqueeze(1).repeat(1, n, 1)
     assert shared.stride(1) == 0
-    w, head, g = _weights(n, d, (2 + n) * n, 3, "cpu"), _weights(n, d, n, 1, "cpu"), _norm_weight(d, dtype, "cpu")
+    w, head, g = _weights(n, d, (2 + n) * n, 3, device), _weights(n, d, n, 1, device), _norm_weight(d, dtype, device)
     ops = NativeNorm(None)
     triton_mhc = mhc.TritonMHC(None)
     got = triton_mhc.pre_norm(shared, w, g, 1e-6, ops)
@@ -242,10 +240,16 @@ def test_mhc_reads_one_row_as_every_stream_interpreted(seed, poisoned, dtype, t,
     torch.testing.assert_close(got[0], want[0], **TOL[dtype])
     for a, b in zip(got[1:], want[1:]):
         torch.testing.assert_close(a, b, **MIX_TOL)
-    block_out = torch.randn(t, d).to(dtype)
+    block_out = torch.randn(t, d, device=device).to(dtype)
     new = triton_mhc.post_pre_norm(block_out, shared, got[1], got[2], w, g, 1e-6, ops)
     assert all(torch.equal(a, b)
                for a, b in zip(new, triton_mhc.post_pre_norm(block_out, copied, got[1], got[2], w, g, 1e-6, ops)))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype,t,n,d", [(torch.float16, 3, 4, 256), (torch.float32, 18, 3, 40)])
+def test_mhc_reads_one_row_as_every_stream_interpreted(seed, poisoned, dtype, t, n, d):
+    _check_one_row_as_every_stream(t, n, d, dtype, "cpu")
 
 
 def test_mhc_names_the_field_of_bad_input():
@@ -300,6 +304,14 @@ def test_mhc_gpu_flash_shape(seed, poisoned, t):
     block_out = torch.randn(t, d, device="cuda").to(torch.bfloat16)
     once, twice = (mhc.mhc_post_pre(block_out, streams, post, comb, w, (g, 1e-6)) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(once, twice))  # the post's partials too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32])
+def test_mhc_gpu_reads_one_row_as_every_stream(seed, poisoned, t):
+    """bf16 at V4-Flash (hc_mult 4, hidden 4096): the first pre's BROADCAST product reads the same
+    values in the same order as the copied streams' product."""
+    _check_one_row_as_every_stream(t, FLASH["n"], FLASH["d"], torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu
