@@ -410,7 +410,11 @@ class EngineCore:
         step = self._launch()
         if self.overlap:
             step, self._in_flight = self._in_flight, step
-        return outputs + self._apply(step) if step is not None else outputs
+        if step is not None:
+            outputs += self._apply(step)
+        if self.kv_manager.lower is not None:  # copies to host memory behind the steps land there
+            self.kv_manager.lower.settle(wait=not self.has_unfinished_requests())
+        return outputs
 
     def _launch(self) -> _StepTokens | None:
         """Schedule a step, run its forward and sample it, waiting for nothing on the device."""

@@ -177,8 +177,8 @@ class KVHierarchy:
     def _save(self, node: _Node) -> None:
         """Put the node's pages, and the windows its end holds, in the lower tier where they are not
         yet: their room is taken and the tree records them now; the bytes follow, copied behind the
-        step that wrote them (host_copy.py), and land in the tier when there (``_settle``)."""
-        self._settle()
+        step that wrote them (host_copy.py), and land in the tier when there (``settle``)."""
+        self.settle()
         if Tier.HOST not in node.tiers:
             keys = self._keys(node)
             if self._reserve(node, keys, "page"):
@@ -193,12 +193,13 @@ class KVHierarchy:
                 self.stats.written_windows += len(keys)
                 rows = [self.window.page_of(p) for p in node.window]
                 self._landing.append(_Landing(keys, "window", self.kv.copy_records(rows, windowed=True)))
-        self._settle()  # what is there already (on the CPU: everything)
+        self.settle()  # what is there already (on the CPU: everything)
 
-    def _settle(self, wait: bool = False) -> None:
+    def settle(self, wait: bool = False) -> None:
         """Put the records whose bytes have landed (``wait``: all of them, waiting for the device) in
         the lower tier, checksummed now, and hand them to the storage tier; those whose node let
-        them go meanwhile (``forget``) are dropped."""
+        them go meanwhile (``forget``) are dropped. The engine calls it after every step (and waits
+        once it has nothing left to run), so records land without a later request to carry them."""
         while self._landing and (wait or self._landing[0].copy.ready()):
             landing = self._landing.popleft()
             rows = landing.copy.wait()
@@ -275,7 +276,7 @@ class KVHierarchy:
     def flush_storage(self, timeout: float | None = None) -> bool:
         """Wait until the writes handed to the storage tier have landed (detaching it where one
         failed); whether they did in time."""
-        self._settle(wait=True)
+        self.settle(wait=True)
         done = self.writer is None or self.writer.flush(timeout)
         self._storage_failed()
         return done
@@ -286,7 +287,7 @@ class KVHierarchy:
 
     def close(self) -> None:
         """The engine stops: queued storage writes land (for a bounded time), the rest are dropped."""
-        self._settle(wait=True)
+        self.settle(wait=True)
         if self.writer is not None:
             self.writer.close()
 
@@ -328,7 +329,7 @@ class KVHierarchy:
 
     def prefetch(self, tokens: list[int]) -> None:
         """A request arrived: start reading from storage what it may hit past the tree."""
-        self._settle()
+        self.settle()
         if self.reader is None or self._storage_failed():
             return
         _, start, keys = self._beyond(tokens)
@@ -408,7 +409,7 @@ class KVHierarchy:
         """Bring back to the device the nodes only the lower tier holds on ``tokens``' cached prefix
         (and the windows of its end, where the device let them go); the tokens loaded. ``reserve(n)``
         frees ``n`` device pages (evicting) or says it cannot."""
-        self._settle()
+        self.settle()
         fetched = self._fetch(tokens) if self.reader is not None and not self._storage_failed() else 0
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
@@ -471,7 +472,7 @@ class KVHierarchy:
         """The leading records of ``keys`` that are there and intact, and the key of the first that
         is missing or fails its checksum (None if every one is good)."""
         if any(k in self._pending for k in keys):  # a node demoted before its bytes landed: they are needed now
-            self._settle(wait=True)
+            self.settle(wait=True)
         got = self.tier.get(keys)
         present = list(itertools.takewhile(lambda r: r is not None and r.kind == kind, got))
         good: list[torch.Tensor] = []

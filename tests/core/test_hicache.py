@@ -19,6 +19,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
+from engine.core.kv.host_copy import HostCopy
 from engine.core.tiers.file import FileTier
 from engine.server import wire
 from engine.server.engine_args import add_engine_args, engine_config
@@ -169,6 +170,20 @@ def test_a_slow_store_holds_up_no_step_and_its_records_land_later(shared_dir, wi
     llm.engine.shutdown()
     landed = len(list(tmp_path.rglob("*.kv")))
     assert landed == lower.stats.storage_written == lower.stats.written_pages - lower.storage_dropped() > 0
+
+
+def test_copies_still_on_their_way_land_once_the_engine_has_nothing_to_run(shared_dir, without_hierarchy,
+                                                                           monkeypatch):
+    """Every copy to host memory reports itself not yet landed (as a GPU's behind a long step): the
+    engine goes on stepping, and once the workload is done and nothing runs, every record written
+    is in host memory, with no later request needed to carry it there."""
+    monkeypatch.setattr(HostCopy, "ready", lambda self: False)
+    prompts, plain = without_hierarchy("tiny-qwen3-py")
+    tiered, llm = run(shared_dir / "models" / "tiny-qwen3-py", prompts[:2], enable_hierarchical_cache=True)
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain[:2]]
+    lower = llm.engine.kv_manager.lower
+    assert lower.stats.written_pages > 0 and len(lower.tier.keys()) == lower.stats.written_pages
+    llm.engine.kv_manager.check_consistency()
 
 
 def test_the_flags_reach_the_config_and_bad_values_are_refused(tiny_qwen3):
