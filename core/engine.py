@@ -348,6 +348,12 @@ class EngineCore:
             self.speculator.reset_counters()
         self.kv_manager.reset_stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix no sequence holds: the target's and its proposer's (this rank's)."""
+        self.kv_manager.reset_prefix_cache()
+        if self.speculator is not None:
+            self.speculator.proposer.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or (self.dp is not None and self.dp.busy())
 

@@ -16,7 +16,9 @@ flight ends it by length is not scheduled again. A running sequence holds a slot
 
 With speculative decoding (core/spec/speculator.py) a decode brings the drafts its proposer gives
 it, within the step's token budget; where pages run short, drafts give way before anyone is
-preempted. The drafts the target rejects are rolled back (``rewind``).
+preempted. The drafts the target rejects are rolled back (``rewind``). An admitted sequence's
+prefix hit ends where its proposer can draft after (``Speculator.admit``: MTP continues only from
+the positions its own cache holds).
 """
 
 from __future__ import annotations
@@ -279,6 +281,7 @@ class Scheduler:
             elif remaining <= budget or not out.scheduled:
                 num_new = remaining  # chunking off: whole prompts, one may exceed the budget alone
             else:
+                self._release(seq, cache=False)  # it waits for a step with room, holding nothing
                 break
             kv = self.kv.allocate(seq, num_new)
             if kv is None:
@@ -292,8 +295,12 @@ class Scheduler:
             budget -= num_new
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Start from the longest cached prefix, leaving at least one token to compute."""
+        """Start from the longest cached prefix, leaving at least one token to compute, and none
+        that the proposer, if any, could not draft after."""
         seq.num_cached = 0
         if seq.wants_prompt_logprobs:
             return  # prompt logprobs need the logits of every prompt position
-        seq.num_computed = seq.num_cached = self.kv.match_prefix(seq, seq.tokens[: seq.num_tokens - 1])
+        end = seq.num_tokens - 1
+        if self.speculator is not None:
+            end = min(end, self.speculator.admit(seq))
+        seq.num_computed = seq.num_cached = self.kv.match_prefix(seq, seq.tokens[:end])

@@ -16,8 +16,8 @@ combinations for requests to meet. Decode graphs were captured before this; thei
 warm already. Triton keeps what it compiles on disk (``TRITON_CACHE_DIR``,
 ~/.triton/cache by default), so a restart on the same machine loads instead of compiling.
 
-Afterwards the engine is as it was: the warm-up's prefixes leave the cache, its counters are
-zeroed, and every page is free.
+Afterwards the engine is as it was: the warm-up's prefixes leave the cache (a proposer's own
+too), its counters are zeroed, and every page is free.
 
 Under data-parallel attention (core/distributed/dp_attention.py) rank 0's steps are every rank's,
 and the MoE layers' exchanges inside each forward need every rank: rank 0 runs the warm-up, and
@@ -130,7 +130,7 @@ def warm_up(core: EngineCore, progress: bool = True) -> WarmupReport:
                 n, hit = _drain(core)
                 steps, cached = steps + n, cached + hit
         warm_up_sampling(core)
-    kv.reset_prefix_cache()
+    core.reset_prefix_cache()
     core.reset_counters()
     if core.dp is not None:  # the other ranks' resets go with a step
         core.dp.reset_prefix_caches()

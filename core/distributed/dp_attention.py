@@ -148,7 +148,7 @@ def serve_requests(conn, replies, core) -> None:
         if msg.reset_counters:
             core.reset_counters()
         if msg.reset_prefix_cache:
-            core.kv_manager.reset_prefix_cache()
+            core.reset_prefix_cache()
         for a in msg.adds:
             try:
                 core.add_request(a.request_id, a.prompt_token_ids, a.params)

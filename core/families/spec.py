@@ -75,6 +75,17 @@ class SpecProposer(ABC):
         attention a proposer whose forwards reach the MoE layers' exchanges (MTP) still meets the other
         ranks' drafting forwards here, with no tokens."""
 
+    def admit(self, seq_id: int, token_ids: list[int]) -> int:
+        """The scheduler admits a sequence of ``token_ids`` (prompt and any output so far): how many
+        of its first tokens the target may take from its prefix cache, rather than compute and
+        ``observe``. A proposer that continues from the target's features only where it holds every
+        position before (MTP) answers what it holds; the rest, all."""
+        return len(token_ids)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop what the proposer keeps across sequences and its lookup counts (after the start-up
+        warm-up, as the target's prefix cache is)."""
+
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """With ``feature``: the target computed positions ``start``.. of the sequence, with these
         features (one row each); positions it computes again (after drafts it rejected, or

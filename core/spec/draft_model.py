@@ -91,6 +91,10 @@ class OwnKVProposer(SpecProposer):
                 self._rollback(s, s.real)
             self.kv.free(s, cache=True)
 
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+        self.kv.reset_stats()
+
     def _rollback(self, s: DraftSeq, num_tokens: int) -> None:
         self.kv.rollback(s, num_tokens)
         del s.tokens[num_tokens:]

@@ -11,8 +11,11 @@ draft is then fed back with the layer's own output streams for the next. The lay
 its own (a KV manager of its own, prefix cache included): a position's KV depends on the token
 after it, so the cache is keyed by pairs of neighbouring tokens. Positions computed from the
 layer's own streams are rolled back at the next catch-up and recomputed from the target's (the
-target's streams there are known by then). A sequence whose earlier positions the target did not
-compute (a target prefix hit the layer's cache lacks) gets no drafts.
+target's streams there are known by then). The layer continues only from positions it holds, so a
+sequence the scheduler admits starts from the layer's prefix cache first (``admit``), and the
+target's prefix hit ends where the layer's does: the target computes the rest again and hands back
+its streams there (a second chat turn, whose first turn the layer cached up to its last catch-up,
+recomputes at most the pages between that and the target's end).
 
 Under data-parallel attention (core/distributed/dp_attention.py) the layer's MoE spans every
 rank, as the target's MoE layers do: each of its forwards is an exchange every rank joins. A rank
@@ -98,6 +101,9 @@ class MTPProposer(OwnKVProposer):
             start = had[0]
         self._features[seq_id] = (start, features)
 
+    def admit(self, seq_id: int, token_ids: list[int]) -> int:
+        return self._start(seq_id, token_ids).real
+
     def release(self, seq_id: int) -> None:
         self._features.pop(seq_id, None)
         super().release(seq_id)
@@ -142,13 +148,7 @@ class MTPProposer(OwnKVProposer):
         (and those of the drafts fed back) allocated. None where it cannot draft this step."""
         tokens, v = r.token_ids, self.vocab
         n = len(tokens)
-        s = self._seqs.get(r.seq_id)
-        if s is None:
-            keys = [a * v + b for a, b in zip(tokens[:n - 2], tokens[1:n - 1])]
-            s = self._seqs[r.seq_id] = DraftSeq(r.seq_id, keys, [])
-            s.tokens = keys[:self.kv.match_prefix(s, keys)]
-            s.real = len(s.tokens)
-            self.kv.record_lookup(len(keys), s.real)
+        s = self._seqs.get(r.seq_id) or self._start(r.seq_id, tokens[:n - 1])
         if len(s.tokens) > s.real:  # positions computed from its own streams
             self._rollback(s, s.real)
         held = s.real
@@ -163,6 +163,17 @@ class MTPProposer(OwnKVProposer):
         self._features[r.seq_id] = (n - 1, feats[n - 1 - start:])
         s.real = n - 1
         return tokens[held + 1:], [tokens[p] * v + tokens[p + 1] for p in range(held, n - 1)], row
+
+    def _start(self, seq_id: int, tokens: list[int]) -> DraftSeq:
+        """The layer's sequence of the positions whose next token ``tokens`` holds, from the
+        longest prefix of them its cache holds."""
+        v = self.vocab
+        keys = [a * v + b for a, b in zip(tokens, tokens[1:])]
+        s = self._seqs[seq_id] = DraftSeq(seq_id, keys, [])
+        s.tokens = keys[:self.kv.match_prefix(s, keys)]
+        s.real = len(s.tokens)
+        self.kv.record_lookup(len(keys), s.real)
+        return s
 
     @torch.inference_mode()
     def _forward(self, seqs: list[DraftSeq], ids: list[list[int]], keys: list[list[int]],

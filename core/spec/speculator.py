@@ -168,6 +168,11 @@ class Speculator:
             row += len(drafted)
         return out
 
+    def admit(self, seq: Sequence) -> int:
+        """How many of an admitted sequence's first tokens its prefix hit may cover: as many as its
+        proposer can continue drafting from."""
+        return self.proposer.admit(seq.seq_id, seq.tokens)
+
     def observe(self, scheduled: list[ScheduledSeq], features: torch.Tensor) -> None:
         """Hand the proposer the target's features of the step's tokens, per sequence."""
         at = 0

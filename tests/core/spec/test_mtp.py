@@ -101,6 +101,35 @@ def test_greedy_equals_decoding_without_drafts_under_preemption_and_aborts(pair,
     assert_both_clean(spec, [])
 
 
+def test_a_second_turn_past_the_layers_cache_is_drafted_for_recomputing_only_what_the_layer_lacks(
+        pair, eval_text, seed):
+    """A chat's second turn: the first turn's prompt and output, then new text. The target cached
+    the first turn to its last computed token, the layer to its last catch-up, pages short of it:
+    the target's hit ends where the layer's does, and the turn is drafted for, its output the target's."""
+    plain, spec = pair
+    first = repetitive(plain, eval_text)
+    n = random.randint(12, 20)
+    n += (1 - len(first) - n) % PAGE  # the target computes all but the last token: whole pages of them
+    turn1 = spec.generate([first], greedy(n))[0].outputs[0].token_ids
+    second = first + turn1 + text_ids(plain, eval_text, random.randint(5, 12))
+    target_hit = spec.engine.kv_manager.radix.match(second[:-1], record=False).num_tokens
+    layer_hit = draft_kv(spec).radix.match(pairs(second), record=False).num_tokens
+    assert target_hit == len(first) + n - 1 > layer_hit  # the layer lacks the first turn's last pages
+    before = drafted(spec)
+    got = spec.generate([second], greedy(16))
+    assert drafted(spec) > before
+    assert got[0].num_cached_tokens == layer_hit  # recomputed: the pages the layer lacks, no more
+    assert completions(got) == completions(plain.generate([second], greedy(16)))
+    assert_both_clean(spec, [second + got[0].outputs[0].token_ids], pairs)
+
+
+def test_the_warm_up_leaves_the_layers_prefix_cache_empty(with_nextn):
+    spec = make(with_nextn, True, warmup=True, max_num_seqs=2, max_num_batched_tokens=32)
+    kv = draft_kv(spec).stats()
+    assert spec.engine.warmup.steps > 0 and not spec.engine.speculator.proposer._seqs
+    assert kv.num_cached == 0 and kv.num_free == kv.num_usable and kv.prefix_queries == 0
+
+
 def test_a_target_that_cannot_draft_with_mtp_is_refused_at_start_up_with_the_reason(shared_dir, with_nextn):
     models = shared_dir / "models"
     cases = [(models / "tiny-dsv4-py", {}, "has no mtp.* tensors, though num_nextn_predict_layers is 1"),
