@@ -157,6 +157,19 @@ def test_chunked_prefill_sizes_agree(tiny_qwen3, eval_text, seed):
                 assert [got[k] for k in want] == pytest.approx([want[k] for k in want], abs=1e-4)
 
 
+def test_without_chunking_a_prefix_hit_left_waiting_for_room_runs_a_step_later(tiny_qwen3, plain_llm, eval_text, seed):
+    """Whole prompts only: a prompt whose prefix hit leaves more than the rest of the step's budget
+    waits, holding nothing, and runs from its hit once there is room."""
+    llm = make_llm(tiny_qwen3, chunked_prefill_size=None, max_num_batched_tokens=40)
+    cached = random_prompt(llm, eval_text, 30)
+    llm.generate([cached], greedy(2))  # its 31 computed tokens cached: 7 whole pages
+    prompts = [random_prompt(llm, eval_text, 30), cached + random_prompt(llm, eval_text, 20)]
+    outs = llm.generate(prompts, greedy(6))  # 30 tokens, then 22 past the hit do not fit the 10 left
+    assert [o.num_cached_tokens for o in outs] == [0, 28]
+    assert token_ids(outs) == token_ids(plain_llm.generate(prompts, greedy(6)))
+    llm.engine.kv_manager.check_consistency()
+
+
 # -- validation -------------------------------------------------------------------------------
 
 

@@ -166,6 +166,24 @@ def test_a_sequence_let_go_right_after_drafting_leaves_none_of_its_drafts_cached
     assert_cached_real(draft_kv(spec), [tokens])
 
 
+def test_a_second_turn_keeps_the_targets_whole_prefix_hit_and_is_drafted_for(dsv4_pair, eval_text, seed):
+    """The draft computes its KV from tokens alone: a turn whose target prefix hit reaches past the
+    draft's cache (here emptied) is not cut short, and the draft catches up over the hit itself."""
+    plain, spec = dsv4_pair
+    spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
+    first = repetitive(plain, eval_text)
+    turn1 = spec.generate([first], greedy(random.randint(8, 16)))[0].outputs[0].token_ids
+    draft_kv(spec).reset_prefix_cache()
+    second = first + turn1 + text_ids(plain, eval_text, random.randint(5, 12))
+    target_hit = spec.engine.kv_manager.radix.match(second[:-1], record=False).num_tokens
+    counters = spec.engine.speculator.counters
+    before = counters.num_draft_tokens
+    got = spec.generate([second], greedy(16))
+    assert got[0].num_cached_tokens == target_hit > 0 and counters.num_draft_tokens > before
+    assert completions(got) == completions(plain.generate([second], greedy(16)))
+    assert_both_clean(spec, [second + got[0].outputs[0].token_ids])
+
+
 def copy_model(src, dst, config=None, tokenizer=None):
     """A model directory beside ``src``'s weights with its config or tokenizer changed."""
     dst.mkdir()

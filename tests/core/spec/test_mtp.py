@@ -107,6 +107,8 @@ def test_a_second_turn_past_the_layers_cache_is_drafted_for_recomputing_only_wha
     the first turn to its last computed token, the layer to its last catch-up, pages short of it:
     the target's hit ends where the layer's does, and the turn is drafted for, its output the target's."""
     plain, spec = pair
+    spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
+    draft_kv(spec).reset_prefix_cache()
     first = repetitive(plain, eval_text)
     n = random.randint(12, 20)
     n += (1 - len(first) - n) % PAGE  # the target computes all but the last token: whole pages of them
