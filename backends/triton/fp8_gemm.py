@@ -1,9 +1,11 @@
 """Block-scaled FP8 GEMM, the DeepSeek-V3 scheme: out = (a * sa) @ (b * sb).T.
 
-``a`` [M, K] is E4M3 with one fp32 scale per token and 128 channels, ``b`` [N, K] is E4M3 with one
-fp32 scale per 128 x 128 block. The E4M3 tiles go to ``tl.dot`` as they are (on Hopper a
-``wgmma`` with e4m3 operands, both K-major since ``b`` is stored [N, K]) and the product of a
-K step is scaled in fp32 before it joins the accumulator, so no dequantized copy is ever made.
+``a`` [M, K] is E4M3 with one fp32 scale per token and B channels, ``b`` [N, K] is E4M3 with one
+fp32 scale per B x B block: B = 128 (DeepSeek-V3, V4), or 32 (DeepSeek-V4.1), which b's scale's
+shape says. The E4M3 tiles go to ``tl.dot`` as they are (on Hopper a ``wgmma`` with e4m3 operands,
+both K-major since ``b`` is stored [N, K]) and the product of a K step is scaled in fp32 before it
+joins the accumulator, so no dequantized copy is ever made. A K step stays within one block, so
+32-blocks take K steps of 32: four scalings of the accumulator where 128-blocks take one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import GROUP, quantize_fp8_token_group
+from engine.core.families.linear import fp8_block_edge
+
+from .fp8_quant import quantize_fp8_token_group
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
@@ -23,7 +27,7 @@ from .target import config_for
 class GemmConfig:
     block_m: int
     block_n: int
-    block_k: int  # FP8: divides 128, so a K step stays in one scale block; MXFP8: a multiple of 32
+    block_k: int  # FP8: divides 128, so a K step stays in one scale block (32 for 32-blocks); MXFP8: 32k
     group_m: int  # M tiles that sweep N together, so a band of ``b`` stays in L2
     num_warps: int
     num_stages: int
@@ -68,6 +72,7 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
                            EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    tl.static_assert(SCALE_BLOCK % BLOCK_K == 0, "a K step must stay within one scale block")
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,36 +136,39 @@ def output_for(m: int, n: int, dtype: torch.dtype, device: torch.device, out: to
 def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
-    """a [M, K] E4M3, a_scale [M, ceil(K/128)], b [N, K] E4M3, b_scale [ceil(N/128), ceil(K/128)]
-    (+ bias [N]) -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N).
-    ``config`` overrides the tuning table (the tuning sweep passes each candidate)."""
+    """a [M, K] E4M3, a_scale [M, ceil(K/B)], b [N, K] E4M3, b_scale [ceil(N/B), ceil(K/B)] (+ bias
+    [N]) -> [M, N] in ``out_dtype``, or written into ``out`` ([M, N], unit stride along N); B, 128 or
+    32, is what b_scale's shape says. ``config`` overrides the tuning table (the tuning sweep passes
+    each candidate); its K step is cut to B where it is longer."""
     (m, k), n = a.shape, b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: K must match")
-    groups = triton.cdiv(k, GROUP)
-    if a_scale.shape != (m, groups) or b_scale.shape != (triton.cdiv(n, GROUP), groups):
-        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit "
-                         f"a [{m}, {k}] and b [{n}, {k}] in blocks of {GROUP}")
+    block = fp8_block_edge((n, k), tuple(b_scale.shape))
+    if a_scale.shape != (m, triton.cdiv(k, block)):
+        raise ValueError(f"a's scale {list(a_scale.shape)} does not fit a [{m}, {k}] in groups of {block} "
+                         f"(b's blocks, from its scale {list(b_scale.shape)})")
     a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
     out = output_for(m, n, out_dtype, a.device, out)
     if m == 0 or n == 0:
         return out
     cfg = config or config_for(FP8_GEMM, a.device).for_m(m)
+    block_k = min(cfg.block_k, block)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=GROUP, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        SCALE_BLOCK=block, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 
 
 def fp8_block_linear(x: torch.Tensor, weight_data: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantized weight.T (+ bias) -> [..., N]: x is quantized per token and 128
-    channels first. The output is in ``out_dtype``, by default x's dtype."""
+    """x [..., K] @ dequantized weight.T (+ bias) -> [..., N]: x is quantized per token and as many
+    channels as the weight's blocks span first. The output is in ``out_dtype``, by default x's dtype."""
     k = x.shape[-1]
-    data, scale = quantize_fp8_token_group(x.reshape(-1, k))
+    block = fp8_block_edge(tuple(weight_data.shape), tuple(weight_scale.shape))
+    data, scale = quantize_fp8_token_group(x.reshape(-1, k), group=block)
     out = fp8_block_gemm(data, scale, weight_data, weight_scale, out_dtype or x.dtype, bias)
     return out.view(*x.shape[:-1], weight_data.shape[0])

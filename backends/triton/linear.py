@@ -12,8 +12,9 @@ outweighs that (not measured). Block-FP8 weights take the norm into the activati
 quantization (each of its programs reads its rows whole for the statistic), so norm, quantize
 and GEMM are two launches. The
 activations of quantized schemes are quantized to the weight's format on the way in (per token
-and 128 channels for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores see both operands;
-this is the one numerical difference from the native backend, which multiplies unquantized x.
+and the weight's block edge, 128 or 32, for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores
+see both operands; this is the one numerical difference from the native backend, which
+multiplies unquantized x.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.core.families.linear import LinearBackend, LinearWeight, MXFP8Tensor
+from engine.core.families.linear import FP8_BLOCKS, LinearBackend, LinearWeight, MXFP8Tensor
 from engine.core.families.norm import NormBackend
 
 from . import gemv
@@ -35,6 +36,7 @@ QUANTIZED = {"fp8_block": fp8_block_linear, "mxfp8": mxfp8_linear}
 class TritonLinear(LinearBackend):
     name = "triton"
     schemes = ("dense", *QUANTIZED)
+    fp8_blocks = FP8_BLOCKS  # 32-blocks in K steps of 32 (fp8_gemm.py)
     gemv_devices: tuple[str, ...] = ("cuda",)  # the interpreter keeps F.linear (a launch count adds "cpu")
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -76,7 +78,7 @@ class TritonLinear(LinearBackend):
             return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
         if w.scheme == "fp8_block" and w.scale is not None and residual is None:
             k = x.shape[-1]
-            data, scale = quantize_fp8_token_group(x.reshape(-1, k), norm=(norm_weight, eps))
+            data, scale = quantize_fp8_token_group(x.reshape(-1, k), group=w.block, norm=(norm_weight, eps))
             out = fp8_block_gemm(data, scale, w.data, w.scale, x.dtype, w.bias).view(*x.shape[:-1], -1)
             return (ops.silu_and_mul(out) if silu_mul else out), x
         return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)

@@ -6,12 +6,27 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
 
 from ..native.quant import dequantize_mxfp8
 from .norm import NormBackend
 
 MX_BLOCK = 32  # values per E8M0 scale in MXFP8
+FP8_BLOCKS = (128, 32)  # square block edges of "fp8_block" weights: DeepSeek-V3/V4's, DeepSeek-V4.1's
+
+
+def fp8_block_edge(shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int:
+    """The edge of the square blocks that a scale of ``scale_shape`` covers in a weight of ``shape``
+    [N, K]: one of ``FP8_BLOCKS``. Where several fit (N and K within the smallest), one block holds the
+    whole weight and the first is as right as any."""
+    n, k = shape
+    for block in FP8_BLOCKS:
+        if tuple(scale_shape) == (math.ceil(n / block), math.ceil(k / block)):
+            return block
+    raise ValueError(f"a block scale {list(scale_shape)} fits no square blocks of {list(FP8_BLOCKS)} "
+                     f"over a weight [{n}, {k}]")
 
 
 @dataclass
@@ -19,8 +34,9 @@ class LinearWeight:
     """A weight [N, K] and how it is stored.
 
     ``scheme``: "dense" (bf16/fp16/fp32 ``data``), "fp8_block" (E4M3 ``data`` with fp32 ``scale``
-    [ceil(N/128), ceil(K/128)], the DeepSeek-V3 scheme) or "mxfp8" (E4M3 ``data`` with E8M0
-    ``scale`` [N, K/32] stored as uint8 exponents).
+    [ceil(N/B), ceil(K/B)], the DeepSeek-V3 scheme with B = 128, DeepSeek-V4.1's with B = 32: the
+    scale's shape says which, ``block``) or "mxfp8" (E4M3 ``data`` with E8M0 ``scale`` [N, K/32]
+    stored as uint8 exponents).
     """
 
     data: torch.Tensor
@@ -31,6 +47,14 @@ class LinearWeight:
     @property
     def out_features(self) -> int:
         return int(self.data.shape[0])
+
+    @property
+    def block(self) -> int:
+        """An "fp8_block" weight's block edge, from its scale's shape."""
+        if self.scheme != "fp8_block" or self.scale is None:
+            raise ValueError(f"a {self.scheme!r} weight{'' if self.scale is not None else ' without a scale'} "
+                             f"has no block edge")
+        return fp8_block_edge(tuple(self.data.shape), tuple(self.scale.shape))
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,7 @@ class MXFP8Tensor:
 class LinearBackend(ABC):
     name: str = "?"
     schemes: tuple[str, ...] = ("dense",)
+    fp8_blocks: tuple[int, ...] = (128,)  # the block edges of "fp8_block" weights it multiplies
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx

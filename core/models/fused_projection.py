@@ -6,8 +6,9 @@ stay the ``Linear`` layers the checkpoint names: they load as before, may keep t
 checkpoint stores, and are what the model's parameters list. ``fuse``, called once the weights are
 in, concatenates the parts that one weight can hold into one [sum N, K] weight per group and makes
 each part's weight (and scale) a view of it, so the memory is held once and one launch computes
-the group. A group is the parts in one format: dense, or FP8 with 128x128 block scales where each
-part fills whole blocks of rows (its scale rows then concatenate too); any other part runs alone.
+the group. A group is the parts in one format: dense, or FP8 with block scales of one edge (128, or
+DeepSeek-V4.1's 32) where each part fills whole blocks of rows (its scale rows then concatenate
+too); any other part runs alone.
 Which parts a checkpoint quantizes is known only once it is read (DeepSeek's published layout
 keeps some of these projections in FP8 and others in bf16), hence after loading, not before.
 
@@ -23,8 +24,6 @@ import torch
 from ..families.linear import LinearWeight
 from .layers import Linear, RMSNorm
 
-FP8_BLOCK = 128  # rows a block scale covers
-
 
 def _group_key(part: Linear) -> tuple | None:
     """Parts with equal keys concatenate into one weight; None: this part runs alone."""
@@ -32,8 +31,10 @@ def _group_key(part: Linear) -> tuple | None:
         return None
     if part.scheme == "dense":
         return "dense", part.weight.dtype
-    if part.scheme == "fp8_block" and part.weight.shape[0] % FP8_BLOCK == 0:
-        return "fp8_block", part.weight.dtype
+    if part.scheme == "fp8_block":
+        block = part.linear_weight.block
+        if part.weight.shape[0] % block == 0:
+            return "fp8_block", part.weight.dtype, block
     return None
 
 
@@ -63,11 +64,12 @@ class FusedProjection:
                 continue
             data = torch.cat([p.weight.data for p in parts])
             scale = None if parts[0].weight_scale is None else torch.cat([p.weight_scale.data for p in parts])
+            block = parts[0].linear_weight.block if scale is not None else 1  # rows a scale row covers
             offset = 0
             for part, n in zip(parts, sizes):
                 part.weight.data = data.narrow(0, offset, n)
                 if scale is not None:
-                    part.weight_scale.data = scale.narrow(0, offset // FP8_BLOCK, n // FP8_BLOCK)
+                    part.weight_scale.data = scale.narrow(0, offset // block, n // block)
                 offset += n
             self.groups.append((LinearWeight(data, parts[0].scheme, scale), names, sizes))
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..families.linear import LinearBackend, LinearWeight
+from ..families.linear import FP8_BLOCKS, LinearBackend, LinearWeight
 from .quant import dequantize_fp8_block, dequantize_mxfp8
 
 
 class NativeLinear(LinearBackend):
     name = "native"
     schemes = ("dense", "fp8_block", "mxfp8")
+    fp8_blocks = FP8_BLOCKS
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         bias = None if w.bias is None else w.bias.to(x.dtype)
@@ -29,7 +30,7 @@ class NativeLinear(LinearBackend):
         if w.scale is None:
             raise ValueError(f"a {w.scheme!r} weight needs its scale")
         if w.scheme == "fp8_block":
-            return dequantize_fp8_block(w.data, w.scale, dtype=dtype)
+            return dequantize_fp8_block(w.data, w.scale, w.block, dtype)
         if w.scheme == "mxfp8":
             return dequantize_mxfp8(w.data, w.scale, dtype=dtype)
         raise ValueError(f"the native linear backend has no scheme {w.scheme!r}; it has {NativeLinear.schemes}")

@@ -256,8 +256,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         rows = weight.rows if weight.rows is None or not isinstance(owner, ExpertStack) else owner.scale_rows(weight.rows)
         return Target(weight.param + "_scale", rows=rows, expert=weight.expert, part=weight.part)
 
-    def _keep(self, q: Quantized) -> bool:
-        """Switch the layer that ``q`` loads into to q's format, if that layer and its backend run it."""
+    def _keep(self, q: Quantized, refusals: set[str]) -> bool:
+        """Switch the layer that ``q`` loads into to q's format, if that layer and its backend run it;
+        a backend that runs the scheme but not q's blocks adds its reason to ``refusals``."""
         if q.name.startswith(("mtp.", "model.mtp.")):
             return False
         try:
@@ -268,23 +269,28 @@ class DeepseekV4ForCausalLM(CausalLM):
         if isinstance(owner, Rows) and q.kind == "fp8" and q.block == (1, Rows.GROUP):
             owner.keep_fp8(tuple(q.scale.shape))  # an Engram table: rows dequantized as gathered
             return True
-        if q.kind == "fp8" and q.block != (BLOCK, BLOCK):
-            return False  # V4.1's 32 x 32 blocks: no GEMM runs them yet
         if isinstance(owner, Linear) and scheme == "fp8_block" and scheme in owner.backend.schemes:
+            rows, cols = q.block
+            if rows != cols or rows not in owner.backend.fp8_blocks:
+                refusals.add(f"the {owner.backend.name} linear backend multiplies FP8 in square blocks of "
+                             f"{list(owner.backend.fp8_blocks)}, not {rows} x {cols}")
+                return False
             owner.keep_quantized(scheme, FP8, tuple(q.scale.shape))
             return True
+        if q.kind == "fp8" and q.block != (BLOCK, BLOCK):
+            return False  # an expert stack's FP8 (V4.1's shared experts): the MoE kernels take 128 x 128 blocks
         if isinstance(owner, ExpertStack) and owner.can_keep(scheme, self.backends.moe.schemes):
             owner.keep_quantized(scheme)
             return True
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        kept, dequantized = Counter(), Counter()
+        kept, dequantized, refusals = Counter(), Counter(), set()
 
         def main_weights():
             for item in paired(weights, fp8_block(self.config.hf)):
                 if isinstance(item, Quantized):
-                    if self.resident and self._keep(item):
+                    if self.resident and self._keep(item, refusals):
                         kept[item.kind] += 1
                         if item.kind == "fp4":
                             yield item.name, item.data.view(torch.uint8)
@@ -308,7 +314,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if kept or dequantized:
             logger.info("DeepSeek-V4 quantized weights: kept as stored %s, dequantized at load %s%s", dict(kept),
                         dict(dequantized), " (--quantization none)" if not self.resident else
-                        " (where no layer or backend runs the format)")
+                        f" (where no layer or backend runs the format{''.join('; ' + r for r in sorted(refusals))})")
 
 
 def _normalised(hf: dict) -> dict:
