@@ -53,6 +53,16 @@ FP8_GEMM = {  # sm_90: the best geometric means of the H200 sweep (benchmarks/fp
     "gfx950": GemmTuning(GemmConfig(32, 64, 128, 1, 4, 2), GemmConfig(128, 128, 128, 8, 8, 2)),
     "default": GemmTuning(GemmConfig(16, 32, 128, 1, 4, 1), GemmConfig(32, 32, 128, 2, 4, 1), small_m=16),
 }
+# DeepSeek-V4.1's 32-blocks: K steps of 32, the tiles of 128-blocks but on sm_100, where a 128 x 128
+# tile scaled every 32 of K spills registers (ptxas; none at 64 x 128). Not measured on a GPU.
+FP8_GEMM_32 = {
+    "sm_90": GemmTuning(GemmConfig(64, 64, 32, 1, 4, 3), GemmConfig(64, 128, 32, 8, 4, 4)),
+    "sm_100": GemmTuning(GemmConfig(64, 64, 32, 1, 4, 4), GemmConfig(64, 128, 32, 8, 4, 4)),
+    "gfx942": GemmTuning(GemmConfig(32, 64, 32, 1, 4, 2), GemmConfig(128, 128, 32, 8, 8, 2)),
+    "gfx950": GemmTuning(GemmConfig(32, 64, 32, 1, 4, 2), GemmConfig(128, 128, 32, 8, 8, 2)),
+    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 32, 2, 4, 1), small_m=16),
+}
+TUNING = {128: FP8_GEMM, 32: FP8_GEMM_32}  # block edge -> its table
 
 
 @triton.jit
@@ -151,7 +161,7 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     out = output_for(m, n, out_dtype, a.device, out)
     if m == 0 or n == 0:
         return out
-    cfg = config or config_for(FP8_GEMM, a.device).for_m(m)
+    cfg = config or config_for(TUNING[block], a.device).for_m(m)
     block_k = min(cfg.block_k, block)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_block_gemm_kernel[grid](
