@@ -13,11 +13,16 @@ block of 128 channels keeps 3 mantissa bits relative to its largest, so the logi
 ACTIVATION_BOUND of their largest magnitude (0.04-0.05 measured in fp32). End-to-end agreement with
 the quantizing oracle is no tighter than that: a last-bit difference in a sum upstream can round an
 activation to the neighbouring E4M3 value (6.7e-3 seen where the host's thread count differed).
+
+A tiny random DeepSeek-V4.1 in its published layout (FP8 linears in 32 x 32 blocks with E8M0
+scales, kept as stored) is checked the same way in the interpreter, its activations quantized per
+token and 32 channels.
 """
 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -39,6 +44,14 @@ from engine.core.native.linear import NativeLinear
 from engine.core.families.linear import LinearWeight
 from engine.core.native.norm import NativeNorm
 from engine.core.native.quant import dequantize_fp8_token_group, quantize_fp8_token_group
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
+from engine.core.hookspecs import hookimpl
+from engine.core.models.deepseek_v4.publish import write_published
+from engine.core.plugins import load_plugins
+from engine.core.registry import Descriptor
+from dsv41_random import random_v41_checkpoint, v41_config
+from packed_logits import engine_logits
 
 PAGE = 16
 ACTIVATION_BOUND = 0.08
@@ -55,11 +68,12 @@ LLAMA_8B_TWO_LAYERS = {**PRESETS["llama-3.1-8b"], "num_hidden_layers": 2}
 
 
 class QuantizedActivations(NativeLinear):
-    """The native linear with an fp8_block weight's input quantized as the FP8 GEMM quantizes it."""
+    """The native linear with an fp8_block weight's input quantized as the FP8 GEMM quantizes it: per
+    token and as many channels as the weight's blocks span."""
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         if w.scheme == "fp8_block":
-            x = dequantize_fp8_token_group(*quantize_fp8_token_group(x), dtype=x.dtype)
+            x = dequantize_fp8_token_group(*quantize_fp8_token_group(x, w.block), w.block, dtype=x.dtype)
         return super().apply(x, w)
 
 
@@ -129,6 +143,17 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def _greedy_where_clear(got: torch.Tensor, want: torch.Tensor, bound: float = ACTIVATION_BOUND) -> int:
+    """Logits within ``bound`` (of their largest magnitude) of ``want``'s, the same greedy choice where
+    want's top two are further apart than twice that; returns how many positions were compared."""
+    moved = _rel(got, want)
+    assert moved < bound, f"the logits moved by {moved:.3f}"
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * bound * want.abs().max()
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    return int(clear.sum())
+
+
 def _compare(path, attention, norm, dtype: torch.dtype, device: str, lens: list[int], seed: int) -> None:
     """Every FP8 product of the Triton linear within GEMM_BOUND of the oracle on its input; logits
     within ACTIVATION_BOUND of the native model's, and its greedy choice where the native top two
@@ -145,19 +170,50 @@ def _compare(path, attention, norm, dtype: torch.dtype, device: str, lens: list[
     native = _model(path, Backends(attention=NativeAttention(None), linear=NativeLinear(None), norm=NativeNorm(None)),
                     name, device)
     want = _logits(native, prompts, dtype, device).float().cpu()
-    moved = _rel(got, want)
-    assert moved < ACTIVATION_BOUND, f"activation quantization moved the logits by {moved:.3f}"
-    top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * ACTIVATION_BOUND * want.abs().max()
-    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
-    print(f"{name}: {linear.products} FP8 products within {linear.worst:.2e} of the oracle; logits {moved:.3f} from "
-          f"unquantized activations; greedy compared at {int(clear.sum())} of {len(clear)} positions")
+    clear = _greedy_where_clear(got, want)
+    print(f"{name}: {linear.products} FP8 products within {linear.worst:.2e} of the oracle; logits "
+          f"{_rel(got, want):.3f} from unquantized activations; greedy compared at {clear} of {len(want)} positions")
 
 
 @pytest.mark.interpret
 def test_fp8_gemm_model_in_interpreter(fp8_qwen3, seed):
     """The FP8 block GEMM serves every projection (attention and norms native, to keep it cheap)."""
     _compare(fp8_qwen3, NativeAttention(None), NativeNorm(None), torch.float32, "cpu", [9, 3], seed)
+
+
+# how far the V4.1 model's logits on the FP8 GEMM may be from the quantizing oracle's: fp32 sums in
+# another order (1.3e-6 to 3.7e-6 measured over six seeds), or an activation upstream rounded to the
+# neighbouring E4M3 value (6.7e-3 seen on tiny-qwen3-py, see above). Not ACTIVATION_BOUND against
+# unquantized activations: a random V4.1's logits moved by 0.55 there at one seed (not investigated).
+V41_ORACLE_BOUND = 1e-2
+
+
+@pytest.mark.interpret
+def test_v41_32_block_fp8_model_in_interpreter(tmp_path, shared_dir, seed):
+    """A tiny random DeepSeek-V4.1 in its published layout, its FP8 linears kept in 32 x 32 blocks
+    and multiplied by the FP8 block GEMM (every other family native): each product within GEMM_BOUND
+    of the oracle on its input, the logits and greedy choices against the oracle's end to end."""
+    hf = {**v41_config(ratios=[0, 2, 2], kv_sources=[1], index_sources=[1], moe_intermediate_size=32),
+          "hidden_size": 96}  # K of 96: three 32-blocks, where 128-blocks would be one
+    src = random_v41_checkpoint(tmp_path / "bf16", seed, hf, shared_dir / "models" / "tiny-dsv4-py")
+    write_published(src, tmp_path / "published", block=32)
+    checked = types.ModuleType("checked_triton_linear")
+    checked.engine_register_linear_backends = hookimpl(lambda: [Descriptor("linear", "checked", CheckedTriton),
+                                                                Descriptor("linear", "oracle", QuantizedActivations)])
+    engines = [LLMEngine(EngineConfig(model=str(tmp_path / "published"), dtype="float32", device="cpu",
+                                      page_size=PAGE, num_pages=16, linear_backend=name),
+                         plugins=load_plugins(extra=[checked]), progress=False) for name in ("checked", "oracle")]
+    model = engines[0].components.model
+    linear = model.model.layers[0].attn.wq_a.backend
+    assert isinstance(linear, CheckedTriton)
+    kept = [m for m in model.modules() if getattr(m, "scheme", "") == "fp8_block"]
+    assert kept and {m.linear_weight.block for m in kept if max(m.weight.shape) > 32} == {32}  # (one block: either)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (rng.randint(1, 4), rng.randint(9, 20))]
+    got, want = (torch.cat(engine_logits(e.components, prompts, PAGE)) for e in engines)
+    assert linear.products > 0 and linear.worst < GEMM_BOUND["cpu", torch.float32], (
+        f"an FP8 product differs from the oracle by {linear.worst:.2e}")
+    _greedy_where_clear(got, want, V41_ORACLE_BOUND)
 
 
 @pytest.mark.gpu
