@@ -199,8 +199,8 @@ def test_fused_projection_on_triton_equals_its_parts(seed, block):
     proj.fuse()
     assert sorted(sorted(names) for _, names, _ in proj.groups) == [["a", "c"], ["b", "d"]] + [["e"]] * (block == 32)
     got = proj(x)
-    for name in parts:
-        assert torch.equal(got[name], want[name]), name
+    for name, part in parts.items():  # each part, now views of the group's weight and scales, as before
+        assert torch.equal(got[name], want[name]) and torch.equal(part(x), want[name]), name
 
 
 def check_norm_quant(rows, k, dtype, norm_dtype, device="cpu"):

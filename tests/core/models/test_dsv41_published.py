@@ -7,6 +7,7 @@ of a row, kept so and dequantized as gathered), and serves as its dequantized lo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 
@@ -19,6 +20,7 @@ from engine.core.engine import LLMEngine
 from engine.core.models.deepseek_v4.engram import Rows
 from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.models.layers import Linear
+from engine.core.native.linear import NativeLinear
 from engine.core.native.quant import FP8
 from engine.core.plugins import load_plugins
 from engine.core.sampling_params import SamplingParams
@@ -27,9 +29,10 @@ from dsv41_random import random_v41_checkpoint, v41_config
 from packed_logits import engine_logits, rel_err
 
 # hidden 96: K of 96 is three 32-blocks where it would be one 128-block, so a scale's shape says
-# which blocks it covers
-TINY = dict(ratios=[0, 2, 2, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 4], candidate=3, blocks=2, block_size=2,
-            engram=[0, 3], moe_intermediate_size=32)
+# which blocks it covers. The indexers keep 64 entries and the candidate filter 32 blocks of 2: over
+# prompts that fit, no top-k of E4M3 index keys (ties, see DESIGN.md) decides what two loads attend.
+TINY = dict(ratios=[0, 2, 2, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 4], candidate=3, blocks=32, block_size=2,
+            top_k=64, engram=[0, 3], moe_intermediate_size=32)
 HIDDEN = 96
 PAGE = 4
 # the native linear dequantizes a kept weight on every call to what the dequantized load holds, so
@@ -111,6 +114,7 @@ def greedy(e: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list
 
 
 def prompts_of(seed: int) -> list[list[int]]:
+    """Three prompts that, with 6 tokens generated, stay within the 64 entries the indexers keep."""
     rng = random.Random(seed)
     return [[rng.randrange(128) for _ in range(n)] for n in (1, rng.randint(2, 12), rng.randint(20, 40))]
 
@@ -123,6 +127,17 @@ def test_kept_v41_serves_as_its_dequantized_load(kept, dequantized, seed):
                          engine_logits(dequantized.components, prompts, PAGE)):
         assert rel_err(got, want) < KEPT_BOUND
     assert greedy(kept, prompts, 6) == greedy(dequantized, prompts, 6)
+
+
+def test_a_backend_without_32_blocks_leaves_them_dequantized(published, monkeypatch, caplog):
+    """A linear backend that multiplies only 128-blocks: V4.1's FP8 linears dequantized at load, and
+    the log says why."""
+    monkeypatch.setattr(NativeLinear, "fp8_blocks", (128,))
+    with caplog.at_level(logging.INFO):
+        model = engine(published).components.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.scheme == "dense" and m.weight.dtype == torch.float32 for m in linears)
+    assert "the native linear backend multiplies FP8 in square blocks of [128], not 32 x 32" in caplog.text
 
 
 def test_v41_blocks_need_ue8m0_scales(tmp_path):
