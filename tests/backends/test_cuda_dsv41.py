@@ -33,17 +33,19 @@ def tiny(tmp_path_factory, shared_dir):
 
 @pytest.mark.parametrize("published", [False, True])
 def test_triton_runs_v41_on_the_gpu_as_the_oracle_on_the_cpu(tiny, tmp_path, seed, published):
-    path = tiny
+    path, linear = tiny, {}
     if published:  # V4.1's blocks of 32: E4M3 index keys derived by an FP8 projection
         write_published(tiny, tmp_path / "published", block=32)
-        path = tmp_path / "published"
+        # its linears kept in 32 x 32 blocks: the native linear, whose unquantized activations the CPU
+        # oracle's are (the FP8 GEMM's E4M3 ones: test_triton_block_fp8_model's V4.1 tests)
+        path, linear = tmp_path / "published", {"linear_backend": "native"}
     rng = random.Random(seed)
     stem = [rng.randrange(128) for _ in range(rng.randint(30, 60))]
     prompts = [stem] + [stem[:rng.randint(5, len(stem))] + [rng.randrange(128) for _ in range(rng.randint(1, 40))]
                         for _ in range(5)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     common = dict(dtype="float32", page_size=4, chunked_prefill_size=16, progress=False)
-    gpu = LLM(str(path), device="cuda", num_pages=48, **common)  # few pages: preemption
+    gpu = LLM(str(path), device="cuda", num_pages=48, **linear, **common)  # few pages: preemption
     chosen = {f: s.chosen.name for f, s in gpu.engine.components.selections.items()}
     assert chosen["v4_attention"] == chosen["mhc"] == "triton", chosen
     assert chosen["graphs"] == "cuda_graphs", chosen
