@@ -22,7 +22,6 @@ from engine.core.models.deepseek_v4.publish import write_published
 from engine.core.models.layers import Linear
 from engine.core.native.linear import NativeLinear
 from engine.core.native.quant import FP8
-from engine.core.plugins import load_plugins
 from engine.core.sampling_params import SamplingParams
 from engine.core.startup import build
 from dsv41_random import random_v41_checkpoint, v41_config
@@ -50,10 +49,10 @@ def published(tmp_path_factory, run_seed, shared_dir):
     return tmp / "published"
 
 
-def engine(path, quantization=None, plugins=None, **backends) -> LLMEngine:
+def engine(path, quantization=None) -> LLMEngine:
     config = EngineConfig(model=str(path), dtype="float32", device="cpu", page_size=PAGE, num_pages=64,
-                          quantization=quantization, **backends)
-    return LLMEngine(config, plugins=plugins, progress=False)
+                          quantization=quantization)
+    return LLMEngine(config, progress=False)
 
 
 @pytest.fixture(scope="module")
