@@ -18,7 +18,7 @@ With speculative decoding (core/spec/speculator.py) a decode brings the drafts i
 it, within the step's token budget; where pages run short, drafts give way before anyone is
 preempted. The drafts the target rejects are rolled back (``rewind``). An admitted sequence's
 prefix hit ends where its proposer can draft after (``Speculator.admit``: MTP continues only from
-the positions its own cache holds).
+the positions its own cache holds), where that recomputes at most RECOMPUTE_FOR_DRAFTS_PAGES pages.
 """
 
 from __future__ import annotations
@@ -77,6 +77,13 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_steps: int = 0
+
+
+# A prefix hit is cut back to where the proposer can draft after (MTP: the positions its own cache
+# holds; a second chat turn lacks a page or so) only where that recomputes this many pages or
+# fewer. Further back (the proposer's cache evicted, a hit loaded from host memory or storage, which
+# hold the target's KV alone) the target keeps its hit and the sequence goes without drafts.
+RECOMPUTE_FOR_DRAFTS_PAGES = 4
 
 
 class Scheduler:
@@ -295,12 +302,15 @@ class Scheduler:
             budget -= num_new
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Start from the longest cached prefix, leaving at least one token to compute, and none
-        that the proposer, if any, could not draft after."""
+        """Start from the longest cached prefix, leaving at least one token to compute; cut back to
+        where the proposer, if any, can draft after, where that recomputes few pages."""
         seq.num_cached = 0
         if seq.wants_prompt_logprobs:
             return  # prompt logprobs need the logits of every prompt position
-        end = seq.num_tokens - 1
-        if self.speculator is not None:
-            end = min(end, self.speculator.admit(seq))
-        seq.num_computed = seq.num_cached = self.kv.match_prefix(seq, seq.tokens[:end])
+        hit = self.kv.match_prefix(seq, seq.tokens[:seq.num_tokens - 1])
+        if hit and self.speculator is not None:
+            drafts_from = self.speculator.admit(seq)
+            if drafts_from < hit <= drafts_from + RECOMPUTE_FOR_DRAFTS_PAGES * self.kv.page_size:
+                self.kv.free(seq, cache=False)
+                hit = self.kv.match_prefix(seq, seq.tokens[:drafts_from])
+        seq.num_computed = seq.num_cached = hit

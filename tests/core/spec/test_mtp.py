@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import LLM
+from engine.core.scheduler import RECOMPUTE_FOR_DRAFTS_PAGES
 from engine.core.spec.config import SpecConfigError
 from test_draft_model import DraftsFreed, assert_both_clean, draft_kv
 from test_spec_decode import PAGE, completions, greedy, repetitive, run_with_aborts, text_ids
@@ -122,6 +123,24 @@ def test_a_second_turn_past_the_layers_cache_is_drafted_for_recomputing_only_wha
     assert drafted(spec) > before
     assert got[0].num_cached_tokens == layer_hit  # recomputed: the pages the layer lacks, no more
     assert completions(got) == completions(plain.generate([second], greedy(16)))
+    assert_both_clean(spec, [second + got[0].outputs[0].token_ids], pairs)
+
+
+def test_a_hit_the_layer_lacks_by_many_pages_is_kept_whole(pair, eval_text, seed):
+    """The layer's cache emptied after the first turn (as by eviction, or a hit from host memory):
+    cutting the target's hit back to the layer's would recompute the whole first turn, so the
+    target keeps its hit, the turn goes without drafts, and its output is still the target's."""
+    plain, spec = pair
+    spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
+    first = repetitive(plain, eval_text)
+    turn1 = spec.generate([first], greedy(12))[0].outputs[0].token_ids
+    draft_kv(spec).reset_prefix_cache()
+    second = first + turn1 + text_ids(plain, eval_text, random.randint(5, 12))
+    target_hit = spec.engine.kv_manager.radix.match(second[:-1], record=False).num_tokens
+    assert target_hit > RECOMPUTE_FOR_DRAFTS_PAGES * PAGE
+    got = spec.generate([second], greedy(8))
+    assert got[0].num_cached_tokens == target_hit
+    assert completions(got) == completions(plain.generate([second], greedy(8)))
     assert_both_clean(spec, [second + got[0].outputs[0].token_ids], pairs)
 
 
