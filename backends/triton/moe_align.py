@@ -15,7 +15,10 @@ even in a graph; no host sync, and sizes bounded by T * top_k, so the shapes are
 routing is. A decode step's assignments fit one chunk: then one program does all of it, and finds
 each row's assignment (or the padding) rather than placing assignments, so nothing needs a fill.
 The ids may be a column slice of a wider routing (DeepSeek-V4's routed experts apart from the
-shared one): the kernels read them through their row stride, so a slice costs no copy.
+shared one): the kernels read them through their row stride, so a slice costs no copy. An id -1
+names no expert (the padding rows of an expert-parallel exchange, core/distributed/moe.py): it is
+counted for none and placed nowhere, so the blocks, and the grouped GEMMs over them, hold only the
+assignments of real experts.
 """
 
 from __future__ import annotations
@@ -165,17 +168,17 @@ def align_lanes(expert, valid, assignment, n, sorted_ids_ptr, block_expert_ptr, 
 @triton.jit
 def _place_kernel(ids_ptr, chunk_start_ptr, sorted_ids_ptr, n, top_k, stride_t, CHUNK: tl.constexpr,
                   EXPERTS: tl.constexpr, PDL: tl.constexpr):
-    """sorted_ids[row] = assignment, at its chunk's start for its expert plus its rank there."""
+    """sorted_ids[row] = assignment, at its chunk's start for its expert plus its rank there (none for id -1)."""
     wait_for_prior(PDL)
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     offs = chunk * CHUNK + lane
-    valid = offs < n
-    expert = _expert_of(ids_ptr, offs, valid, top_k, stride_t)
+    expert = _expert_of(ids_ptr, offs, offs < n, top_k, stride_t)
+    placed = expert >= 0  # not past n, nor an id -1 (no expert)
     earlier_same = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-    start = tl.load(chunk_start_ptr + chunk * EXPERTS + tl.where(valid, expert, 0), mask=valid, other=0)
-    tl.store(sorted_ids_ptr + start + rank, offs, mask=valid)
+    start = tl.load(chunk_start_ptr + chunk * EXPERTS + tl.where(placed, expert, 0), mask=placed, other=0)
+    tl.store(sorted_ids_ptr + start + rank, offs, mask=placed)
 
 
 def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:

@@ -121,9 +121,10 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
     """Sizes fixed by the batch's shape, so a graph can hold the exchange (DeepEP's low-latency
     mode, in torch.distributed's all_to_all): every rank sends every other a block of T * k rows
     (room for all its pairs), its pairs first in the order the exact dispatch sends them, then
-    zero rows with weight 0 and local expert 0. Every rank's batch must have the same T. The
-    experts run the padding too (their output, weighted 0, adds nothing); nothing is read on the
-    host. The per-token sums add in the exact dispatch's order."""
+    zero rows with weight 0 and expert id -1, which names no expert: the experts' alignment places
+    them in no block, so the experts compute only the pairs sent (``MoEBackend.experts``), and their
+    output rows are never read back. Every rank's batch must have the same T; nothing is read on
+    the host. The per-token sums add in the exact dispatch's order."""
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
         g, (t, k) = self.group, ids.shape
@@ -137,7 +138,9 @@ class PaddedAllToAllDispatch(AllToAllDispatch):
         slot = to * cap + seen.gather(1, to[:, None]).squeeze(1) - 1
         x_out = x.new_zeros((g.size * cap, x.shape[1])).index_copy_(0, slot, x[token])
         routes = _routes(ids.flatten()[order] - to * self.per_rank, weights.flatten()[order])
-        r_out = routes.new_zeros((g.size * cap, 2)).index_copy_(0, slot, routes)
+        r_out = routes.new_zeros((g.size * cap, 2))
+        r_out[:, 0] = -1  # the padding's expert: none
+        r_out.index_copy_(0, slot, routes)
         blocks = [cap] * g.size
         x_in, r_in = g.all_to_all(x_out, blocks, blocks), g.all_to_all(r_out, blocks, blocks)
         y_in = experts(x_in, r_in[:, 1:].contiguous(), r_in[:, :1].to(torch.int64)) if cap else x_in

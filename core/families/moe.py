@@ -101,7 +101,9 @@ class MoEBackend(ABC):
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights
     ) -> torch.Tensor:
         """[T, H] tokens through their top-k experts, combined by ``weights`` -> [T, H]. ``weights`` and
-        ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride)."""
+        ``ids`` [T, top_k] may be column slices of a wider routing (views: any row stride). A row whose
+        ids are all -1 (an exchange's padding, core/distributed/moe.py) costs no expert work, and its
+        output row is undefined."""
 
     def route_experts(self, x: torch.Tensor, router: torch.Tensor | Router, cfg: RoutingConfig, w: ExpertWeights,
                       input_ids: torch.Tensor | None = None, shared: ExpertWeights | None = None) -> torch.Tensor:

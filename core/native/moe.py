@@ -96,14 +96,15 @@ class NativeMoE(MoEBackend):
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         """Tokens sorted by expert, each used expert's MLP on its slice in x's dtype, then the top-k
-        outputs weighted and summed in fp32 (no scatter-add, so the sum is deterministic)."""
+        outputs weighted and summed in fp32 (no scatter-add, so the sum is deterministic). An id -1
+        (no expert) sorts first and runs nothing: its column adds nothing."""
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         rows = x[order // top_k]
-        counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
-        sorted_out = torch.empty_like(rows)
-        start = 0
+        counts = torch.bincount(flat[flat >= 0], minlength=w.gate_up.shape[0]).tolist()
+        sorted_out = torch.zeros_like(rows)
+        start = flat.numel() - sum(counts)
         for expert, count in enumerate(counts):
             if count:
                 seg = slice(start, start + count)

@@ -2,8 +2,10 @@
 fixed-size padded dispatch (what a decode graph holds) gives what the exact one does and what one
 process computes with every expert at hand, whatever the routes (all pairs to one rank, none to
 another, a batch of no tokens); and recorded on the host graphs backend, collectives included,
-its replays recompute the exchange on new tokens and routes. Under data-parallel attention the
-ranks agree on the decode graph every one replays (core/graph_runner.py)."""
+its replays recompute the exchange on new tokens and routes. The padding rows name no expert: a
+rank's MoE experts compute only the pairs sent to it (the native MoE's MLP rows here; on 2 GPUs the
+Triton alignment's blocks), as many over the ranks as the batches route. Under data-parallel
+attention the ranks agree on the decode graph every one replays (core/graph_runner.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import pytest
 import torch
 
 from engine.core.distributed.group import connect, join_store, master_store
+from engine.core.families.moe import ExpertWeights
 from engine.core.graph_runner import DecodeGraphs
 from engine.core.distributed.moe import AllToAllDispatch, PaddedAllToAllDispatch
+from engine.core.native import moe as native_moe
 from engine.core.native.graphs import RecordedOps
 
 from tp_helpers import TIMEOUT_S, within
@@ -33,8 +37,19 @@ def one_process(maps, x, weights, ids):
     return linear_experts(maps, 0)(x, weights, ids)
 
 
-def ranks(size: int, body) -> list:
-    """Each rank's ``body(rank, group)``, the ranks threads on one gloo group."""
+def moe_experts(backend, stack: ExpertWeights, first: int, per_rank: int):
+    """This rank's experts of ``stack`` (from ``first``) through the MoE ``backend``, as a layer's ``routed``."""
+    local = ExpertWeights(stack.gate_up[first:first + per_rank], stack.down[first:first + per_rank])
+    return lambda x, weights, ids: backend.experts(x, weights, ids, local)
+
+
+def random_stack(inner: int, dtype: torch.dtype, device: str = "cpu") -> ExpertWeights:
+    return ExpertWeights((torch.randn(E, 2 * inner, H, device=device) * H**-0.5).to(dtype),
+                         (torch.randn(E, H, inner, device=device) * inner**-0.5).to(dtype))
+
+
+def ranks(size: int, body, device=lambda r: torch.device("cpu")) -> list:
+    """Each rank's ``body(rank, group)``, the ranks threads on one group of ``device(rank)``s (gloo on the host)."""
     store = master_store(size, TIMEOUT_S)
     out: list = [None] * size
     errors: list[BaseException] = []
@@ -42,7 +57,7 @@ def ranks(size: int, body) -> list:
     def rank(r: int) -> None:
         try:
             g = connect(store if r == 0 else join_store(store.port, size, TIMEOUT_S), r, size,
-                        torch.device("cpu"), TIMEOUT_S, "ep")
+                        device(r), TIMEOUT_S, "ep")
             out[r] = body(r, g)
             g.close()
         except BaseException as exc:
@@ -88,6 +103,31 @@ def test_padded_dispatch_is_the_exact_one(size):
         for exact, padded, want in got:
             torch.testing.assert_close(exact, want)
             torch.testing.assert_close(padded, exact, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_padding_rows_reach_no_expert(size, seed, monkeypatch):
+    """Through the native MoE each rank's expert MLPs compute the rows of the pairs sent to it, not
+    the size * T * K rows of its blocks: over the ranks, the pairs routed; the outputs the exact
+    dispatch's to the bit, and one process's with every expert at hand."""
+    stack, per_rank, t = random_stack(4, torch.float32), E // size, 5
+    computed: list[int] = []  # rows through an expert MLP, every rank's
+    swiglu = native_moe._swiglu
+    monkeypatch.setattr(native_moe, "_swiglu", lambda gate_up, w: computed.append(gate_up.shape[0]) or swiglu(gate_up, w))
+
+    def body(dispatch):
+        def run(r, g):
+            gen = torch.Generator().manual_seed(seed + r)
+            x, w, ids = torch.randn(t, H, generator=gen), torch.rand(t, K, generator=gen), routes(gen, t, "any")
+            experts = moe_experts(native_moe.NativeMoE(None), stack, r * per_rank, per_rank)
+            return dispatch(g, per_rank).run(x, w, ids, experts), (x, w, ids)
+        return run
+
+    padded = ranks(size, body(PaddedAllToAllDispatch))
+    assert sum(computed) == size * t * K
+    for (got, (x, w, ids)), (exact, _) in zip(padded, ranks(size, body(AllToAllDispatch))):
+        torch.testing.assert_close(got, exact, rtol=0, atol=0)
+        torch.testing.assert_close(got, native_moe.NativeMoE(None).experts(x, w, ids, stack))
 
 
 def test_a_recorded_padded_dispatch_replays_its_exchanges():
