@@ -85,17 +85,17 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     flat = ids.reshape(-1).cpu()
     n = flat.numel()
     sorted_ids, block_expert = blocks.sorted_ids.cpu(), blocks.block_expert.cpu()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)  # -1: no expert
     used = int(((counts + block_m - 1) // block_m * block_m).sum())
     assert sorted_ids.dtype == block_expert.dtype == blocks.num_padded.dtype == torch.int32
     assert sorted_ids.numel() == max_padded_rows(n, num_experts, block_m) == block_expert.numel() * block_m
     assert int(blocks.num_padded) == used and blocks.num_assignments == n
     assert (sorted_ids[used:] == n).all() and (block_expert[used // block_m:] == -1).all()
     live = sorted_ids[:used]
-    assert torch.equal(live[live < n].sort().values, torch.arange(n, dtype=torch.int32))
+    assert torch.equal(live[live < n].sort().values, (flat >= 0).nonzero().squeeze(1).to(torch.int32))
     per_block = live.view(-1, block_m)
     experts = block_expert[:used // block_m]
-    assert (experts[1:] > experts[:-1]).sum() == (counts > 0).sum() - 1  # contiguous, ascending
+    assert (experts[1:] > experts[:-1]).sum() == max(int((counts > 0).sum()) - 1, 0)  # contiguous, ascending
     assert torch.equal(torch.bincount(experts.long(), minlength=num_experts), (counts + block_m - 1) // block_m)
     for block, expert in zip(per_block, experts.tolist()):
         rows = block[block < n].long()
@@ -134,6 +134,25 @@ def test_alignment_of_column_slices(seed, num_tokens):
         assert torch.equal(got.sorted_ids, want.sorted_ids) and torch.equal(got.block_expert, want.block_expert)
         assert torch.equal(got.num_padded, want.num_padded) and got.num_assignments == want.num_assignments
         check_alignment(ids, num_experts, 16)
+
+
+def without_experts(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` with about a third of the rows, and a few single entries, -1 (no expert), as an
+    expert-parallel exchange's padding rows are."""
+    ids = ids.clone()
+    ids[torch.rand(ids.shape[0]) < 1 / 3] = -1
+    ids.view(-1)[torch.randint(ids.numel(), (ids.numel() // 8,))] = -1
+    return ids
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,top_k", [(9, 1), (5, 4), (96, 1), (40, 3)])  # one chunk of assignments, several
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_alignment_places_no_row_for_no_expert(seed, num_tokens, top_k, block_m):
+    """An id -1 is counted for no expert and placed in no block: the padded rows are those of the
+    real assignments alone."""
+    check_alignment(without_experts(random_ids(num_tokens, 8, top_k)), 8, block_m)
+    check_alignment(torch.full((num_tokens, top_k), -1), 8, block_m)
 
 
 @pytest.mark.interpret
@@ -203,6 +222,22 @@ def test_experts_match_native(seed, num_tokens, num_experts, top_k, hidden, inne
     x = activations(num_tokens, hidden, dtype, scale=2.0)
     w = random_experts(num_experts, hidden, inner, dtype, swiglu_limit=limit)
     check_experts(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, bound)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_tokens,top_k", [(12, 1), (70, 1), (9, 2)])  # one chunk of assignments, several
+def test_experts_skip_rows_of_no_expert(seed, num_tokens, top_k):
+    """Rows whose ids are all -1 (an exchange's padding) take no GEMM rows and leave the others as
+    native computes them."""
+    ids = random_ids(num_tokens, 8, top_k)
+    padding = torch.rand(num_tokens) < 0.5
+    ids[padding] = -1
+    x, weights, w = activations(num_tokens, 64, torch.float32), routing_weights(num_tokens, top_k), \
+        random_experts(8, 64, 64, torch.float32)
+    got = TritonMoE(None).experts(x, weights, ids, w)
+    want = NativeMoE(None).experts(x, weights, ids, w)
+    assert not want[padding].any()
+    assert rel_err(got[~padding], want[~padding]) < 1e-5
 
 
 @pytest.mark.interpret
