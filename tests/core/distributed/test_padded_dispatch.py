@@ -43,9 +43,9 @@ def moe_experts(backend, stack: ExpertWeights, first: int, per_rank: int):
     return lambda x, weights, ids: backend.experts(x, weights, ids, local)
 
 
-def random_stack(inner: int, dtype: torch.dtype, device: str = "cpu") -> ExpertWeights:
-    return ExpertWeights((torch.randn(E, 2 * inner, H, device=device) * H**-0.5).to(dtype),
-                         (torch.randn(E, H, inner, device=device) * inner**-0.5).to(dtype))
+def random_stack(inner: int, dtype: torch.dtype, hidden: int = H) -> ExpertWeights:
+    return ExpertWeights((torch.randn(E, 2 * inner, hidden) * hidden**-0.5).to(dtype),
+                         (torch.randn(E, hidden, inner) * inner**-0.5).to(dtype))
 
 
 def ranks(size: int, body, device=lambda r: torch.device("cpu")) -> list:
@@ -113,7 +113,8 @@ def test_padding_rows_reach_no_expert(size, seed, monkeypatch):
     stack, per_rank, t = random_stack(4, torch.float32), E // size, 5
     computed: list[int] = []  # rows through an expert MLP, every rank's
     swiglu = native_moe._swiglu
-    monkeypatch.setattr(native_moe, "_swiglu", lambda gate_up, w: computed.append(gate_up.shape[0]) or swiglu(gate_up, w))
+    monkeypatch.setattr(native_moe, "_swiglu",
+                        lambda gate_up, w: computed.append(gate_up.shape[0]) or swiglu(gate_up, w))
 
     def body(dispatch):
         def run(r, g):
@@ -128,6 +129,48 @@ def test_padding_rows_reach_no_expert(size, seed, monkeypatch):
     for (got, (x, w, ids)), (exact, _) in zip(padded, ranks(size, body(AllToAllDispatch))):
         torch.testing.assert_close(got, exact, rtol=0, atol=0)
         torch.testing.assert_close(got, native_moe.NativeMoE(None).experts(x, w, ids, stack))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4, 40])  # the decode alignment's one chunk of pairs, and several
+def test_padding_rows_fill_no_block_of_the_triton_experts_gpu(t, seed, monkeypatch):
+    """On 2 GPUs over NCCL, each rank's Triton experts align only the pairs sent to it: the grouped
+    GEMMs' rows in use (``num_padded``) are its experts' pair counts rounded up to whole blocks, not
+    its 2 * T * K rows; the outputs one process's with every expert at hand."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from engine.backends.triton import fused_moe
+    from engine.backends.triton.moe import TritonMoE
+
+    size, per_rank, hidden = 2, E // 2, 64
+    stack = random_stack(64, torch.bfloat16, hidden)
+    aligned: dict[int, list] = {0: [], 1: []}  # each GPU's alignments
+    align = fused_moe.align_by_expert
+
+    def recorded(ids, num_experts, block_m):
+        blocks = align(ids, num_experts, block_m)
+        aligned[ids.device.index].append(blocks)
+        return blocks
+
+    monkeypatch.setattr(fused_moe, "align_by_expert", recorded)
+
+    def body(r, g):
+        torch.cuda.set_device(r)
+        gen, dev = torch.Generator().manual_seed(seed + r), torch.device("cuda", r)
+        x, w, ids = torch.randn(t, hidden, generator=gen), torch.rand(t, K, generator=gen), routes(gen, t, "any")
+        x, w, ids = x.to(dev, torch.bfloat16), w.to(dev), ids.to(dev)
+        held = ExpertWeights(stack.gate_up.to(dev), stack.down.to(dev))
+        got = PaddedAllToAllDispatch(g, per_rank).run(x, w, ids, moe_experts(TritonMoE(None), held, r * per_rank,
+                                                                             per_rank))
+        return got, native_moe.NativeMoE(None).experts(x, w, ids, held), ids.cpu()
+
+    out = ranks(size, body, lambda r: torch.device("cuda", r))
+    counts = torch.bincount(torch.cat([ids.flatten() for _, _, ids in out]), minlength=E)
+    for r, (got, want, _) in enumerate(out):
+        (blocks,) = aligned[r]
+        mine = counts[r * per_rank:(r + 1) * per_rank]
+        assert int(blocks.num_padded) == int((-(-mine // blocks.block_m) * blocks.block_m).sum())
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
 def test_a_recorded_padded_dispatch_replays_its_exchanges():
