@@ -124,6 +124,8 @@ class Break:
                 return a.tensor[:n]
             if isinstance(a, _Result):
                 return results[a.index]
+            if type(a) is tuple:
+                return tuple(map(arg, a))
             return a
 
         out = self.call(*map(arg, self.args), **{k: arg(v) for k, v in self.kwargs.items()})
@@ -219,6 +221,8 @@ class SegmentRecorder:
                                f"one with a row per token ({self.num_tokens})")
         if id(a) in self._results:
             return _Result(self._results[id(a)][0])
+        if type(a) is tuple:  # a group of arguments (the V4 indexer's projections): each marked
+            return tuple(self._mark(call, x) for x in a)
         return a
 
 
