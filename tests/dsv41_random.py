@@ -17,6 +17,7 @@ from engine.core.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from engine.core.models.deepseek_v4.publish import unstacked_experts
 from engine.core.plugins import load_plugins
 from engine.core.registry import SelectionContext
+from engine.core.spec.dspark.stages import StageDrafter
 from engine.core.startup import model_families, select_backends
 
 
@@ -26,11 +27,15 @@ KERNEL_SHAPE = {"head_dim": 64, "qk_rope_head_dim": 16, "index_head_dim": 32, "i
 
 def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int], candidate: int | None = None,
                blocks: int = 0, block_size: int = 0, window: int = 8, top_k: int = 4, hc_mult: int = 2,
-               engram: list[int] = (), moe_intermediate_size: int = 16) -> dict:
+               engram: list[int] = (), moe_intermediate_size: int = 16, dspark: list[int] = ()) -> dict:
     """config.json of a tiny V4.1 in the published key layout (compress_ratios per layer, the
     sharing fields, Engram at the layers ``engram`` names (3-grams, 2 heads of 8, tables of about
-    2 x 2 x 31 rows), no DSpark layers)."""
-    return {
+    2 x 2 x 31 rows), DSpark stages reading the target layers ``dspark`` names, one per layer, as
+    V4.1-Flash's three (blocks of 5, Markov rank 8, 4 routed experts of which 2 a token))."""
+    stages = {"num_nextn_predict_layers": len(dspark), "dspark_block_size": 5, "dspark_target_layer_ids": list(dspark),
+              "dspark_markov_rank": 8, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
+              "dspark_noise_token_id": 3} if dspark else {"num_nextn_predict_layers": 0}
+    return {**stages,
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "dtype": "float32",
         "vocab_size": 128, "hidden_size": 32, "moe_intermediate_size": moe_intermediate_size, "num_hidden_layers": len(ratios),
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "qk_rope_head_dim": 8,
@@ -43,7 +48,6 @@ def v41_config(ratios: list[int], kv_sources: list[int], index_sources: list[int
         "candidate_source_layer_id": -1 if candidate is None else candidate, "candidate_topk_blocks": blocks,
         "candidate_block_size": block_size, "engram_layer_ids": list(engram), "engram_max_ngram_size": 3,
         "engram_n_heads": 2, "engram_head_dim": 8, "engram_vocab_size": 31, "engram_pad_token_id": 2,
-        "num_nextn_predict_layers": 0,
     }
 
 
@@ -61,8 +65,21 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | Non
     selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
     model = DeepseekV4ForCausalLM(config, Backends(**{f: s.create(ctx) for f, s in selections.items()}))
     gen = torch.Generator().manual_seed(seed)
+    weights = _random(model.state_dict(), hf, gen)
+    tensors = dict(unstacked_experts(weights, hf["n_routed_experts"]))
+    if hf["num_nextn_predict_layers"]:  # the DSpark stages, named and shaped by the drafter that loads them
+        drafter = StageDrafter(model)
+        names = drafter.checkpoint_names()
+        stages = {names[k]: v for k, v in _random(drafter.state_dict(), hf, gen).items()}
+        tensors.update(unstacked_experts(stages, hf["dspark_n_routed_experts"]))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _random(state: dict[str, torch.Tensor], hf: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``state``'s tensors drawn at random: norms and scales near one, the rest around zero."""
     weights = {}
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if name.endswith("tid2eid"):
             w = torch.stack([torch.randperm(hf["n_routed_experts"], generator=gen)[:hf["num_experts_per_tok"]]
                              for _ in range(t.shape[0])]).to(t.dtype)
@@ -71,6 +88,5 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | Non
         else:
             w = torch.randn(t.shape, generator=gen) * 0.3
         weights[name] = w.to(t.dtype).contiguous()
-    save_file(dict(unstacked_experts(weights, hf["n_routed_experts"])), str(path / "model.safetensors"))
-    return path
+    return weights
 

@@ -46,6 +46,7 @@ def mtp_reasons(ctx) -> list[str]:
     from ..models.deepseek_v4.nextn import checkpoint_has_nextn
 
     from .drafter import drafter_reasons
+    from .dspark.stages import has_dspark
 
     spec, target = ctx.engine_config.speculative_config, ctx.model_config
     if target is None:
@@ -54,6 +55,9 @@ def mtp_reasons(ctx) -> list[str]:
         return [f"MTP runs DeepSeek-V4's next-n layers; {target.architecture} has none"]
     if not target.get("num_nextn_predict_layers"):
         return ["the model's config.json has no next-n layers (num_nextn_predict_layers is 0)"]
+    if has_dspark(target.hf) and (spec is None or spec.model is None):
+        return ["the checkpoint's mtp.* layers are DSpark stages (config.json has dspark_block_size), not next-n "
+                "layers: speculative_config.method 'dspark' drafts with them"]
     if ctx.engine_config.attention_tp_size > 1:
         return ["MTP with attention split over processes (tensor parallelism) is not built (the ranks do not "
                 "hand back their streams); under data-parallel attention each rank's attention must be whole"]

@@ -108,36 +108,12 @@ class BlockLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-class DSparkDrafter(nn.Module):
-    def __init__(self, shape: DSparkShape, embed: Callable[[torch.Tensor], torch.Tensor],
-                 lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        s = self.shape = shape
-        if s.num_heads % s.num_kv_heads:
-            raise ValueError(f"num_heads {s.num_heads} is not a multiple of num_kv_heads {s.num_kv_heads}")
-        self.fc = nn.Linear(s.feature_size, s.hidden_size, bias=False)
-        self.hidden_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.layers = nn.ModuleList(BlockLayer(s) for _ in range(s.num_layers))
-        self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
-        self.markov_w1 = nn.Embedding(s.vocab_size, s.markov_rank)
-        self.markov_w2 = nn.Linear(s.markov_rank, s.vocab_size, bias=False)
-        self.confidence = nn.Linear(s.hidden_size + s.markov_rank, 1)
-        self._target = (embed, lm_head)  # the target's: not the drafter's tensors
+class BlockDrafter(nn.Module):
+    """What every DSpark drafter shares: the block of the anchor and mask tokens, the Markov head
+    (``markov_w1``, ``markov_w2``), the confidence head (``confidence``) and greedy drafting. A drafter
+    gives ``shape``, ``context_kv`` and ``backbone``, and the target's LM head as ``_target[1]``."""
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer the keys and values [..., n, kvh, hd] of context positions from the target's
-        ``features`` [..., n, feature_size] there."""
-        ctx = self.hidden_norm(self.fc(features))
-        return [layer.kv(ctx, positions) for layer in self.layers]
-
-    def backbone(self, ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
-                 mask: torch.Tensor) -> torch.Tensor:
-        """The block rows' outputs [N, Q, d]: ``ids`` [N, Q] (anchors and mask tokens) at
-        ``positions``, over ``context`` (context_kv's, [N, C, ...]); ``mask`` [N, Q, C + Q]."""
-        x = self._target[0](ids)
-        for layer, (k, v) in zip(self.layers, context):
-            x = layer(x, positions, k, v, mask)
-        return self.norm(x)
+    shape: DSparkShape
 
     def block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
               context: list[tuple[torch.Tensor, torch.Tensor]], context_valid: torch.Tensor) -> torch.Tensor:
@@ -174,3 +150,35 @@ class DSparkDrafter(nn.Module):
             prev = (base[:, j] + self.markov(prev)).argmax(-1)
             tokens.append(prev)
         return torch.stack(tokens, 1), torch.stack(conf, 1)
+
+
+class DSparkDrafter(BlockDrafter):
+    def __init__(self, shape: DSparkShape, embed: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        s = self.shape = shape
+        if s.num_heads % s.num_kv_heads:
+            raise ValueError(f"num_heads {s.num_heads} is not a multiple of num_kv_heads {s.num_kv_heads}")
+        self.fc = nn.Linear(s.feature_size, s.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(s) for _ in range(s.num_layers))
+        self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.markov_w1 = nn.Embedding(s.vocab_size, s.markov_rank)
+        self.markov_w2 = nn.Linear(s.markov_rank, s.vocab_size, bias=False)
+        self.confidence = nn.Linear(s.hidden_size + s.markov_rank, 1)
+        self._target = (embed, lm_head)  # the target's: not the drafter's tensors
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the keys and values [..., n, kvh, hd] of context positions from the target's
+        ``features`` [..., n, feature_size] there."""
+        ctx = self.hidden_norm(self.fc(features))
+        return [layer.kv(ctx, positions) for layer in self.layers]
+
+    def backbone(self, ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
+                 mask: torch.Tensor) -> torch.Tensor:
+        """The block rows' outputs [N, Q, d]: ``ids`` [N, Q] (anchors and mask tokens) at
+        ``positions``, over ``context`` (context_kv's, [N, C, ...]); ``mask`` [N, Q, C + Q]."""
+        x = self._target[0](ids)
+        for layer, (k, v) in zip(self.layers, context):
+            x = layer(x, positions, k, v, mask)
+        return self.norm(x)

@@ -1,6 +1,7 @@
 """The DSpark proposer (``speculative_config {"method": "dspark", "model": DIR}``): a drafter that
-``engine train-drafter --method dspark`` trained for the target (model.py) drafts a block per
-decode in one pass, each draft then following the one before through its Markov head, with a
+``engine train-drafter --method dspark`` trained for the target (model.py), or with no ``model``
+the DSpark stages a DeepSeek-V4.1 checkpoint carries as its ``mtp.*`` tensors (stages.py), drafts a
+block per decode in one pass, each draft then following the one before through its Markov head, with a
 confidence per draft that the verify length is chosen from (verify_length.py).
 
 The target hands back the hidden states of the drafter's chosen layers for every token it computes
@@ -20,23 +21,29 @@ import torch
 
 from ...families.spec import DraftRequest, Drafts, SpecProposer
 from ..config import SpecConfigError
+from .stages import build_stages, has_dspark, stage_reasons
 from .weights import METHOD, build_drafter, read_drafter
 
 logger = logging.getLogger(__name__)
 
 
 def dspark_reasons(ctx) -> list[str]:
-    """Why the drafter ``speculative_config.model`` cannot draft for the target."""
+    """Why the drafter ``speculative_config.model``, or without one the checkpoint's own DSpark
+    stages, cannot draft for the target."""
     from ..drafter import drafter_reasons
 
     spec, target = ctx.engine_config.speculative_config, ctx.model_config
-    if spec is None or spec.model is None:
+    own = target is not None and spec is not None and spec.model is None and has_dspark(target.hf)
+    if spec is None or (spec.model is None and not own):
         return ["speculative_config.model: DSpark needs a drafter directory (engine train-drafter --method dspark "
-                "writes one)"]
+                "writes one) or a checkpoint with DSpark stages (DeepSeek-V4.1's dspark_* config.json keys and "
+                "mtp.* tensors), which this one has not"]
     if target is None:
         return []
     if ctx.engine_config.tensor_parallel_size > 1:
         return ["DSpark under tensor parallelism is not built (the ranks do not hand back their hidden states)"]
+    if own:
+        return stage_reasons(target.hf, target.path, spec.num_speculative_tokens)
     if reasons := drafter_reasons(spec.model, METHOD, target.path):
         return reasons
     shape, _ = read_drafter(spec.model)
@@ -73,11 +80,16 @@ class DSparkProposer(SpecProposer):
         super().__init__(ctx)
         spec, target = ctx.engine_config.speculative_config, ctx.target
         try:
-            shape, tensors = read_drafter(spec.model)
-            self.drafter = build_drafter(target, shape, tensors, ctx.model_config.dtype).eval()
+            if spec.model is None:  # the checkpoint's own stages
+                self.drafter = build_stages(target)
+                target.mtp.clear()  # the drafter holds them now
+            else:
+                shape, tensors = read_drafter(spec.model)
+                self.drafter = build_drafter(target, shape, tensors, ctx.model_config.dtype).eval()
         except Exception as exc:
-            raise SpecConfigError("model", f"the DSpark drafter {spec.model} does not load: "
-                                           f"{type(exc).__name__}: {exc}") from exc
+            where = f"the DSpark drafter {spec.model}" if spec.model else "the checkpoint's DSpark stages (mtp.*)"
+            raise SpecConfigError("model", f"{where} does not load: {type(exc).__name__}: {exc}") from exc
+        shape = self.drafter.shape
         self.feature_layers = shape.target_layer_ids
         self.device = next(self.drafter.parameters()).device
         self._contexts: dict[int, _Context] = {}
