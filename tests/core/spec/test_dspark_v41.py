@@ -11,9 +11,12 @@ import json
 import random
 
 import pytest
+import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine import LLM
+from engine.core.native.tail_rope import rotate_tail
 from engine.core.spec.config import SpecConfigError
 from engine.core.spec.dspark.stages import StageDrafter
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
@@ -67,6 +70,23 @@ def test_the_stages_load_under_their_published_names(tiny, pair):
         experts = f.get_tensor("mtp.0.ffn.experts.3.w2.weight")
     assert drafter.stages[0].ffn.gate.weight.shape[0] == 4 and drafter.stages[0].ffn.top_k == 2
     assert experts.equal(drafter.stages[0].ffn.experts.down[3])
+
+
+def test_the_context_is_the_fused_mean_of_each_target_layers_streams(pair, seed):
+    """Each stage's context head: main_norm(main_proj(the three layers' streams, each averaged)),
+    through the stage's wkv and KV norm, rotated on its trailing channels at the context's positions."""
+    drafter = pair[1].engine.speculator.proposer.drafter
+    n, streams, d = random.randint(1, 9), 2, 32
+    features = torch.randn(n, 3 * streams * d)
+    positions = torch.randint(0, 100, (n,))
+    fused = F.rms_norm(features.view(n, 3, streams, d).mean(2).flatten(1) @ drafter.main_proj.weight.T, (d,),
+                       drafter.main_norm.weight, drafter.main_norm.eps)
+    for stage, (k, v) in zip(drafter.stages, drafter.context_kv(features, positions)):
+        a = stage.attn
+        latent = F.rms_norm(fused @ a.wkv.weight.T, (a.head_dim,), a.norm.weight, a.eps)
+        want = rotate_tail(latent, a.rope.cos[positions], a.rope.sin[positions])
+        torch.testing.assert_close(k[:, 0], want, rtol=1e-5, atol=1e-5)
+        assert v is k
 
 
 def test_greedy_equals_decoding_without_drafts_over_chunks_and_a_prefix_hit(pair, seed):
