@@ -49,14 +49,20 @@ def checkpoint_has_nextn(path: str | Path) -> bool:
     return False
 
 
+def drafting_layer(hf: dict, layer_id: int) -> dict:
+    """``hf`` with layer ``layer_id``, past the target's, a sliding-attention MoE layer: a drafter's
+    layer (this next-n layer, a DSpark stage) built as a decoder layer."""
+    return {**hf, "layer_types": hf["layer_types"][:layer_id] + [SLIDING],
+            "mlp_layer_types": hf["mlp_layer_types"][:layer_id] + ["moe"],
+            "csa2_roles": hf["csa2_roles"][:layer_id] + [None]}
+
+
 class NextN(DecoderLayer):
     def __init__(self, hf: dict, layer_id: int, target: DeepseekV4ForCausalLM) -> None:
         backends, dtype, device = target.backends, target.config.dtype, target.head.weight.device
         hidden, eps = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6)
         specs, caches = cache_layout(hf["head_dim"], [0], [False], hf.get("index_head_dim", 128))
-        hf = {**hf, "layer_types": hf["layer_types"][:layer_id] + [SLIDING],
-              "mlp_layer_types": hf["mlp_layer_types"][:layer_id] + ["moe"],
-              "csa2_roles": hf["csa2_roles"][:layer_id] + [None]}
+        hf = drafting_layer(hf, layer_id)
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         super().__init__(hf, layer_id, caches[0], backends, ropes, dtype=dtype, device=device,
                          fold_shared=moe.FOLD_SHARED)

@@ -38,10 +38,9 @@ from torch import nn
 from ...families.attention import AttentionLayer
 from ...loader import checkpoint_files
 from ...models.deepseek_v4 import moe
-from ...models.deepseek_v4.attention import SLIDING
 from ...models.deepseek_v4.cache import cache_layout
 from ...models.deepseek_v4.model import DecoderLayer, HyperHead, _normalised
-from ...models.deepseek_v4.nextn import MTP_NAME
+from ...models.deepseek_v4.nextn import MTP_NAME, drafting_layer
 from ...models.layers import RMSNorm
 from ...models.weights import Target, load_into
 from ...native.attention import attend
@@ -115,10 +114,8 @@ class Stage(DecoderLayer):
     def __init__(self, hf: dict, layer_id: int, target) -> None:
         backends, dtype, device = target.backends, target.config.dtype, target.head.weight.device
         _, caches = cache_layout(hf["head_dim"], [0], [False], hf.get("index_head_dim", 128))
-        hf = {**hf, "layer_types": hf["layer_types"][:layer_id] + [SLIDING],
-              "mlp_layer_types": hf["mlp_layer_types"][:layer_id] + ["moe"],
-              "csa2_roles": hf["csa2_roles"][:layer_id] + [None],
-              "n_routed_experts": hf["dspark_n_routed_experts"], "num_experts_per_tok": hf["dspark_num_experts_per_tok"]}
+        hf = {**drafting_layer(hf, layer_id), "n_routed_experts": hf["dspark_n_routed_experts"],
+              "num_experts_per_tok": hf["dspark_num_experts_per_tok"]}
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         super().__init__(hf, layer_id, caches[0], backends, ropes, dtype=dtype, device=device,
                          fold_shared=moe.FOLD_SHARED)

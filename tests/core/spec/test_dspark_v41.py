@@ -129,7 +129,8 @@ def refused(path, spec=SPEC) -> str:
                                           "but the checkpoint's is (32, 96)"),
     ({"dspark_markov_rank": 16}, "dspark_markov_rank: 16 makes mtp.2.markov_head.markov_w1.weight (128, 16)"),
     ({"dspark_n_routed_experts": 6}, "dspark_n_routed_experts: 6, but the checkpoint's stages have 4 routed experts"),
-    ({"dspark_block_size": 3}, "num_speculative_tokens: 4 is more than the checkpoint's block of 3 (dspark_block_size)"),
+    ({"dspark_block_size": 3}, "num_speculative_tokens: 4 is more than the checkpoint's block of 3 "
+                               "(dspark_block_size)"),
     ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers: 2, but the checkpoint's mtp.* tensors are stages "
                                       "[0, 1, 2]"),
 ])
