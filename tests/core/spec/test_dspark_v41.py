@@ -20,7 +20,7 @@ from engine.core.native.tail_rope import rotate_tail
 from engine.core.spec.config import SpecConfigError
 from engine.core.spec.dspark.stages import StageDrafter
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
-from dsv41_random import random_v41_checkpoint, v41_config
+from dsv41_random import KERNEL_SHAPE, random_v41_checkpoint, v41_config
 from test_spec_decode import PAGE, assert_clean, completions, greedy
 
 # CSA2 ratio 2 and 1 groups, the candidate filter; three stages reading the last three layers
@@ -148,3 +148,17 @@ def test_a_checkpoint_without_stages_is_refused_with_the_reason(tiny, tmp_path, 
         shared_dir / "models" / "tiny-dsv4-py")
     assert "has no mtp.* tensors: it has no DSpark stages to draft with" in refused(bare)
     assert "are DSpark stages" in refused(tiny, {"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.mark.gpu
+def test_on_cuda_greedy_equals_decoding_without_drafts_over_chunks_and_a_prefix_hit(tmp_path, shared_dir, seed):
+    """The stages on CUDA beside the target on the Triton V4 attention (its head dims), fp32, graphs captured."""
+    path = random_v41_checkpoint(tmp_path / "v41", seed, {**v41_config(**TINY), **KERNEL_SHAPE},
+                                 shared_dir / "models" / "tiny-dsv4-py")
+    plain, spec = make(path, False, device="cuda", enable_prefix_caching=False), make(path, True, device="cuda")
+    prompts = prompts_for(2, random.randint(9, 20)) + prompts_for(1, random.randint(21, 30))
+    want = completions(plain.generate(prompts, greedy(10)))
+    assert completions(spec.generate(prompts, greedy(10))) == want
+    again = spec.generate(prompts, greedy(10))
+    assert all(o.num_cached_tokens > 0 for o in again) and completions(again) == want
+    assert spec.engine.speculator.counters.num_draft_tokens > 0
