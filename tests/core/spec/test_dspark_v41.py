@@ -1,5 +1,6 @@
 """DSpark with a tiny random DeepSeek-V4.1's own stages (its ``mtp.*`` tensors, no drafter
-directory): they load under their published names, drafts are proposed and verified, greedy output
+directory): they load under their published names, the context and a batch of blocks equal the
+stages written out here, drafts are proposed and verified, greedy output
 equals decoding without speculation over chunked prefill and a prefix hit, every page comes back;
 a config whose dspark_* keys disagree with the tensors, or a checkpoint without stages, is refused
 at start-up with the reason. The random stages' drafts are mostly rejected; the memory-bound curve
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine import LLM
+from engine.core.native.mhc import hc_head, hc_post, hc_pre
 from engine.core.native.tail_rope import rotate_tail
 from engine.core.spec.config import SpecConfigError
 from engine.core.spec.dspark.stages import StageDrafter
@@ -87,6 +89,59 @@ def test_the_context_is_the_fused_mean_of_each_target_layers_streams(pair, seed)
         want = rotate_tail(latent, a.rope.cos[positions], a.rope.sin[positions])
         torch.testing.assert_close(k[:, 0], want, rtol=1e-5, atol=1e-5)
         assert v is k
+
+
+def _attention(stage, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """V4's attention written out for one block ``x`` [Q, D] over the context's ``keys`` [C, hd]
+    and its own: per-head query norm, trailing-channel RoPE undone on the output, sinks, grouped wo_a."""
+    a = stage.attn
+    heads, hd, eps = a.num_heads, a.head_dim, a.eps
+    cos, sin = a.rope.cos[positions], a.rope.sin[positions]
+    q = F.linear(F.rms_norm(F.linear(x, a.wq_a.weight), (a.q_norm.weight.numel(),), a.q_norm.weight, eps),
+                 a.wq_b.weight).view(-1, heads, hd)
+    q = rotate_tail(F.rms_norm(q, (hd,), eps=eps), cos[:, None], sin[:, None])
+    own = rotate_tail(F.rms_norm(F.linear(x, a.wkv.weight), (hd,), a.norm.weight, eps), cos, sin)
+    keys = torch.cat([keys, own])
+    scores = torch.einsum("qhd,ld->hql", q, keys) * hd ** -0.5
+    sink = a.attn_sink.view(heads, 1, 1).expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    out = rotate_tail(torch.einsum("hql,ld->qhd", probs, keys), cos[:, None], -sin[:, None])
+    out = out.reshape(x.shape[0], a.groups, -1)
+    wo_a = a.wo_a.weight.view(a.groups, a.o_rank, -1)
+    return F.linear(torch.einsum("qgi,gri->qgr", out, wo_a).flatten(1), a.wo_b.weight)
+
+
+def _block(drafter, ids: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor]) -> torch.Tensor:
+    """One sequence's block through the stages (mHC by core/native's oracle, the MoE the stage's own)."""
+    streams = drafter._target[0](ids).unsqueeze(1).expand(-1, 2, -1)
+    for stage, keys in zip(drafter.stages, context):
+        for name, norm, sublayer in (("attn", stage.attn_norm, lambda x: _attention(stage, x, positions, keys)),
+                                     ("ffn", stage.ffn_norm, lambda x: stage.ffn(x, ids))):
+            w = stage._mix(name)
+            x, post, comb = hc_pre(streams, w.fn, w.base, w.scale, w.norm_eps, w.hc_eps, w.sinkhorn_iters)
+            x = F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+            streams = hc_post(sublayer(x), streams, post, comb)
+    h = drafter.hc_head
+    x = hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, h.eps, h.hc_eps)
+    return F.rms_norm(x, (x.shape[-1],), drafter.norm.weight, drafter.norm.eps)
+
+
+def test_a_batch_of_blocks_is_each_block_written_out(pair, seed):
+    """Each sequence's block (the anchor, then the noise token) over its own valid context rows
+    only, against the stages written out in the test."""
+    drafter = pair[1].engine.speculator.proposer.drafter
+    lengths = [random.randint(1, 12) for _ in range(3)]
+    width = max(lengths)
+    with torch.inference_mode():
+        context = drafter.context_kv(torch.randn(3 * width, 3 * 2 * 32), torch.arange(width).repeat(3))
+        context = [(k.view(3, width, 1, -1), v.view(3, width, 1, -1)) for k, v in context]
+        valid = torch.arange(width) < torch.tensor(lengths)[:, None]
+        anchors = torch.randint(4, 128, (3,))
+        got = drafter.block(anchors, torch.tensor(lengths), context, valid)
+        for i, n in enumerate(lengths):
+            ids = torch.tensor([int(anchors[i])] + [3] * 4)
+            want = _block(drafter, ids, torch.arange(n, n + 5), [k[i, :n, 0] for k, _ in context])
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_equals_decoding_without_drafts_over_chunks_and_a_prefix_hit(pair, seed):
