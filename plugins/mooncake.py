@@ -2,7 +2,8 @@
 transport too (mooncake_kv.py).
 
 Records (core/tiers/record.py: header and bytes, checked against the key they are found under)
-are put and got by content key in a Mooncake store (``pip install mooncake-transfer-engine``;
+are put and got by content key in a Mooncake store (``pip install 'engine[mooncake]'``, or
+``mooncake-transfer-engine`` on a CUDA host;
 a ``mooncake_master`` running), configured by mooncake_settings.py's settings (the master's address
 among them). The store evicts by its own policy, so the tier deletes only a bad record
 (``reject``); a read the store fails is a counted miss. Refused, with the reason, where the package
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 def mooncake_reasons(ctx) -> list[str]:
     reasons = []
     if importlib.util.find_spec("mooncake") is None:
-        reasons.append("the mooncake store is not installed (pip install mooncake-transfer-engine)")
+        reasons.append("the mooncake store is not installed (pip install 'engine[mooncake]', or "
+                       "mooncake-transfer-engine on a CUDA host)")
     if not mooncake_settings(ctx)["master_server_address"]:
         reasons.append('no Mooncake master: plugin_options {"mooncake": {"master_server_address": "HOST:PORT"}} '
                        "or MOONCAKE_MASTER")

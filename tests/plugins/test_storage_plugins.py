@@ -41,7 +41,8 @@ def context(tmp_path, backend: str, **options) -> TierContext:
                     reason="a library is installed here")
 @pytest.mark.parametrize("backend, reason", [
     ("nixl", r"nixl package is not installed \(pip install nixl\)"),
-    ("mooncake", r"mooncake store is not installed \(pip install mooncake-transfer-engine\).*no Mooncake master")])
+    ("mooncake", r"mooncake store is not installed \(pip install 'engine\[mooncake\]', or "
+                 r"mooncake-transfer-engine on a CUDA host\).*no Mooncake master")])
 def test_a_missing_library_is_refused_with_the_reason(tmp_path, backend, reason):
     with pytest.raises(SelectionError, match=reason):
         plugins().select("cache_tier", context(tmp_path, backend), backend)
