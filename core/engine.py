@@ -13,20 +13,19 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
 import torch
 
 from .config import EngineConfig
 from .context import check_context
-from .disagg.counters import TransferCounters
 from .distributed.dp_attention import DataParallelRanks
 from .distributed.followers import Followers
 from .distributed.group import Rendezvous
 from .distributed.workers import Workers
+from .engine_stats import EngineCounters, EngineStats
 from .errors import EngineError, InvalidRequest
-from .kv.hicache_stats import HiCacheStats
 from .output_processor import OutputProcessor
 from .outputs import EngineCoreOutput, RequestOutput
 from .plugins import Plugins
@@ -36,7 +35,6 @@ from .sampler import PromptLogprobs, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import SeqStatus, Sequence
-from .spec.counters import SpecCounters
 from .spec.speculator import Speculator, Verified
 from .registry import SelectionError
 from .startup import attach_storage_tier, build
@@ -48,30 +46,6 @@ from .warmup import WarmupReport, warm_up, warm_up_sampling
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for gauges: what is running, waiting and held right now, and the totals so far."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # pages held by requests / usable pages (cached but evictable pages are free)
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    spec: SpecCounters | None = None  # speculative decoding's totals, where it is on
-    hicache: HiCacheStats | None = None  # the hierarchical cache's, where it is on
-    kv_transfer: TransferCounters | None = None  # a decode engine's KV transfers (core/disagg)
-
-
-@dataclass
-class EngineCounters:
-    """Monotonic totals for metrics; finished requests are counted by finish reason."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -324,17 +298,8 @@ class EngineCore:
         spec = self.speculator.counters.snapshot() if self.speculator is not None else None
         out = EngineStats(s.num_running, s.num_waiting + compiling, kv.usage, kv.prefix_queries, kv.prefix_hits,
                           s.stats.num_preemptions, spec, self.kv_manager.hicache_stats())
-        if self.dp is not None:  # the other data-parallel ranks' after their last step; KV usage their mean
-            for r in self.dp.stats:
-                out.num_running += r.num_running
-                out.num_waiting += r.num_waiting
-                out.kv_usage += r.kv_usage
-                out.prefix_cache_queries += r.prefix_cache_queries
-                out.prefix_cache_hits += r.prefix_cache_hits
-                out.num_preemptions += r.num_preemptions
-                if r.spec is not None:
-                    out.spec = out.spec.plus(r.spec)
-            out.kv_usage /= self.dp.ranks
+        if self.dp is not None:  # the other data-parallel ranks' after their last step
+            out.add_ranks(self.dp.stats)
         return out
 
     def reset_counters(self) -> None:

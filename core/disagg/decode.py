@@ -19,7 +19,8 @@ import logging
 import dataclasses
 from dataclasses import dataclass
 
-from ..engine import EngineCore, EngineStats
+from ..engine import EngineCore
+from ..engine_stats import EngineStats
 from ..errors import InvalidRequest
 from ..families.kv_transport import Fetch, TransferStatus
 from ..request import Request

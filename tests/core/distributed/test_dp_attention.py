@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
-from engine.core.engine import EngineCounters
+from engine.core.engine_stats import EngineCounters
 from engine.core.errors import EngineDeadError
 from engine.server.engine_args import add_engine_args, engine_config
 
