@@ -8,11 +8,15 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/engine-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
+if [ ! -f /tmp/engine-installed ]; then  # once a machine: calls running side by side share it
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || exit 1
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+  touch /tmp/engine-installed
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+[ ! -d /tmp/site ] || export PYTHONPATH=/tmp/site
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; git rev-parse --short HEAD;
   git status --short; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'; } >"$OUT/env.txt" 2>&1
 steps=${*:-tests attention gemm moe}
@@ -28,6 +32,10 @@ for step in $steps; do
     dsv4_decode) timeout 570 python3 benchmarks/dsv4_decode.py --json "$OUT/dsv4_decode-h200.json" 2>&1 | tee "$OUT/dsv4_decode.log" | tail -40 ;;
     models) mkdir -p ../shared/models ../shared/data && cp -r .models/* ../shared/models/ \
               && { [ ! -d .data ] || cp -r .data/* ../shared/data/; } ;;  # .data: python-eval.txt for the drafter tests
+    train_tiny_v41) timeout 600 python3 -m engine.checkpoints.train_tiny_v41 --tokenizer ../shared/models/tiny-dsv4-py \
+                      --data "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+                      --eval ../shared/data/python-eval.txt --out "$OUT/tiny-dsv41-py" --minutes ${TRAIN_MINUTES:-6} \
+                      2>&1 | tee "$OUT/train_tiny_v41.log" | tail -15 ;;
     serve) timeout 300 bash benchmarks/serve_on_device.sh 2>&1 | tail -45 ;;
     *) timeout 280 python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tee "$OUT/$step.log" | tail -30 ;;
   esac

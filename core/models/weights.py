@@ -73,6 +73,14 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], res
         raise WeightLoadError(f"checkpoint does not fill every parameter: {detail}{more}")
 
 
+def read_back(model: nn.Module, target: Target) -> torch.Tensor:
+    """What a checkpoint tensor resolved to ``target`` holds now in ``model`` (a view, detached):
+    ``load_into``'s destination read instead of written (a trained model's export)."""
+    p = model.get_parameter(target.param).detach()
+    p = p[target.expert] if target.expert is not None else p
+    return p.narrow(0, *target.rows) if target.rows is not None else p
+
+
 def take_part(tensor: torch.Tensor, part: tuple[int, int, int], shape: torch.Size) -> torch.Tensor:
     """Chunk ``index`` of ``count`` along ``dim`` of a whole checkpoint tensor; a tensor of the part's
     size already is that chunk."""

@@ -106,9 +106,10 @@ class FrozenTarget:
 
 
 def fit(params: list[torch.Tensor], loss_of: Callable[[], torch.Tensor], steps: int, lr: float, desc: str,
-        progress: bool) -> tuple[list[float], float]:
+        progress: bool, seconds: float | None = None) -> tuple[list[float], float]:
     """``steps`` AdamW steps on ``params`` (one-cycle, clipped at 1) of the loss ``loss_of`` draws
-    each step: the losses and the seconds taken."""
+    each step, fewer where ``seconds`` run out first (the schedule cut short): the losses and the
+    seconds taken."""
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -125,6 +126,9 @@ def fit(params: list[torch.Tensor], loss_of: Callable[[], torch.Tensor], steps: 
         sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if seconds is not None and time.monotonic() - started > seconds:
+            logger.warning("%s: stopped after %d of %d steps, its %.0f s spent", desc, len(losses), steps, seconds)
+            break
     return losses, time.monotonic() - started
 
 

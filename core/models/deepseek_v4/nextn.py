@@ -29,7 +29,7 @@ from ...kv.storage import KVCache, KVLayerSpec
 from ...loader import checkpoint_files
 from ...native.rope import rope_from_hf
 from ..layers import Linear, RMSNorm
-from ..weights import load_into
+from ..weights import load_into, read_back
 from . import moe
 from .attention import SLIDING, StepShare
 from .cache import cache_layout, window_reach
@@ -132,9 +132,7 @@ class NextN(DecoderLayer):
             for name in names:
                 if (t := resolve(name)) is None:
                     continue
-                p = self.get_parameter(t.param).detach()
-                p = p[t.expert] if t.expert is not None else p
-                out[name] = (p.narrow(0, *t.rows) if t.rows is not None else p).clone()
+                out[name] = read_back(self, t).clone()
         return out
 
 
