@@ -45,7 +45,7 @@ from .pages import PagePool
 from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
 from .storage import KVCache
-from .storage_writer import StorageWriter
+from .storage_writer import DETACH_DRAIN_S, StorageWriter
 from .window import WindowPool
 
 if TYPE_CHECKING:
@@ -311,13 +311,14 @@ class KVHierarchy:
             self.reader = reader
 
     def detach_storage(self) -> CacheTier | None:
-        """Stop using the storage tier (its prefetches dropped, its counts kept in the totals); the
+        """Stop using the storage tier (its prefetches dropped, its counts kept in the totals) once the
+        writes queued for it have landed (for up to ``DETACH_DRAIN_S``; the rest dropped, counted); the
         tier, or None where there was none. Host memory and the device keep what they hold."""
         if self.reader is None:
             return None
         reader, self.reader = self.reader, None
         writer, self.writer = self.writer, None
-        writer.close(0)  # queued writes dropped; one under way ends alone
+        writer.close(DETACH_DRAIN_S)  # queued writes land first (bounded); one still under way ends alone
         self.stats.storage_dropped += writer.dropped
         self.stats.foreign_records += reader.tier.rejected
         self.stats.storage_read_failures += reader.tier.read_failures

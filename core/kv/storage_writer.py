@@ -7,7 +7,9 @@ queue holds at most ``MAX_QUEUED_BYTES``; a write that finds it full is dropped,
 logged once per burst of drops, rather than stalling the loop: the prefix stays in host memory,
 and storage misses it until it is written again. A write the tier refuses (a full disk, a gone
 mount) stops the writer: what is queued after it is dropped, and the engine, which polls
-``failure``, detaches the tier. ``close`` lets the queue drain (bounded) and drops what is left.
+``failure``, detaches the tier. ``close`` (the engine closing, or the tier detached or replaced)
+lets the queue drain for a bounded time, drops what is left and logs both counts: a detach from a
+healthy tier loses nothing, and one from a hanging tier still returns.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ logger = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 * 2**20  # record bytes waiting for the storage tier
 CLOSE_DRAIN_S = 10.0  # how long a closing engine (or one whose process exits) lets queued writes land
+DETACH_DRAIN_S = 5.0  # how long a detach lets them land (the engine loop waits for it between two steps)
 
 
 class StorageWriter:
     def __init__(self, tier: CacheTier, written: Callable[[list[TierPage], list[bool]], None]) -> None:
         """``written(records, stored)`` is called on the writer's thread after each write."""
         self.tier, self._written = tier, written
+        self.written = 0  # records the tier took
         self.dropped = 0  # records not written: the queue was full, the tier had failed, or it closed
         self.failure: str | None = None  # why the tier refused a write; nothing is written after it
         self._queue: deque[list[TierPage]] = deque()
         self._queued_bytes = 0
-        self._busy = False
+        self._under_way = 0  # records in the write the tier is making now
         self._closing = False
         self._dropping = False  # in a burst of drops (logged at its start)
         self._cond = threading.Condition()
@@ -71,7 +75,7 @@ class StorageWriter:
                 if not self._queue:
                     return
                 records = self._queue.popleft()
-                self._busy = True
+                self._under_way = len(records)
             try:
                 stored = self.tier.put(records)
             except Exception as exc:  # a tier's bug must not end the writer silently: the tier is dropped
@@ -80,7 +84,8 @@ class StorageWriter:
             self._written(records, stored)
             with self._cond:
                 self._queued_bytes -= sum(r.data.numel() for r in records)
-                self._busy = False
+                self._under_way = 0
+                self.written += sum(stored)
                 if not all(stored) and self.failure is None:
                     self.failure = self.tier.last_error or "no reason given"
                     self._drop_queued()
@@ -95,7 +100,7 @@ class StorageWriter:
         """Wait until every queued write has landed (or been refused); whether it did in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._under_way:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -103,15 +108,24 @@ class StorageWriter:
         return True
 
     def close(self, drain_s: float | None = None) -> None:
-        """Write what is queued for up to ``drain_s`` seconds (``CLOSE_DRAIN_S``), drop the rest (counted)
-        and stop; a write under way ends alone (whole or not at all: the tier's writes are atomic)."""
+        """Write what is queued for up to ``drain_s`` seconds (``CLOSE_DRAIN_S``) in all, drop the rest
+        (counted) and stop; a write still under way then ends alone (whole or not at all: the tier's
+        writes are atomic) and is counted when it does."""
         atexit.unregister(self.close)
         drain_s = CLOSE_DRAIN_S if drain_s is None else drain_s
-        if drain_s > 0:
-            self.flush(drain_s)
+        deadline = time.monotonic() + drain_s
+        with self._cond:
+            waiting = sum(len(r) for r in self._queue) + self._under_way
+            written, dropped = self.written, self.dropped
+        self.flush(drain_s)
         with self._cond:
             self._closing = True
             self._drop_queued()
             self._cond.notify_all()
-        if drain_s > 0:  # shutting down: the thread ends before the process does (not at detach: no wait there)
-            self._thread.join(drain_s)
+            written, given_up, under_way = self.written - written, self.dropped - dropped, self._under_way
+        if waiting:
+            logger.log(logging.WARNING if given_up or under_way else logging.INFO,
+                       "hierarchical cache: the storage tier %s closed with %d records to write: %d written, "
+                       "%d given up after %.1f s%s", self.tier.name, waiting, written, given_up, drain_s,
+                       f", {under_way} in a write still under way" if under_way else "")
+        self._thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,7 +1,7 @@
 """Storage writes off the engine thread (core/kv/storage_writer.py), at the KV manager: a store whose
 writes hang holds up no step, its records land later and are hit only then; a full queue drops
-writes (counted, logged once per burst) and leaks no page or record; closing drains what is queued
-for a bounded time and drops the rest."""
+writes (counted, logged once per burst) and leaks no page or record; closing, or detaching the
+tier, drains what is queued for a bounded time and drops the rest (counted, logged)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 
 from engine.core.families.cache_tier import prefix_keys
-from engine.core.kv import storage_writer
+from engine.core.kv import hierarchy, storage_writer
 
 from test_hierarchy_storage import engine, run
 from test_hierarchy import run_to_completion
@@ -32,9 +32,22 @@ class Held:
         return self.tier.put(pages)
 
 
-def held_engine(directory, rng):
+class Gated(Held):
+    """A tier that makes one write per permit released (``permits.release(n)``)."""
+
+    def __init__(self, tier):
+        super().__init__(tier)
+        self.permits = threading.Semaphore(0)
+
+    def put(self, pages):
+        self.entered.set()
+        self.permits.acquire(timeout=10)
+        return self.tier.put(pages)
+
+
+def held_engine(directory, rng, wrapper=Held):
     held = []
-    m, h, files = engine(directory, False, rng, tier_wrapper=lambda t: held.append(Held(t)) or held[0])
+    m, h, files = engine(directory, False, rng, tier_wrapper=lambda t: held.append(wrapper(t)) or held[0])
     return m, h, files, held[0]
 
 
@@ -110,4 +123,54 @@ def test_closing_drains_what_is_queued_for_a_bounded_time(tmp_path, seed, monkey
     m.lower.writer._thread.join(5)
     assert m.lower.stats.storage_written == 3 and files.contains(prefix_keys(prompts[0], 4, m.lower.model_key)) == 3
     assert not list((tmp_path / "b").rglob(".tmp-*"))
+    m.check_consistency()
+
+
+def closing_log(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.core.kv.storage_writer"]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_detach_writes_what_is_queued_before_it_lets_the_tier_go(tmp_path, seed, caplog):
+    rng = random.Random(seed)
+    m, h, files, held = held_engine(tmp_path, rng)
+    prompts = [prompt_of(rng, rng.randint(2, 5)) for _ in range(4)]
+    for p in prompts:  # the first write waits on the store, the others queue behind it
+        run_to_completion(m, h, p + [1])
+    assert held.entered.wait(5) and m.lower.stats.storage_written == 0
+    threading.Timer(0.2, held.go.set).start()
+    with caplog.at_level(logging.INFO, logger="engine.core.kv.storage_writer"):
+        assert m.lower.detach_storage() is held
+    pages = sum(len(p) // 4 for p in prompts)
+    assert m.lower.stats.storage_written == pages and m.lower.storage_dropped() == 0
+    for p in prompts:
+        assert files.contains(prefix_keys(p, 4, m.lower.model_key)) == len(p) // 4
+    assert f"{pages} records to write: {pages} written, 0 given up" in closing_log(caplog)
+    m.check_consistency()
+
+
+def test_a_detach_from_a_hanging_store_returns_in_time_and_counts_what_it_gave_up(tmp_path, seed, monkeypatch,
+                                                                                  caplog):
+    rng = random.Random(seed)
+    monkeypatch.setattr(hierarchy, "DETACH_DRAIN_S", 1.0)
+    m, h, files, gated = held_engine(tmp_path, rng, Gated)
+    prompts = [prompt_of(rng, rng.randint(2, 5)) for _ in range(4)]
+    for p in prompts:
+        run_to_completion(m, h, p + [1])
+    pages = [len(p) // 4 for p in prompts]
+    writer = m.lower.writer
+    threading.Timer(0.1, gated.permits.release, (2,)).start()  # two writes land, the third hangs
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="engine.core.kv.storage_writer"):
+        m.lower.detach_storage()
+    assert 1.0 <= time.monotonic() - started < 1.8
+    assert m.lower.stats.storage_written == pages[0] + pages[1] and m.lower.storage_dropped() == pages[3]
+    assert (f"{sum(pages)} records to write: {pages[0] + pages[1]} written, {pages[3]} given up after 1.0 s, "
+            f"{pages[2]} in a write still under way") in closing_log(caplog)
+    assert [files.contains(prefix_keys(p, 4, m.lower.model_key)) for p in prompts] == pages[:2] + [0, 0]
+    gated.permits.release()  # the write under way ends alone, and is counted when it does
+    writer._thread.join(5)
+    assert m.lower.stats.storage_written == sum(pages[:3]) and m.lower.storage_dropped() == pages[3]
+    assert files.contains(prefix_keys(prompts[2], 4, m.lower.model_key)) == pages[2]
     m.check_consistency()
