@@ -4,10 +4,14 @@ gate/up: a program takes BLOCK_M rows of one expert (see moe_align) and BLOCK_N 
 intermediate, multiplies the rows' tokens by that expert's gate rows and up rows in one K loop,
 and applies SwiGLU in its epilogue, so the [T * top_k, 2I] projection is never stored. down: the
 same grouped GEMM over the SwiGLU output, ending in the weighted combine: its rows are stored in
-assignment order, [T, top_k, H], and the program that stores the last of a token's top_k rows of a
+assignment order, [T, top_k, H], and the program that stores the last of a token's rows of a
 column tile (an integer arrival count per token and tile says which) sums that token's rows, each
 times its routing weight, in k order into the output. So nothing runs between the down GEMM and
-the residual, and the sum is deterministic (no floating-point atomics).
+the residual, and the sum is deterministic (no floating-point atomics). An expert id -1 names no
+expert (an expert-parallel exchange's padding, or a token's experts held by other ranks): the
+alignment places it nowhere and the combine leaves it out, so a token's output is the sum over its
+real experts, and a token whose ids are all -1 is not written at all (its row of the output stays
+as it was: what accumulating zero leaves).
 
 Rounding follows core/native/moe.py: each GEMM's fp32 result is rounded to x's dtype; SwiGLU is
 the native ``_swiglu`` (the DeepSeek-V4 clamp, silu in fp32 rounded, times up rounded); the
@@ -95,13 +99,14 @@ def _clear_arrivals(arrivals_ptr, token, valid, tiles, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
-             stride_cm, stride_om, stride_wt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _combine(c_ptr, out_ptr, weight_ptr, expert_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
+             stride_cm, stride_om, stride_wt, stride_et, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              ACCUMULATE: tl.constexpr):
     """out[t, tile] = sum over k of c[t * top_k + k, tile] * weight[t, k], in fp32 and in k order,
-    by whichever program stores the last of token t's top_k rows of this column tile; ACCUMULATE:
-    out[t, tile] plus that sum rounded to out's dtype, as torch adds two such tensors (another
-    stack's output, written by an earlier launch).
+    over the k whose expert id (expert [T, top_k], row stride stride_et) is not -1, by whichever
+    program stores the last of those rows of this column tile; ACCUMULATE: out[t, tile] plus that
+    sum rounded to out's dtype, as torch adds two such tensors (another stack's output, written by
+    an earlier launch). The rows of -1 ids are never stored, so they are neither awaited nor read.
 
     Each program counts its stored rows into arrivals[t, pid_n] (an integer atomic, after a barrier:
     every row of the tile is stored before any is counted; acquire-release at GPU scope, so the
@@ -114,15 +119,19 @@ def _combine(c_ptr, out_ptr, weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N,
     tl.debug_barrier()
     token = tl.where(valid, ids, 0) // top_k
     arrived = tl.atomic_add(arrivals_ptr + token * tiles + pid_n, 1, mask=valid, sem="acq_rel", scope="gpu")
-    last = valid & (arrived == top_k - 1)
-    mask = last[:, None] & (rn[None, :] < N)
+    pairs = tl.zeros((BLOCK_M,), dtype=tl.int32)  # the token's pairs with an expert, whose rows arrive
+    for k in range(top_k):
+        pairs += (tl.load(expert_ptr + token * stride_et + k, mask=valid, other=-1) >= 0).to(tl.int32)
+    last = valid & (arrived == pairs - 1)
     first_row = token.to(tl.int64) * top_k
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(top_k):
-        weight = tl.load(weight_ptr + token * stride_wt + k, mask=last, other=0.0)
-        row = tl.load(c_ptr + (first_row + k)[:, None] * stride_cm + rn[None, :], mask=mask, other=0.0,
-                      cache_modifier=".cg")
+        real = last & (tl.load(expert_ptr + token * stride_et + k, mask=last, other=-1) >= 0)
+        weight = tl.load(weight_ptr + token * stride_wt + k, mask=real, other=0.0)
+        row = tl.load(c_ptr + (first_row + k)[:, None] * stride_cm + rn[None, :],
+                      mask=real[:, None] & (rn[None, :] < N), other=0.0, cache_modifier=".cg")
         total += row.to(tl.float32) * weight[:, None]
+    mask = last[:, None] & (rn[None, :] < N)
     out_ptrs = out_ptr + token[:, None].to(tl.int64) * stride_om + rn[None, :]
     total = total.to(out_ptr.dtype.element_ty)
     if ACCUMULATE:
@@ -186,11 +195,11 @@ def _mxfp8_tile(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
-                     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, topk_id_ptr,
+                     arrivals_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                      M, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
                      stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om,
-                     stride_wt,
+                     stride_wt, stride_it,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -201,8 +210,9 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     GATED (gate/up): b holds gate rows [0, N) and up rows [N, 2N); c gets SwiGLU of the two
     products, and the block's tokens' arrival counts [T, tiles] are cleared for the down GEMM.
     Otherwise (down): c gets the product, and each token's rows are combined into out (see
-    ``_combine``) with the routing weights [T, top_k] (row stride stride_wt: a column slice of a
-    wider routing reads in place), added to what out holds with ACCUMULATE.
+    ``_combine``) with the routing weights and expert ids [T, top_k] (row strides stride_wt and
+    stride_it: a column slice of a wider routing reads in place), added to what out holds with
+    ACCUMULATE.
     FP4: b is packed E2M1 with E8M0 scales per 32 along K; with SCALED_MMA a is MXFP8 and both go
     to ``tl.dot_scaled``, otherwise ``_fp4_row_products`` unpacks the weights in registers (with
     PTX_UNPACK through ``fp4_rows_ptx``). EVEN_K: K is a multiple of BLOCK_K (no masks in that loop).
@@ -213,17 +223,18 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, top
     wait_for_prior(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-        expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
-                    sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
-                    stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om,
-                    stride_wt, BLOCK_M, BLOCK_N, BLOCK_K, GATED, HAS_LIMIT, FP8, SCALE_BLOCK, FP4, SCALED_MMA,
-                    EVEN_K, PTX_UNPACK, QUANTIZE_A, ACCUMULATE, GATED, "")
+        expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr,
+                    topk_id_ptr, arrivals_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a,
+                    swiglu_limit, top_k, tiles, stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn,
+                    stride_cm, stride_om, stride_wt, stride_it, BLOCK_M, BLOCK_N, BLOCK_K, GATED, HAS_LIMIT, FP8,
+                    SCALE_BLOCK, FP4, SCALED_MMA, EVEN_K, PTX_UNPACK, QUANTIZE_A, ACCUMULATE, GATED, "")
 
 
 @triton.jit
-def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr,
-                sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a, swiglu_limit, top_k, tiles,
-                stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om, stride_wt,
+def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out_ptr, topk_weight_ptr, topk_id_ptr,
+                arrivals_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_assignments, rows_per_a, swiglu_limit, top_k,
+                tiles, stride_am, stride_as, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm, stride_om,
+                stride_wt, stride_it,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                 HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP4: tl.constexpr,
                 SCALED_MMA: tl.constexpr, EVEN_K: tl.constexpr, PTX_UNPACK: tl.constexpr, QUANTIZE_A: tl.constexpr,
@@ -321,8 +332,8 @@ def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out
     c_ptrs = c_ptr + ids[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, out.to(dtype), mask=valid[:, None] & (rn[None, :] < N))
     if not GATED:
-        _combine(c_ptr, out_ptr, topk_weight_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
-                 stride_cm, stride_om, stride_wt, BLOCK_M, BLOCK_N, ACCUMULATE)
+        _combine(c_ptr, out_ptr, topk_weight_ptr, topk_id_ptr, arrivals_ptr, ids, valid, rn, pid_n, N, top_k, tiles,
+                 stride_cm, stride_om, stride_wt, stride_it, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False) -> GemmConfig:
@@ -372,7 +383,7 @@ def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: b
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
                   out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-                  quantize_a: bool = False, accumulate: bool = False) -> None:
+                  topk_ids: torch.Tensor | None = None, quantize_a: bool = False, accumulate: bool = False) -> None:
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
     fmt = _weight_format(a, a_scale, b, b_scale, quantize_a)
@@ -390,11 +401,11 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
     b_scale_strides = (0, 0) if b_scale is None else (b_scale.stride(0), b_scale.stride(1))
     top_k, stride_wt = (1, 0) if topk_weights is None else (topk_weights.shape[1], topk_weights.stride(0))
     _moe_gemm_kernel[grid](
-        a, a_scale, b, b_scale, c, out, topk_weights, arrivals, blocks.sorted_ids, blocks.block_expert,
+        a, a_scale, b, b_scale, c, out, topk_weights, topk_ids, arrivals, blocks.sorted_ids, blocks.block_expert,
         blocks.num_padded, blocks.sorted_ids.numel(), n, k, blocks.num_assignments, rows_per_a,
         0.0 if swiglu_limit is None else float(swiglu_limit), top_k, arrivals.shape[1],
         a.stride(0), a_scale_stride, b.stride(0), b.stride(1), *b_scale_strides, c.stride(0),
-        0 if out is None else out.stride(0), stride_wt,
+        0 if out is None else out.stride(0), stride_wt, 0 if topk_ids is None else topk_ids.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, FP8=fmt == "fp8_block",
         SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
@@ -435,19 +446,23 @@ def moe_gate_up(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, to
 
 
 def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_weights: torch.Tensor,
-             cfg: GemmConfig, *, arrivals: torch.Tensor, h_scale: torch.Tensor | None = None,
+             topk_ids: torch.Tensor, cfg: GemmConfig, *, arrivals: torch.Tensor, h_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
              out: torch.Tensor | None = None, quantize: bool = False, accumulate: bool = False) -> torch.Tensor:
     """h [T * top_k, I] through down [E, H, I], each token's rows weighted by its routing weights
-    (``topk_weights`` [T, top_k], any row stride) and summed -> [T, H] in ``out_dtype`` (by default
-    h's), or into ``out``. ``arrivals`` as ``moe_gate_up`` left them. The rows pass through memory
-    in the output's dtype, each GEMM's result rounded to it as native rounds it. ``quantize`` as in
-    ``moe_gate_up``; ``accumulate``: add the sum to what ``out`` holds."""
+    (``topk_weights`` [T, top_k], any row stride) and summed over those whose expert id
+    (``topk_ids``, the ids ``blocks`` were aligned from) is not -1 -> [T, H] in ``out_dtype`` (by
+    default h's), or into ``out``; a token whose ids are all -1 is not written. ``arrivals`` as
+    ``moe_gate_up`` left them. The rows pass through memory in the output's dtype, each GEMM's
+    result rounded to it as native rounds it. ``quantize`` as in ``moe_gate_up``; ``accumulate``:
+    add the sum to what ``out`` holds."""
     if accumulate and out is None:
         raise ValueError("accumulating needs the output to add to")
     if topk_weights.dim() != 2 or topk_weights.numel() != blocks.num_assignments:
         raise ValueError(f"routing weights {list(topk_weights.shape)} are not [tokens, top_k] of "
                          f"{blocks.num_assignments} assignments")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"expert ids {list(topk_ids.shape)} do not fit routing weights {list(topk_weights.shape)}")
     h, down = unit_inner_stride(h, down)
     num_tokens, hidden = topk_weights.shape[0], down.shape[1]
     _check_arrivals(arrivals, num_tokens, hidden, cfg)
@@ -455,7 +470,8 @@ def moe_down(h: torch.Tensor, blocks: ExpertBlocks, down: torch.Tensor, topk_wei
     rows = torch.empty(blocks.num_assignments, hidden, dtype=out.dtype, device=h.device)
     weights = topk_weights.float()
     _grouped_gemm(h, h_scale, down, down_scale, blocks, cfg, hidden, 1, rows, arrivals, gated=False, out=out,
-                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous(), quantize_a=quantize,
+                  topk_weights=weights if weights.stride(1) == 1 else weights.contiguous(),
+                  topk_ids=topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous(), quantize_a=quantize,
                   accumulate=accumulate)
     return out
 
@@ -469,7 +485,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     """x [T, H], routing weights and expert ids [T, top_k], gate_up [E, 2I, H], down [E, H, I]
     -> the weighted sum over each token's experts [T, H] in x's dtype, or written into ``out``.
     The weights and ids may be column slices of a wider routing: they are read through their row
-    stride, not copied.
+    stride, not copied. An id -1 names no expert and adds nothing; a token whose ids are all -1 is
+    not written (its row of ``out`` stays as it was).
 
     FP8 weights come with ``gate_up_scale`` [E, ceil(2I/128), ceil(H/128)] and ``down_scale``
     [E, ceil(H/128), ceil(I/128)]; x and the SwiGLU output are then quantized per token and 128
@@ -514,8 +531,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     h = moe_gate_up(a, blocks, gate_up, top_k, cfg, arrivals=arrivals, swiglu_limit=swiglu_limit, x_scale=x_scale,
                     gate_up_scale=gate_up_scale, out_dtype=x.dtype, quantize=in_gemm)
     h, h_scale = quantize(h) if quantize and not in_gemm else (h, None)
-    return moe_down(h, blocks, down, topk_weights, cfg, arrivals=arrivals, h_scale=h_scale, down_scale=down_scale,
-                    out=out, quantize=in_gemm, accumulate=accumulate)
+    return moe_down(h, blocks, down, topk_weights, ids, cfg, arrivals=arrivals, h_scale=h_scale,
+                    down_scale=down_scale, out=out, quantize=in_gemm, accumulate=accumulate)
 
 
 def quantizes_in_gemm(cfg: GemmConfig, num_tokens: int, top_k: int, num_experts: int, device: torch.device, *,

@@ -78,7 +78,7 @@ class TritonMoE(MoEBackend):
     def _fused(x, weights, ids, w: ExpertWeights, gemm, blocks, out: torch.Tensor | None = None) -> torch.Tensor:
         """fused_moe of ``w``, in one launch where the blocks carry its counters; with ``out``, added to it."""
         if blocks is not None and blocks.counters is not None:
-            return moe_one_launch(x, blocks, w.gate_up, w.down, weights, gemm,
+            return moe_one_launch(x, blocks, w.gate_up, w.down, weights, ids, gemm,
                                   torch.empty_like(x) if out is None else out, swiglu_limit=w.swiglu_limit,
                                   gate_up_scale=w.gate_up_scale, down_scale=w.down_scale, accumulate=out is not None)
         return fused_moe(x, weights, ids, w.gate_up, w.down, activation=w.activation, swiglu_limit=w.swiglu_limit,

@@ -67,10 +67,11 @@ def fits_one_launch(gate_up: torch.Tensor, cfg: GemmConfig, num_tokens: int, top
 
 @triton.jit
 def _moe_one_launch_kernel(x_ptr, gate_up_ptr, gate_up_scale_ptr, down_ptr, down_scale_ptr, h_ptr, rows_ptr, out_ptr,
-                           topk_weight_ptr, counters_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                           topk_weight_ptr, topk_id_ptr, counters_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                            num_blocks, H, I, num_assignments, swiglu_limit, top_k,
                            stride_xm, stride_ge, stride_gn, stride_gse, stride_gsn,
                            stride_de, stride_dn, stride_dse, stride_dsn, stride_hm, stride_rm, stride_om, stride_wt,
+                           stride_it,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            HAS_LIMIT: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP4: tl.constexpr,
                            SCALED_MMA: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr,
@@ -90,10 +91,10 @@ def _moe_one_launch_kernel(x_ptr, gate_up_ptr, gate_up_scale_ptr, down_ptr, down
         pid_m = tile // inner_tiles
         if pid_m * BLOCK_M < num_padded:
             expert_tile(pid_m, tile % inner_tiles, x_ptr, None, gate_up_ptr, gate_up_scale_ptr, h_ptr, None, None,
-                        arrivals_ptr, sorted_ids_ptr, block_expert_ptr, I, H, num_assignments, top_k, swiglu_limit,
-                        top_k, hidden_tiles, stride_xm, 0, stride_ge, stride_gn, stride_gse, stride_gsn, stride_hm, 0,
-                        0, BLOCK_M, BLOCK_N, BLOCK_K, True, HAS_LIMIT, FP8, SCALE_BLOCK, FP4, SCALED_MMA, EVEN_H,
-                        PTX_UNPACK, QUANTIZE_A, False, False, "")
+                        None, arrivals_ptr, sorted_ids_ptr, block_expert_ptr, I, H, num_assignments, top_k,
+                        swiglu_limit, top_k, hidden_tiles, stride_xm, 0, stride_ge, stride_gn, stride_gse, stride_gsn,
+                        stride_hm, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, True, HAS_LIMIT, FP8, SCALE_BLOCK, FP4,
+                        SCALED_MMA, EVEN_H, PTX_UNPACK, QUANTIZE_A, False, False, "")
             tl.debug_barrier()  # every row of the tile stored before it is counted
             tl.atomic_add(counters_ptr + pid_m, 1, sem="release", scope="gpu")
     else:
@@ -103,21 +104,21 @@ def _moe_one_launch_kernel(x_ptr, gate_up_ptr, gate_up_scale_ptr, down_ptr, down
                 pass
             tl.debug_barrier()
             expert_tile(pid_m, (tile - gate_up_tiles) % hidden_tiles, h_ptr, None, down_ptr, down_scale_ptr, rows_ptr,
-                        out_ptr, topk_weight_ptr, arrivals_ptr, sorted_ids_ptr, block_expert_ptr, H, I,
+                        out_ptr, topk_weight_ptr, topk_id_ptr, arrivals_ptr, sorted_ids_ptr, block_expert_ptr, H, I,
                         num_assignments, 1, swiglu_limit, top_k, hidden_tiles, stride_hm, 0, stride_de, stride_dn,
-                        stride_dse, stride_dsn, stride_rm, stride_om, stride_wt, BLOCK_M, BLOCK_N, BLOCK_K, False,
-                        HAS_LIMIT, FP8, SCALE_BLOCK, FP4, SCALED_MMA, EVEN_I, PTX_UNPACK, QUANTIZE_A, ACCUMULATE,
-                        False, ".cg")
+                        stride_dse, stride_dsn, stride_rm, stride_om, stride_wt, stride_it, BLOCK_M, BLOCK_N, BLOCK_K,
+                        False, HAS_LIMIT, FP8, SCALE_BLOCK, FP4, SCALED_MMA, EVEN_I, PTX_UNPACK, QUANTIZE_A,
+                        ACCUMULATE, False, ".cg")
 
 
 def moe_one_launch(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor, down: torch.Tensor,
-                   topk_weights: torch.Tensor, cfg: GemmConfig, out: torch.Tensor, *, swiglu_limit: float | None,
-                   gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, cfg: GemmConfig, out: torch.Tensor, *,
+                   swiglu_limit: float | None, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None,
                    accumulate: bool = False, scaled_mma: bool | None = None) -> torch.Tensor:
     """What ``fused_moe`` writes into ``out`` [T, H] (``accumulate``: adds to it), in one launch where
     ``fits_one_launch``; ``blocks`` must carry their counters, zeroed (``route_and_align``), and be
-    aligned in ``cfg``'s rows. FP8 and MXFP8 activations are quantized tile by tile as loaded;
-    ``scaled_mma`` as in ``fused_moe``."""
+    aligned in ``cfg``'s rows from ``topk_ids`` (-1: no expert, as in ``fused_moe``). FP8 and MXFP8
+    activations are quantized tile by tile as loaded; ``scaled_mma`` as in ``fused_moe``."""
     quantize = _quantizes(gate_up, scaled_mma)
     if blocks.counters is None or blocks.block_m != cfg.block_m:
         raise ValueError("one launch needs blocks of the config's rows with their zeroed counters")
@@ -129,23 +130,25 @@ def moe_one_launch(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor,
     num_tokens, hidden = x.shape
     inner = gate_up.shape[1] // 2
     words = blocks.num_blocks + 1 + arrival_counts(num_tokens, hidden, cfg)
-    if blocks.counters.numel() != words or topk_weights.shape[0] != num_tokens:
+    if (blocks.counters.numel() != words or topk_weights.shape[0] != num_tokens
+            or topk_ids.shape != topk_weights.shape):
         raise ValueError(f"counters of {blocks.counters.numel()} words for {words}, or routing weights "
-                         f"{list(topk_weights.shape)} not of {num_tokens} tokens")
+                         f"{list(topk_weights.shape)} and ids {list(topk_ids.shape)} not of {num_tokens} tokens")
     if blocks.num_blocks == 0:
         return out
     h = torch.empty(blocks.num_assignments, inner, dtype=x.dtype, device=x.device)
     rows = torch.empty(blocks.num_assignments, hidden, dtype=out.dtype, device=x.device)
     weights = topk_weights.float()
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
+    topk_ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     scales = [(0, 0) if s is None else (s.stride(0), s.stride(1)) for s in (gate_up_scale, down_scale)]
     grid = (blocks.num_blocks * (triton.cdiv(inner, cfg.block_n) + triton.cdiv(hidden, cfg.block_n)),)
     _moe_one_launch_kernel[grid](
-        x, gate_up, gate_up_scale, down, down_scale, h, rows, out, weights, blocks.counters, blocks.sorted_ids,
-        blocks.block_expert, blocks.num_padded, blocks.num_blocks, hidden, inner, blocks.num_assignments,
-        0.0 if swiglu_limit is None else float(swiglu_limit), weights.shape[1],
+        x, gate_up, gate_up_scale, down, down_scale, h, rows, out, weights, topk_ids, blocks.counters,
+        blocks.sorted_ids, blocks.block_expert, blocks.num_padded, blocks.num_blocks, hidden, inner,
+        blocks.num_assignments, 0.0 if swiglu_limit is None else float(swiglu_limit), weights.shape[1],
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *scales[0], down.stride(0), down.stride(1), *scales[1],
-        h.stride(0), rows.stride(0), out.stride(0), weights.stride(0),
+        h.stride(0), rows.stride(0), out.stride(0), weights.stride(0), topk_ids.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_LIMIT=swiglu_limit is not None,
         FP8=fmt == "fp8_block", SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
         EVEN_H=hidden % cfg.block_k == 0, EVEN_I=inner % cfg.block_k == 0,

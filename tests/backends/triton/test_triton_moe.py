@@ -13,6 +13,7 @@ end to the gap of the activations' MXFP8 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -22,8 +23,9 @@ from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MO
                                               arrivals_for, fused_moe, moe_config, moe_down, moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.fp8_gemm import GemmConfig
-from engine.backends.triton.moe_align import (ALIGN, _align_one_chunk_kernel, _count_kernel, _place_kernel,
-                                              _scan_kernel, align_by_expert, max_padded_rows)
+from engine.backends.triton.moe_align import (ALIGN, ExpertBlocks, _align_one_chunk_kernel, _count_kernel,
+                                              _place_kernel, _scan_kernel, align_by_expert, max_padded_rows)
+from engine.backends.triton.moe_one_launch import arrival_counts, moe_one_launch
 from engine.backends.triton.target import pick
 from engine.core.families.moe import ExpertWeights
 from engine.core.native import quant
@@ -204,7 +206,7 @@ def test_gate_up_and_down_stages_write_every_row(seed, which, dtype, bound):
                     out=torch.full((ids.numel(), inner), float("nan"), dtype=dtype))
     assert not h.isnan().any() and rel_err(h, ref_h) < bound
     assert (arrivals == 0).all()
-    y = moe_down(ref_h, blocks, w.down, weights, cfg, arrivals=arrivals,
+    y = moe_down(ref_h, blocks, w.down, weights, ids, cfg, arrivals=arrivals,
                  out=torch.full((num_tokens, hidden), float("nan"), dtype=dtype))
     assert not y.isnan().any() and rel_err(y, ref_y) < bound
     assert (arrivals == top_k).all()  # each token's rows of each column tile counted once
@@ -224,20 +226,42 @@ def test_experts_match_native(seed, num_tokens, num_experts, top_k, hidden, inne
     check_experts(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, bound)
 
 
+def rows_of_each_kind(num_tokens: int, num_experts: int, top_k: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids [T, top_k] whose rows are, drawn at random with at least one of each, of kind 0: every
+    id real; 1: every id -1 (an exchange's padding row); 2: mixed, 1 to top_k - 1 of them -1 (a token
+    whose other experts are on other ranks). The ids and each row's kind."""
+    ids = random_ids(num_tokens, num_experts, top_k)
+    kind = torch.randint(3, (num_tokens,))
+    kind[torch.randperm(num_tokens)[:3]] = torch.arange(3)
+    masked = torch.rand(num_tokens, top_k).argsort(dim=1) < torch.randint(1, top_k, (num_tokens, 1))
+    ids[(kind == 2)[:, None] & masked] = -1
+    ids[kind == 1] = -1
+    return ids.to(device), kind.to(device)
+
+
+def with_counters(blocks: ExpertBlocks, num_tokens: int, hidden: int, cfg: GemmConfig) -> ExpertBlocks:
+    """``blocks`` with the counters of the experts' one launch, zeroed as the dispatch launch zeroes them."""
+    words = blocks.num_blocks + 1 + arrival_counts(num_tokens, hidden, cfg)
+    return dataclasses.replace(blocks, counters=torch.zeros(words, dtype=torch.int32, device=blocks.sorted_ids.device))
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("num_tokens,top_k", [(12, 1), (70, 1), (9, 2)])  # one chunk of assignments, several
-def test_experts_skip_rows_of_no_expert(seed, num_tokens, top_k):
-    """Rows whose ids are all -1 (an exchange's padding) take no GEMM rows and leave the others as
-    native computes them."""
-    ids = random_ids(num_tokens, 8, top_k)
-    padding = torch.rand(num_tokens) < 0.5
-    ids[padding] = -1
+@pytest.mark.parametrize("num_tokens,top_k", [(5, 2), (9, 3), (40, 4)])  # decode and prefill tiles; 1 or 5 chunks
+def test_ids_of_no_expert_add_nothing(seed, poisoned_empty, num_tokens, top_k):
+    """Rows of all three kinds in one batch, the -1 pairs with weights of their own (not 0): a row with
+    a real id gets native's sum over its real pairs, a row of -1 ids is not written (out keeps what it
+    held, which accumulating 0 leaves too); the rows the -1 pairs would have are never read (poisoned)."""
+    ids, kind = rows_of_each_kind(num_tokens, 8, top_k)
     x, weights, w = activations(num_tokens, 64, torch.float32), routing_weights(num_tokens, top_k), \
-        random_experts(8, 64, 64, torch.float32)
-    got = TritonMoE(None).experts(x, weights, ids, w)
-    want = NativeMoE(None).experts(x, weights, ids, w)
-    assert not want[padding].any()
-    assert rel_err(got[~padding], want[~padding]) < 1e-5
+        random_experts(8, 64, 64, torch.float32, swiglu_limit=1.0)
+    want, prior = NativeMoE(None).experts(x, weights, ids, w), activations(num_tokens, 64, torch.float32)
+    assert not want[kind == 1].any()
+    got = TritonMoE(None).experts(x, weights, ids, w, out=prior.clone())
+    assert torch.equal(got[kind == 1], prior[kind == 1])
+    assert not got.isnan().any() and rel_err(got[kind != 1], want[kind != 1]) < 1e-5
+    added = fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=w.swiglu_limit, out=prior.clone(),
+                      accumulate=True)
+    assert rel_err(added, prior + want) < 1e-5 and torch.equal(added[kind == 1], prior[kind == 1])
 
 
 @pytest.mark.interpret
@@ -403,8 +427,8 @@ def test_fp4_scaled_mma_stages_match_dequantized(seed, num_tokens, num_experts, 
     assert not h.isnan().any() and rel_err(h, ref_h) < 1e-5
     hq, h_scale = quant.quantize_mxfp8(ref_h)
     ref_y = torch.einsum("ai,ahi->ah", quant.dequantize_mxfp8(hq, h_scale), dequantized.down[ids.reshape(-1)])
-    y = moe_down(hq, blocks, w.down, weights, cfg, arrivals=arrivals, h_scale=h_scale, down_scale=w.down_scale,
-                 out_dtype=torch.float32, out=torch.full((num_tokens, hidden), float("nan")))
+    y = moe_down(hq, blocks, w.down, weights, ids, cfg, arrivals=arrivals, h_scale=h_scale,
+                 down_scale=w.down_scale, out_dtype=torch.float32, out=torch.full((num_tokens, hidden), float("nan")))
     assert not y.isnan().any() and rel_err(y, combined(ref_y, weights)) < 1e-5
 
 
@@ -506,13 +530,38 @@ def test_combine_is_deterministic_gpu(seed, num_tokens):
     assert all(torch.equal(TritonMoE(None).experts(x, weights, ids, w), first) for _ in range(20))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [3, 16, 128, 4096])
+def test_ids_of_no_expert_gpu(seed, num_tokens):
+    """DeepSeek-V4-Flash expert shapes (a quarter of the experts) in bf16, rows of each kind
+    (``rows_of_each_kind``): through the two grouped GEMMs a row with a real id within bf16's bound of
+    native, a row of -1 ids left as out held it; at decode sizes the one launch equal to that to the bit."""
+    shape = dict(DEEPSEEK_V4_FLASH, num_experts=64)
+    e, k, hidden = shape["num_experts"], shape["top_k"], shape["hidden"]
+    ids, kind = rows_of_each_kind(num_tokens, e, k, "cuda")
+    x, prior = activations(num_tokens, hidden, torch.bfloat16, "cuda", scale=2.0), \
+        activations(num_tokens, hidden, torch.bfloat16, "cuda")
+    w = random_experts(e, hidden, shape["inner"], torch.bfloat16, "cuda", shape["limit"])
+    weights = routing_weights(num_tokens, k, "cuda")
+    got = TritonMoE(None).experts(x, weights, ids, w, out=prior.clone())
+    want = NativeMoE(None).experts(x, weights, ids, w)
+    assert torch.equal(got[kind == 1], prior[kind == 1]) and rel_err(got[kind != 1], want[kind != 1]) < 1e-2
+    if num_tokens <= 64:
+        cfg = moe_config(num_tokens, k, e, x.device)
+        blocks = with_counters(align_by_expert(ids, e, cfg.block_m), num_tokens, hidden, cfg)
+        one = moe_one_launch(x, blocks, w.gate_up, w.down, weights, ids, cfg, prior.clone(),
+                             swiglu_limit=w.swiglu_limit, gate_up_scale=None, down_scale=None)
+        assert torch.equal(one, got)
+
+
 # ahead-of-time compilation
 
-SIGNATURE = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "topk_weight_ptr": "*fp32", "arrivals_ptr": "*i32",
+SIGNATURE = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "topk_weight_ptr": "*fp32", "topk_id_ptr": "*i64",
+             "arrivals_ptr": "*i32",
              "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
              **{name: "i32" for name in ["M", "N", "K", "num_assignments", "rows_per_a", "top_k", "tiles", "stride_am",
                                          "stride_as", "stride_be", "stride_bn", "stride_bse", "stride_bsn",
-                                         "stride_cm", "stride_om", "stride_wt"]},
+                                         "stride_cm", "stride_om", "stride_wt", "stride_it"]},
              "swiglu_limit": "fp32"}
 # the matrix instruction the bf16 dot must become: decode blocks of 16 rows are too few for
 # Hopper's wgmma and Blackwell's tcgen05, so they stay on mma.sync there

@@ -14,12 +14,14 @@ import re
 
 import pytest
 import torch
-from test_triton_moe import activations, random_experts, rel_err, stack_in
+from test_triton_moe import (activations, random_experts, rel_err, routing_weights, rows_of_each_kind, stack_in,
+                             with_counters)
 from test_triton_moe_dispatch import CPU, v4_routing
 
 from engine.backends.triton import fused_moe as fused
 from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe import TritonMoE
+from engine.backends.triton.moe_align import align_by_expert
 from engine.backends.triton.moe_dispatch import route_and_align
 from engine.backends.triton.moe_one_launch import arrival_counts, fits_one_launch, moe_one_launch
 from engine.core.native.moe import NativeMoE
@@ -52,7 +54,7 @@ def test_one_launch_equals_two(seed, poisoned_empty, scheme, scaled, tokens, exp
                                               config.block_m, arrival_counts=arrival_counts(tokens, hidden, config))
     assert blocks.counters.numel() == blocks.num_blocks + 1 + tokens * 5
     kw = dict(swiglu_limit=w.swiglu_limit, gate_up_scale=w.gate_up_scale, down_scale=w.down_scale)
-    got = moe_one_launch(x, blocks, w.gate_up, w.down, weights, config, torch.full_like(x, float("nan")),
+    got = moe_one_launch(x, blocks, w.gate_up, w.down, weights, ids, config, torch.full_like(x, float("nan")),
                          scaled_mma=scaled, **kw)
     two = fused.fused_moe(x, weights, ids, w.gate_up, w.down, out=torch.full_like(x, float("nan")), config=config,
                           scaled_mma=scaled, quantize_in_gemm=scheme != "dense" and (scheme == "fp8_block" or scaled),
@@ -70,9 +72,29 @@ def test_one_launch_adds_to_its_output(seed, poisoned_empty):
     cfg = dataclasses.replace(v4_routing(experts, 2, False, shared=False), weight_dtype=torch.float16)
     weights, ids, blocks, _ = route_and_align(torch.randn(tokens, experts), cfg, None, experts, DECODE.block_m,
                                               arrival_counts=arrival_counts(tokens, hidden, DECODE))
-    got = moe_one_launch(x, blocks, w.gate_up, w.down, weights, DECODE, prior.clone(), swiglu_limit=None,
+    got = moe_one_launch(x, blocks, w.gate_up, w.down, weights, ids, DECODE, prior.clone(), swiglu_limit=None,
                          gate_up_scale=None, down_scale=None, accumulate=True)
     assert torch.equal(got, prior + fused.fused_moe(x, weights, ids, w.gate_up, w.down, config=DECODE))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("tokens,top_k", [(4, 2), (7, 4)])
+def test_one_launch_adds_nothing_for_ids_of_no_expert(seed, poisoned_empty, tokens, top_k):
+    """Rows with every id real, every id -1 and some -1 (test_triton_moe's ``rows_of_each_kind``), the
+    -1 pairs weighted: to the bit the two launches' output, native's where a row has a real id, and
+    what out held where it has none."""
+    experts, hidden, inner = 4, 96, 64
+    ids, kind = rows_of_each_kind(tokens, experts, top_k)
+    w = random_experts(experts, hidden, inner, torch.float32, swiglu_limit=1.0)
+    x, weights, prior = activations(tokens, hidden, torch.float32), routing_weights(tokens, top_k), \
+        activations(tokens, hidden, torch.float32)
+    blocks = with_counters(align_by_expert(ids, experts, DECODE.block_m), tokens, hidden, DECODE)
+    got = moe_one_launch(x, blocks, w.gate_up, w.down, weights, ids, DECODE, prior.clone(), swiglu_limit=1.0,
+                         gate_up_scale=None, down_scale=None)
+    two = fused.fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=1.0, out=prior.clone(), config=DECODE)
+    want = NativeMoE(None).experts(x, weights, ids, w)
+    assert torch.equal(got, two) and torch.equal(got[kind == 1], prior[kind == 1])
+    assert not got.isnan().any() and rel_err(got[kind != 1], want[kind != 1]) < 1e-5
 
 
 @pytest.mark.interpret
@@ -143,9 +165,10 @@ def test_one_launch_gpu(seed, scheme, tokens):
 ONE_LAUNCH_SIGNATURE = {
     **{name: "*i32" for name in ["counters_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr"]},
     "h_ptr": "*bf16", "rows_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16", "topk_weight_ptr": "*fp32",
+    "topk_id_ptr": "*i64",
     **{name: "i32" for name in ["num_blocks", "H", "I", "num_assignments", "top_k", "stride_xm", "stride_ge",
                                 "stride_gn", "stride_gse", "stride_gsn", "stride_de", "stride_dn", "stride_dse",
-                                "stride_dsn", "stride_hm", "stride_rm", "stride_om", "stride_wt"]},
+                                "stride_dsn", "stride_hm", "stride_rm", "stride_om", "stride_wt", "stride_it"]},
     "swiglu_limit": "fp32"}
 
 
