@@ -207,6 +207,8 @@ class Scheduler:
                 s.status = SeqStatus.WAITING
                 self.waiting.append(s)
                 continue
+            if self.speculator is not None:
+                self.speculator.fork(parent, s)
             s.num_computed = prompt_len
             s.first_scheduled_time = parent.first_scheduled_time
             self._run(s)

@@ -91,6 +91,11 @@ class SpecProposer(ABC):
         features (one row each); positions it computes again (after drafts it rejected, or
         preemption) come again."""
 
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """An n > 1 sibling starts from its parent's computed prompt (the target's KV forked, not
+        computed again): a proposer that drafts from the target's features gives the child the
+        parent's features of the prompt, which the child's own steps continue."""
+
     def accepted(self, seq_ids: list[int], num_accepted: list[int]) -> None:
         """How many drafts of each sequence the target kept; a stateful proposer drops the rest."""
 

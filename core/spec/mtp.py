@@ -105,6 +105,12 @@ class MTPProposer(OwnKVProposer):
             start = had[0]
         self._features[seq_id] = (start, features)
 
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child's catch-up starts from the parent's streams of the prompt (its own positions
+        after the prompt come with its own steps)."""
+        if (had := self._features.get(parent_id)) is not None:
+            self._features[child_id] = had
+
     def admit(self, seq_id: int, token_ids: list[int]) -> int:
         return self._start(seq_id, token_ids).real
 

@@ -180,6 +180,10 @@ class Speculator:
             self.proposer.observe(s.seq.seq_id, s.context_len, features[at:at + s.num_new])
             at += s.num_new
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """An n > 1 sibling forked from its parent's prompt: so does its proposer state."""
+        self.proposer.fork(parent.seq_id, child.seq_id)
+
     def release(self, seq: Sequence) -> None:
         """The sequence gave its KV back (finished, aborted or preempted): so does its proposer."""
         self.proposer.release(seq.seq_id)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.core.scheduler import RECOMPUTE_FOR_DRAFTS_PAGES
 from engine.core.spec.config import SpecConfigError
 from test_draft_model import DraftsFreed, assert_both_clean, draft_kv
@@ -100,6 +100,45 @@ def test_greedy_equals_decoding_without_drafts_under_preemption_and_aborts(pair,
     spec.engine.kv_manager.reset_prefix_cache()
     draft_kv(spec).reset_prefix_cache()
     assert_both_clean(spec, [])
+
+
+class Drafting:
+    """Records which sequences (request id, index) got drafts in some step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.speculator, self.seqs = llm.engine.speculator, set()
+
+    def __enter__(self) -> Drafting:
+        propose = self.speculator.propose
+
+        def spied(seqs, budget):
+            drafts = propose(seqs, budget)
+            self.seqs.update((s.request_id, s.index) for s in seqs if drafts.get(s.seq_id))
+            return drafts
+        self.speculator.propose = spied
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.speculator.propose
+
+
+def test_every_sibling_of_n_up_to_3_is_drafted_for(pair, eval_text, seed):
+    """The siblings fork from the first sequence's prompt: each gets the prompt's streams with its
+    KV and drafts from its first decode on; greedy output is the target's, and a seeded request's
+    is the same alone and beside others (sampling needs the drafts to be kept by the target's draws)."""
+    plain, spec = pair
+    prompts = [repetitive(plain, eval_text) for _ in range(3)]
+    params = [greedy(random.randint(12, 20), n=n) for n in (2, 3, 3)]
+    with Drafting(spec) as drafting:
+        got = spec.generate(prompts, params)
+    assert completions(got) == completions(plain.generate(prompts, params))
+    assert drafting.seqs == {(o.request_id, c.index) for o in got for c in o.outputs}
+    sampled = SamplingParams(temperature=0.8, seed=seed, max_tokens=16, n=3, ignore_eos=True)
+    with Drafting(spec) as drafting:
+        alone = spec.generate(prompts[:1], sampled)
+    assert drafting.seqs == {(alone[0].request_id, i) for i in range(3)}
+    assert completions(spec.generate([prompts[1], prompts[0]], [params[1], sampled])[1:]) == completions(alone)
+    assert_both_clean(spec, [o.prompt_token_ids + c.token_ids for o in [*got, *alone] for c in o.outputs], pairs)
 
 
 def test_a_second_turn_past_the_layers_cache_is_drafted_for_recomputing_only_what_the_layer_lacks(
