@@ -26,7 +26,7 @@ from ..families.kv_transport import Fetch, TransferStatus
 from ..request import Request
 from ..sampling_params import SamplingParams
 from .counters import TransferCounters
-from .payload import expectation, import_payload, tokens_to_move
+from .payload import carrier, expectation, import_payload, tokens_to_move
 from .transport import create_transport
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class _Arriving:
     req: Request
     fetch: Fetch | None = None  # None: waiting for a slot and pages
     imported: bool = False  # its pages are written; it waits for a running slot
+    carried: tuple | None = None  # the proposer's features that came with them (payload.import_carried)
 
 
 class DecodeEngine(EngineCore):
@@ -47,6 +48,7 @@ class DecodeEngine(EngineCore):
         self.transport = create_transport(self)
         self._arriving: dict[str, _Arriving] = {}
         self.transfers = TransferCounters()
+        self.carrier = carrier(self.speculator)  # whose features the pages carry (payload.py)
 
     def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
         if params.kv_transfer is None:
@@ -95,7 +97,7 @@ class DecodeEngine(EngineCore):
                     break  # first come, first served: later requests wait behind it
                 kvm.record_lookup(n, hit)
                 a.fetch = self.transport.fetch(a.req.params.kv_transfer,
-                                               expectation(kvm, kv, prompt, hit // kvm.page_size))
+                                               expectation(kvm, kv, prompt, hit // kvm.page_size, self.carrier))
             status = a.fetch.status()
             if status is TransferStatus.PENDING:
                 continue
@@ -108,15 +110,17 @@ class DecodeEngine(EngineCore):
                 continue
             if not a.imported:
                 payload = a.fetch.payload()
-                import_payload(kvm, kv, seq, payload)
+                a.carried = import_payload(kvm, kv, seq, payload, self.carrier)
                 a.imported = True
                 t = self.transfers
                 t.num_transfers += 1
-                t.pages_received += len(payload.pages)
+                t.pages_received += len(payload.pages) - (self.carrier is not None)
                 t.bytes_received += sum(len(p) for p in payload.pages)
                 t.pages_reused += payload.first_page
             if free_slots <= 0:
                 continue
             del self._arriving[request_id]
+            if a.carried is not None:
+                self.carrier.carry_in(seq.seq_id, prompt, *a.carried)
             self.scheduler.add_computed(a.req.seqs, n)
             free_slots -= 1

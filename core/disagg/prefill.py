@@ -23,7 +23,7 @@ from ..families.kv_transport import Offer
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
-from .payload import export_payload
+from .payload import carrier, export_payload
 from .transport import create_transport
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class PrefillEngine(EngineCore):
         super().__init__(*args, **kwargs)
         self.transport = create_transport(self)
         self._offers: dict[str, Offer] = {}  # request id -> its room, until the prompt's pages are published
+        self.carrier = carrier(self.speculator)  # whose features the pages carry (payload.py)
 
     def add_request(self, request_id: str, ids: list[int], params: SamplingParams) -> Request:
         peer = params.kv_transfer
@@ -64,5 +65,5 @@ class PrefillEngine(EngineCore):
         for seq in seqs:
             offer = self._offers.pop(seq.request_id, None) if seq.index == 0 else None
             if offer is not None:
-                offer.publish(export_payload(self.kv_manager, self.components.kv, seq))
+                offer.publish(export_payload(self.kv_manager, self.components.kv, seq, self.carrier))
         return super()._sample(seqs, rows, logits)

@@ -61,6 +61,13 @@ class SpecProposer(ABC):
     # drafts come with confidence: the engine times its verify step at start-up and chooses each
     # request's verify length by load (core/spec/verify_length.py)
     load_aware: bool = False
+    # prefill/decode disaggregation (core/disagg/payload.py): how many of a prompt's last computed
+    # positions' features a decode engine's proposer needs to draft from a prompt it did not
+    # compute, which the prefill engine sends with the KV (0: none move); ``carried_row`` elements
+    # of ``carried_dtype`` each
+    carried: int = 0
+    carried_row: int = 0
+    carried_dtype: torch.dtype = torch.float32
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -95,6 +102,16 @@ class SpecProposer(ABC):
         """An n > 1 sibling starts from its parent's computed prompt (the target's KV forked, not
         computed again): a proposer that drafts from the target's features gives the child the
         parent's features of the prompt, which the child's own steps continue."""
+
+    def carried_features(self, seq_id: int, start: int, end: int) -> torch.Tensor | None:
+        """Prefill side, with ``carried``: the features of positions ``start``..``end - 1`` of the
+        sequence's prompt, or None where the target did not compute them all here (a prefix hit)."""
+        return None
+
+    def carry_in(self, seq_id: int, token_ids: list[int], start: int, features: torch.Tensor) -> None:
+        """Decode side, with ``carried``: the sequence's prompt ``token_ids`` holds the KV of all
+        but its last token, imported from a prefill engine with the features of positions ``start``..
+        (its first step computes and ``observe``s the last)."""
 
     def accepted(self, seq_ids: list[int], num_accepted: list[int]) -> None:
         """How many drafts of each sequence the target kept; a stateful proposer drops the rest."""

@@ -71,6 +71,7 @@ class DraftSeq:
     prompt_token_ids: list[int]
     tokens: list[int]
     real: int = 0  # how many of ``tokens`` are the target's (the rest: drafts it fed back)
+    imported: int = 0  # its first tokens whose KV it holds unwritten (the next-n layer's, under PD: mtp.py)
 
 
 class OwnKVProposer(SpecProposer):
@@ -89,7 +90,8 @@ class OwnKVProposer(SpecProposer):
         if s is not None and self.kv.state(s) is not None:  # (one that matched nothing and ran nothing has none)
             if s.real < len(s.tokens):
                 self._rollback(s, s.real)
-            self.kv.free(s, cache=True)
+            # never a window that reaches back to KV it did not write (a hit at its end would read it)
+            self.kv.free(s, cache=not s.imported or s.real > s.imported + self.kv.window_reach)
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()

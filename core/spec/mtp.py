@@ -22,6 +22,18 @@ rank, as the target's MoE layers do: each of its forwards is an exchange every r
 drafts its own requests, so the ranks first agree on the step's number of drafting forwards (the
 most drafts any rank's request takes, one forward each), and a rank with fewer, or none
 (``idle``), runs the rest with no tokens.
+
+Under prefill/decode disaggregation (core/disagg/) the decode engine computes only a prompt's last
+token, so the prefill engine, started with the same ``speculative_config``, sends the target's
+streams of the positions before it that the layer's window reaches (``carried``: its reach and one
+more, for a published page-aligned end one short) with the KV. The layer is a sliding-attention
+layer, its KV only its window (no bytes per page), so the decode engine's layer holds the positions
+before those as imported, unwritten (``carry_in``), and its first catch-up over the carried
+positions leaves it exactly where computing the whole prompt would: rows that read the unwritten
+positions are not the row it drafts from, and no cached end reaches back to them. The prefill
+engine keeps only the streams it sends of a prompt, and its prefix hits end
+where those are computed again (``admit``, within the scheduler's recompute bound; a longer hit
+sends none, and the decode engine goes without drafts for that request).
 """
 
 from __future__ import annotations
@@ -96,6 +108,13 @@ class MTPProposer(OwnKVProposer):
         group = target.backends.moe_group  # under DP attention its forwards meet the other ranks'
         self.lockstep = group if target.backends.dp_attention and group.size > 1 else None
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, streams from it)
+        disagg = config.disaggregation
+        self._prefill = disagg is not None and disagg.mode == "prefill"
+        if disagg is not None:
+            self.carried = self.kv.window_reach + 1
+            self._streams = (ctx.model_config.get("hc_mult", 4), ctx.model_config.get("hidden_size"))
+            self.carried_row = self._streams[0] * self._streams[1]
+            self.carried_dtype = ctx.model_config.dtype
         logger.info("MTP: DeepSeek-V4's next-n layer drafts %d tokens a step", k)
 
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
@@ -103,16 +122,42 @@ class MTPProposer(OwnKVProposer):
         if had is not None and had[0] <= start <= had[0] + len(had[1]):
             features = torch.cat([had[1][:start - had[0]], features])
             start = had[0]
+        keep = self.carried + 1  # a prefill engine sends those before the prompt's last position
+        if self._prefill and len(features) > keep:
+            start, features = start + len(features) - keep, features[-keep:]
         self._features[seq_id] = (start, features)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child's catch-up starts from the parent's streams of the prompt (its own positions
-        after the prompt come with its own steps)."""
+        after the prompt come with its own steps), and from the layer's KV the parent holds."""
         if (had := self._features.get(parent_id)) is not None:
             self._features[child_id] = had
+        p = self._seqs.get(parent_id)
+        if p is not None and self.kv.state(p) is not None:
+            child = DraftSeq(child_id, p.prompt_token_ids, p.tokens[:p.real], p.real, p.imported)
+            if self.kv.fork(p, child, p.real):
+                self._seqs[child_id] = child
 
     def admit(self, seq_id: int, token_ids: list[int]) -> int:
+        if self._prefill:  # the layer never runs here: the target computes the carried positions
+            return max(0, len(token_ids) - 1 - self.carried)
         return self._start(seq_id, token_ids).real
+
+    def carried_features(self, seq_id: int, start: int, end: int) -> torch.Tensor | None:
+        had = self._features.get(seq_id)
+        if had is None or had[0] > start or had[0] + len(had[1]) < end:
+            return None
+        return had[1][start - had[0]:end - had[0]].to(self.carried_dtype)
+
+    def carry_in(self, seq_id: int, token_ids: list[int], start: int, features: torch.Tensor) -> None:
+        s = self._start(seq_id, token_ids)
+        if s.real < start:  # the layer's cache holds less: the positions before ``start`` held unwritten
+            self.kv.free(s, cache=False)
+            if self.kv.import_pages(s, s.prompt_token_ids[:start]) is None:
+                del self._seqs[seq_id]  # no pages: it goes without drafts
+                return
+            s.tokens, s.real, s.imported = s.prompt_token_ids[:start], start, start
+        self._features[seq_id] = (start, features.view(-1, *self._streams).to(self.device))
 
     def release(self, seq_id: int) -> None:
         self._features.pop(seq_id, None)

@@ -127,6 +127,8 @@ def test_every_sibling_of_n_up_to_3_is_drafted_for(pair, eval_text, seed):
     KV and drafts from its first decode on; greedy output is the target's, and a seeded request's
     is the same alone and beside others (sampling needs the drafts to be kept by the target's draws)."""
     plain, spec = pair
+    spec.engine.kv_manager.reset_prefix_cache()  # what earlier tests left
+    draft_kv(spec).reset_prefix_cache()
     prompts = [repetitive(plain, eval_text) for _ in range(3)]
     params = [greedy(random.randint(12, 20), n=n) for n in (2, 3, 3)]
     with Drafting(spec) as drafting:
