@@ -69,6 +69,14 @@ class EngineCore:
     """The engine without text: token ids in, typed deltas out. Stop strings are its reader's to
     find (output_processor.py), and its reader ends such a completion with ``finish_sequence``."""
 
+    def time_verify_step(self) -> None:
+        """A proposer that chooses verify lengths by load gets the verify step's curve, timed here.
+        Under data-parallel attention each timed step's MoE exchanges meet the other ranks', so every
+        rank times it at once: rank 0 once the others are up, the others once they said so."""
+        if self.speculator is not None and self.speculator.proposer.load_aware:
+            self.speculator.verify_length = LoadAwareLength(profile_verify(self, self.speculator.k),
+                                                            self.speculator.k)
+
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
                  rendezvous: Rendezvous | None = None, followers: list[Connection] | None = None) -> None:
         """``rendezvous``: this core is a data-parallel rank other than 0, started by rank 0
@@ -119,9 +127,8 @@ class EngineCore:
         if c.proposer is not None:
             self.runner.feature = c.proposer.feature
             self.runner.feature_layers = c.proposer.feature_layers
-            if c.proposer.load_aware:
-                self.speculator.verify_length = LoadAwareLength(profile_verify(self, self.speculator.k),
-                                                                self.speculator.k)
+            if rendezvous is None:  # another data-parallel rank's is timed once rank 0 times its own
+                self.time_verify_step()
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, EngineError]] = []  # requests that failed after admission (take_failures)
         self.counters = EngineCounters()

@@ -91,12 +91,18 @@ class ModelRunner:
 
     def execute(self, step: SchedulerOutput) -> StepLogits:
         inputs, rows, slots = self._gather(step)
+        logits, features = self.run_with_peers(inputs, slots)
+        return StepLogits(logits, rows, features)
+
+    def run_with_peers(self, inputs: StepInputs, slots: list[int] | None = None) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+        """The step's logits and, where a proposer asks, the feature it drafts from (whole on this rank:
+        the model's all-reduces make it so), with the ``peers`` running the step beside this rank."""
         if self.peers is None:
-            logits, features = self._run_features(inputs, slots)
-            return StepLogits(logits, rows, features)
+            return self._run_features(inputs, slots)
         self.peers.send_step(inputs)
         try:
-            return StepLogits(self.run(inputs, slots), rows)
+            return self._run_features(inputs, slots)
         except Exception as exc:  # a collective failed: because a rank died, if one did
             self.peers.explain(exc)
             raise

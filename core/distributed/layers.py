@@ -13,6 +13,8 @@ With a group of one process these are the plain layers: same weights, same calls
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -100,6 +102,11 @@ class VocabParallelEmbedding(nn.Module):
         x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
         return self.group.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
+    def whole(self) -> nn.Embedding:
+        """The whole vocabulary's embedding, for a caller that runs on one rank alone: every rank of
+        the group calls it (it gathers their rows)."""
+        return nn.Embedding.from_pretrained(self.group.all_gather(self.weight.detach(), dim=0), freeze=True)
+
 
 class ParallelLMHead(ColumnParallelLinear):
     """Logits of the rank's vocabulary slice in fp32 (the linear backend's ``logits``), gathered:
@@ -112,3 +119,11 @@ class ParallelLMHead(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(self.backend.logits(x, self.linear_weight), dim=-1)
+
+    def whole(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The whole vocabulary's logits, for a caller that runs on one rank alone: every rank of the
+        group calls it (it gathers their rows, and their scales where the weight has them)."""
+        w = self.linear_weight
+        scale = None if w.scale is None else self.group.all_gather(w.scale, dim=0)
+        weight = LinearWeight(self.group.all_gather(w.data, dim=0), w.scheme, scale)
+        return lambda x: self.backend.logits(x, weight)

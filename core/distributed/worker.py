@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         if schedules:
+            core.time_verify_step()
             serve_requests(conn, Connection(args.replies_fd), core)
         else:
             serve(Connection(args.leader_fd) if args.leader_fd is not None else conn, runner)

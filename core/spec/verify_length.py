@@ -124,7 +124,6 @@ def profile_verify(engine, k: int) -> StepCurve:
     from ..runner import StepInputs
 
     config, runner, kv = engine.config, engine.runner, engine.components.kv_manager
-    features = runner.feature is not None
     points: dict[int, float] = {}
     for batch in (1, 4, 16, 64):
         if batch > config.max_num_seqs:
@@ -146,7 +145,7 @@ def profile_verify(engine, k: int) -> StepCurve:
             runs = []
             for _ in range(4):  # the first warms up
                 started = time.perf_counter()
-                runner.run(inputs, None, {} if features else None)[-1, 0].item()
+                runner.run_with_peers(inputs)[0][-1, 0].item()  # the other ranks of a split attention too
                 runs.append(time.perf_counter() - started)
             points[batch * n] = sorted(runs[1:])[1]
             for s in seqs:

@@ -11,6 +11,13 @@ target computes again (after rejected drafts, whose rows it handed back too) ove
 block reads the positions before its anchor, the sequence's last token, whose own features come
 with the next verification. A prefix hit gives the target's features from the hit's end on only:
 the block reads what there is.
+
+Under tensor parallelism the target's features are whole on every rank after its all-reduces, and
+the scheduling rank alone drafts, with whole copies of the target's embedding and LM head
+(weights.py): a trained drafter's own layers have no collectives. Under data-parallel attention each
+rank drafts its own requests; the stages' MoE (stages.py) spans every rank, as the target's MoE
+layers do, so the ranks first agree whether the step runs a block, and a rank with none to draft
+(``idle``) runs the stages with no tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 
 import torch
 
+from ...distributed.moe import idle_forward
 from ...families.spec import DraftRequest, Drafts, SpecProposer
 from ..config import SpecConfigError
 from .stages import build_stages, has_dspark, stage_reasons
@@ -40,8 +48,10 @@ def dspark_reasons(ctx) -> list[str]:
                 "mtp.* tensors), which this one has not"]
     if target is None:
         return []
-    if ctx.engine_config.tensor_parallel_size > 1:
-        return ["DSpark under tensor parallelism is not built (the ranks do not hand back their hidden states)"]
+    if own and ctx.engine_config.attention_tp_size > 1:
+        return ["DSpark stages with attention split over processes (tensor parallelism) are not built (their "
+                "attention's collectives would need every rank to draft in lockstep); under data-parallel "
+                "attention each rank's attention must be whole"]
     if own:
         return stage_reasons(target.hf, target.path, spec.num_speculative_tokens)
     if reasons := drafter_reasons(spec.model, METHOD, target.path):
@@ -93,6 +103,9 @@ class DSparkProposer(SpecProposer):
         self.feature_layers = shape.target_layer_ids
         self.device = next(self.drafter.parameters()).device
         self._contexts: dict[int, _Context] = {}
+        group = target.backends.moe_group  # under DP attention the stages' MoE meets the other ranks'
+        exchanges = any(hasattr(m, "placement") for m in self.drafter.modules())
+        self.lockstep = group if exchanges and target.backends.dp_attention and group.size > 1 else None
         logger.info("DSpark: a block of %d from target layers %s, %d drafts a step at most", shape.block_size,
                     list(shape.target_layer_ids), spec.num_speculative_tokens)
 
@@ -116,10 +129,24 @@ class DSparkProposer(SpecProposer):
             if c is not None and c.start < len(r.token_ids) - 1 <= c.end:
                 rows.append((r, c))
         drafts: dict[int, tuple[list[int], list[float]]] = {r.seq_id: ([], []) for r in requests}
+        runs = self._runs_block(bool(rows))
         if rows:
             for (r, _), ids, conf in zip(rows, *self._draft(rows)):
                 drafts[r.seq_id] = (ids[:r.k], conf[:r.k])
+        elif runs:  # the other ranks' blocks: this rank's part of their MoE exchanges
+            idle_forward(self.drafter)
         return Drafts([drafts[r.seq_id][0] for r in requests], confidence=[drafts[r.seq_id][1] for r in requests])
+
+    def idle(self) -> None:
+        if self._runs_block(False):
+            idle_forward(self.drafter)
+
+    def _runs_block(self, drafting: bool) -> bool:
+        """Whether this step runs the block: where this rank drafts, under data-parallel attention
+        with a drafter whose MoE spans the ranks where any rank does."""
+        if self.lockstep is None:
+            return drafting
+        return bool(self.lockstep.all_reduce(torch.tensor([int(drafting)], device=self.device), "max").item())
 
     def _draft(self, rows: list[tuple[DraftRequest, _Context]]) -> tuple[list[list[int]], list[list[float]]]:
         """One block per row over its context rows before the anchor, padded to the longest."""

@@ -176,6 +176,7 @@ class StageDrafter(BlockDrafter):
                                    device=device)
         self.confidence = nn.Linear(d + hf["dspark_markov_rank"], 1, bias=False, dtype=dtype, device=device)
         self.hc_mult, self.taps = hf.get("hc_mult", 4), len(taps)
+        self.config = target.config  # the width and dtype of a forward with no tokens (idle_forward)
         self._target = (target.model.embed_tokens, target.compute_logits, target)  # the target's, not the drafter's
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from ...distributed.layers import ParallelLMHead
 from ..drafter import DRAFTER_CONFIG, load_drafter, save_drafter
 from .model import DSparkDrafter, DSparkShape
 
@@ -38,10 +40,21 @@ def build_drafter(target, shape: DSparkShape, tensors: dict[str, torch.Tensor] |
     """The drafter around ``target``'s embedding and LM head, on its device; ``tensors``: trained
     weights (else a fresh initialisation)."""
     device = next(target.parameters()).device
-    drafter = DSparkDrafter(shape, target.model.embed_tokens, target.compute_logits)
+    drafter = DSparkDrafter(shape, *_vocab(target))
     if tensors is not None:
         drafter.load_state_dict(tensors)
     return drafter.to(device=device, dtype=dtype or torch.float32)
+
+
+def _vocab(target) -> tuple[Callable, Callable]:
+    """The target's embedding and LM head as the drafter calls them. Under tensor parallelism the
+    drafter runs on the scheduling rank alone, whose collectives the other ranks would never join:
+    whole copies, gathered here while every rank builds its proposer."""
+    embed = target.model.embed_tokens
+    if embed.group.size == 1:
+        return embed, target.compute_logits
+    head = next(m for m in target.modules() if isinstance(m, ParallelLMHead))
+    return embed.whole(), head.whole()
 
 
 def read_drafter(drafter_dir: str | Path) -> tuple[DSparkShape, dict[str, torch.Tensor]]:
