@@ -69,14 +69,6 @@ class EngineCore:
     """The engine without text: token ids in, typed deltas out. Stop strings are its reader's to
     find (output_processor.py), and its reader ends such a completion with ``finish_sequence``."""
 
-    def time_verify_step(self) -> None:
-        """A proposer that chooses verify lengths by load gets the verify step's curve, timed here.
-        Under data-parallel attention each timed step's MoE exchanges meet the other ranks', so every
-        rank times it at once: rank 0 once the others are up, the others once they said so."""
-        if self.speculator is not None and self.speculator.proposer.load_aware:
-            self.speculator.verify_length = LoadAwareLength(profile_verify(self, self.speculator.k),
-                                                            self.speculator.k)
-
     def __init__(self, config: EngineConfig, plugins: Plugins | None = None, progress: bool = True,
                  rendezvous: Rendezvous | None = None, followers: list[Connection] | None = None) -> None:
         """``rendezvous``: this core is a data-parallel rank other than 0, started by rank 0
@@ -145,6 +137,14 @@ class EngineCore:
                 warm_up_sampling(self)
 
     # -- requests -----------------------------------------------------------------------------
+
+    def time_verify_step(self) -> None:
+        """A proposer that chooses verify lengths by load gets the verify step's curve, timed here.
+        Under data-parallel attention each timed step's MoE exchanges meet the other ranks', so every
+        rank times it at once: rank 0 once the others are up, the others once they said so."""
+        if self.speculator is not None and self.speculator.proposer.load_aware:
+            self.speculator.verify_length = LoadAwareLength(profile_verify(self, self.speculator.k),
+                                                            self.speculator.k)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequest`` naming the field for anything this engine cannot serve."""
