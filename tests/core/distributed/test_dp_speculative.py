@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -138,14 +139,21 @@ def test_warm_up_runs_every_phase_on_every_rank(dsv4, monkeypatch):
         engine.shutdown()
 
 
-def test_mtp_needs_each_ranks_attention_whole(dsv4):
-    spec = {"method": "mtp", "num_speculative_tokens": K, "model": str(ASSETS / "tiny-dsv4-py-mtp")}
-    model = ModelConfig.from_dir(dsv4, "float32", "cpu")
+def refusals(check, model_dir: Path, spec: dict) -> Callable[[int, int], list[str]]:
+    """The reasons ``check`` gives for ``spec`` on ``model_dir`` at ``tp`` processes, ``dp`` of them
+    data-parallel ranks (data-parallel attention where there are several)."""
+    model = ModelConfig.from_dir(model_dir, "float32", "cpu")
 
     def reasons(tp: int, dp: int) -> list[str]:
-        config = EngineConfig(model=str(dsv4), tensor_parallel_size=tp, data_parallel_size=dp,
+        config = EngineConfig(model=str(model_dir), tensor_parallel_size=tp, data_parallel_size=dp,
                               enable_dp_attention=dp > 1, speculative_config=spec)
-        return mtp_reasons(SimpleNamespace(engine_config=config, model_config=model))
+        return check(SimpleNamespace(engine_config=config, model_config=model))
+    return reasons
+
+
+def test_mtp_needs_each_ranks_attention_whole(dsv4):
+    spec = {"method": "mtp", "num_speculative_tokens": K, "model": str(ASSETS / "tiny-dsv4-py-mtp")}
+    reasons = refusals(mtp_reasons, dsv4, spec)
 
     assert reasons(2, 2) == [] and reasons(4, 4) == []
     assert any("attention split over processes" in r for r in reasons(4, 2))

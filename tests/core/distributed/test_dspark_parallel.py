@@ -10,17 +10,15 @@ attention split over processes are refused with the reason."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.config import EngineConfig, ModelConfig
 from engine.core.spec.dspark.proposer import dspark_reasons
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
 
 from dsv41_random import random_v41_checkpoint, v41_config
-from test_dp_speculative import ASSETS, OPTS, repetitive, tokens
+from test_dp_speculative import ASSETS, OPTS, refusals, repetitive, tokens
 from tp_helpers import DSV4_OPTS, TIMEOUT_S, within
 
 K = 3
@@ -94,12 +92,6 @@ def test_stages_under_data_parallel_attention_draft_in_lockstep(v41):
 
 
 def test_stages_need_each_ranks_attention_whole(v41):
-    model = ModelConfig.from_dir(v41, "float32", "cpu")
-
-    def reasons(tp: int, dp: int) -> list[str]:
-        config = EngineConfig(model=str(v41), tensor_parallel_size=tp, data_parallel_size=dp,
-                              enable_dp_attention=dp > 1, speculative_config=STAGES)
-        return dspark_reasons(SimpleNamespace(engine_config=config, model_config=model))
-
+    reasons = refusals(dspark_reasons, v41, STAGES)
     assert reasons(2, 2) == [] and reasons(1, 1) == []
     assert any("attention split over processes" in r for r in reasons(2, 1))
