@@ -98,13 +98,6 @@ class MooncakeTier(CacheTier):
         except Exception as exc:
             self.last_error = f"remove of {key}: {exc}"
 
-    def _read_failed(self, why: str) -> None:
-        self.read_failures += 1
-        self.last_error = why
-        if self.read_failures == 1 or self.read_failures % 1000 == 0:
-            logger.warning("hierarchical cache: reading the Mooncake store failed (%s; %d failed reads so far); "
-                           "a miss", why, self.read_failures)
-
 
 @hookimpl
 def engine_register_cache_tiers() -> list[Descriptor]:

@@ -15,6 +15,7 @@ state, core/kv/window.py), ``"window"`` (one page's windowed components).
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+logger = logging.getLogger(__name__)
 
 CHECKSUM = "xxh3-128"  # named in the tiers' content keys (hierarchy.tier_layout): records checked otherwise never meet
 
@@ -133,3 +135,12 @@ class CacheTier(ABC):
     def usage(self) -> tuple[int, int] | None:
         """(bytes used, capacity in bytes) for the metrics' gauges; None where the tier cannot say."""
         return None
+
+    def _read_failed(self, why: str) -> None:
+        """A read that failed other than by absence (an unreachable store): counted, logged (the
+        first and every thousandth), a miss."""
+        self.read_failures += 1
+        self.last_error = why
+        if self.read_failures == 1 or self.read_failures % 1000 == 0:
+            logger.warning("hierarchical cache: reading the %s tier failed (%s; %d failed reads so far); a miss",
+                           self.name, why, self.read_failures)

@@ -50,6 +50,12 @@ def file_reasons(ctx) -> list[str]:
     return []
 
 
+def record_name(key: str) -> str:
+    """Where the record of ``key`` lies below the store's root (a directory, a bucket)."""
+    name = key.replace(":", "-")
+    return f"{name[:2]}/{name}.kv"
+
+
 class FileTier(CacheTier):
     name = "file"
 
@@ -63,8 +69,7 @@ class FileTier(CacheTier):
         self._usage: tuple[float, tuple[int, int] | None] = (float("-inf"), None)
 
     def _path(self, key: str) -> Path:
-        name = key.replace(":", "-")
-        return self.root / name[:2] / f"{name}.kv"
+        return self.root / record_name(key)
 
     def put(self, pages: list[TierPage]) -> list[bool]:
         done = [self._put(p) for p in pages]

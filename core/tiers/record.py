@@ -23,13 +23,14 @@ MAGIC = b"engine-kv-record 1\n"
 def encode(page: TierPage) -> list:
     """The record as buffers to store in order: its header, then its bytes (a view, not a copy)."""
     header = json.dumps({"key": page.key, "kind": page.kind, "checksum": page.checksum,
-                         "bytes": page.data.numel()}).encode()
+                         "bytes": page.data.nbytes}).encode()
     return [MAGIC + len(header).to_bytes(4, "little") + header, page.data.contiguous().view(torch.uint8).numpy()]
 
 
 def decode(key: str, raw) -> TierPage:
     """The record the writable buffer ``raw`` (a bytearray, a uint8 array) holds, its tensor over
-    ``raw``'s bytes; ValueError where it is not a record of ``key``."""
+    ``raw``'s bytes up to the length its header gives (bytes after it are not the record's);
+    ValueError where it is not a record of ``key``."""
     view = memoryview(raw).cast("B")
     start = len(MAGIC) + 4
     if view[:len(MAGIC)] != MAGIC:
@@ -39,10 +40,10 @@ def decode(key: str, raw) -> TierPage:
         header = json.loads(bytes(view[start:start + size]))
         if header["key"] != key:
             raise ValueError(f"a record of {header['key']!r}")
-        checksum, kind = header["checksum"], header["kind"]
+        checksum, kind, end = header["checksum"], header["kind"], start + size + int(header["bytes"])
     except (KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"a broken header ({exc})") from None
-    offset = start + size
+    offset, view = start + size, view[:end]  # a buffer longer than the blob (a read of a bound's length) ends there
     data = torch.frombuffer(view, dtype=torch.uint8, offset=offset) if len(view) > offset else \
         torch.empty(0, dtype=torch.uint8)
     return TierPage(key, data, checksum, kind)

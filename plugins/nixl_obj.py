@@ -1,0 +1,155 @@
+"""NIXL's object plugin (OBJ) as the nixl storage tier's store: each record (core/tiers/record.py)
+an object in an S3 bucket, named as the file tier names its file (``ab/<key>.kv``).
+
+Asked for with ``plugin_options["nixl"]["plugin"]`` or NIXL_STORAGE_PLUGIN ``OBJ`` (unset: NIXL's
+file plugins, nixl.py). The bucket's settings take NIXL's own parameter names, from
+``plugin_options["nixl"]``, else the environment the AWS tools read, else the default:
+``endpoint_override`` (AWS_ENDPOINT_URL, "http://HOST:PORT"; required), ``bucket``
+(AWS_DEFAULT_BUCKET; required), ``region`` (AWS_REGION, "us-east-1"), ``scheme`` (the endpoint's,
+http or https), ``access_key``, ``secret_key``, ``session_token`` (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN; unset: the AWS SDK's own credential chain).
+
+Start-up writes a probe object, so an unreachable endpoint or a missing bucket refuses the tier
+with the reason. An S3 PUT replaces an object whole: a reader sees a complete record or none, as
+the file tier's rename gives. Existence is a HEAD (NIXL's query). A read asks for the largest
+record's length and room for its header (S3 answers with what the object holds) and the record's
+header says where it ends. NIXL deletes no object: a bad record (``reject``) stays a miss for
+this engine until its next write of that prefix replaces it. The bucket's own lifecycle rules
+bound its size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..core.families.cache_tier import CacheTier, TierPage
+from ..core.tiers.file import record_name
+from ..core.tiers.record import decode, encode
+from .nixl_store import NixlStore
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = {  # option of plugin_options["nixl"]: (environment variable, default)
+    "plugin": ("NIXL_STORAGE_PLUGIN", None),
+    "endpoint_override": ("AWS_ENDPOINT_URL", None),
+    "bucket": ("AWS_DEFAULT_BUCKET", None),
+    "region": ("AWS_REGION", "us-east-1"),
+    "scheme": (None, None),  # the endpoint's
+    "access_key": ("AWS_ACCESS_KEY_ID", None),
+    "secret_key": ("AWS_SECRET_ACCESS_KEY", None),
+    "session_token": ("AWS_SESSION_TOKEN", None),
+}
+HEADER_ROOM = 1024  # bytes read past the largest record for its header (record.py: about 150)
+PROBE = "engine-kv-probe"  # the object start-up writes
+
+
+def nixl_options(ctx) -> dict:
+    return (getattr(ctx.engine_config, "plugin_options", None) or {}).get("nixl", {})
+
+
+def object_settings(ctx) -> dict:
+    options = nixl_options(ctx)
+    s = {k: options.get(k, os.environ.get(env, default) if env else default) for k, (env, default) in SETTINGS.items()}
+    endpoint = s["endpoint_override"] or ""
+    s["scheme"] = s["scheme"] or (endpoint.split("://")[0] if "://" in endpoint else "https")
+    return s
+
+
+def object_reasons(ctx) -> list[str]:
+    """Why the OBJ plugin cannot serve this config (empty: it may; start-up tries the bucket)."""
+    s, options, config = object_settings(ctx), nixl_options(ctx), ctx.engine_config
+    reasons = [f'plugin_options["nixl"] has no option {k!r} (options: {", ".join(SETTINGS)})'
+               for k in options if k not in SETTINGS]
+    if s["plugin"] != "OBJ":
+        return reasons + [f'plugin_options {{"nixl": {{"plugin": ...}}}} or NIXL_STORAGE_PLUGIN is {s["plugin"]!r}: '
+                          '"OBJ" (an S3 bucket), or unset (NIXL\'s file plugins)']
+    if not s["endpoint_override"]:
+        reasons.append('no S3 endpoint: plugin_options {"nixl": {"endpoint_override": "http://HOST:PORT"}} '
+                       "or AWS_ENDPOINT_URL")
+    if not s["bucket"]:
+        reasons.append('no S3 bucket: plugin_options {"nixl": {"bucket": NAME}} or AWS_DEFAULT_BUCKET')
+    if s["scheme"] not in ("http", "https"):
+        reasons.append(f'scheme {s["scheme"]!r} (plugin_options["nixl"]["scheme"] or the endpoint\'s) '
+                       "is neither http nor https")
+    if getattr(config, "hicache_storage_dir", None) or getattr(config, "hicache_storage_max_size", 0):
+        reasons.append("--hicache-storage-dir and --hicache-storage-max-size are for a directory; the OBJ plugin "
+                       "keeps records in the bucket (bounded by its lifecycle rules)")
+    return reasons
+
+
+class NixlObjectTier(CacheTier):
+    name = "nixl"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        s = object_settings(ctx)
+        self.where = f"bucket {s['bucket']!r} at {s['endpoint_override']}"
+        self.store = NixlStore(("OBJ",), {k: str(v) for k, v in s.items() if k != "plugin" and v is not None})
+        self.plugin = self.store.plugin
+        try:
+            self.store.write([PROBE.encode()], "OBJ", meta=PROBE)
+        except OSError as exc:
+            raise RuntimeError(f"NIXL's OBJ plugin cannot write to {self.where} ({exc})") from None
+        self.read_size = max(map(ctx.layout.record_bytes, ctx.layout.segments)) + HEADER_ROOM
+        self._bad: set[str] = set()  # records read bad here: a miss until this engine writes them again
+        logger.info("hierarchical cache: NIXL OBJ stores records in %s", self.where)
+
+    def put(self, pages: list[TierPage]) -> list[bool]:
+        held = self._held([p.key for p in pages]) or [False] * len(pages)
+        done = []
+        for page, there in zip(pages, held):
+            if not there:  # (else another engine wrote it)
+                try:
+                    self.store.write(encode(page), "OBJ", meta=record_name(page.key))
+                    self._bad.discard(page.key)
+                except OSError as exc:
+                    self.last_error = f"writing {record_name(page.key)} to {self.where}: {exc}"
+                    done.append(False)
+                    continue
+            done.append(True)
+        return done
+
+    def get(self, keys: list[str]) -> list[TierPage | None]:
+        return [self._get(k) for k in keys]
+
+    def _get(self, key: str) -> TierPage | None:
+        import torch
+
+        if key in self._bad:
+            return None
+        buffer = torch.empty(self.read_size, dtype=torch.uint8)
+        try:
+            self.store.transfer("READ", buffer, "OBJ", self.read_size, meta=record_name(key))
+        except OSError as exc:
+            if self._held([key]) != [False]:  # there, or the bucket does not answer: a failed read
+                self._read_failed(f"reading {record_name(key)} from {self.where}: {exc}")
+            return None
+        try:
+            return decode(key, buffer.numpy())
+        except ValueError as exc:
+            self.rejected += 1
+            logger.warning("hierarchical cache: %s in %s is not a record of its key (%s); a miss",
+                           record_name(key), self.where, exc)
+            self.reject(key)
+            return None
+
+    def contains(self, keys: list[str]) -> int:
+        held = self._held(keys)
+        if held is None:
+            self._read_failed(f"asking {self.where} for {len(keys)} records: {self.last_error}")
+            return 0
+        return next((i for i, h in enumerate(held) if not h), len(keys))
+
+    def reject(self, key: str) -> None:
+        self._bad.add(key)
+
+    def _held(self, keys: list[str]) -> list[bool] | None:
+        """Which of ``keys`` the bucket holds (one HEAD each, in parallel), those read bad here not;
+        None where it does not answer (``last_error`` says why)."""
+        try:
+            found = self.store.agent.query_memory([(0, 0, i, record_name(k)) for i, k in enumerate(keys)], "OBJ", "OBJ")
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__} {exc}"
+            return None
+        return [f is not None and k not in self._bad for k, f in zip(keys, found)]

@@ -1,0 +1,184 @@
+"""The NIXL storage tier over NIXL's object plugin (OBJ) and a local S3 server (moto), where the
+optional nixl and moto packages are installed (skipped otherwise, as in CI): records round-trip as
+objects, found by a HEAD, a missing one a plain miss and a bad one a miss until rewritten; a config
+the OBJ plugin cannot serve is refused naming the setting, a bucket it cannot write refused at
+start-up; an engine hits what another engine stored in the bucket and decodes as an engine without
+tiers does, no page left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+import uuid
+
+import pytest
+import torch
+
+if importlib.util.find_spec("nixl") is None:
+    pytest.skip("nixl is not installed (pip install 'engine[nixl]')", allow_module_level=True)
+pytest.importorskip("moto.server", reason="moto is not installed (pip install 'moto[server]')")
+boto3 = pytest.importorskip("boto3", reason="boto3 (moto's) is not installed")
+
+
+def _import_nixl():
+    """nixl's meta package takes nixl_cu13 where torch has no CUDA (this CPU machine), and
+    nixl-cu13 1.5.1's OBJ plugin needs libcuobjclient.so.1, which no wheel carries; nixl-cu12's
+    has all it needs, so the import goes as under a CUDA 12 torch where nixl-cu12 is installed."""
+    if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
+        torch.version.cuda = "12"
+        try:
+            import nixl  # noqa: F401
+        finally:
+            torch.version.cuda = None
+
+
+_import_nixl()
+
+from moto.server import ThreadedMotoServer  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys  # noqa: E402
+from engine.core.registry import SelectionError  # noqa: E402
+from engine.core.tiers.file import record_name  # noqa: E402
+from engine.core.tiers.record import encode  # noqa: E402
+from engine.plugins import nixl_obj  # noqa: E402
+from engine.plugins.nixl_store import NixlStore  # noqa: E402
+from test_storage_plugins import plugins  # noqa: E402
+
+LAYOUT = TierLayout({"page": (96, 32), "window": (40,)}, "test-model")  # a short read of the window kind too
+ENVIRONMENT = ("NIXL_STORAGE_PLUGIN", "AWS_ENDPOINT_URL", "AWS_DEFAULT_BUCKET", "AWS_REGION", "AWS_ACCESS_KEY_ID",
+               "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+@pytest.fixture(autouse=True)
+def no_environment(monkeypatch):
+    for name in ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    try:
+        NixlStore(("OBJ",), {"endpoint_override": url, "scheme": "http", "bucket": "none"})
+    except RuntimeError as exc:
+        server.stop()
+        pytest.skip(f"NIXL's OBJ plugin does not start here: {exc}")
+    yield url
+    server.stop()
+
+
+def client(endpoint):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                        aws_secret_access_key="test")
+
+
+@pytest.fixture
+def bucket(endpoint):
+    name = f"kv-{uuid.uuid4().hex[:12]}"
+    client(endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def options(endpoint, bucket, **more) -> dict:
+    return {"nixl": {"plugin": "OBJ", "endpoint_override": endpoint, "bucket": bucket, "access_key": "test",
+                     "secret_key": "test", **more}}
+
+
+def context(plugin_options, **config) -> TierContext:
+    return TierContext(None, None, EngineConfig(model="-", enable_hierarchical_cache=True, hicache_storage_backend="nixl",
+                                                plugin_options=plugin_options, **config), LAYOUT)
+
+
+def records(n: int, seed: int) -> list[TierPage]:
+    g = torch.Generator().manual_seed(seed)
+    keys = prefix_keys(list(range(n * 4)), 4, LAYOUT.model)
+    return [TierPage.of(k, torch.randint(0, 256, (40,) if i % 2 else (128,), dtype=torch.uint8, generator=g),
+                        "window" if i % 2 else "page") for i, k in enumerate(keys)]
+
+
+def test_records_round_trip_as_objects_and_a_missing_or_bad_one_is_a_miss(endpoint, bucket, seed):
+    ctx = context(options(endpoint, bucket))
+    tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    assert tier.plugin == "OBJ"
+    recs, s3 = records(5, seed), client(endpoint)
+    keys = [r.key for r in recs]
+    assert tier.put(recs[:3]) == [True] * 3
+    assert s3.head_object(Bucket=bucket, Key=record_name(keys[1]))["ContentLength"] == sum(
+        memoryview(p).nbytes for p in encode(recs[1]))  # an object named as the file tier names its file
+    assert tier.contains(keys) == 3 and tier.contains(keys[3:]) == 0
+    other = plugins().select("cache_tier", ctx, "nixl").create(ctx)  # another engine on the same bucket
+    for reader in (tier, other):
+        got = reader.get(keys)
+        assert got[3:] == [None, None]
+        assert all(g.intact() and torch.equal(g.data, r.data) and g.kind == r.kind for g, r in zip(got[:3], recs))
+    assert other.contains(keys) == 3 and tier.read_failures == other.read_failures == 0  # absence is no failure
+
+    s3.put_object(Bucket=bucket, Key=record_name(keys[0]), Body=b"".join(encode(recs[2])))  # another key's record
+    assert tier.get(keys[:1]) == [None] and tier.rejected == 1 and tier.contains(keys) == 0
+    assert tier.put(recs[:1]) == [True] and tier.get(keys[:1])[0].intact() and tier.contains(keys) == 3  # rewritten
+    raw = b"".join(encode(recs[2]))
+    s3.put_object(Bucket=bucket, Key=record_name(keys[2]), Body=raw[:len(raw) - random.Random(seed).randint(1, 30)])
+    assert not other.get(keys[2:3])[0].intact()  # cut short: it fails its checksum
+    other.reject(keys[2])  # what the hierarchy does with it
+    assert other.contains(keys) == 2 and other.put(recs[2:3]) == [True] and other.get(keys[2:3])[0].intact()
+
+
+@pytest.mark.parametrize("settings, config, reason", [
+    ({"plugin": "OBJ", "bucket": "b"}, {}, r"no S3 endpoint: .*endpoint_override.* or AWS_ENDPOINT_URL"),
+    ({"plugin": "OBJ", "endpoint_override": "http://h:1"}, {}, r"no S3 bucket: .*\"bucket\".* or AWS_DEFAULT_BUCKET"),
+    ({"plugin": "S3"}, {}, r"NIXL_STORAGE_PLUGIN is 'S3': \"OBJ\""),
+    ({"plugin": "OBJ", "endpoint_override": "ftp://h:1", "bucket": "b"}, {}, r"scheme 'ftp'"),
+    ({"plugin": "OBJ", "endpoint_override": "http://h:1", "bucket": "b", "buckets": "c"}, {},
+     r"no option 'buckets'"),
+    ({"plugin": "OBJ", "endpoint_override": "http://h:1", "bucket": "b"}, {"hicache_storage_dir": "/tmp"},
+     r"--hicache-storage-dir .* for a directory"),
+    ({"bucket": "b"}, {"hicache_storage_dir": "/tmp"}, r'sets bucket without "plugin": "OBJ"'),
+])
+def test_a_config_the_object_plugin_cannot_serve_is_refused_naming_the_setting(settings, config, reason):
+    with pytest.raises(SelectionError, match=reason):
+        plugins().select("cache_tier", context({"nixl": settings}, **config), "nixl")
+
+
+def test_the_environment_configures_it_and_a_bucket_it_cannot_write_refuses_it(endpoint, bucket, monkeypatch):
+    for name, value in (("NIXL_STORAGE_PLUGIN", "OBJ"), ("AWS_ENDPOINT_URL", endpoint), ("AWS_DEFAULT_BUCKET", bucket),
+                        ("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        monkeypatch.setenv(name, value)
+    ctx = context({})
+    tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    assert tier.plugin == "OBJ" and tier.store.agent.query_memory([(0, 0, 0, nixl_obj.PROBE)], "OBJ", "OBJ") == [{}]
+    ctx = context({"nixl": {"bucket": "no-such-bucket"}})  # the option wins over the environment
+    with pytest.raises(RuntimeError, match=f"cannot write to bucket 'no-such-bucket' at {endpoint}"):
+        plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    import nixl
+
+    monkeypatch.setattr(nixl._api.nixl_agent, "get_plugin_list", lambda self: ["POSIX"])  # a nixl built without it
+    with pytest.raises(RuntimeError, match=r"starts none of OBJ; it lists \['POSIX'\]"):
+        plugins().select("cache_tier", context({}), "nixl").create(context({}))
+
+
+def test_an_engine_hits_what_another_stored_in_the_bucket(shared_dir, endpoint, bucket, seed):
+    path = str(shared_dir / "models" / "tiny-qwen3-py")
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4096) for _ in range(100)]
+    follow = prompt + [rng.randrange(4096) for _ in range(5)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tiered = dict(dtype="float32", progress=False, page_size=4, num_pages=40, enable_hierarchical_cache=True,
+                  hicache_storage_backend="nixl", plugin_options=options(endpoint, bucket),
+                  hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
+    first = LLM(path, **tiered)
+    first.generate([prompt], params)
+    assert first.engine.kv_manager.lower.flush_storage(30)  # written on the storage writer's thread
+    written = first.engine.kv_manager.lower.stats.storage_written
+    assert written >= 25 and client(endpoint).list_objects_v2(Bucket=bucket)["KeyCount"] == written + 1  # and the probe
+    second = LLM(path, **tiered)
+    out = second.generate([follow], params)[0]
+    assert out.num_cached_tokens == second.engine.kv_manager.lower.stats.storage_hit_tokens == 100
+    plain = LLM(path, dtype="float32", progress=False, page_size=4, num_pages=40).generate([follow], params)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    second.engine.kv_manager.check_consistency()
