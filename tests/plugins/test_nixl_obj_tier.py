@@ -7,6 +7,7 @@ tiers does, no page left behind."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import random
 import sys
@@ -28,7 +29,7 @@ def _import_nixl():
     if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
         torch.version.cuda = "12"
         try:
-            import nixl  # noqa: F401
+            importlib.import_module("nixl")
         finally:
             torch.version.cuda = None
 
@@ -37,7 +38,6 @@ _import_nixl()
 
 from moto.server import ThreadedMotoServer  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys  # noqa: E402
 from engine.core.registry import SelectionError  # noqa: E402
@@ -45,7 +45,7 @@ from engine.core.tiers.file import record_name  # noqa: E402
 from engine.core.tiers.record import encode  # noqa: E402
 from engine.plugins import nixl_obj  # noqa: E402
 from engine.plugins.nixl_store import NixlStore  # noqa: E402
-from test_storage_plugins import plugins  # noqa: E402
+from test_storage_plugins import plugins, second_engine_hits_the_first  # noqa: E402
 
 LAYOUT = TierLayout({"page": (96, 32), "window": (40,)}, "test-model")  # a short read of the window kind too
 ENVIRONMENT = ("NIXL_STORAGE_PLUGIN", "AWS_ENDPOINT_URL", "AWS_DEFAULT_BUCKET", "AWS_REGION", "AWS_ACCESS_KEY_ID",
@@ -162,23 +162,8 @@ def test_the_environment_configures_it_and_a_bucket_it_cannot_write_refuses_it(e
         plugins().select("cache_tier", context({}), "nixl").create(context({}))
 
 
-def test_an_engine_hits_what_another_stored_in_the_bucket(shared_dir, endpoint, bucket, seed):
-    path = str(shared_dir / "models" / "tiny-qwen3-py")
-    rng = random.Random(seed)
-    prompt = [rng.randrange(4096) for _ in range(100)]
-    follow = prompt + [rng.randrange(4096) for _ in range(5)]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    tiered = dict(dtype="float32", progress=False, page_size=4, num_pages=40, enable_hierarchical_cache=True,
-                  hicache_storage_backend="nixl", plugin_options=options(endpoint, bucket),
-                  hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
-    first = LLM(path, **tiered)
-    first.generate([prompt], params)
-    assert first.engine.kv_manager.lower.flush_storage(30)  # written on the storage writer's thread
-    written = first.engine.kv_manager.lower.stats.storage_written
-    assert written >= 25 and client(endpoint).list_objects_v2(Bucket=bucket)["KeyCount"] == written + 1  # and the probe
-    second = LLM(path, **tiered)
-    out = second.generate([follow], params)[0]
-    assert out.num_cached_tokens == second.engine.kv_manager.lower.stats.storage_hit_tokens == 100
-    plain = LLM(path, dtype="float32", progress=False, page_size=4, num_pages=40).generate([follow], params)[0]
-    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    second.engine.kv_manager.check_consistency()
+def test_an_engine_hits_what_another_stored_in_the_bucket(tiny_qwen3, endpoint, bucket, seed):
+    def stored(written: int) -> None:  # every record an object, and the probe
+        assert client(endpoint).list_objects_v2(Bucket=bucket)["KeyCount"] == written + 1
+
+    second_engine_hits_the_first(tiny_qwen3, seed, "nixl", stored, plugin_options=options(endpoint, bucket))

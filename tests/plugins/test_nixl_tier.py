@@ -6,18 +6,15 @@ engine without tiers does."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 pytest.importorskip("nixl", reason="nixl is not installed (pip install 'engine[nixl]')")
 
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.core.families.cache_tier import TierPage  # noqa: E402
 from engine.core.tiers.file import FileTier  # noqa: E402
 from engine.plugins import nixl  # noqa: E402
-from test_storage_plugins import context, plugins  # noqa: E402
+from test_storage_plugins import context, plugins, second_engine_hits_the_first  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -44,22 +41,5 @@ def test_records_round_trip_through_posix_and_the_file_tier_shares_the_directory
     assert tier.get([recs[1].key]) == [None] and tier.rejected == 1 and not path.exists()
 
 
-def test_an_engine_hits_what_another_stored_through_nixl(shared_dir, tmp_path, seed):
-    path = str(shared_dir / "models" / "tiny-qwen3-py")
-    rng = random.Random(seed)
-    prompt = [rng.randrange(4096) for _ in range(100)]
-    follow = prompt + [rng.randrange(4096) for _ in range(5)]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    tiered = dict(dtype="float32", progress=False, page_size=4, num_pages=40, enable_hierarchical_cache=True,
-                  hicache_storage_backend="nixl", hicache_storage_dir=str(tmp_path),
-                  hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete")
-    first = LLM(path, **tiered)
-    first.generate([prompt], params)
-    assert first.engine.kv_manager.lower.flush_storage(30)  # written on the storage writer's thread
-    assert first.engine.kv_manager.lower.stats.storage_written >= 25
-    second = LLM(path, **tiered)
-    out = second.generate([follow], params)[0]
-    assert out.num_cached_tokens == second.engine.kv_manager.lower.stats.storage_hit_tokens == 100
-    plain = LLM(path, dtype="float32", progress=False, page_size=4, num_pages=40).generate([follow], params)[0]
-    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    second.engine.kv_manager.check_consistency()
+def test_an_engine_hits_what_another_stored_through_nixl(tiny_qwen3, tmp_path, seed):
+    second_engine_hits_the_first(tiny_qwen3, seed, "nixl", hicache_storage_dir=str(tmp_path))

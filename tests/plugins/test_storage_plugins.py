@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import random
 import sys
 import types
 
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage
 from engine.core.plugins import load_plugins
@@ -29,6 +31,36 @@ def plugins():
         if not p.pm.has_plugin(name):
             p.pm.register(module, name=name)
     return p
+
+
+def second_engine_hits_the_first(model_dir, seed: int, backend: str, stored=None, **store) -> None:
+    """A prompt run on one engine with the storage tier ``backend`` (configured by ``store``), its
+    records written (``stored``, where given, is called with their count); a second engine on the
+    same store hits its 100 tokens there and decodes as an engine without tiers, every page
+    accounted for."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4096) for _ in range(100)]
+    follow = prompt + [rng.randrange(4096) for _ in range(5)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = dict(dtype="float32", progress=False, page_size=4, num_pages=40)
+    tiered = dict(plain, enable_hierarchical_cache=True, hicache_storage_backend=backend,
+                  hicache_storage_prefetch_threshold=64, hicache_storage_prefetch_policy="wait_complete", **store)
+    engines = [LLM(str(model_dir), **tiered)]
+    try:  # each engine's storage writer stopped before the store may go
+        engines[0].generate([prompt], params)
+        assert engines[0].engine.kv_manager.lower.flush_storage(30)  # written on the storage writer's thread
+        written = engines[0].engine.kv_manager.lower.stats.storage_written
+        assert written >= 25
+        if stored is not None:
+            stored(written)
+        engines.append(LLM(str(model_dir), **tiered))
+        out = engines[1].generate([follow], params)[0]
+        assert out.num_cached_tokens == engines[1].engine.kv_manager.lower.stats.storage_hit_tokens == 100
+        assert out.outputs[0].token_ids == LLM(str(model_dir), **plain).generate([follow], params)[0].outputs[0].token_ids
+        engines[1].engine.kv_manager.check_consistency()
+    finally:
+        for llm in engines:
+            llm.engine.shutdown()
 
 
 def context(tmp_path, backend: str, **options) -> TierContext:
