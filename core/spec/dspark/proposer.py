@@ -10,7 +10,15 @@ keys and values are computed from them once and kept per sequence, by position: 
 target computes again (after rejected drafts, whose rows it handed back too) overwrite theirs. A
 block reads the positions before its anchor, the sequence's last token, whose own features come
 with the next verification. A prefix hit gives the target's features from the hit's end on only:
-the block reads what there is.
+the block reads what there is. An n > 1 sibling forks its parent's context of the prompt (``fork``).
+
+Under prefill/decode disaggregation (core/disagg/) the decode engine computes only a prompt's last
+token, so the prefill engine, started with the same ``speculative_config``, sends the context rows
+of every position before it with the KV (``carried``): the drafter's keys and values, not the
+target's features they are computed from, as they are smaller (the trained drafter's 512 elements
+a position against 3072 features) and exactly the rows a colocated engine computes. A prompt the
+prefill engine took partly from its prefix cache has no context before the hit, and none is sent:
+the decode engine drafts from the positions it computes.
 
 Under tensor parallelism the target's features are whole on every rank after its all-reduces, and
 the scheduling rank alone drafts, with whole copies of the target's embedding and LM head
@@ -103,6 +111,10 @@ class DSparkProposer(SpecProposer):
         self.feature_layers = shape.target_layer_ids
         self.device = next(self.drafter.parameters()).device
         self._contexts: dict[int, _Context] = {}
+        if ctx.engine_config.disaggregation is not None:  # the whole prompt's context rows move
+            one = self._context_kv(torch.zeros(1, shape.feature_size, device=self.device), 0)
+            self.carried, self._row = ctx.engine_config.max_model_len, one[:, :, 0].shape
+            self.carried_row, self.carried_dtype = one.numel(), one.dtype
         group = target.backends.moe_group  # under DP attention the stages' MoE meets the other ranks'
         exchanges = any(hasattr(m, "placement") for m in self.drafter.modules())
         self.lockstep = group if exchanges and target.backends.dp_attention and group.size > 1 else None
@@ -111,12 +123,37 @@ class DSparkProposer(SpecProposer):
 
     @torch.inference_mode()
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
-        positions = torch.arange(start, start + features.shape[0], device=self.device)
-        kv = torch.stack([torch.stack(pair) for pair in self.drafter.context_kv(features, positions)])
+        kv = self._context_kv(features, start)
         c = self._contexts.get(seq_id)
         if c is None or not c.start <= start <= c.end:
             c = self._contexts[seq_id] = _Context(start, kv.new_empty(*kv.shape[:2], 2 * kv.shape[2], *kv.shape[3:]))
         c.put(start, kv)
+
+    @torch.inference_mode()
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child's context is the parent's of the prompt (copied: their later positions differ)."""
+        if (c := self._contexts.get(parent_id)) is not None:
+            child = self._contexts[child_id] = _Context(c.start, c.rows.clone())
+            child.end = c.end
+
+    def carried_features(self, seq_id: int, start: int, end: int) -> torch.Tensor | None:
+        c = self._contexts.get(seq_id)
+        if c is None or c.start > start or c.end < end:
+            return None
+        rows = c.rows[:, :, start - c.start:end - c.start]  # [layers, 2, n, kv heads, head dim]
+        return rows.permute(2, 0, 1, 3, 4).reshape(end - start, -1).to(self.carried_dtype)
+
+    @torch.inference_mode()
+    def carry_in(self, seq_id: int, token_ids: list[int], start: int, features: torch.Tensor) -> None:
+        n = features.shape[0]
+        kv = features.to(self.device).view(n, *self._row).permute(1, 2, 0, 3, 4)
+        c = self._contexts[seq_id] = _Context(start, kv.new_empty(*kv.shape[:2], 2 * n + 2, *kv.shape[3:]))
+        c.put(start, kv)
+
+    def _context_kv(self, features: torch.Tensor, start: int) -> torch.Tensor:
+        """The context rows [layers, 2, n, kv heads, head dim] of positions ``start``.. from their features."""
+        positions = torch.arange(start, start + features.shape[0], device=self.device)
+        return torch.stack([torch.stack(pair) for pair in self.drafter.context_kv(features, positions)])
 
     def release(self, seq_id: int) -> None:
         self._contexts.pop(seq_id, None)

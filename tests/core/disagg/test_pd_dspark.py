@@ -1,0 +1,84 @@
+"""DSpark with the drafter trained for tiny-dsv4-py (tests/assets/tiny-dsv4-py-dspark) on a decode
+engine of prefill/decode disaggregation over the tcp transport: the prefill engine sends the
+drafter's context rows of the prompt with the KV, so the decode engine proposes every sequence the
+drafts a colocated DSpark engine proposes, from its first decode on, n > 1 siblings included; greedy
+output equals a colocated engine without speculation; no page of either engine is held afterwards
+and no context is kept. Beside it, on the colocated engine: an n > 1 sibling drafts from its
+parent's context of the prompt, as the same request with n = 1 does."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.core.disagg import engine_class
+from engine.core.engine import EngineCore
+from engine.core.spec.verify_length import LoadAwareLength, StepCurve
+from test_pd_engines import Pair, assert_idle, colocated
+from test_pd_mtp import Drafts, prompts
+
+ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-dsv4-py-dspark"
+DSPARK = {"method": "dspark", "num_speculative_tokens": 4, "model": str(ASSET)}
+
+
+def _engine(model, spec: dict | None, **disagg) -> EngineCore:
+    config = EngineConfig(model=str(model), max_model_len=512, num_pages=160, page_size=16, warmup=False,
+                          dtype="float32", speculative_config=spec, disaggregation=disagg or None)
+    engine = engine_class(config)(config, progress=False)
+    if spec is not None:  # every step memory-bound: every draft verified, whatever this CPU's timings
+        engine.speculator.verify_length = LoadAwareLength(StepCurve((1, 64), (1.0, 1.0)), spec["num_speculative_tokens"])
+    return engine
+
+
+class DSparkPair(Pair):
+    def __init__(self, model) -> None:
+        self.prefill = _engine(model, DSPARK, mode="prefill", bootstrap_port=0, timeout=5.0)
+        self.decode = _engine(model, DSPARK, mode="decode", timeout=5.0)
+        self.rooms = iter(range(random.randrange(2**40), 2**62))
+
+
+@pytest.fixture(scope="module")
+def engines(shared_dir):
+    """(the pair, a colocated engine without speculation, a colocated engine with DSpark)"""
+    model = shared_dir / "models" / "tiny-dsv4-py"
+    return DSparkPair(model), _engine(model, None), _engine(model, DSPARK)
+
+
+def test_the_decode_engine_drafts_as_a_colocated_one_and_answers_as_one_without_drafts(engines, eval_text, seed):
+    pair, plain, colocated_dspark = engines
+    for e in (pair.prefill, colocated_dspark):  # a prefix hit has no context before it: none is sent
+        e.kv_manager.reset_prefix_cache()
+    requests = prompts(plain, eval_text)
+    want = colocated(plain, requests)
+    with Drafts(colocated_dspark) as here:
+        assert colocated(colocated_dspark, requests) == want
+    accepted = pair.decode.speculator.counters.num_accepted_tokens
+    with Drafts(pair.decode) as there:
+        got, failures = pair.run(requests)
+    assert not failures and got == want
+    assert pair.decode.stats().kv_transfer.num_failed == 0
+    assert there.by_seq == here.by_seq
+    assert set(there.by_seq) == set(got)  # every sequence drafted, siblings too
+    assert pair.decode.speculator.counters.num_accepted_tokens > accepted
+    for e in (pair.prefill, pair.decode):
+        assert_idle(e)
+        assert not e.speculator.proposer._contexts
+
+
+def test_every_sibling_drafts_as_its_request_alone(engines, eval_text, seed):
+    _, plain, colocated_dspark = engines
+    colocated_dspark.kv_manager.reset_prefix_cache()
+    alone = {rid: (ids, dataclasses.replace(params, n=1)) for rid, (ids, params) in prompts(plain, eval_text).items()}
+    with Drafts(colocated_dspark) as one:
+        colocated(colocated_dspark, alone)
+    colocated_dspark.kv_manager.reset_prefix_cache()
+    siblings = {rid + "'": (ids, dataclasses.replace(params, n=3)) for rid, (ids, params) in alone.items()}
+    with Drafts(colocated_dspark) as three:
+        colocated(colocated_dspark, siblings)
+    assert three.by_seq == {(rid + "'", i): one.by_seq[(rid, 0)] for rid in alone for i in range(3)}
+    assert_idle(colocated_dspark)
+    assert not colocated_dspark.speculator.proposer._contexts
