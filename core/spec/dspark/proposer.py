@@ -150,6 +150,7 @@ class DSparkProposer(SpecProposer):
         c = self._contexts[seq_id] = _Context(start, kv.new_empty(*kv.shape[:2], 2 * n + 2, *kv.shape[3:]))
         c.put(start, kv)
 
+    @torch.inference_mode()
     def _context_kv(self, features: torch.Tensor, start: int) -> torch.Tensor:
         """The context rows [layers, 2, n, kv heads, head dim] of positions ``start``.. from their features."""
         positions = torch.arange(start, start + features.shape[0], device=self.device)

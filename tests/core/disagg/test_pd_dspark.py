@@ -26,11 +26,11 @@ DSPARK = {"method": "dspark", "num_speculative_tokens": 4, "model": str(ASSET)}
 
 
 def _engine(model, spec: dict | None, **disagg) -> EngineCore:
-    config = EngineConfig(model=str(model), max_model_len=512, num_pages=160, page_size=16, warmup=False,
-                          dtype="float32", speculative_config=spec, disaggregation=disagg or None)
+    config = EngineConfig(model=str(model), max_model_len=512, num_pages=160, page_size=16, max_num_seqs=16,
+                          warmup=False, dtype="float32", speculative_config=spec, disaggregation=disagg or None)
     engine = engine_class(config)(config, progress=False)
     if spec is not None:  # every step memory-bound: every draft verified, whatever this CPU's timings
-        engine.speculator.verify_length = LoadAwareLength(StepCurve((1, 64), (1.0, 1.0)), spec["num_speculative_tokens"])
+        engine.speculator.verify_length = LoadAwareLength(StepCurve((1, 64), (1.0, 1.0)), engine.speculator.k)
     return engine
 
 
