@@ -117,6 +117,8 @@ class EngineCore:
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
                                   c.device, c.graphs, c.attention_group, peers, c.prefill_graphs, c.verify_graphs)
         if c.proposer is not None:
+            if peers is not None:  # the other processes of this one's attention group draft with it
+                c.proposer.lead(peers)
             self.runner.feature = c.proposer.feature
             self.runner.feature_layers = c.proposer.feature_layers
             if rendezvous is None:  # another data-parallel rank's is timed once rank 0 times its own

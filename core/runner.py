@@ -59,6 +59,9 @@ class Peers(Protocol):
 
     def send_step(self, inputs: StepInputs) -> None: ...
 
+    def send(self, message) -> None:
+        """Another message to every rank: a proposer's drafting forward (core/spec/mtp.py)."""
+
     def explain(self, exc: BaseException) -> None:
         """Raise the failure of a rank that made a step fail with ``exc``, if one failed."""
 

@@ -35,13 +35,13 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
   rank offers no bucket and all run that step eagerly, each its own tokens. A proposer whose
   forwards reach the MoE exchanges (MTP's next-n layer, whose MoE spans the ranks too) agrees with
   the other ranks on the step's number of drafting forwards before the target's, and runs those it
-  lacks with no tokens (core/spec/mtp.py); n-gram lookup runs none and a draft model is a model of
+  lacks with no tokens (core/spec/mtp.py), the rank's other processes with it (``DraftCount``,
+  ``Draft``); n-gram lookup runs none and a draft model is a model of
   this process alone, without collectives.
 - The start-up warm-up (core/warmup.py): rank 0 drives it, every rank running every phase on
   copies of its requests, in the same steps.
 
-Not built: prefill graphs (the exact exchanges' sizes are read on the host); MTP where a rank's
-attention is split over processes (the rank's other processes do not hand back their streams).
+Not built: prefill graphs (the exact exchanges' sizes are read on the host).
 """
 
 from __future__ import annotations

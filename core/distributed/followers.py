@@ -7,7 +7,7 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 
 from ..runner import StepInputs
-from .messages import Idle, Step, encoder
+from .messages import Idle, Message, Step, encoder
 from .workers import Workers, send_to_all
 
 
@@ -24,6 +24,9 @@ class Followers:
 
     def send_idle(self) -> None:
         self._send(encoder.encode(Idle()))
+
+    def send(self, message: Message) -> None:
+        self._send(encoder.encode(message))
 
     def explain(self, exc: BaseException) -> None:
         if self.watched is not None:

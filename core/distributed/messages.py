@@ -41,6 +41,17 @@ class Idle(msgspec.Struct, tag=True):
     """A step in which a data-parallel rank has nothing scheduled: its processes run the MoE exchanges."""
 
 
+class DraftCount(msgspec.Struct, tag=True):
+    """Under data-parallel attention: join the data-parallel ranks' count of the step's drafting
+    forwards (core/spec/mtp.py), offering none."""
+
+
+class Draft(msgspec.Struct, tag=True, gc=False):
+    """One drafting forward of a proposer's layer (MTP): its host data, or None for one with no tokens."""
+
+    inputs: StepInputs | None
+
+
 class AddRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -78,7 +89,7 @@ class RankOutputs(msgspec.Struct, tag=True):
     stats: RankStats
 
 
-Message = Ready | Failed | Step | Stop | Idle | RankRequests | RankOutputs
+Message = Ready | Failed | Step | Stop | Idle | DraftCount | Draft | RankRequests | RankOutputs
 
 
 def _enc(obj: Any) -> Any:

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from .group import Rendezvous, join_store
-from .messages import Failed, Idle, Ready, Step, Stop, decoder, encoder
+from .messages import Draft, DraftCount, Failed, Idle, Ready, Step, Stop, decoder, encoder
 
 logger = logging.getLogger("engine.core.distributed.worker")
 
@@ -41,8 +41,9 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="engine-tp-parent", daemon=True).start()
 
 
-def serve(conn: Connection, runner) -> None:
-    """Run steps until ``Stop`` or until the process that schedules them closes the socket."""
+def serve(conn: Connection, runner, proposer=None) -> None:
+    """Run steps, and ``proposer``'s drafting forwards, until ``Stop`` or until the process that
+    schedules them closes the socket."""
     while True:
         try:
             msg = decoder.decode(conn.recv_bytes())
@@ -54,6 +55,8 @@ def serve(conn: Connection, runner) -> None:
             runner.follow(msg.inputs)
         elif isinstance(msg, Idle):
             runner.idle()
+        elif isinstance(msg, (Draft, DraftCount)):
+            proposer.follow(msg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             core.time_verify_step()
             serve_requests(conn, Connection(args.replies_fd), core)
         else:
-            serve(Connection(args.leader_fd) if args.leader_fd is not None else conn, runner)
+            serve(Connection(args.leader_fd) if args.leader_fd is not None else conn, runner, c.proposer)
     finally:
         c.attention_group.close()
         c.plan_group.close()

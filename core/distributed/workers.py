@@ -6,7 +6,8 @@ its engine process): a GPU context never crosses a fork, and unlike multiprocess
 does not re-run the caller's main script, so ``LLM(..., tensor_parallel_size=2)`` works in a script
 without a ``__main__`` guard. It gets the engine config as JSON on stdin and the port of rank 0's
 TCP store, and joins the group from there (group.py). A socket pair per rank carries msgpack
-messages (messages.py): ``Ready`` or ``Failed`` once built, then ``Step`` per step, ``Stop`` at the end;
+messages (messages.py): ``Ready`` or ``Failed`` once built, then ``Step`` per step (and MTP's drafting
+forwards, ``Draft``: core/spec/mtp.py), ``Stop`` at the end;
 under data-parallel attention ``RankRequests`` per step to the process that schedules each
 data-parallel rank, answered on a second pair (dp_attention.py), and from that process ``Step`` or
 ``Idle`` to the others of its rank, on a pair rank 0 made for them (followers.py).
@@ -35,7 +36,7 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError
 from ..runner import StepInputs
 from .group import ParallelGroup, Rendezvous, master_store
-from .messages import Failed, Ready, Step, Stop, decoder, encoder
+from .messages import Failed, Message, Ready, Step, Stop, decoder, encoder
 from .multicast import multicast_off
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,11 @@ class Workers:
     # -- steps ----------------------------------------------------------------------------------
 
     def send_step(self, inputs: StepInputs) -> None:
+        self.send(Step(inputs))
+
+    def send(self, message: Message) -> None:
         self.check()
-        send_to_all(self.conns, encoder.encode(Step(inputs)), self.explain)
+        send_to_all(self.conns, encoder.encode(message), self.explain)
 
     def check(self) -> None:
         """Raise ``EngineDeadError`` if a rank has died."""

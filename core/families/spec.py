@@ -82,6 +82,14 @@ class SpecProposer(ABC):
         attention a proposer whose forwards reach the MoE layers' exchanges (MTP) still meets the other
         ranks' drafting forwards here, with no tokens."""
 
+    def lead(self, peers: Any) -> None:
+        """Tensor parallelism: ``peers`` (the runner's, core/distributed/followers.py, workers.py) are
+        the other processes of this one's attention group; a proposer whose forwards run the target's
+        split layers (MTP) sends them each forward's host data, which they run (``follow``)."""
+
+    def follow(self, message: Any) -> None:
+        """On another process of the attention group: run a drafting message the leader sent."""
+
     def admit(self, seq_id: int, token_ids: list[int]) -> int:
         """The scheduler admits a sequence of ``token_ids`` (prompt and any output so far): how many
         of its first tokens the target may take from its prefix cache, rather than compute and

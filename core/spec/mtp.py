@@ -23,6 +23,12 @@ drafts its own requests, so the ranks first agree on the step's number of drafti
 most drafts any rank's request takes, one forward each), and a rank with fewer, or none
 (``idle``), runs the rest with no tokens.
 
+Under tensor parallelism (or a data-parallel rank's attention split over its processes) the layer
+holds the target's slices, so every process of the attention group runs each drafting forward: the
+one that schedules sends the others its host data (``Draft``; ``DraftCount`` to join the ranks'
+count) and broadcasts the streams it feeds in, which only it keeps; the layer's KV manager is its
+alone, its page ids the others' too (``follow``).
+
 Under prefill/decode disaggregation (core/disagg/) the decode engine computes only a prompt's last
 token, so the prefill engine, started with the same ``speculative_config``, sends the target's
 streams of the positions before it that the layer's window reaches (``carried``: its reach and one
@@ -42,9 +48,11 @@ import logging
 
 import torch
 
+from ..distributed.messages import Draft, DraftCount
 from ..distributed.moe import idle_forward
 from ..families.spec import DraftRequest, Drafts
 from ..forward import ForwardBatch
+from ..runner import StepInputs
 from .config import SpecConfigError
 from .draft_model import DraftSeq, OwnKVProposer
 
@@ -70,9 +78,6 @@ def mtp_reasons(ctx) -> list[str]:
     if has_dspark(target.hf) and (spec is None or spec.model is None):
         return ["the checkpoint's mtp.* layers are DSpark stages (config.json has dspark_block_size), not next-n "
                 "layers: speculative_config.method 'dspark' drafts with them"]
-    if ctx.engine_config.attention_tp_size > 1:
-        return ["MTP with attention split over processes (tensor parallelism) is not built (the ranks do not "
-                "hand back their streams); under data-parallel attention each rank's attention must be whole"]
     if spec is not None and spec.model is not None:  # a next-n layer trained for it (engine train-drafter)
         return drafter_reasons(spec.model, "mtp", target.path)
     if not checkpoint_has_nextn(target.path):
@@ -107,12 +112,14 @@ class MTPProposer(OwnKVProposer):
         self.target = target
         group = target.backends.moe_group  # under DP attention its forwards meet the other ranks'
         self.lockstep = group if target.backends.dp_attention and group.size > 1 else None
+        self.group = target.backends.tp  # its attention's processes: this one leads, the others follow
+        self.peers = None
+        self._streams = (ctx.model_config.get("hc_mult", 4), ctx.model_config.get("hidden_size"))
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, streams from it)
         disagg = config.disaggregation
         self._prefill = disagg is not None and disagg.mode == "prefill"
         if disagg is not None:
             self.carried = self.kv.window_reach + 1
-            self._streams = (ctx.model_config.get("hc_mult", 4), ctx.model_config.get("hidden_size"))
             self.carried_row = self._streams[0] * self._streams[1]
             self.carried_dtype = ctx.model_config.dtype
         logger.info("MTP: DeepSeek-V4's next-n layer drafts %d tokens a step", k)
@@ -175,7 +182,7 @@ class MTPProposer(OwnKVProposer):
                 streams.append(row[2])
         for _ in range(self._forwards(max((r.k for r in rows), default=0))):
             if not rows:  # this rank's drafts are done: the others' forwards go on
-                idle_forward(self.layer)
+                self._idle_forward()
                 continue
             out, last = self._forward([self._seqs[r.seq_id] for r in rows], ids, keys, torch.cat(streams))
             for r, t in zip(rows, out):
@@ -189,12 +196,32 @@ class MTPProposer(OwnKVProposer):
 
     def idle(self) -> None:
         for _ in range(self._forwards(0)):
+            self._idle_forward()
+
+    def lead(self, peers) -> None:
+        self.peers = peers
+
+    def follow(self, message: Draft | DraftCount) -> None:
+        if isinstance(message, DraftCount):
+            self._forwards(0)
+        elif message.inputs is None:
             idle_forward(self.layer)
+        else:
+            for page, window in message.inputs.windows:
+                self.cache.stage_window(page, window)
+            self._run(message.inputs)
+
+    def _idle_forward(self) -> None:
+        if self.peers is not None:
+            self.peers.send(Draft(None))
+        idle_forward(self.layer)
 
     def _forwards(self, n: int) -> int:
         """The drafting forwards of this step: ``n`` here, under data-parallel attention the most of any rank."""
         if self.lockstep is None:
             return n
+        if self.peers is not None:  # they join the count too
+            self.peers.send(DraftCount())
         return int(self.lockstep.all_reduce(torch.tensor([n], device=self.device), "max").item())
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], list[int], torch.Tensor] | None:
@@ -230,7 +257,6 @@ class MTPProposer(OwnKVProposer):
         self.kv.record_lookup(len(keys), s.real)
         return s
 
-    @torch.inference_mode()
     def _forward(self, seqs: list[DraftSeq], ids: list[list[int]], keys: list[list[int]],
                  streams: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Each sequence's ``ids`` after the positions it holds, with the streams before them, in one
@@ -240,15 +266,31 @@ class MTPProposer(OwnKVProposer):
         width = -(-max(c + q for c, q in zip(context, query)) // self.kv.page_size)
         tables = self.kv.page_table.gather([self.kv.state(s).row for s in seqs], width)
         ends = torch.tensor(query).cumsum(0).sub(1).tolist()
-        if copies := self.kv.take_page_copies():
-            src, dst = zip(*copies)
-            self.cache.copy_pages(list(src), list(dst))
-        batch = ForwardBatch.build([t for i in ids for t in i], query, context, tables, self.kv.page_size, ends,
-                                   device=self.device)
-        out, hidden = self.layer(batch, self.cache, streams)
-        ends_t = batch.logits_indices
-        tokens = self.target.compute_logits(hidden[ends_t]).argmax(dim=-1).tolist()
+        inputs = StepInputs([t for i in ids for t in i], query, context, tables, ends, [], self.kv.take_page_copies(),
+                            self.cache.staged_windows() if self.peers is not None else [])
+        if self.peers is not None:
+            self.peers.send(Draft(inputs))
+        tokens, out = self._run(inputs, streams)
         for s, k in zip(seqs, keys):
             s.tokens += k
             self.kv.commit(s, len(s.tokens))
-        return tokens, out[ends_t]
+        return tokens, out
+
+    @torch.inference_mode()
+    def _run(self, inputs: StepInputs, streams: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+        """One forward of the layer: the greedy tokens and output streams at ``inputs.logits_indices``.
+        Under tensor parallelism every process of the attention group runs it, each its heads and
+        slices, with the leader's ``streams`` (None on the others) broadcast: they hold none of them."""
+        if inputs.page_copies:
+            src, dst = zip(*inputs.page_copies)
+            self.cache.copy_pages(list(src), list(dst))
+        if self.group.size > 1:
+            shape = (len(inputs.input_ids), *self._streams)
+            streams = (torch.empty(shape, dtype=self.layer.dtype, device=self.device) if streams is None
+                       else streams.to(self.layer.dtype).contiguous())  # the layer reads them in its dtype
+            self.group.broadcast(streams, src=0)
+        batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
+                                   self.kv.page_size, inputs.logits_indices, device=self.device)
+        out, hidden = self.layer(batch, self.cache, streams)
+        ends = batch.logits_indices
+        return self.target.compute_logits(hidden[ends]).argmax(dim=-1).tolist(), out[ends]

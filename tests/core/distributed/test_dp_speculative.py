@@ -21,7 +21,6 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.distributed.dp_attention import DataParallelRanks
 from engine.core.engine import EngineCore
-from engine.core.spec.mtp import mtp_reasons
 
 from tp_helpers import DSV4_OPTS, TIMEOUT_S, within
 
@@ -150,11 +149,3 @@ def refusals(check, model_dir: Path, spec: dict) -> Callable[[int, int], list[st
         return check(SimpleNamespace(engine_config=config, model_config=model))
     return reasons
 
-
-def test_mtp_needs_each_ranks_attention_whole(dsv4):
-    spec = {"method": "mtp", "num_speculative_tokens": K, "model": str(ASSETS / "tiny-dsv4-py-mtp")}
-    reasons = refusals(mtp_reasons, dsv4, spec)
-
-    assert reasons(2, 2) == [] and reasons(4, 4) == []
-    assert any("attention split over processes" in r for r in reasons(4, 2))
-    assert any("attention split over processes" in r for r in reasons(2, 1))
