@@ -60,11 +60,12 @@ class ModelConfig:
     vocab_size: int
     quantization: str | None = None  # EngineConfig.quantization
     engram_placement: str = "device"  # EngineConfig.engram_placement
+    swa_bounded_replay: bool = False  # EngineConfig.enable_swa_bounded_replay
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  max_model_len: int | None = None, quantization: str | None = None,
-                 engram_placement: str = "device") -> "ModelConfig":
+                 engram_placement: str = "device", swa_bounded_replay: bool = False) -> "ModelConfig":
         path = Path(path).expanduser()
         config_file = path / "config.json"
         if not path.is_dir():
@@ -85,7 +86,7 @@ class ModelConfig:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
         return cls(path, hf, archs[0], resolved, int(max_model_len or limit), int(hf["vocab_size"]), quantization,
-                   engram_placement)
+                   engram_placement, swa_bounded_replay)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.hf.get(key, default)
@@ -139,6 +140,9 @@ class EngineConfig:
     # DeepSeek-V4.1's Engram tables: "device" memory, or "host" memory (pinned on CUDA), the rows each
     # step needs gathered there and copied to the device while the layers before them compute
     engram_placement: str = "device"
+    # DeepSeek-V4.1's encoder/decoder split (core/models/deepseek_v4/replay.py): a prefill runs the
+    # decoder layers only over the last sliding_window tokens of its prompt, an approximation
+    enable_swa_bounded_replay: bool = False
     # the hierarchical KV cache (core/kv/hierarchy.py): the prefix cache's pages kept in host memory too
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host records per device page (and window page)

@@ -102,7 +102,7 @@ class EngineCore:
         # drafts are proposed from each sequence's latest token, and a model that reads each step's ids on
         # the host (host-placed Engram) needs them there: with either, every step is read first
         self.overlap = config.overlap_decode and self.speculator is None and not c.model.token_history
-        self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator)
+        self.scheduler = Scheduler(config, c.kv_manager, self.token_table, self.speculator, c.model.replay_tail)
         # data-parallel attention: each rank runs its own batches, rank 0 routes requests to the others
         self.idle_steps = config.enable_dp_attention  # every step runs a forward, with no tokens if need be
         self.dp = (DataParallelRanks(self.workers, config, c.kv_manager.num_pages)
@@ -117,6 +117,10 @@ class EngineCore:
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
                                   c.device, c.graphs, c.attention_group, peers, c.prefill_graphs, c.verify_graphs)
         if c.proposer is not None:
+            if c.proposer.feature is not None and c.model.replay_tail:
+                raise ValueError(f"enable_swa_bounded_replay: the {config.speculative_config.method} proposer drafts "
+                                 f"from every prompt token's {c.proposer.feature!r} feature, which a bounded replay "
+                                 f"computes only for the last {c.model.replay_tail} tokens")
             if peers is not None:  # the other processes of this one's attention group draft with it
                 c.proposer.lead(peers)
             self.runner.feature = c.proposer.feature

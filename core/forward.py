@@ -185,6 +185,10 @@ class ForwardBatch:
     # with features: the layers whose outputs the model puts in features["layers"], one after
     # another per token (CausalLM.layer_feature_size wide each; what a DSpark drafter reads)
     feature_layers: tuple[int, ...] = ()
+    # per sequence, the length it is prefilled to (where the model's ``replay_tail`` asks; empty: each
+    # sequence's step ends it), and the first position whose window KV a query may read (empty: 0)
+    prompt_ends_cpu: list[int] = field(default_factory=list)
+    window_floors_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

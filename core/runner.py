@@ -51,6 +51,7 @@ class StepInputs(msgspec.Struct, array_like=True, gc=False):
     windows: list[tuple[int, int]] = []  # window pages the KV manager assigned since the last step (page, window)
     # per sequence the model's ``token_history`` ids before its new ones (-1 before its start), where it reads them
     history: list[list[int]] = []
+    prompt_ends: list[int] = []  # per sequence its length, where the model's ``replay_tail`` asks
 
 
 class Peers(Protocol):
@@ -161,6 +162,7 @@ class ModelRunner:
                                    self.page_size, inputs.logits_indices, device=self.device, staging=self.staging)
         if fill is not None:
             fill(batch.input_ids)
+        batch.prompt_ends_cpu = inputs.prompt_ends
         batch.features = features
         if features is not None:
             batch.feature_layers = self.feature_layers
@@ -233,6 +235,8 @@ class ModelRunner:
                 logits_indices.append(start + s.num_new - 1)
             else:
                 rows.append((len(logits_indices), 0))
+        ends = [s.seq.num_tokens for s in step.scheduled] if self.model.replay_tail else []
         inputs = StepInputs(input_ids, query_lens, context_lens, tables, logits_indices, table_rows,
-                            step.page_copies, self.kv.staged_windows() if self.peers is not None else [], history)
+                            step.page_copies, self.kv.staged_windows() if self.peers is not None else [], history,
+                            ends)
         return inputs, rows, slots

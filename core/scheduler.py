@@ -88,8 +88,10 @@ RECOMPUTE_FOR_DRAFTS_PAGES = 4
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, table: TokenTable,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, replay_tail: int = 0) -> None:
+        """``replay_tail``: the model's (CausalLM.replay_tail), the tokens a prefix hit leaves to compute."""
         self.config = config
+        self.replay_tail = replay_tail
         self.kv = kv
         self.table = table
         self.speculator = speculator
@@ -304,12 +306,13 @@ class Scheduler:
             budget -= num_new
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Start from the longest cached prefix, leaving at least one token to compute; cut back to
-        where the proposer, if any, can draft after, where that recomputes few pages."""
+        """Start from the longest cached prefix, leaving at least one token (the model's replay tail, if
+        longer) to compute; cut back to where the proposer, if any, can draft after, where that
+        recomputes few pages."""
         seq.num_cached = 0
         if seq.wants_prompt_logprobs:
             return  # prompt logprobs need the logits of every prompt position
-        hit = self.kv.match_prefix(seq, seq.tokens[:seq.num_tokens - 1])
+        hit = self.kv.match_prefix(seq, seq.tokens[:max(0, seq.num_tokens - max(1, self.replay_tail))])
         if hit and self.speculator is not None:
             drafts_from = self.speculator.admit(seq)
             if drafts_from < hit <= drafts_from + RECOMPUTE_FOR_DRAFTS_PAGES * self.kv.page_size:

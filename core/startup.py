@@ -314,7 +314,8 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     if config.cpu_threads and (group.size == 1 or device.type != "cpu"):
         set_cpu_threads(config.cpu_threads)
     model_config = ModelConfig.from_dir(config.model, config.dtype, device.type, config.max_model_len,
-                                        config.quantization, config.engram_placement)
+                                        config.quantization, config.engram_placement,
+                                        config.enable_swa_bounded_replay)
     ctx = SelectionContext(platform=platform, model_config=model_config, engine_config=config)
     model_cls = select_model_class(plugins, ctx, model_config.architecture)
     selections = select_backends(plugins, ctx, config, model_families(model_cls))
@@ -336,6 +337,9 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
                 ", ".join(f"{f}={s.chosen.name}" for f, s in selections.items()))
 
     model = model_cls(model_config, backends, device=device)
+    if config.enable_swa_bounded_replay and not model.replay_tail:
+        raise ValueError(f"enable_swa_bounded_replay: {model_config.architecture} has no encoder/decoder split "
+                         f"whose decoder layers a prefill could replay over a bounded suffix")
     model.load_weights(iter_checkpoint(model_config.path, progress=progress, part=model.checkpoint_part))
     model.eval()
     held, weights = resident_bytes(model)

@@ -79,6 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engram-placement", default="device", choices=["device", "host"],
                    help="where DeepSeek-V4.1's Engram tables live: device memory, or host memory (pinned on "
                         "CUDA) with each step's rows gathered there and copied while earlier layers compute")
+    g.add_argument("--enable-swa-bounded-replay", action="store_true",
+                   help="DeepSeek-V4.1: a prefill runs the decoder layers (those after the last KV source) only "
+                        "over the last sliding_window prompt tokens; an approximation of a full prefill (README)")
     g.add_argument("--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (methods: `engine plugins`, family spec)')
@@ -168,7 +171,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         graph_memory=args.graph_memory, overlap_decode=args.overlap_decode,
         warmup=args.warmup,
         quantization=args.quantization, mxfp8_attention=args.mxfp8_attention,
-        engram_placement=args.engram_placement, speculative_config=args.speculative_config,
+        engram_placement=args.engram_placement, enable_swa_bounded_replay=args.enable_swa_bounded_replay,
+        speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
         data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
         load_balance_method=args.load_balance_method, load_balance_threshold=args.load_balance_threshold,

@@ -132,6 +132,9 @@ class V4AttentionBackend(ABC):
     graph_query_len: int = 1
     # True if ``attend`` can quantize its output to MXFP8 in its epilogue (``emits_mxfp8`` says whether it does)
     can_emit_mxfp8: bool = False
+    # True if ``attend`` hides window keys before each sequence's ``ForwardBatch.window_floors_cpu``
+    # (what DeepSeek-V4.1's SWA bounded replay needs: the window KV below the floor was never written)
+    window_floors: bool = False
 
     def __init__(self, ctx: Any) -> None:  # ctx: registry.SelectionContext
         self.ctx = ctx

@@ -60,6 +60,10 @@ class CausalLM(nn.Module, ABC):
     # token ids before each step's first new one that ``stage`` reads on the host (0: it reads none);
     # a model that reads some needs every input id of a step on the host when the step is formed
     token_history: int = 0
+    # > 0: a prefill runs some layers only over the last ``replay_tail`` tokens of each sequence
+    # (DeepSeek-V4.1's SWA bounded replay): the runner passes each sequence's length
+    # (ForwardBatch.prompt_ends_cpu) and a prefix hit leaves those tokens to compute
+    replay_tail: int = 0
     # what runs each block: a backend family's name (its selection serves it) or where its own code is
     blocks: tuple[tuple[str, str], ...] = (("attention, RoPE + KV page store", "attention"),
                                            ("projections, LM head", "linear"),

@@ -35,6 +35,7 @@ def _rows_per_chunk(per_row: int) -> int:
 
 class NativeV4Attention(V4AttentionBackend):
     name = "native"
+    window_floors = True
 
     def prepare(self, batch: ForwardBatch, kv: KVCache) -> NativeV4Metadata:
         windows = kv.window_table()
@@ -164,7 +165,7 @@ class NativeV4Attention(V4AttentionBackend):
         step = max(1, min(window, _rows_per_chunk(layer.num_heads * (2 * window + num_entries))))
         for a in range(0, seq.new, step):
             b = min(a + step, seq.new)
-            first, end = max(0, seq.context + a - window + 1), seq.context + b
+            first, end = max(seq.floor, seq.context + a - window + 1), seq.context + b
             keys = window_kv[seq.token_slots(first, end)]
             k_pos = torch.arange(first, end, device=positions.device)[None, :]
             q_pos = positions[a:b, None]

@@ -224,6 +224,13 @@ class Attention(nn.Module):
                                           c.window, self.norm.weight, self.eps, self._compression(), indexer)
         return self._spec
 
+    def write_shared(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any) -> None:
+        """A KV source's shared entries (and index keys) of tokens that no query of its own reads: its
+        compressor over ``x``, without the window KV or the attention (SWA bounded replay, replay.py)."""
+        layer, p = self.spec(), self.x_proj(x)
+        self.backend.compress(p["compressor.wkv"], p.get("compressor.wgate"), layer.compression, layer, kv, batch,
+                              meta)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, meta: Any, share: StepShare) -> torch.Tensor:
         """x [T, hidden], the batch's new tokens packed, through the attention's input norm (which the
         mHC pre before runs) -> [T, hidden]."""

@@ -116,6 +116,7 @@ class SeqView:
     pages: torch.Tensor  # [max_pages] int32
     windows: torch.Tensor  # [num_pages] int32: each page's window page
     page_size: int
+    floor: int = 0  # the first position whose window KV its queries may read (ForwardBatch.window_floors_cpu)
 
     @property
     def end(self) -> int:
@@ -139,9 +140,10 @@ class SeqView:
 def sequences(batch: ForwardBatch, windows: torch.Tensor) -> list[SeqView]:
     """The batch's sequences that bring tokens this step."""
     views, start = [], 0
+    floors = batch.window_floors_cpu or [0] * batch.num_seqs
     for i, (context, new) in enumerate(zip(batch.context_lens_cpu, batch.query_lens_cpu)):
         if new:
-            views.append(SeqView(start, context, new, batch.page_table[i], windows, batch.page_size))
+            views.append(SeqView(start, context, new, batch.page_table[i], windows, batch.page_size, floors[i]))
         start += new
     return views
 

@@ -34,6 +34,7 @@ from .checkpoint import BLOCK, SCALE, Quantized, check_quantization_config, fp8_
 from .moe import SparseMoE
 from .engram import Engram, EngramLayout, NgramHistory, Rows
 from .engram_host import HostEngram
+from .replay import ReplayPlan, decoder_split
 from .topology import CSA2_RATIOS, csa2_roles
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class DecoderLayer(nn.Module):
         return MixWeights(getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_base"),
                           getattr(self, f"hc_{name}_scale"), self.eps, self.hc_eps, self.iters)
 
+    def enter_attention(self, state: Streams) -> tuple[torch.Tensor, Streams]:
+        """The attention sublayer's input from the streams the layer before left (no Engram before it)."""
+        return self._enter(state, "attn", self.attn_norm)
+
     def _enter(self, state: Streams, name: str, norm: RMSNorm) -> tuple[torch.Tensor, Streams]:
         """A sublayer boundary: the output left pending mixed into the streams, then the sublayer's
         collapse through its input norm -> (the sublayer's input, the streams it leaves pending)."""
@@ -128,8 +133,10 @@ class HyperHead(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, hf: dict, caches: list[LayerCache], backends: Backends, *, dtype: torch.dtype,
                  device, fold_shared: bool, engram: EngramLayout | None = None, ngram_cache: int | None = None,
-                 host_engram: HostEngram | None = None) -> None:
+                 host_engram: HostEngram | None = None, replay_split: int | None = None) -> None:
+        """``replay_split``: the first decoder layer, where a prefill replays the decoder (replay.py)."""
         super().__init__()
+        self.replay_split, self.window = replay_split, hf["sliding_window"]
         ropes = {kind: rope_from_hf(hf, kind, device=device) for kind in ("main", "compress")}
         self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hf["hidden_size"], backends.tp, dtype=dtype,
                                                    device=device)
@@ -153,8 +160,11 @@ class Decoder(nn.Module):
         state = Streams(x.unsqueeze(1).expand(-1, self.hc_mult, -1))
         meta = self.attention.prepare(batch, kv)
         share = StepShare(ngram_ids=None if self.ngrams is None else self.ngrams(batch, kv))
+        plan = None if self.replay_split is None else ReplayPlan.of(batch, self.replay_split, self.window)
         kept = []
         for i, layer in enumerate(self.layers):
+            if plan is not None and i == plan.split:  # the decoder over the prompt's last window only
+                (state, batch, meta), share = plan.enter(state, layer, kv, self.attention), StepShare()
             state = layer(state, batch, kv, meta, share)
             if i in batch.feature_layers:  # the layer's residual streams, side by side
                 kept.append(self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb).flatten(1))
@@ -162,7 +172,8 @@ class Decoder(nn.Module):
             batch.features["layers"] = torch.cat(kept, -1)
         if batch.features is not None:  # what the next-n layer (nextn.py) drafts from
             batch.features["streams"] = self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb)
-        return self.hc_head(state, self.norm)
+        hidden = self.hc_head(state, self.norm)
+        return hidden if plan is None else plan.restore(hidden)
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -198,8 +209,14 @@ class DeepseekV4ForCausalLM(CausalLM):
                 self.cache_specs.append(KVLayerSpec(1, 1, 0, windowed=True, k_dtype=torch.int32))
                 self.reach = max(self.reach, engram.order - 1)
         fold = moe.FOLD_SHARED and not published
+        split = None
+        if config.swa_bounded_replay:
+            split = decoder_split(hf, backends.v4_attention)
+            self.replay_tail = hf["sliding_window"]
+            logger.info("SWA bounded replay: layers %d.. are the decoder, run over the last %d tokens of a prefill",
+                        split, self.replay_tail)
         self.model = Decoder(hf, caches, backends, dtype=dtype, device=device, fold_shared=fold, engram=engram,
-                             ngram_cache=ngram_cache, host_engram=self.host_engram)
+                             ngram_cache=ngram_cache, host_engram=self.host_engram, replay_split=split)
         self.head = ParallelLMHead(hf["hidden_size"], config.vocab_size, backends.linear, backends.tp, dtype=dtype,
                                    device=device)
         self.mtp: dict[str, torch.Tensor] = {}  # next-n prediction weights, kept for speculative decoding
@@ -217,6 +234,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         reasons = super().breakable_refusals()
         if self.model.ngrams is not None:
             reasons.append("its Engram layers read each step's n-gram ids from the KV pages outside the attention")
+        if self.replay_tail:
+            reasons.append("its SWA bounded replay picks each prefill's decoder rows on the host")
         return reasons
 
     def stage(self, input_ids: list[int], query_lens: list[int], history: list[list[int]]) -> None:
