@@ -165,6 +165,8 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             if plan is not None and i == plan.split:  # the decoder over the prompt's last window only
                 (state, batch, meta), share = plan.enter(state, layer, kv, self.attention), StepShare()
+                if not batch.num_tokens:  # a chunk before the window: the encoder's part was all
+                    return plan.restore(state.streams[:, 0])
             state = layer(state, batch, kv, meta, share)
             if i in batch.feature_layers:  # the layer's residual streams, side by side
                 kept.append(self.hc_head.mhc.post(state.block_out, state.streams, state.post, state.comb).flatten(1))
