@@ -84,6 +84,19 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int = 6) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+def scored(outs) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy outputs' tokens, and the logprobs of each chosen one (all sequences', one tensor)."""
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return tokens, torch.tensor([lp[t] for o, ts in zip(outs, tokens) for lp, t in zip(o.outputs[0].logprobs, ts)])
+
+
+def assert_same(outs, want) -> None:
+    """The same greedy tokens, each chosen with the same logprob (to CHUNK_BOUND)."""
+    (tokens, logprobs), (want_tokens, want_logprobs) = scored(outs), scored(want)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=CHUNK_BOUND)
+
+
 def assert_pages_back(llm: LLM) -> None:
     kv = llm.engine.kv_manager
     kv.check_consistency()
@@ -175,19 +188,20 @@ def test_scheduled_chunks_and_prefix_hits_give_the_unchunked_replay(checkpoint, 
     base = prompts_of(rng, [60])[0]
     turn = base + greedy(replay, [base])[0]  # 66 tokens, then cached
     prompts = [base, turn + prompts_of(rng, [3])[0], turn + prompts_of(rng, [10])[0]]
-    want = greedy(replay, prompts)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    want = replay.generate(prompts, params)
     for chunk in (5, 7):
         chunked = engine(checkpoint, True, enable_prefix_caching=False, chunked_prefill_size=chunk)
-        assert greedy(chunked, prompts) == want
+        assert_same(chunked.generate(prompts, params), want)
         assert_pages_back(chunked)
     cached = engine(checkpoint, True, enable_prefix_caching=True)
     greedy(cached, [base])  # its pages serve the hits
-    outs = cached.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = cached.generate(prompts, params)
     hits = [o.num_cached_tokens for o in outs]
     # without the cap 64 and 68 for the later turns (within the window); the prompt itself finds no
     # window pages kept below 52 (only near the cached end, 66)
     assert all(hit <= len(p) - WINDOW for hit, p in zip(hits, prompts)) and hits[1] and hits[2], hits
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_same(outs, want)
     assert_pages_back(cached)
 
 
