@@ -88,12 +88,12 @@ class ReplayPlan:
 
     @classmethod
     def of(cls, batch: ForwardBatch, split: int, tail: int) -> "ReplayPlan | None":
-        """The plan of ``batch`` (None where no sequence's floor is above 0: every row runs as it would
-        without the replay)."""
+        """The plan of ``batch``; None where no row's window reaches below its sequence's floor (decode
+        steps, prompts inside the window): every row runs as it would without the replay."""
         steps = list(zip(batch.context_lens_cpu, batch.seq_lens_cpu))
         ends = batch.prompt_ends_cpu or [end for _, end in steps]
         floors = [max(0, end - tail) for end in ends]
-        if not any(floors):
+        if all(not f or c >= f + tail - 1 for (c, _), f in zip(steps, floors)):
             return None
         if batch.features is not None:
             raise ValueError("enable_swa_bounded_replay: the step asks for per-token features of every row, and "

@@ -8,6 +8,7 @@ hit leaves the last window to compute, and checkpoints without a split are refus
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import shutil
@@ -21,6 +22,7 @@ from engine.core.config import EngineConfig
 from engine.core.models.deepseek_v4.attention import Attention
 from engine.core.models.deepseek_v4.cache import SeqView, flat
 from engine.core.startup import build
+from engine.server.engine_args import add_engine_args, engine_config
 from dsv41_random import random_v41_checkpoint, v41_config
 from packed_logits import rel_err
 from replay_steps import FIRST_DECODER_LAYER, SPLIT, WINDOW, prompt_logits
@@ -229,3 +231,10 @@ def test_checkpoints_without_a_split_are_refused(tmp_path, shared_dir, fields, r
 def test_a_model_of_another_family_is_refused(tiny_qwen3):
     with pytest.raises(ValueError, match="enable_swa_bounded_replay: Qwen3ForCausalLM has no encoder/decoder split"):
         build(EngineConfig(model=str(tiny_qwen3), dtype="float32", enable_swa_bounded_replay=True), progress=False)
+
+
+def test_the_flag_reaches_the_engine_config(checkpoint):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, on in (([], False), (["--enable-swa-bounded-replay"], True)):
+        assert engine_config(parser.parse_args(["--model", str(checkpoint), *argv])).enable_swa_bounded_replay is on
