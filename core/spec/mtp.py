@@ -234,6 +234,8 @@ class MTPProposer(OwnKVProposer):
         if len(s.tokens) > s.real:  # positions computed from its own streams
             self._rollback(s, s.real)
         held = s.real
+        if held >= n - 1:  # no new token since its last catch-up (a step whose tokens never came, as under
+            return None  # preemption): the streams its first draft needs are spent; it drafts once the target moves on
         start, feats = self._features.get(r.seq_id, (n, None))
         if feats is None or start > held or start + len(feats) < n - 1:
             self.release(r.seq_id)
