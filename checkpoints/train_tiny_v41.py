@@ -76,24 +76,13 @@ def initial_weights(model: torch.nn.Module, hf: dict, seed: int) -> dict[str, to
 
 def write_initial(path: Path, hf: dict, tokenizer: Path, seed: int) -> None:
     """A checkpoint of the untrained model in ``path`` (its tokenizer beside it: Engram reads it)."""
-    from ..core.config import EngineConfig, ModelConfig
-    from ..core.models.base import Backends
-    from ..core.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from ..core.models.deepseek_v4.publish import unstacked_experts
-    from ..core.plugins import load_plugins
-    from ..core.registry import SelectionContext
-    from ..core.startup import model_families, select_backends
+    from ..core.models.deepseek_v4.publish import shaped_model, unstacked_experts
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**hf, "dtype": "float32"}, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, path / name)
-    config = ModelConfig.from_dir(path, "float32")
-    plugins = load_plugins()
-    ctx = SelectionContext(platform=plugins.detect_platform(), model_config=config,
-                           engine_config=EngineConfig(model=str(path), dtype="float32"))
-    selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
-    model = DeepseekV4ForCausalLM(config, Backends(**{f: s.create(ctx) for f, s in selections.items()}))
+    model = shaped_model(path)
     save_file(dict(unstacked_experts(initial_weights(model, hf, seed), hf["n_routed_experts"])),
               str(path / "model.safetensors"))
 

@@ -11,14 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.core.config import EngineConfig, ModelConfig
-from engine.core.models.base import Backends
-from engine.core.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from engine.core.models.deepseek_v4.publish import unstacked_experts
-from engine.core.plugins import load_plugins
-from engine.core.registry import SelectionContext
+from engine.core.models.deepseek_v4.publish import shaped_model, unstacked_experts
 from engine.core.spec.dspark.stages import StageDrafter
-from engine.core.startup import model_families, select_backends
 
 
 # head and indexer dims the Triton V4 attention has GPU configs for (v4_sparse_attention.SPARSE), at the same tiny size
@@ -58,12 +52,7 @@ def random_v41_checkpoint(path: Path, seed: int, hf: dict, tokenizer: Path | Non
     (path / "config.json").write_text(json.dumps(hf))
     for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer is not None else ():
         shutil.copy(tokenizer / name, path / name)
-    config = ModelConfig.from_dir(path, "float32")
-    plugins = load_plugins()
-    ctx = SelectionContext(platform=plugins.detect_platform(), model_config=config,
-                           engine_config=EngineConfig(model=str(path), dtype="float32"))
-    selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
-    model = DeepseekV4ForCausalLM(config, Backends(**{f: s.create(ctx) for f, s in selections.items()}))
+    model = shaped_model(path)
     gen = torch.Generator().manual_seed(seed)
     weights = _random(model.state_dict(), hf, gen)
     tensors = dict(unstacked_experts(weights, hf["n_routed_experts"]))

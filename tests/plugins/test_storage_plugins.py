@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage
 from engine.core.plugins import load_plugins
-from engine.core.registry import SelectionContext, SelectionError
+from engine.core.registry import SelectionError
 from engine.core.startup import build
 from engine.plugins import mooncake, nixl
 

@@ -57,6 +57,25 @@ def unstacked_experts(weights: dict[str, torch.Tensor], routed: int) -> Iterator
                 yield f"{prefix}.w3.weight", up.contiguous()
 
 
+def shaped_model(path: str | Path):
+    """The model the config.json in ``path`` describes, its parameters unfilled, on the platform's
+    backends in fp32: what names and shapes the weights of a checkpoint written for it (V4.1 has no
+    HF model to do that)."""
+    from ...config import EngineConfig, ModelConfig
+    from ...plugins import load_plugins
+    from ...registry import SelectionContext
+    from ...startup import model_families, select_backends
+    from ..base import Backends
+    from .model import DeepseekV4ForCausalLM
+
+    config = ModelConfig.from_dir(path, "float32")
+    plugins = load_plugins()
+    ctx = SelectionContext(platform=plugins.detect_platform(), model_config=config,
+                           engine_config=EngineConfig(model=str(path), dtype="float32"))
+    selections = select_backends(plugins, ctx, ctx.engine_config, model_families(DeepseekV4ForCausalLM))
+    return DeepseekV4ForCausalLM(config, Backends(**{f: s.create(ctx) for f, s in selections.items()}))
+
+
 def weight_format(name: str, block: int = BLOCK) -> str | None:
     """'fp4' for a routed expert's weight, 'fp8' for an attention, shared-expert or Engram linear,
     'fp8 rows' for an Engram table in V4.1's layout, else None."""
