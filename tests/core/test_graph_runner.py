@@ -42,6 +42,7 @@ class Echo:
     the page ids its sequence's length needs (-1 past them: no kernel reads those)."""
 
     token_history = 0  # no ids read on the host (CausalLM.token_history)
+    replay_tail = 0  # every layer over every token (CausalLM.replay_tail)
 
     def __init__(self, page_size: int, width: int) -> None:
         self.page_size, self.width = page_size, width
