@@ -32,6 +32,7 @@ from engine.checkpoints import write_checkpoint
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.core.families.graphs import GraphBackend
+from engine.core.graph_choice import GraphChoice
 from engine.core.graph_runner import DecodeGraphs
 from engine.core.sampling_params import SamplingParams
 
@@ -102,9 +103,10 @@ def measure(model_dir: str, mode: str, batch: int, steps: int, windows: int, byt
                                     num_pages=batch * 40 + 2, overlap_decode=overlap), progress=False)
     model = engine.runner.model = StandInModel(engine.runner.model)
     if graphs:
-        engine.runner.graphs = DecodeGraphs(model, engine.runner.kv, ReplayByRerun(None), 16, engine.max_model_len,
-                                            batch, engine.device)
-        engine.runner.graphs.capture(progress=False)
+        graphs = DecodeGraphs(model, engine.runner.kv, ReplayByRerun(None), 16, engine.max_model_len, batch,
+                              engine.device)
+        graphs.capture(progress=False)
+        engine.runner.choice = GraphChoice([graphs, None, None])
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                             max_tokens=steps + 64 + (10 if bytecodes else 0), ignore_eos=True)
     for i in range(batch):

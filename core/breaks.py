@@ -14,6 +14,8 @@ tokens (the bucket's padding never reaches a break, so padding writes no KV), an
 earlier break that is not a tensor (per-step metadata) is that break's result in this replay. A
 tensor result is copied into the buffer the segments after it read (rows past the step's
 tokens zeroed), so it must have a row per token; any other tensor argument fails the capture.
+Within ``bucket_shaped`` (core/families/graphs.py: a padded MoE exchange, whose blocks the bucket
+sizes) a break's tensor arguments and results are the bucket's whole, uncut in every replay.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .families.attention import AttentionBackend
-from .families.graphs import GraphBackend
+from .families.graphs import GraphBackend, in_bucket_shape
 from .families.linear import LinearBackend
 from .families.mhc import MHCBackend
 from .families.moe import MoEBackend
@@ -97,6 +99,11 @@ class _Tokens:
 
 
 @dataclass(frozen=True)
+class _Whole:
+    tensor: torch.Tensor  # shaped by the bucket: passed whole
+
+
+@dataclass(frozen=True)
 class _Result:
     index: int  # the result of that break in this replay
 
@@ -111,6 +118,7 @@ class Break:
     kwargs: dict
     outputs: list[torch.Tensor | None] | None  # the buffers tensor results are copied into; None: none
     index: int  # where a result that is no tensor goes in a replay's results
+    whole: bool = False  # recorded within ``bucket_shaped``: its results are copied whole
 
     def run(self, batch: ForwardBatch, results: dict[int, Any]) -> None:
         n = batch.num_tokens
@@ -122,6 +130,8 @@ class Break:
                 return getattr(batch, a.name)
             if isinstance(a, _Tokens):
                 return a.tensor[:n]
+            if isinstance(a, _Whole):
+                return a.tensor
             if isinstance(a, _Result):
                 return results[a.index]
             if type(a) is tuple:
@@ -133,7 +143,9 @@ class Break:
             results[self.index] = out
             return
         for buffer, value in zip(self.outputs, out if isinstance(out, tuple) else (out,)):
-            if buffer is not None:
+            if buffer is not None and self.whole:
+                buffer.copy_(value)
+            elif buffer is not None:
                 buffer[:n].copy_(value)
                 buffer[n:].zero_()
 
@@ -181,8 +193,9 @@ class SegmentRecorder:
             return call(*args, **kwargs)
         self.steps.append(self.graphs.end_segment())
         self._open = False
-        index = len(self.steps)
-        marked = tuple(self._mark(call, a) for a in args), {k: self._mark(call, v) for k, v in kwargs.items()}
+        index, whole = len(self.steps), in_bucket_shape()
+        marked = tuple(self._mark(call, a, whole) for a in args), {k: self._mark(call, v, whole)
+                                                                    for k, v in kwargs.items()}
         self._in_break = True
         try:
             out = call(*args, **kwargs)
@@ -193,13 +206,13 @@ class SegmentRecorder:
         outputs = None
         if out is None or isinstance(out, torch.Tensor) or (
                 isinstance(out, tuple) and all(o is None or isinstance(o, torch.Tensor) for o in out)):
-            carried = tuple(None if o is None else self._carry(call, o)
+            carried = tuple(None if o is None else self.graphs.carry(o) if whole else self._carry(call, o)
                             for o in (out if isinstance(out, tuple) else (out,)))
             outputs = [None if c is None else self.graphs.unowned(c) for c in carried]
             out = carried if isinstance(out, tuple) else carried[0]
         else:
             self._results[id(out)] = (index, out)  # the object kept, so its id stays its own
-        self.steps.append(Break(call, *marked, outputs, index))
+        self.steps.append(Break(call, *marked, outputs, index, whole))
         return out
 
     def _carry(self, call: Callable, value: torch.Tensor) -> torch.Tensor:
@@ -208,13 +221,15 @@ class SegmentRecorder:
                                f"results need a row per token ({self.num_tokens})")
         return self.graphs.carry(value)
 
-    def _mark(self, call: Callable, a: Any) -> Any:
+    def _mark(self, call: Callable, a: Any, whole: bool) -> Any:
         if a is self.batch:
             return _BATCH
         if isinstance(a, torch.Tensor):
             for name in _BATCH_TENSORS:
                 if getattr(self.batch, name) is a:
                     return _Field(name)
+            if whole:
+                return _Whole(self.graphs.unowned(a))
             if a.dim() and a.shape[0] == self.num_tokens:
                 return _Tokens(self.graphs.unowned(a))
             raise CaptureError(f"{_name(call)} takes a tensor of shape {tuple(a.shape)}, neither the batch's nor "
@@ -222,7 +237,7 @@ class SegmentRecorder:
         if id(a) in self._results:
             return _Result(self._results[id(a)][0])
         if type(a) is tuple:  # a group of arguments (the V4 indexer's projections): each marked
-            return tuple(self._mark(call, x) for x in a)
+            return tuple(self._mark(call, x, whole) for x in a)
         return a
 
 

@@ -115,7 +115,8 @@ class EngineCore:
             elif followers:
                 peers = Followers(followers)
         self.runner = ModelRunner(c.model, c.kv, self.token_table, c.kv_manager.page_table, config.page_size,
-                                  c.device, c.graphs, c.attention_group, peers, c.prefill_graphs, c.verify_graphs)
+                                  c.device, c.graphs, c.attention_group, peers, c.prefill_graphs, c.verify_graphs,
+                                  c.plan_group)
         if c.proposer is not None:
             if c.proposer.feature is not None and c.model.replay_tail:
                 raise ValueError(f"enable_swa_bounded_replay: the {config.speculative_config.method} proposer drafts "

@@ -24,16 +24,12 @@ moves it into place (a full-width table from the host would grow with ``max_mode
 
 MoE exchanges between ranks are captured padded (``padded_exchanges``, core/distributed/moe.py):
 their sizes follow from the bucket. Under data-parallel attention the ranks' batches differ, so
-before each step every process offers its batch size (or that it cannot replay) to ``agree``, the
-processes the MoE layers span in a group on the host (gloo: waiting for no device work, so the
-host still runs ahead of the device), and all replay the smallest bucket that holds the largest batch, a rank
-with nothing scheduled a batch of padding only; where one cannot, all run eagerly (SGLang pads its
-data-parallel ranks' decode batches to the largest the same way).
+they agree on the graph and bucket every one replays (core/graph_choice.py), a rank with nothing
+scheduled replaying it on padding only (``pad``).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 from typing import Callable
 
@@ -41,9 +37,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .distributed.group import ParallelGroup
 from .distributed.moe import padded_exchanges
 from .families.graphs import GraphBackend
+from .graph_choice import smallest_holding
 from .forward import ForwardBatch, HostStaging, PageTables, batch_layout, pack_batch, page_table_array
 from .kv.storage import KVCache
 from .models.base import CausalLM
@@ -62,16 +58,14 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv: KVCache, backend: GraphBackend, page_size: int, max_model_len: int,
-                 max_batch: int, device: torch.device, agree: ParallelGroup | None = None, query_len: int = 1,
+                 max_batch: int, device: torch.device, query_len: int = 1,
                  feature: str | None = None, feature_layers: tuple[int, ...] = ()) -> None:
-        """``agree``: under data-parallel attention, the processes that replay one bucket together, a
-        group on the host; ``query_len``: the new tokens of every sequence; ``feature``,
+        """``query_len``: the new tokens of every sequence; ``feature``,
         ``feature_layers``: what the proposer drafts from (ForwardBatch.features), if it does."""
         self.model = model
         self.query_len = query_len
         self.feature = feature
         self.feature_layers = feature_layers
-        self.agree_group = agree
         self.kv = kv
         self.backend = backend
         self.page_size = page_size
@@ -117,7 +111,9 @@ class DecodeGraphs:
             # the capture's own run (the last) made the feature the replays write
             self._replays[b] = replay, None if self.feature is None else batch.features[self.feature]
             used = self.backend.memory_in_use() - start
-            if memory_budget is not None and self._anyone(used > memory_budget):
+            # the ranks stop at one bucket together: a replay's collectives meet only the same graph on every rank
+            if memory_budget is not None and self.model.backends.moe_group.anyone(used > memory_budget,
+                                                                                  self.packed.device):
                 logger.warning("%s graphs took %.0f MiB, past the budget of %.0f MiB: stopped at batch %d",
                                self.kind, used / 2**20, memory_budget / 2**20, b)
                 break
@@ -129,14 +125,6 @@ class DecodeGraphs:
     def kind(self) -> str:
         return "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens a sequence)"
 
-    def _anyone(self, over: bool) -> bool:
-        """Whether any rank's graphs went past its budget: the ranks stop at one bucket together, so
-        they hold the same buckets (a replay's collectives meet only the same graph on every rank)."""
-        group = self.model.backends.moe_group
-        if group.size == 1:
-            return over
-        return bool(group.all_reduce(torch.tensor([int(over)], device=self.packed.device), "max").item())
-
     def can_run(self, query_lens: list[int], page_tables: PageTables, num_logits: int, features: bool = False) -> bool:
         """A step that a graph holds: ``query_len`` tokens and as many logits rows per sequence;
         ``features``: it asks for the proposer's feature."""
@@ -144,22 +132,6 @@ class DecodeGraphs:
         return bool(self._replays) and 0 < n <= self.buckets[-1] and num_logits == n * self.query_len \
             and query_lens.count(self.query_len) == n and (not features or self.feature is not None) \
             and page_table_array(page_tables).shape[1] <= self.page_table.shape[1]
-
-    def agree(self, n: int | None) -> int | None:
-        """The bucket every process replays this step: ``n`` sequences here (0: nothing scheduled,
-        None: a step no graph holds); None where some process cannot replay, or none has a batch.
-        Without ``agree`` the bucket of ``n``: the processes hold the same batch."""
-        if self.agree_group is None:
-            return None if n is None else self._bucket(n)
-        # each offers a bucket it holds (nothing scheduled: its smallest); the largest offer is held by
-        # every process, as each holds all buckets from its smallest up
-        offer = self.max_batch + 1 if n is None else self._bucket(max(n, 1))
-        plan = torch.tensor([offer, int(bool(n))], dtype=torch.int64)  # the group is the host's (gloo)
-        b, busy = self.agree_group.all_reduce(plan, "max").tolist()
-        return b if busy and b <= self.max_batch else None
-
-    def _bucket(self, n: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     def pad(self, b: int) -> None:
         """Replay bucket ``b`` on padding rows only: this process's part of the other ranks' step."""
@@ -170,11 +142,11 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], context_lens: list[int], page_tables: PageTables,
             fill: Callable[[torch.Tensor], None] | None = None, bucket: int | None = None,
             features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """fp32 logits [n * query_len, vocab] of a step of n sequences, through ``bucket`` (``agree``'s)
+        """fp32 logits [n * query_len, vocab] of a step of n sequences, through ``bucket`` (the agreed one)
         or the smallest bucket >= n; ``fill`` writes, on the device, the input ids the host does not
         have yet into the staged ones; ``features``, where given, gets a copy of the step's feature."""
         t = len(input_ids)
-        b = bucket or self._bucket(t // self.query_len)
+        b = bucket or smallest_holding(self.buckets, t // self.query_len)
         staged_ids = self._stage(b, input_ids, context_lens, page_table_array(page_tables))
         if fill is not None:
             fill(staged_ids)

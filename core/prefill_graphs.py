@@ -16,6 +16,13 @@ in memory or past the budget: the larger steps it leaves eager are those whose k
 longest beside their launches, where a graph gains least. Steps that run a decode graph or that
 exceed the largest bucket captured run as before.
 
+Under expert parallelism or data-parallel attention the MoE exchanges are recorded padded
+(``padded_exchanges``, core/distributed/moe.py): every rank sends every other a block sized by the
+bucket, and the breaks inside an exchange (a MoE backend that reads the host) take its blocks
+whole. The ranks capture the same buckets (they stop together), and under data-parallel attention
+agree on the bucket each step replays (core/graph_choice.py), a rank with no tokens that step
+replaying the placeholder batch of the capture (``pad``: its KV on the null page).
+
 Where a proposer drafts from the target's per-token features (MTP's streams, DSpark's chosen
 layers), every bucket is recorded asking for them, so the feature is one more static output: the
 steps of such an engine all ask for it (decodes, prefill chunks, the verify steps of K+1 tokens a
@@ -24,7 +31,6 @@ sequence), and a replay hands back a copy of its rows, since the next replay ove
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 
@@ -32,8 +38,10 @@ import torch
 from tqdm import tqdm
 
 from .breaks import BreakPoints, SegmentRecorder
+from .distributed.moe import padded_exchanges
 from .families.graphs import GraphBackend
 from .forward import ForwardBatch
+from .graph_choice import smallest_holding
 from .kv.storage import KVCache
 from .models.base import CausalLM
 
@@ -77,7 +85,7 @@ class PrefillGraphs:
         return bool(self._recorded) and 0 < num_tokens <= self.buckets[-1] and (not features or bool(self.feature))
 
     def bucket(self, num_tokens: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+        return smallest_holding(self.buckets, num_tokens)
 
     def recorder(self, bucket: int) -> SegmentRecorder:
         return self._recorded[bucket][0]
@@ -97,7 +105,7 @@ class PrefillGraphs:
     def capture(self, memory_budget: int | None = None, progress: bool = True) -> None:
         """Record every bucket, smallest first, stopping past ``memory_budget`` bytes or where one
         does not fit."""
-        with torch.inference_mode():
+        with torch.inference_mode(), padded_exchanges():
             self._capture(memory_budget, progress)
 
     def _capture(self, memory_budget: int | None, progress: bool) -> None:
@@ -114,7 +122,9 @@ class PrefillGraphs:
                                "run eagerly", b, max(self._recorded))
                 break
             used = self.backend.memory_in_use() - start
-            if memory_budget is not None and used > memory_budget:
+            # the ranks stop at one bucket together: a replay's collectives meet only the same graph on every rank
+            if memory_budget is not None and self.model.backends.moe_group.anyone(used > memory_budget,
+                                                                                  self.device):
                 logger.warning("prefill graphs took %.0f MiB, past the budget of %.0f MiB: steps of more than %d "
                                "tokens run eagerly", used / 2**20, memory_budget / 2**20, b)
                 break
@@ -137,12 +147,12 @@ class PrefillGraphs:
         feature = None if self.feature is None else self.backend.unowned(batch.features[self.feature])
         return recorder, self.backend.unowned(hidden), feature  # read at once after each replay
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, bucket: int | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the step ``batch`` (its attention metadata prepared),
-        through the smallest bucket that holds it; where the step asks (``batch.features``), its
-        feature too, copied."""
+        through ``bucket`` (the agreed one) or the smallest that holds it; where the step asks
+        (``batch.features``), its feature too, copied."""
         n = batch.num_tokens
-        b = self.bucket(n)
+        b = bucket or self.bucket(n)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.input_ids[n:b].zero_()
@@ -152,3 +162,13 @@ class PrefillGraphs:
         if batch.features is not None:
             batch.features[self.feature] = feature[:n].clone()
         return hidden[:n]
+
+    def pad(self, b: int) -> None:
+        """Replay bucket ``b`` on the placeholder batch of its capture (one sequence on the null page):
+        this process's part of the other ranks' step."""
+        recorder = self.recorder(b)
+        self.input_ids[:b].zero_()
+        torch.arange(b, out=self.positions[:b])
+        self.kv.window_table()
+        self.kv.loads.flush()
+        recorder.replay(recorder.batch)

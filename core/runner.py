@@ -22,6 +22,7 @@ import torch
 from .distributed.group import SINGLE, ParallelGroup
 from .distributed.moe import idle_forward
 from .forward import ForwardBatch, HostStaging
+from .graph_choice import GraphChoice
 from .graph_runner import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
 from .kv.page_table import PageTable
@@ -71,27 +72,40 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable | None, page_table: PageTable | None,
                  page_size: int, device: torch.device, graphs: DecodeGraphs | None = None,
                  group: ParallelGroup = SINGLE, peers: Peers | None = None,
-                 prefill_graphs: PrefillGraphs | None = None, verify_graphs: DecodeGraphs | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, verify_graphs: DecodeGraphs | None = None,
+                 agree: ParallelGroup = SINGLE) -> None:
         """``table`` and ``page_table`` belong to the rank that schedules (None on the others);
         ``group`` is the tensor-parallel group, ``peers`` what rank 0 sends every step to;
         ``verify_graphs``: speculative decoding's verify steps of K+1 tokens a sequence;
-        ``prefill_graphs`` run the steps no decode or verify graph holds, where their tokens fit."""
+        ``prefill_graphs`` run the steps no decode or verify graph holds, where their tokens fit;
+        ``agree``: under data-parallel attention, where every process agrees on the graph each step
+        replays (core/graph_choice.py; ``Components.plan_group``)."""
         self.model = model
         self.kv = kv
         self.table = table
         self.page_table = page_table
         self.page_size = page_size
         self.device = device
-        self.graphs = graphs
-        self.verify_graphs = verify_graphs
-        self.prefill_graphs = prefill_graphs
         self.group = group
         self.peers = peers
+        self.choice = GraphChoice([graphs, verify_graphs, prefill_graphs], agree)  # in this order of preference
         self.staging = HostStaging(device)  # the host side of every eager batch's copy, reused
         # the per-token feature a proposer drafts from (ForwardBatch.features), if one does: every
         # step asks for it, and the graphs were captured asking for it
         self.feature: str | None = None
         self.feature_layers: tuple[int, ...] = ()  # where the feature is "layers": which
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.choice.kinds[0]
+
+    @property
+    def verify_graphs(self) -> DecodeGraphs | None:
+        return self.choice.kinds[1]
+
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        return self.choice.kinds[2]
 
     def execute(self, step: SchedulerOutput) -> StepLogits:
         inputs, rows, slots = self._gather(step)
@@ -121,10 +135,7 @@ class ModelRunner:
     def idle(self) -> None:
         """This process's part of a step of the other data-parallel ranks, with nothing scheduled
         here: a replay of padding where they replay a graph, else a forward of no tokens."""
-        bucket = self.graphs.agree(0) if self.graphs is not None else None
-        if bucket is not None:
-            self.graphs.pad(bucket)
-        else:
+        if not self.choice.idle():
             idle_forward(self.model)
 
     def _run_features(self, inputs: StepInputs, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -150,12 +161,13 @@ class ModelRunner:
                                    f"sequence's step on the host, but the step brings them for "
                                    f"{len(inputs.history)} of {len(inputs.query_lens)} sequences")
             self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
-        graphs, bucket, n = self.graphs, None, len(inputs.query_lens)
-        if graphs is not None:
-            bucket = graphs.agree(n if self._holds(graphs, inputs, features) else None)
-        if bucket is None and self._holds(self.verify_graphs, inputs, features):  # never under DP attention
-            graphs, bucket = self.verify_graphs, self.verify_graphs.agree(n)
-        if bucket is not None:
+        n, t = len(inputs.query_lens), len(inputs.input_ids)
+        prefill = self.prefill_graphs
+        chosen = self.choice.choose([n if self._holds(self.graphs, inputs, features) else None,
+                                     n if self._holds(self.verify_graphs, inputs, features) else None,
+                                     t if prefill is not None and prefill.holds(t, features is not None) else None])
+        if chosen is not None and chosen[0] is not prefill:
+            graphs, bucket = chosen
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
             return graphs.run(inputs.input_ids, inputs.context_lens, inputs.tables, fill, bucket, features)
         batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
@@ -166,14 +178,14 @@ class ModelRunner:
         batch.features = features
         if features is not None:
             batch.feature_layers = self.feature_layers
-        graphed = self.prefill_graphs is not None and self.prefill_graphs.holds(batch.num_tokens, features is not None)
+        graphed = chosen is not None
         if graphed:  # a replay asks no layer for its arrays: host-memory hits land first
             self.kv.loads.flush()
         else:
             self.kv.loads.start()  # host-memory hits load layer by layer while the layers compute
         try:
             batch.attn_metadata = self.model.prepare(batch)
-            hidden = self.prefill_graphs.run(batch) if graphed else self.model(batch, self.kv)
+            hidden = prefill.run(batch, chosen[1]) if graphed else self.model(batch, self.kv)
         finally:
             self.kv.loads.finish()
         if batch.logits_indices.numel() == 0:

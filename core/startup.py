@@ -53,8 +53,8 @@ class Components:
     proposer: SpecProposer | None = None  # speculative decoding's drafter, where configured
     group: ParallelGroup = SINGLE  # the tensor-parallel group this process is a rank of
     attention_group: ParallelGroup = SINGLE  # the ranks its attention is split over: ``group`` but under DP attention
-    # under DP attention: where the processes agree on each step's decode graph, on the host (gloo), so
-    # the exchange waits for no device work (``group`` itself where that is gloo already)
+    # under DP attention: where the processes agree on each step's graph (core/graph_choice.py), on the
+    # host (gloo), so the exchange waits for no device work (``group`` itself where that is gloo already)
     plan_group: ParallelGroup = SINGLE
 
 
@@ -115,23 +115,11 @@ def select_proposer(plugins: Plugins, ctx: SelectionContext, config: EngineConfi
         raise SpecConfigError("method", f"{why}; proposers:\n{describe_candidates(exc.candidates)}") from None
 
 
-def prefill_graph_refusals(config: EngineConfig) -> list[str]:
-    """Why no prefill step of this engine can run in a graph, if any (decode graphs pad the MoE
-    exchanges to the bucket, core/graph_runner.py; a prefill step's exchanges are exact)."""
-    reasons = []
-    if config.expert_parallel and config.tensor_parallel_size > 1:
-        reasons.append("expert parallelism (its all_to_all sizes are read on the host)")
-    if config.enable_dp_attention:
-        reasons.append("data-parallel attention (the ranks' token counts are read on the host)")
-    return reasons
-
-
 def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, model: CausalLM, kv: KVCache,
-                   max_model_len: int, device: torch.device, progress: bool, agree: ParallelGroup | None = None,
+                   max_model_len: int, device: torch.device, progress: bool,
                    proposer: SpecProposer | None = None) -> tuple[DecodeGraphs | None, DecodeGraphs | None]:
     """The decode graphs and speculative decoding's verify graphs (K+1 tokens a sequence), each None
-    where not captured; both with the feature ``proposer`` drafts from, where it does. ``agree``:
-    under DP attention, where the processes agree on each step's graph (DecodeGraphs)."""
+    where not captured; both with the feature ``proposer`` drafts from, where it does."""
     unsafe = [f"{family} backend {b.name}" for family, b in vars(model.backends).items()
               if b is not None and not getattr(b, "graph_safe", True)]
     if not model.graph_safe:
@@ -142,22 +130,20 @@ def capture_graphs(config: EngineConfig, explicit: bool, backend: GraphBackend, 
     feature = (proposer.feature, proposer.feature_layers) if proposer is not None else (None, ())
     graphs = _capture(config, explicit, DecodeGraphs(
         model, kv, backend, config.page_size, max_model_len, min(config.max_graph_batch, config.max_num_seqs), device,
-        agree, 1, *feature), device, progress)
+        1, *feature), device, progress)
     if graphs is None or proposer is None:
         return graphs, None
     q = config.speculative_config.num_speculative_tokens + 1
     reasons = [f"{family} backend {b.name} takes {getattr(b, 'graph_query_len', 1)}"
                for family, b in vars(model.backends).items()
                if b is not None and family in ("attention", "v4_attention") and getattr(b, "graph_query_len", 1) < q]
-    if agree is not None:
-        reasons.append("data-parallel attention (the ranks agree on decode buckets only)")
     if reasons:
         logger.info("no verify graphs of %d tokens a sequence: %s; verify steps replay prefill graphs where they fit",
                     q, "; ".join(reasons))
         return graphs, None
     return graphs, _capture(config, explicit, DecodeGraphs(
         model, kv, backend, config.page_size, max_model_len, min(config.max_graph_batch, config.max_num_seqs), device,
-        None, q, *feature), device, progress)
+        q, *feature), device, progress)
 
 
 def _capture(config: EngineConfig, explicit: bool, graphs: DecodeGraphs, device: torch.device,
@@ -178,7 +164,7 @@ def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphB
                            progress: bool, proposer: SpecProposer | None = None) -> PrefillGraphs | None:
     """Prefill steps' breakable graphs, or None (logged why) where they cannot be captured here;
     recorded with the feature ``proposer`` drafts from, where it does."""
-    reasons = prefill_graph_refusals(config) + model.breakable_refusals()
+    reasons = model.breakable_refusals()
     if not config.max_prefill_graph_tokens:
         reasons.append("max_prefill_graph_tokens is 0")
     if not backend.breakable:
@@ -192,7 +178,7 @@ def capture_prefill_graphs(config: EngineConfig, explicit: bool, backend: GraphB
     try:
         graphs.capture(_graph_budget(config, device), progress=progress)
     except Exception as exc:
-        if explicit:
+        if explicit or config.tensor_parallel_size > 1:  # the ranks replay together: none may run eagerly alone
             raise
         logger.warning("capturing prefill graphs failed (%s: %s); prefill runs eagerly (--enforce-eager skips "
                        "the attempt)", type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
@@ -376,7 +362,7 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
         prefill_graphs = capture_prefill_graphs(config, explicit, graph_backend, points, model, kv, max_model_len,
                                                 device, progress, proposer)
         graphs, verify_graphs = capture_graphs(config, explicit, graph_backend, model, kv, max_model_len, device,
-                                               progress, plan if config.enable_dp_attention else None, proposer)
+                                               progress, proposer)
     return Components(plugins, platform, device, model_config, selections, model, kv, kv_manager, max_model_len,
                       selections["sampling"].create(ctx), graphs, prefill_graphs, verify_graphs, proposer, group,
                       attention, plan)

@@ -65,6 +65,12 @@ class ParallelGroup:
             host_work(lambda: self.pg.broadcast([x], opts).wait())
         return x
 
+    def anyone(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on any rank (every rank asks together)."""
+        if self.size == 1:
+            return flag
+        return bool(self.all_reduce(torch.tensor([int(flag)], device=device), "max").item())
+
     def close(self, abort: bool = False) -> None:
         """Release the backend group; ``abort`` also fails any collective in flight (a peer died)."""
         if self.pg is not None:

@@ -11,7 +11,9 @@
   whole by every rank and runs on the rank's slice. Two dispatchers, as DeepEP has a normal and a
   low-latency mode: ``AllToAllDispatch`` (eager steps) sends exactly each rank's pairs, their
   counts read on the host; ``PaddedAllToAllDispatch`` (within ``padded_exchanges``: while a decode
-  graph is captured) sends fixed-size padded blocks, so the graph holds its all_to_all. A fused
+  or prefill graph is captured) sends fixed-size padded blocks, so the graph holds its all_to_all;
+  there the whole exchange is ``bucket_shaped``, so a breakable prefill graph's breaks inside it (a
+  MoE backend that reads the host) take the blocks whole. A fused
   dispatch (DeepEP's kernels, or MegaMoE's) is another ``Dispatcher``.
 
 Under data-parallel attention (dp_attention.py) each data-parallel rank's tokens are its own
@@ -36,6 +38,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from ..families.graphs import bucket_shaped
 from .group import SINGLE, ParallelGroup
 from .layers import split
 
@@ -156,6 +159,11 @@ def _routes(local: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 _PADDED: ContextVar[bool] = ContextVar("padded_exchanges", default=False)
 
 
+def _exchange() -> contextlib.AbstractContextManager:
+    """Where an exchange runs: padded, its work is the bucket's whole, not the step's tokens'."""
+    return bucket_shaped() if _PADDED.get() else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def padded_exchanges() -> Iterator[None]:
     """Within it, every MoE exchange has sizes fixed by the batch's shape and reads nothing on the
@@ -193,6 +201,10 @@ class ExpertParallel:
     shared_split = (0, 1)
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        with _exchange():
+            return self._exchange(layer, x, input_ids)
+
+    def _exchange(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         k = layer.top_k
         xs, ids_s = share_slice(self.share, x, input_ids)
         if xs.shape[0]:
@@ -227,6 +239,10 @@ class GatheredExpertShards(ExpertShards):
         self.share = share
 
     def __call__(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        with _exchange():
+            return self._exchange(layer, x, input_ids)
+
+    def _exchange(self, layer: ExpertLayer, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         g, total = self.group, x.shape[0]
         xs, ids_s = share_slice(self.share, x, input_ids)
         part = xs.shape[0]

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             c = build(config, progress=False, rendezvous=rendezvous)
             runner = ModelRunner(c.model, c.kv, None, None, config.page_size, c.device, c.graphs, c.attention_group,
-                                 prefill_graphs=c.prefill_graphs, verify_graphs=c.verify_graphs)
+                                 prefill_graphs=c.prefill_graphs, verify_graphs=c.verify_graphs, agree=c.plan_group)
         conn.send_bytes(encoder.encode(Ready(args.rank)))
     except BaseException as exc:
         logger.exception("could not start")

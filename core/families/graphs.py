@@ -13,9 +13,10 @@ segment's temporaries take memory only while the recorded forward held them.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -31,6 +32,25 @@ def host_work(work: Callable[[], None]) -> None:
     recording = HOST_WORK.get()
     if recording is not None:
         recording.append((work, (), {}, None))
+
+
+_BUCKET_SHAPED: ContextVar[bool] = ContextVar("bucket_shaped", default=False)
+
+
+@contextlib.contextmanager
+def bucket_shaped() -> Iterator[None]:
+    """Within it, the work is shaped by the graph's bucket, not by the step's tokens (a padded MoE
+    exchange's blocks): a recorded break here (core/breaks.py) takes and returns its tensors whole
+    in every replay, where elsewhere it cuts them to the step's tokens."""
+    token = _BUCKET_SHAPED.set(True)
+    try:
+        yield
+    finally:
+        _BUCKET_SHAPED.reset(token)
+
+
+def in_bucket_shape() -> bool:
+    return _BUCKET_SHAPED.get()
 
 
 class GraphBackend(ABC):

@@ -70,7 +70,7 @@ def _compare(model: str, dtype: str, seed: int, bound: float, fraction: float, m
     assert eager.engine.runner.prefill_graphs is None and eager.engine.runner.graphs is None
     runs = []
     real = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda batch: runs.append(batch.num_tokens) or real(batch))
+    monkeypatch.setattr(graphs, "run", lambda batch, *a: runs.append(batch.num_tokens) or real(batch, *a))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP, prompt_logprobs=0)
     agreement, worst = GreedyAgreement(), 0.0
     for prompts in _prompts(seed, graphed.engine.vocab_size):

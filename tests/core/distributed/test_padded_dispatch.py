@@ -5,7 +5,8 @@ another, a batch of no tokens); and recorded on the host graphs backend, collect
 its replays recompute the exchange on new tokens and routes. The padding rows name no expert: a
 rank's MoE experts compute only the pairs sent to it (the native MoE's MLP rows here; on 2 GPUs the
 Triton alignment's blocks), as many over the ranks as the batches route. Under data-parallel
-attention the ranks agree on the decode graph every one replays (core/graph_runner.py)."""
+attention the ranks agree on the graph every one replays, decode, verify or prefill, and its
+bucket (core/graph_choice.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 
 from engine.core.distributed.group import connect, join_store, master_store
 from engine.core.families.moe import ExpertWeights
+from engine.core.graph_choice import GraphChoice
 from engine.core.graph_runner import DecodeGraphs
+from engine.core.prefill_graphs import PrefillGraphs
 from engine.core.distributed.moe import AllToAllDispatch, PaddedAllToAllDispatch
 from engine.core.native import moe as native_moe
 from engine.core.native.graphs import RecordedOps
@@ -197,14 +200,46 @@ def test_a_recorded_padded_dispatch_replays_its_exchanges():
 
 @pytest.mark.parametrize("offers,bucket", [
     ((3, 0), 4), ((1, 2), 4), ((2, 0), 4), ((5, 8), 8), ((0, 0), None), ((None, 2), None), ((2, 9), None)])
-def test_the_ranks_agree_on_one_bucket(offers, bucket):
+def test_the_ranks_agree_on_one_decode_bucket(offers, bucket):
     """The bucket of the largest batch, or eager (None) where a rank's step fits no graph or no rank
     has sequences (9 exceed the largest bucket, 8); and where a rank lacks the small buckets (rank 1
     none below 4), one both hold."""
 
     def body(r, g):
-        graphs = DecodeGraphs(None, None, None, 4, 64, 8, torch.device("cpu"), agree=g)
+        graphs = DecodeGraphs(None, None, None, 4, 64, 8, torch.device("cpu"))
         graphs.buckets = [1, 2, 4, 8] if r == 0 else [4, 8]
-        return graphs.agree(None if offers[r] is None or offers[r] > 8 else offers[r])
+        chosen = GraphChoice([graphs], g).choose([None if offers[r] is None or offers[r] > 8 else offers[r]])
+        return None if chosen is None else chosen[1]
 
     assert ranks(2, body) == [bucket, bucket]
+
+
+D, V, P = "decode", "verify", "prefill"
+
+
+@pytest.mark.parametrize("steps,plan", [
+    (((3, None, 3), (1, None, 1)), (D, 4)),  # both decode
+    (((3, None, 3), (0, 0, 0)), (D, 4)),  # one idle
+    (((None, 2, 8), (0, 0, 0)), (V, 2)),  # one verifies 2 sequences, one idle
+    (((None, 1, 4), (None, 3, 12)), (V, 4)),
+    (((None, 2, 8), (3, None, 3)), (P, 16)),  # one verifies, one decodes: the prefill graphs hold both
+    (((None, None, 20), (1, None, 1)), (P, 32)),  # a prefill chunk beside a decode
+    (((None, None, 20), (0, 0, 0)), (P, 32)),
+    (((None, None, None), (1, None, 1)), None),  # a step no graph holds: all eager
+    (((None, None, 5), (None, None, None)), None),
+    (((0, 0, 0), (0, 0, 0)), None),  # nothing scheduled anywhere
+])
+def test_the_ranks_agree_on_one_graph_of_three_kinds(steps, plan):
+    """Each rank's step as its size in each kind (sequences, sequences, tokens; 0: idle, None: not
+    held): every rank gets the first kind that holds every rank's step, through the bucket of the
+    largest, never a kind that holds its own step but not another's."""
+
+    def body(r, g):
+        kinds = {D: DecodeGraphs(None, None, None, 4, 64, 8, torch.device("cpu")),
+                 V: DecodeGraphs(None, None, None, 4, 64, 4, torch.device("cpu"), query_len=4),
+                 P: PrefillGraphs(None, None, None, None, 4, 32, torch.device("cpu"))}
+        kinds[D].buckets, kinds[V].buckets = [1, 2, 4, 8], [1, 2, 4]
+        chosen = GraphChoice(list(kinds.values()), g).choose(list(steps[r]))
+        return None if chosen is None else ({id(v): k for k, v in kinds.items()}[id(chosen[0])], chosen[1])
+
+    assert ranks(2, body) == [plan, plan]

@@ -3,6 +3,7 @@ and for the tests that run ranks as threads, a few steps of host data and the ra
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any, Callable
 
@@ -11,6 +12,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.distributed.group import Rendezvous, join_store, master_store
+from engine.core.families.graphs import GraphBackend
 from engine.core.runner import ModelRunner, StepInputs
 from engine.core.startup import build
 
@@ -19,6 +21,19 @@ PAGE_SIZE = 4
 # tiny-dsv4-py engines: chunked prefill past the sliding window, greedy tokens
 DSV4_OPTS = dict(dtype="float32", page_size=PAGE_SIZE, chunked_prefill_size=32, max_num_batched_tokens=64,
                  max_num_seqs=8, num_pages=256, progress=False)
+
+
+class ReplayInCaptureContext(GraphBackend):
+    """A replay re-runs the captured function through the static buffers, in the context of its
+    capture (the MoE exchanges padded), as a device graph replays the work it recorded: a graph's
+    semantics without a device, whatever the backends read on the host."""
+
+    name = "rerun"
+
+    def capture(self, fn):
+        ctx = contextvars.copy_context()
+        ctx.run(fn)
+        return lambda: ctx.run(fn)
 
 
 def within(seconds: float, fn: Callable[[], Any]) -> Any:
@@ -64,7 +79,9 @@ def run_ranks(config: EngineConfig, size: int, body: Callable[[int, ModelRunner]
         try:
             st = store if r == 0 else join_store(store.port, size, TIMEOUT_S)
             c = build(config, progress=False, rendezvous=Rendezvous(r, size, st, TIMEOUT_S))
-            results[r] = body(r, ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, None, c.attention_group))
+            runner = ModelRunner(c.model, c.kv, None, None, PAGE_SIZE, c.device, c.graphs, c.attention_group,
+                                 prefill_graphs=c.prefill_graphs, verify_graphs=c.verify_graphs, agree=c.plan_group)
+            results[r] = body(r, runner)
             c.group.close()
             c.attention_group.close()
             c.plan_group.close()

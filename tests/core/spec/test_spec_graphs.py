@@ -64,8 +64,8 @@ def test_verify_steps_replay_graphs(method, shared_dir, references, eval_text, s
     assert graphs is not None and graphs.feature == runner.feature
     replays = []  # (query lengths, features asked, through the verify graphs, logits rows)
     real = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda batch: replays.append(
-        (batch.query_lens_cpu, batch.features is not None, False, batch.logits_indices.numel())) or real(batch))
+    monkeypatch.setattr(graphs, "run", lambda batch, *a: replays.append(
+        (batch.query_lens_cpu, batch.features is not None, False, batch.logits_indices.numel())) or real(batch, *a))
     whole_steps = CASES[method][0] == "tiny-qwen3-py"
     assert (runner.verify_graphs is not None) == whole_steps
     if whole_steps:
@@ -120,7 +120,7 @@ def test_verify_steps_replay_cuda_graphs(method, shared_dir, eval_text, seed):
     assert runner.graphs is not None and runner.graphs.feature == runner.feature  # one-token steps: decode graphs
     replays = []
     real = graphs.run
-    graphs.run = lambda batch: replays.append(batch.query_lens_cpu) or real(batch)
+    graphs.run = lambda batch, *a: replays.append(batch.query_lens_cpu) or real(batch, *a)
     verify = runner.verify_graphs
     assert verify is not None and verify.query_len == K + 1 and verify.feature == runner.feature
     real_verify = verify.run
