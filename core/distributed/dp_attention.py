@@ -27,12 +27,14 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
 - Lockstep: every step of rank 0 is one step of every rank, and every step runs exactly one
   forward on every process. A rank with nothing scheduled runs an idle forward (``idle_forward``,
   moe.py): its MoE layers' exchanges, in layer order, with zero tokens, so the others' collectives
-  meet it; or, where the others replay a decode graph, the same graph on padding only
-  (``ModelRunner.idle``; the ranks agree on the graph before each step, core/graph_runner.py).
+  meet it; or, where the others replay a graph (decode, verify or prefill), the same graph on
+  padding only (``ModelRunner.idle``; the ranks agree on the graph and bucket before each step,
+  core/graph_choice.py).
 
 - Speculative decoding: each rank drafts for its own requests and verifies them (core/spec); a
-  verify step (K+1 tokens a sequence) runs eagerly, as every step no decode graph holds does: a
-  rank offers no bucket and all run that step eagerly, each its own tokens. A proposer whose
+  verify step (K+1 tokens a sequence) replays a verify graph where every rank's step fits one (a
+  rank with fewer sequences or none padded), else a prefill graph where every rank's tokens fit
+  one, else all run it eagerly, each its own tokens. A proposer whose
   forwards reach the MoE exchanges (MTP's next-n layer, whose MoE spans the ranks too) agrees with
   the other ranks on the step's number of drafting forwards before the target's, and runs those it
   lacks with no tokens (core/spec/mtp.py), the rank's other processes with it (``DraftCount``,
@@ -40,8 +42,6 @@ dividing N; data-parallel rank d is processes d*N/D .. (d+1)*N/D - 1):
   this process alone, without collectives.
 - The start-up warm-up (core/warmup.py): rank 0 drives it, every rank running every phase on
   copies of its requests, in the same steps.
-
-Not built: prefill graphs (the exact exchanges' sizes are read on the host).
 """
 
 from __future__ import annotations

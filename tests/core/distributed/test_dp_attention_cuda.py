@@ -47,9 +47,10 @@ def test_gpus_serve_their_own_requests_as_one_gpu_does(dsv4, run_seed, gpus, dp)
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_ranks_speculate_after_warming_up_in_step(dsv4, eval_text, run_seed, method):
-    """2 GPUs, decode graphs (their buckets agreed) beside eager verify steps and MTP's drafting
-    forwards agreed across the ranks, after the default warm-up: the greedy tokens of one GPU
-    without speculation, drafts on both ranks."""
+    """2 GPUs, decode, verify and prefill graphs (the ranks agreeing on one graph and bucket each
+    step, core/graph_choice.py) and MTP's drafting forwards agreed across the ranks, after the
+    default warm-up: the greedy tokens of one GPU without speculation, drafts on both ranks, verify
+    steps replaying verify graphs on rank 0."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     rng = random.Random(run_seed)
@@ -66,8 +67,14 @@ def test_ranks_speculate_after_warming_up_in_step(dsv4, eval_text, run_seed, met
                                             enable_dp_attention=True, expert_parallel=True, speculative_config=spec,
                                             distributed_timeout=TIMEOUT_S, **OPTS))
     try:
-        assert llm.engine.warmup is not None and llm.engine.runner.graphs is not None
+        runner = llm.engine.runner
+        assert llm.engine.warmup is not None and runner.graphs is not None
+        assert runner.verify_graphs is not None and runner.prefill_graphs is not None
+        verified = []
+        run = runner.verify_graphs.run
+        runner.verify_graphs.run = lambda *a: verified.append(a[4]) or run(*a)
         assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == expected
+        assert verified, "no verify step replayed a verify graph"
         assert llm.engine.stats().spec.num_draft_tokens > llm.engine.speculator.counters.num_draft_tokens > 0
     finally:
         llm.engine.shutdown()

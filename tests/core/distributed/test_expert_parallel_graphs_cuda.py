@@ -1,9 +1,10 @@
-"""Decode steps replay CUDA graphs with the MoE all_to_all inside (the padded dispatch): on 2 GPUs
-over NCCL, tiny-dsv4-py and a tiny Qwen3-MoE with the experts partitioned (expert parallel), and
-tiny-dsv4-py under data-parallel attention (each rank its own requests, the ranks agreeing on one
-bucket every step, a rank with fewer sequences or none replaying padding), give the greedy tokens
-of one GPU, as do the same engines run eagerly. Skipped with fewer than 2 CUDA devices (the CPU
-tests check the padded exchange against the exact one, and its replay on the host graphs)."""
+"""Decode and prefill steps replay CUDA graphs with the MoE all_to_all inside (the padded dispatch,
+sized by the decode batch or the prefill token bucket): on 2 GPUs over NCCL, tiny-dsv4-py and a
+tiny Qwen3-MoE with the experts partitioned (expert parallel), and tiny-dsv4-py under
+data-parallel attention (each rank its own requests, the ranks agreeing on one graph and bucket
+every step, a rank with fewer sequences or tokens or none replaying padding), give the greedy
+tokens of one GPU, as do the same engines run eagerly. Skipped with fewer than 2 CUDA devices (the
+CPU tests check the padded exchange against the exact one, and its replay on the host graphs)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,13 @@ def test_graphed_expert_parallel_decode_gives_the_tokens_of_one_gpu(which, paral
         llm = within(TIMEOUT_S * 4, lambda: LLM(model, distributed_timeout=TIMEOUT_S, enforce_eager=eager,
                                                 **PARALLEL[parallel], **OPTS))
         try:
-            assert (llm.engine.components.graphs is None) == eager
+            c = llm.engine.components
+            assert (c.graphs is None) == (c.prefill_graphs is None) == eager
+            prefilled = []
+            if not eager:  # prompt chunks replay the prefill graphs, their exchanges padded to the bucket
+                run = c.prefill_graphs.run
+                c.prefill_graphs.run = lambda batch, *a: prefilled.append(batch.num_tokens) or run(batch, *a)
             assert [o.outputs[0].token_ids for o in llm.generate(batch, params)] == expected
+            assert bool(prefilled) != eager
         finally:
             llm.engine.shutdown()
