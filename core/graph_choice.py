@@ -18,7 +18,7 @@ largest offer is a bucket every process holds.
 from __future__ import annotations
 
 import bisect
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -46,14 +46,18 @@ class GraphChoice:
         self.kinds = kinds
         self.agree = agree if agree is not None and agree.size > 1 else None
 
-    def choose(self, sizes: list[int | None]) -> tuple[Graphs, int] | None:
+    def choose(self, sizes: Iterable[int | None]) -> tuple[Graphs, int] | None:
         """The graph and bucket this step replays, or None: eagerly. ``sizes``: per kind, the step's
-        size in it (0: nothing scheduled here; None: the kind does not hold the step)."""
+        size in it (0: nothing scheduled here; None: the kind does not hold the step), read lazily:
+        one process stops at the first kind that holds its step."""
+        if self.agree is None:
+            for g, s in zip(self.kinds, sizes):
+                if s and g is not None:
+                    return g, smallest_holding(g.buckets, s)
+            return None
         held = [(g, s) for g, s in zip(self.kinds, sizes) if g is not None]
         if not held:
             return None
-        if self.agree is None:
-            return next(((g, smallest_holding(g.buckets, s)) for g, s in held if s), None)
         offers = [g.buckets[-1] + 1 if s is None else smallest_holding(g.buckets, max(s, 1)) for g, s in held]
         busy = any(s != 0 for _, s in held)
         plan = self.agree.all_reduce(torch.tensor(offers + [int(busy)], dtype=torch.int64), "max").tolist()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import add
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import msgspec
 import numpy as np
@@ -161,11 +161,8 @@ class ModelRunner:
                                    f"sequence's step on the host, but the step brings them for "
                                    f"{len(inputs.history)} of {len(inputs.query_lens)} sequences")
             self.model.stage(inputs.input_ids, inputs.query_lens, inputs.history)
-        n, t = len(inputs.query_lens), len(inputs.input_ids)
         prefill = self.prefill_graphs
-        chosen = self.choice.choose([n if self._holds(self.graphs, inputs, features) else None,
-                                     n if self._holds(self.verify_graphs, inputs, features) else None,
-                                     t if prefill is not None and prefill.holds(t, features is not None) else None])
+        chosen = self.choice.choose(self._sizes(inputs, features))
         if chosen is not None and chosen[0] is not prefill:
             graphs, bucket = chosen
             self.kv.loads.flush()  # a replay asks no layer for its arrays: host-memory hits land first
@@ -191,6 +188,14 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _sizes(self, inputs: StepInputs, features: dict | None) -> Iterator[int | None]:
+        """The step's size in each kind of graph (``GraphChoice``), None where the kind does not hold it."""
+        n, t = len(inputs.query_lens), len(inputs.input_ids)
+        yield n if self._holds(self.graphs, inputs, features) else None
+        yield n if self._holds(self.verify_graphs, inputs, features) else None
+        prefill = self.prefill_graphs
+        yield t if prefill is not None and prefill.holds(t, features is not None) else None
 
     @staticmethod
     def _holds(graphs: DecodeGraphs | None, inputs: StepInputs, features: dict | None) -> bool:
