@@ -7,7 +7,7 @@ native MoE's expert calls breaks inside the exchange, over a chunked prefill and
 expert parallel over 2 ranks (tiny-dsv4-py, tiny Qwen3-MoE), and data-parallel attention (experts
 partitioned, or split with the ranks' tokens gathered) where the ranks' steps fall in different
 buckets, so each replays the bucket of the larger, and one rank, idle, replays the placeholder
-batch of the others' bucket. Verify graphs (K+1 tokens a sequence) under data-parallel attention,
+batch of the others' bucket; and 2 data-parallel ranks of 2 processes each (attention split). Verify graphs (K+1 tokens a sequence) under data-parallel attention,
 captured with a replay that re-runs the captured function in its capture's context: the ranks agree
 on a verify bucket, a rank with fewer sequences or none pads, and where one rank verifies and the
 other decodes no graph holds both and both run eagerly. The agreement itself, over the three kinds
@@ -70,10 +70,13 @@ def test_expert_parallel_prefill_replays_graphs_with_the_exchange_inside(which, 
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("which,expert_parallel", [("dsv4", True), ("qwen3-moe", True), ("qwen3-moe", False)])
-def test_data_parallel_ranks_agree_on_the_prefill_bucket(which, expert_parallel, models, seed):
-    """Rank 0's second chunk (5 tokens) replays bucket 32, which rank 1's (17 tokens) needs; then rank
-    1 idles through rank 0's second batch, replaying the placeholder batch of each step's bucket."""
+@pytest.mark.parametrize("which,size,expert_parallel", [("dsv4", 2, True), ("qwen3-moe", 2, True),
+                                                       ("qwen3-moe", 2, False), ("qwen3-moe", 4, True)])
+def test_data_parallel_ranks_agree_on_the_prefill_bucket(which, size, expert_parallel, models, seed):
+    """2 data-parallel ranks, of one process each or of 2 (attention split, each sending half its
+    rank's tokens to the experts): rank 0's second chunk (5 tokens) replays bucket 32, which rank 1's
+    (17 tokens) needs; then rank 1 idles through rank 0's second batch, replaying the placeholder
+    batch of each step's bucket."""
     model = models[which]
     config = config_of(model)
     vocab = ModelConfig.from_dir(model).vocab_size
@@ -81,28 +84,32 @@ def test_data_parallel_ranks_agree_on_the_prefill_bucket(which, expert_parallel,
     expected = [single(config, b) for b in batches]
     alone = steps(vocab, (19, 10))  # rank 0's alone, rank 1 idle
     expected_alone = single(config, alone)
+    per_rank = size // 2  # processes of a data-parallel rank, which run its steps together
 
     def rank(r, runner):
-        graphs, calls = runner.prefill_graphs, []
+        d, graphs, calls = r // per_rank, runner.prefill_graphs, []
         spied(graphs, calls)
         runner.idle()  # a step where every rank is idle: nothing replayed
-        got = [runner.run(step) for step in batches[r]]
-        if r == 0:
+        got = [runner.run(step) for step in batches[d]]
+        if d == 0:
             got += [runner.run(step) for step in alone]
         else:
             for _ in alone:
                 runner.idle()
         return got, calls
 
-    parallel = dataclasses.replace(config, tensor_parallel_size=2, data_parallel_size=2, enable_dp_attention=True,
+    parallel = dataclasses.replace(config, tensor_parallel_size=size, data_parallel_size=2, enable_dp_attention=True,
                                    expert_parallel=expert_parallel, graph_backend="recorded",
                                    max_prefill_graph_tokens=32)
-    (got0, calls0), (got1, calls1) = run_ranks(parallel, 2, rank)
-    # the second chunks (5 and 17 tokens): both ranks through bucket 32
-    assert calls0[:4] == [(23, 32), (5, 32), (2, 16), (2, 16)]
-    assert calls1 == [(23, 32), (17, 32), (2, 16), (2, 16)] + [("pad", 32), ("pad", 16), ("pad", 16), ("pad", 16)]
-    assert [n for n, _ in calls0[4:]] == [len(s.input_ids) for s in alone]
-    for got, want in ((got0, expected[0] + expected_alone), (got1, expected[1])):
+    for r, (got, calls) in enumerate(run_ranks(parallel, size, rank)):
+        if r // per_rank == 0:
+            # the second chunks (5 and 17 tokens): both ranks through bucket 32
+            assert calls[:4] == [(23, 32), (5, 32), (2, 16), (2, 16)]
+            assert [n for n, _ in calls[4:]] == [len(s.input_ids) for s in alone]
+            want = expected[0] + expected_alone
+        else:
+            assert calls == [(23, 32), (17, 32), (2, 16), (2, 16), ("pad", 32), ("pad", 16), ("pad", 16), ("pad", 16)]
+            want = expected[1]
         assert len(got) == len(want)
         for g, e in zip(got, want):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
