@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mxfp8 import e8m0_to_float
+from .fp8_quant import e8m0_to_float
 
 # Per 32-bit word of packed bytes b0..b3 (codes k0..k7, k_2i in b_i's low nibble), four registers of
 # two bf16 each, [k0, k1], [k2, k3] (the first output's four values), [k4, k5], [k6, k7] (the

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.core.families.linear import fp8_block_edge
+from engine.core.families.linear import MX_BLOCK, fp8_block_edge
 
-from .fp8_quant import quantize_fp8_token_group
+from .fp8_quant import e8m0_to_float, quantize_fp8_token_group
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
@@ -62,7 +62,7 @@ FP8_GEMM_32 = {
     "gfx950": GemmTuning(GemmConfig(32, 64, 32, 1, 4, 2), GemmConfig(128, 128, 32, 8, 8, 2)),
     "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 32, 2, 4, 1), small_m=16),
 }
-TUNING = {128: FP8_GEMM, 32: FP8_GEMM_32}  # block edge -> its table
+TUNING = {128: FP8_GEMM, 32: FP8_GEMM_32}  # K step's bound (block edge, or MXFP8 activations' 32) -> its table
 
 
 @triton.jit
@@ -78,12 +78,26 @@ def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 @triton.jit
 def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
-                           stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+                           stride_am, stride_as, stride_bn, stride_bs, stride_cm, stride_ag, stride_asg,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           EVEN_K: tl.constexpr, PDL: tl.constexpr, A_GROUP: tl.constexpr,
+                           A_E8M0: tl.constexpr):
+    """Group ``program_id(1)`` (one, or the grouped output projection's G): its N columns of c from
+    its slice of a (stride_ag, its scales stride_asg) and its N rows of b, which fill whole blocks.
+    a's scales cover A_GROUP channels of a token (SCALE_BLOCK, or MXFP8's 32), fp32 or, with
+    A_E8M0, uint8 E8M0 exponents."""
     tl.static_assert(SCALE_BLOCK % BLOCK_K == 0, "a K step must stay within one scale block")
+    tl.static_assert(A_GROUP % BLOCK_K == 0, "a K step must stay within one activation scale group")
     wait_for_prior(PDL)
+    group = tl.program_id(1).to(tl.int64)
+    a_ptr += group * stride_ag
+    a_scale_ptr += group * stride_asg
+    b_ptr += group * N * stride_bn
+    b_scale_ptr += group * (N // SCALE_BLOCK) * stride_bs
+    c_ptr += group * N
+    if HAS_BIAS:
+        bias_ptr += group * N
     pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,9 +123,10 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
         else:
             a = tl.load(a_ptrs, mask=rk[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < K - k0, other=0.0)
-        group = k0 // SCALE_BLOCK
-        a_scale = tl.load(a_scale_ptrs + group)
-        b_scale = tl.load(b_scale_ptrs + group)
+        a_scale = tl.load(a_scale_ptrs + k0 // A_GROUP)
+        if A_E8M0:
+            a_scale = e8m0_to_float(a_scale.to(tl.int32))
+        b_scale = tl.load(b_scale_ptrs + k0 // SCALE_BLOCK)
         if TILE_SCALE:
             acc += tl.dot(a, b) * (a_scale * b_scale)[:, None]
         else:
@@ -159,16 +174,50 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
                          f"(b's blocks, from its scale {list(b_scale.shape)})")
     a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
     out = output_for(m, n, out_dtype, a.device, out)
+    return _launch(a, a_scale, b, b_scale, bias, out, n, block, block, config)
+
+
+def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                           out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, G, K] E4M3 with scales [M, G, K/A] (fp32 per token and B channels, A = B; or MXFP8's
+    uint8 E8M0 exponents, A = 32), b [G * N, K] E4M3 with fp32 scales [G * N / B, ceil(K/B)] ->
+    [M, G * N] in ``out_dtype`` (or written into ``out``), group g's N columns being a[:, g] @
+    b[g*N:(g+1)*N].T: one launch for every group (DeepSeek-V4's grouped output projection on its
+    weight as stored). N must fill whole blocks, so no block straddles two groups."""
+    if a.dim() != 3 or b.dim() != 2 or b.shape[1] != a.shape[2] or b.shape[0] % a.shape[1]:
+        raise ValueError(f"a [M, G, K] and b [G * N, K] do not fit: {list(a.shape)} and {list(b.shape)}")
+    (m, groups, k), n = a.shape, b.shape[0] // a.shape[1]
+    block = fp8_block_edge(tuple(b.shape), tuple(b_scale.shape))
+    if n % block:
+        raise ValueError(f"b's {groups} groups of {n} rows do not fill whole {block}-row blocks")
+    e8m0 = a_scale.dtype == torch.uint8
+    a_group = MX_BLOCK if e8m0 else block
+    if a_scale.shape != (m, groups, triton.cdiv(k, a_group)) or not (e8m0 or a_scale.dtype == torch.float32):
+        raise ValueError(f"a's scale {a_scale.dtype} {list(a_scale.shape)} is neither fp32 per {block} channels "
+                         f"nor uint8 E8M0 per {MX_BLOCK} of a {list(a.shape)}")
+    a, a_scale, b, b_scale = unit_inner_stride(a, a_scale, b, b_scale)
+    out = output_for(m, groups * n, out_dtype, a.device, out)
+    return _launch(a, a_scale, b, b_scale, None, out, n, block, a_group, None, groups)
+
+
+def _launch(a, a_scale, b, b_scale, bias, out, n: int, block: int, a_group: int, config: GemmConfig | None,
+            groups: int = 1) -> torch.Tensor:
+    """The block GEMM over [M, (G,) K] activations whose scales cover ``a_group`` channels: K steps of
+    at most the smaller of the weight's blocks and the activations' groups."""
+    m, k = a.shape[0], a.shape[-1]
     if m == 0 or n == 0:
         return out
-    cfg = config or config_for(TUNING[block], a.device).for_m(m)
-    block_k = min(cfg.block_k, block)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    step = min(block, a_group)
+    cfg = config or config_for(TUNING[step], a.device).for_m(m)
+    block_k = min(cfg.block_k, step)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), groups)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
+        a.stride(1) if a.dim() == 3 else 0, a_scale.stride(1) if a.dim() == 3 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        SCALE_BLOCK=block, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        SCALE_BLOCK=block, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, A_GROUP=a_group,
+        A_E8M0=a_scale.dtype == torch.uint8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 

@@ -41,6 +41,12 @@ def e4m3_rne(y):
 
 
 @triton.jit
+def e8m0_to_float(e):
+    """Biased E8M0 exponents (int32, 0..254) -> 2**(e - 127) in fp32; 0 is the subnormal 2**-127."""
+    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _token_group_quant_kernel(x_ptr, data_ptr, scale_ptr, norm_ptr, T, K, stride_x, stride_data, stride_scale, eps,
                               BLOCK_T: tl.constexpr, GROUP_K: tl.constexpr, PDL: tl.constexpr,
                               NORM: tl.constexpr = False, ROUND_BEFORE_WEIGHT: tl.constexpr = False):

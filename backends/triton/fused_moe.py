@@ -17,9 +17,10 @@ Rounding follows core/native/moe.py: each GEMM's fp32 result is rounded to x's d
 the native ``_swiglu`` (the DeepSeek-V4 clamp, silu in fp32 rounded, times up rounded); the
 weighted top-k sum is in fp32, rounded once.
 
-FP8 weights (E4M3 with one fp32 scale per 128 x 128 block of each expert, what
-``quantize_fp8_block`` makes of each expert's matrices) meet E4M3 activations with one scale per
-token and 128 channels, scaled per K step in fp32 as the FP8 block GEMM does.
+FP8 weights (E4M3 with one fp32 scale per B x B block of each expert, what ``quantize_fp8_block``
+makes of each expert's matrices: B = 128, or DeepSeek-V4.1's 32, which the scales' shape says) meet
+E4M3 activations with one scale per token and B channels, scaled per K step in fp32 as the FP8
+block GEMM does; a K step stays within one block, so 32-blocks take K steps of 32.
 
 FP4 weights (DeepSeek-V4's routed experts: E2M1 packed two per byte along K, one E8M0 scale per
 32) stay packed in memory, a quarter of bf16's bytes. On sm_100 and gfx950 the activations are
@@ -34,9 +35,13 @@ dequantized weights, up to summation order.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+
+from engine.core.families.linear import fp8_block_edge
 
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
 from .fp4 import fp4_rows, fp4_rows_ptx
@@ -77,6 +82,19 @@ MOE_GEMM = {
     "gfx950": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 2), GemmConfig(64, 128, 64, 8, 4, 2), small_m=16),
     "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 64, 2, 4, 1), small_m=2),
 }
+
+# FP8 experts in DeepSeek-V4.1's 32-blocks: K steps of 32, so the accumulators are scaled four times
+# as often; on sm_90 and sm_100 the prefill tile is 64 x 64 on 8 warps, where 64 x 128 spilled (the
+# gated tile: 231 local loads and stores on sm_90 at 4 warps, 73 at 8; 331 on sm_100) and so did
+# 128 x 128 on sm_100 (956); the AOT test reads the SASS. Not measured on a GPU.
+MOE_GEMM_32 = {
+    "sm_90": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 4), GemmConfig(64, 64, 32, 8, 8, 3), small_m=16),
+    "sm_100": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 4), GemmConfig(64, 64, 32, 8, 8, 3), small_m=16),
+    "gfx942": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 2), GemmConfig(64, 128, 32, 8, 4, 2), small_m=16),
+    "gfx950": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 2), GemmConfig(64, 128, 32, 8, 4, 2), small_m=16),
+    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 32, 2, 4, 1), small_m=2),
+}
+MOE_TUNING = {128: MOE_GEMM, 32: MOE_GEMM_32}  # FP8 block edge (128 also for bf16 experts) -> its table
 
 # FP4 experts: as above, but sm_100 keeps 128-row blocks for decode too, since tl.dot_scaled falls
 # back to a bf16 emulation below that (as in mxfp8.py); on sm_90, where the gated tile unpacks two
@@ -336,9 +354,21 @@ def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out
                  stride_cm, stride_om, stride_wt, stride_it, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False) -> GemmConfig:
-    """The launch parameters for the rows an expert gets on average."""
-    return config_for(MOE_FP4_GEMM if fp4 else MOE_GEMM, device).for_m(-(-num_tokens * top_k // num_experts))
+def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False,
+               fp8_block: int = GROUP) -> GemmConfig:
+    """The launch parameters for the rows an expert gets on average; FP8 experts in blocks of
+    ``fp8_block`` from that edge's table."""
+    return config_for(MOE_FP4_GEMM if fp4 else MOE_TUNING[fp8_block], device).for_m(-(-num_tokens * top_k // num_experts))
+
+
+def fp8_expert_block(w: torch.Tensor, scale: torch.Tensor | None) -> int | None:
+    """The block edge of FP8 experts ``w`` [E, N, K] with fp32 scales [E, ceil(N/B), ceil(K/B)] (B,
+    128 or 32, from their shape); None for other weights."""
+    if w.dtype != FP8:
+        return None
+    if scale is None or scale.dim() != 3:
+        raise ValueError(f"FP8 expert weights {list(w.shape)} need their scales [E, N / B, K / B]")
+    return fp8_block_edge(tuple(w.shape[1:]), tuple(scale.shape[1:]))
 
 
 def _weight_format(a, a_scale, b, b_scale, quantize_a: bool = False) -> str:
@@ -380,6 +410,14 @@ def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: b
     return max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
 
 
+def check_fp8_steps(cfg: GemmConfig, block: int, quantize_a: bool) -> None:
+    """FP8 experts in blocks of ``block`` need K steps within a block, and activations quantized in
+    the GEMM need steps of exactly one block (one scale group of each row)."""
+    if block % cfg.block_k or (quantize_a and cfg.block_k != block):
+        raise ValueError(f"FP8 experts in {block}-blocks need K steps {'of' if quantize_a else 'dividing'} "
+                         f"{block}{' (activations quantized in the GEMM)' if quantize_a else ''}, not {cfg.block_k}")
+
+
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
                   out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -387,12 +425,15 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
     if blocks.block_m != cfg.block_m:
         raise ValueError(f"expert blocks of {blocks.block_m} rows do not fit BLOCK_M {cfg.block_m}")
     fmt = _weight_format(a, a_scale, b, b_scale, quantize_a)
-    if quantize_a and fmt == "fp8_block" and cfg.block_k != GROUP:
-        raise ValueError(f"FP8 activations quantized in the GEMM need K steps of one {GROUP}-channel group, "
-                         f"not {cfg.block_k}")
+    k = a.shape[1]
+    block = fp8_expert_block(b, b_scale)
+    if fmt == "fp8_block":
+        check_fp8_steps(cfg, block, quantize_a)
+        if not quantize_a and a_scale.shape != (a.shape[0], triton.cdiv(k, block)):
+            raise ValueError(f"activation scales {list(a_scale.shape)} do not fit {list(a.shape)} in groups of "
+                             f"{block} (the experts' blocks)")
     if blocks.num_blocks == 0:
         return
-    k = a.shape[1]
     fp4 = fmt.startswith("fp4")
     if b.shape[2] * (2 if fp4 else 1) != k or (fp4 and k % MX_BLOCK):
         raise ValueError(f"expert weights {list(b.shape)} ({fmt}) do not take rows of {k} channels")
@@ -408,7 +449,8 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         0 if out is None else out.stride(0), stride_wt, 0 if topk_ids is None else topk_ids.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         HAS_LIMIT=swiglu_limit is not None, FP8=fmt == "fp8_block",
-        SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled", EVEN_K=k % cfg.block_k == 0,
+        SCALE_BLOCK=MX_BLOCK if fp4 else block or GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
+        EVEN_K=k % cfg.block_k == 0,
         PTX_UNPACK=(fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device)
                     and ptx_unpack_fits(cfg)),
         QUANTIZE_A=quantize_a, ACCUMULATE=accumulate,
@@ -488,9 +530,9 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     stride, not copied. An id -1 names no expert and adds nothing; a token whose ids are all -1 is
     not written (its row of ``out`` stays as it was).
 
-    FP8 weights come with ``gate_up_scale`` [E, ceil(2I/128), ceil(H/128)] and ``down_scale``
-    [E, ceil(H/128), ceil(I/128)]; x and the SwiGLU output are then quantized per token and 128
-    channels on the way into each GEMM. FP4 weights (packed uint8, gate_up [E, 2I, H/2] and down
+    FP8 weights come with ``gate_up_scale`` [E, ceil(2I/B), ceil(H/B)] and ``down_scale``
+    [E, ceil(H/B), ceil(I/B)] (B = 128 or 32); x and the SwiGLU output are then quantized per token
+    and B channels on the way into each GEMM. FP4 weights (packed uint8, gate_up [E, 2I, H/2] and down
     [E, H, I/2]) come with uint8 E8M0 scales [E, N, K/32]; where the target has a block-scaled MMA
     (``scaled_mma``, by default from ``FP4_SCALED_MMA``) the activations are quantized to MXFP8 for
     it, elsewhere the weights are dequantized in registers and meet x as it is. ``config``: the launch
@@ -514,17 +556,21 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
     out = output_for(num_tokens, hidden, x.dtype, x.device, out)
     if num_tokens == 0:
         return out
-    cfg = config or moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2)
+    block = fp8_expert_block(gate_up, gate_up_scale)
+    if block is not None and fp8_expert_block(down, down_scale) != block:
+        raise ValueError(f"gate_up scales {list(gate_up_scale.shape)} and down scales {list(down_scale.shape)} "
+                         f"are not of one block edge")
+    cfg = config or moe_config(num_tokens, top_k, num_experts, x.device, fp4=packing == 2, fp8_block=block or GROUP)
     if blocks is None:
         blocks = align_by_expert(ids, num_experts, cfg.block_m)
     quantize = None
-    if gate_up.dtype == FP8:
-        quantize = quantize_fp8_token_group
+    if block is not None:
+        quantize = partial(quantize_fp8_token_group, group=block)
     elif packing == 2 and (config_for(FP4_SCALED_MMA, x.device) if scaled_mma is None else scaled_mma):
         quantize = quantize_mxfp8
     if quantize_in_gemm is None:
         quantize_in_gemm = quantize is not None and quantizes_in_gemm(cfg, num_tokens, top_k, num_experts, x.device,
-                                                                      fp8=gate_up.dtype == FP8)
+                                                                      fp8_block=block)
     in_gemm = quantize is not None and quantize_in_gemm
     a, x_scale = quantize(x) if quantize and not in_gemm else (x, None)
     arrivals = arrivals_for(num_tokens, hidden, cfg, x.device)
@@ -536,11 +582,12 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, ga
 
 
 def quantizes_in_gemm(cfg: GemmConfig, num_tokens: int, top_k: int, num_experts: int, device: torch.device, *,
-                      fp8: bool) -> bool:
+                      fp8_block: int | None) -> bool:
     """Whether the grouped GEMMs quantize their activations as they load them: for decode-sized rows
     per expert, where the weights' bytes bound the time and a program's extra work on its few rows
     hides behind them (a prefill's programs would each quantize many rows again, once per column
-    tile: there one launch quantizes them once), and, for FP8, K steps of exactly one scale group."""
-    tuning = config_for(MOE_GEMM if fp8 else MOE_FP4_GEMM, device)
+    tile: there one launch quantizes them once), and, for FP8 in blocks of ``fp8_block`` (None: FP4),
+    K steps of exactly one block."""
+    tuning = config_for(MOE_TUNING[fp8_block] if fp8_block else MOE_FP4_GEMM, device)
     decode = -(-num_tokens * top_k // num_experts) <= tuning.small_m
-    return decode and (cfg.block_k == GROUP if fp8 else cfg.block_k % MX_BLOCK == 0)
+    return decode and (cfg.block_k == fp8_block if fp8_block else cfg.block_k % MX_BLOCK == 0)

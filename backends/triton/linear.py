@@ -26,7 +26,7 @@ from engine.core.families.linear import FP8_BLOCKS, LinearBackend, LinearWeight,
 from engine.core.families.norm import NormBackend
 
 from . import gemv
-from .fp8_gemm import fp8_block_gemm, fp8_block_linear
+from .fp8_gemm import fp8_block_gemm, fp8_block_grouped_gemm, fp8_block_linear
 from .fp8_quant import quantize_fp8_token_group
 from .mxfp8 import grouped_gemm, mxfp8_grouped_gemm, mxfp8_linear
 
@@ -56,11 +56,16 @@ class TritonLinear(LinearBackend):
         return super().logits(x, w)
 
     def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "fp8_block" and w.scale is not None:  # x quantized per token and the weight's block edge
+            data, scale = quantize_fp8_token_group(x, group=w.block)
+            return fp8_block_grouped_gemm(data, scale, w.data, w.scale, x.dtype)
         if w.scheme != "dense" or w.data.dtype != x.dtype:
             return super().grouped(x, w)  # which names what is wrong, or rounds the weight to x's dtype
         return grouped_gemm(x, w.data)
 
     def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
+        if w.scheme == "fp8_block" and w.scale is not None:  # K steps of 32, x's E8M0 scale and the block's
+            return fp8_block_grouped_gemm(x.data, x.scale, w.data, w.scale, x.dtype)
         if w.scheme != "mxfp8" or w.scale is None:
             return super().grouped_mxfp8(x, w)  # which names what is wrong
         return mxfp8_grouped_gemm(x.data, x.scale, w.data, w.scale, x.dtype)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.families.linear import FP8_BLOCKS
 from engine.core.families.moe import ExpertWeights, MoEBackend, Router, RoutingConfig, router_logits_of
 from engine.core.native.moe import NativeMoE
 
 from . import moe_routing
-from .fused_moe import PACKED_FP4, fused_moe, moe_config
+from .fp8_quant import GROUP
+from .fused_moe import PACKED_FP4, fp8_expert_block, fused_moe, moe_config
 from .moe_dispatch import fits_one_program, route_and_align
 from .moe_one_launch import arrival_counts, fits_one_launch, moe_one_launch
 from .moe_router import project_route_and_align, projects_in_dispatch
@@ -23,6 +25,7 @@ from .moe_router import project_route_and_align, projects_in_dispatch
 class TritonMoE(MoEBackend):
     name = "triton"
     schemes = ("dense", "fp8_block", "fp4")
+    fp8_blocks = FP8_BLOCKS  # 32-blocks in K steps of 32 (fused_moe.py)
     one_launch = True  # a decode step's stack in one launch (moe_one_launch) where it fits; else two
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
@@ -66,11 +69,13 @@ class TritonMoE(MoEBackend):
 
     @staticmethod
     def _gemm_config(num_tokens: int, columns: int, w: ExpertWeights):
-        return moe_config(num_tokens, columns, w.gate_up.shape[0], w.gate_up.device, fp4=w.gate_up.dtype == PACKED_FP4)
+        return moe_config(num_tokens, columns, w.gate_up.shape[0], w.gate_up.device, fp4=w.gate_up.dtype == PACKED_FP4,
+                          fp8_block=fp8_expert_block(w.gate_up, w.gate_up_scale) or GROUP)
 
     def _arrival_counts(self, x: torch.Tensor, w: ExpertWeights, gemm, columns: int) -> int | None:
         """The counters a stack's one launch needs, None where it takes two."""
-        if not self.one_launch or not fits_one_launch(w.gate_up, gemm, x.shape[0], columns):
+        if not self.one_launch or not fits_one_launch(w.gate_up, gemm, x.shape[0], columns,
+                                                      gate_up_scale=w.gate_up_scale):
             return None
         return arrival_counts(x.shape[0], x.shape[1], gemm)
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import GemmConfig, unit_inner_stride
-from .fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, FP8, GROUP, MX_BLOCK, PACKED_FP4, _stages_that_fit,
-                        _weight_format, expert_tile, ptx_unpack_fits, quantizes_in_gemm)
+from .fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, FP8, MX_BLOCK, PACKED_FP4, _stages_that_fit, _weight_format,
+                        check_fp8_steps, expert_tile, fp8_expert_block, ptx_unpack_fits, quantizes_in_gemm)
 from .moe_align import ExpertBlocks
 from .pdl import launch_options, wait_for_prior
 from .target import arch_of, config_for, pick
@@ -57,12 +57,14 @@ def _quantizes(gate_up: torch.Tensor, scaled_mma: bool | None) -> bool:
 
 
 def fits_one_launch(gate_up: torch.Tensor, cfg: GemmConfig, num_tokens: int, top_k: int,
-                    scaled_mma: bool | None = None) -> bool:
+                    scaled_mma: bool | None = None, gate_up_scale: torch.Tensor | None = None) -> bool:
     """Whether these experts can run in one launch: activations unquantized throughout, or quantized
-    in the GEMMs (``quantizes_in_gemm``: decode rows), since no launch may quantize between."""
+    in the GEMMs (``quantizes_in_gemm``: decode rows), since no launch may quantize between. FP8
+    experts come with their ``gate_up_scale``, whose shape says their blocks."""
     if not _quantizes(gate_up, scaled_mma):
         return True
-    return quantizes_in_gemm(cfg, num_tokens, top_k, gate_up.shape[0], gate_up.device, fp8=gate_up.dtype == FP8)
+    return quantizes_in_gemm(cfg, num_tokens, top_k, gate_up.shape[0], gate_up.device,
+                             fp8_block=fp8_expert_block(gate_up, gate_up_scale))
 
 
 @triton.jit
@@ -124,8 +126,12 @@ def moe_one_launch(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor,
         raise ValueError("one launch needs blocks of the config's rows with their zeroed counters")
     x, gate_up, down = unit_inner_stride(x, gate_up, down)
     fmt = _weight_format(x, None, gate_up, gate_up_scale, quantize)
-    if fmt == "fp8_block" and cfg.block_k != GROUP:
-        raise ValueError(f"FP8 in one launch needs K steps of one {GROUP}-channel group, not {cfg.block_k}")
+    block = fp8_expert_block(gate_up, gate_up_scale)
+    if fmt == "fp8_block":
+        if fp8_expert_block(down, down_scale) != block:
+            raise ValueError(f"gate_up scales {list(gate_up_scale.shape)} and down scales {list(down_scale.shape)} "
+                             f"are not of one block edge")
+        check_fp8_steps(cfg, block, True)
     fp4 = fmt.startswith("fp4")
     num_tokens, hidden = x.shape
     inner = gate_up.shape[1] // 2
@@ -150,7 +156,7 @@ def moe_one_launch(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *scales[0], down.stride(0), down.stride(1), *scales[1],
         h.stride(0), rows.stride(0), out.stride(0), weights.stride(0), topk_ids.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_LIMIT=swiglu_limit is not None,
-        FP8=fmt == "fp8_block", SCALE_BLOCK=MX_BLOCK if fp4 else GROUP, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
+        FP8=fmt == "fp8_block", SCALE_BLOCK=MX_BLOCK if fp4 else block or MX_BLOCK, FP4=fp4, SCALED_MMA=fmt == "fp4_scaled",
         EVEN_H=hidden % cfg.block_k == 0, EVEN_I=inner % cfg.block_k == 0,
         PTX_UNPACK=(fmt == "fp4" and x.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, x.device)
                     and ptx_unpack_fits(cfg)),

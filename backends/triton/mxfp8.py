@@ -23,17 +23,11 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import GemmConfig, GemmTuning, output_for, store_tile, tile_of, unit_inner_stride
-from .fp8_quant import FP8_MAX, e4m3_rne
+from .fp8_quant import FP8_MAX, e4m3_rne, e8m0_to_float
 from .target import config_for
 
 MX_BLOCK = 32
 E8M0_MAX = tl.constexpr(254)  # 255 is NaN
-
-
-@triton.jit
-def e8m0_to_float(e):
-    """Biased E8M0 exponents (int32, 0..254) -> 2**(e - 127) in fp32; 0 is the subnormal 2**-127."""
-    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

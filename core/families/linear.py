@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..native.quant import dequantize_mxfp8
+from ..native.quant import dequantize_fp8_block, dequantize_mxfp8
 from .norm import NormBackend
 
 MX_BLOCK = 32  # values per E8M0 scale in MXFP8
@@ -54,6 +54,19 @@ class LinearWeight:
             raise ValueError(f"a {self.scheme!r} weight{'' if self.scale is not None else ' without a scale'} "
                              f"has no block edge")
         return fp8_block_edge(tuple(self.data.shape), tuple(self.scale.shape))
+
+
+def weight_values(w: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in ``dtype`` that ``w`` stands for, dequantized from its scheme."""
+    if w.scheme == "dense":
+        return w.data.to(dtype)
+    if w.scale is None:
+        raise ValueError(f"a {w.scheme!r} weight needs its scale")
+    if w.scheme == "fp8_block":
+        return dequantize_fp8_block(w.data, w.scale, w.block, dtype)
+    if w.scheme == "mxfp8":
+        return dequantize_mxfp8(w.data, w.scale, dtype=dtype)
+    raise ValueError(f"a weight's scheme is dense, fp8_block or mxfp8, not {w.scheme!r}")
 
 
 @dataclass(frozen=True)
@@ -115,23 +128,26 @@ class LinearBackend(ABC):
         return (self.gate_up_silu(h, w, ops) if silu_mul else self.apply(h, w)), summed
 
     def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-        """x [T, G, K] times each group's [R, K] block of a dense weight [G * R, K] (rounded to x's
-        dtype) -> [T, G * R] in x's dtype: DeepSeek-V4's grouped output projection, here one bmm."""
-        if w.scheme != "dense":
-            raise ValueError(f"a grouped product takes a dense weight here, not {w.scheme!r}")
+        """x [T, G, K] times each group's [R, K] block of a dense or "fp8_block" weight [G * R, K]
+        (rounded to x's dtype) -> [T, G * R] in x's dtype: DeepSeek-V4's grouped output projection,
+        here one bmm."""
+        if w.scheme not in ("dense", "fp8_block"):
+            raise ValueError(f"a grouped product takes a dense or fp8_block weight, not {w.scheme!r}")
         t, groups, k = x.shape
-        b = w.data.to(x.dtype).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
+        b = weight_values(w, x.dtype).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
         return torch.bmm(x.transpose(0, 1), b).transpose(0, 1).reshape(t, -1)
 
     def grouped_mxfp8(self, x: MXFP8Tensor, w: LinearWeight) -> torch.Tensor:
-        """x [T, G, K] in MXFP8 times each group's [R, K] block of an "mxfp8" weight [G * R, K] ->
-        [T, G * R] in x's dtype (DeepSeek-V4's grouped output projection). Here the definition: both
-        dequantized exactly to fp32, multiplied there, rounded once; a backend may fuse the scales."""
-        if w.scheme != "mxfp8" or w.scale is None:
-            raise ValueError(f"a grouped MXFP8 product needs an mxfp8 weight with its scale, not {w.scheme!r}")
+        """x [T, G, K] in MXFP8 times each group's [R, K] block of an "mxfp8" or "fp8_block" weight
+        [G * R, K] -> [T, G * R] in x's dtype (DeepSeek-V4's grouped output projection). Here the
+        definition: both dequantized exactly to fp32, multiplied there, rounded once; a backend may
+        fuse the scales."""
+        if w.scheme not in ("mxfp8", "fp8_block") or w.scale is None:
+            raise ValueError(f"a grouped MXFP8 product needs an mxfp8 or fp8_block weight with its scale, "
+                             f"not {w.scheme!r}{'' if w.scale is not None else ' without one'}")
         t, groups, k = x.shape
         a = dequantize_mxfp8(x.data, x.scale).transpose(0, 1)  # [G, T, K]
-        b = dequantize_mxfp8(w.data, w.scale).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
+        b = weight_values(w, torch.float32).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
         return torch.bmm(a, b).transpose(0, 1).reshape(t, -1).to(x.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:

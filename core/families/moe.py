@@ -48,8 +48,9 @@ class ExpertWeights:
     """Stacked expert weights: ``gate_up`` [E, 2*I, H] (gate rows first), ``down`` [E, H, I], and how
     they are stored.
 
-    ``scheme``: "dense" (bf16/fp16/fp32), "fp8_block" (E4M3 with fp32 scales per 128x128 block of
-    each expert's matrix, [E, ceil(N/128), ceil(K/128)]) or "fp4" (E2M1 packed two per uint8 byte
+    ``scheme``: "dense" (bf16/fp16/fp32), "fp8_block" (E4M3 with fp32 scales per B x B block of
+    each expert's matrix, [E, ceil(N/B), ceil(K/B)]: B = 128, or DeepSeek-V4.1's 32, which the
+    scales' shape says) or "fp4" (E2M1 packed two per uint8 byte
     along K, element 2j in the low nibble, so ``gate_up`` is [E, 2*I, H/2] and ``down`` [E, H, I/2];
     uint8 E8M0 scales, one per 32 along K, [E, N, K/32]: DeepSeek-V4's routed experts).
     """
@@ -85,6 +86,7 @@ class MoEBackend(ABC):
     name: str = "?"
     graph_safe: bool = True  # False if route or experts syncs with the host or sizes work from device values
     schemes: tuple[str, ...] = ("dense",)  # the ExpertWeights schemes ``experts`` runs
+    fp8_blocks: tuple[int, ...] = (128,)  # the block edges of "fp8_block" experts it runs
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx

@@ -32,7 +32,7 @@ class ExpertStack(nn.Module):
         self.down = empty_param(count, hidden, inter, dtype=dtype, device=device)
         self.register_parameter("gate_up_scale", None)
         self.register_parameter("down_scale", None)
-        self.scheme, self.inter = "dense", inter
+        self.scheme, self.inter, self.block = "dense", inter, FP8_BLOCK
         self.first, self.split = first, split
 
     def target(self, prefix: str, which: str, expert: int) -> Target | None:
@@ -47,15 +47,16 @@ class ExpertStack(nn.Module):
         rows = (0, self.inter) if which == "gate" else (self.inter, self.inter)
         return Target(f"{prefix}.gate_up", rows=rows, expert=local, part=(0, index, parts))
 
-    def can_keep(self, scheme: str, schemes: tuple[str, ...]) -> bool:
-        """Whether this stack can hold ``scheme`` (the backend runs ``schemes``). FP8 blocks of 128
-        rows must not straddle the gate and up halves."""
+    def can_keep(self, scheme: str, schemes: tuple[str, ...], block: int = FP8_BLOCK) -> bool:
+        """Whether this stack can hold ``scheme`` (the backend runs ``schemes``), FP8 in square blocks
+        of ``block`` (128; DeepSeek-V4.1's 32), which must not straddle the gate and up halves."""
         if scheme == self.scheme:
-            return True
-        return self.scheme == "dense" and scheme in schemes and (scheme != "fp8_block" or self.inter % FP8_BLOCK == 0)
+            return scheme != "fp8_block" or block == self.block
+        return self.scheme == "dense" and scheme in schemes and (scheme != "fp8_block" or self.inter % block == 0)
 
-    def keep_quantized(self, scheme: str) -> None:
-        """Hold the weights as ``scheme`` ("fp8_block" or "fp4"), empty until loaded."""
+    def keep_quantized(self, scheme: str, block: int = FP8_BLOCK) -> None:
+        """Hold the weights as ``scheme`` ("fp8_block" in square blocks of ``block``, or "fp4"), empty
+        until loaded."""
         if scheme == self.scheme:
             return
         (count, two_inner, hidden), inner, device = self.gate_up.shape, self.inter, self.gate_up.device
@@ -64,8 +65,9 @@ class ExpertStack(nn.Module):
             scales = {"gate_up": (count, two_inner, hidden // FP4_GROUP), "down": (count, hidden, inner // FP4_GROUP)}
         elif scheme == "fp8_block":
             data_dtype, scale_dtype, packing = FP8, torch.float32, 1
-            scales = {"gate_up": (count, two_inner // FP8_BLOCK, math.ceil(hidden / FP8_BLOCK)),
-                      "down": (count, math.ceil(hidden / FP8_BLOCK), math.ceil(inner / FP8_BLOCK))}
+            scales = {"gate_up": (count, two_inner // block, math.ceil(hidden / block)),
+                      "down": (count, math.ceil(hidden / block), math.ceil(inner / block))}
+            self.block = block
         else:
             raise ValueError(f"expert scheme {scheme!r} is neither fp8_block nor fp4")
         for name, scale_shape in scales.items():
@@ -81,7 +83,7 @@ class ExpertStack(nn.Module):
     def scale_rows(self, rows: tuple[int, int]) -> tuple[int, int]:
         """The rows of ``gate_up_scale`` that hold the scales of weight rows (offset, count)."""
         if self.scheme == "fp8_block":
-            return rows[0] // FP8_BLOCK, math.ceil(rows[1] / FP8_BLOCK)
+            return rows[0] // self.block, math.ceil(rows[1] / self.block)
         return rows
 
     def weights(self, activation: str, swiglu_limit: float | None) -> ExpertWeights:

@@ -14,6 +14,23 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> 
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def quantized_params(weight: torch.Tensor, data_dtype: torch.dtype, scale_shape: tuple[int, ...],
+                     scale_dtype: torch.dtype) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty (data, scale) parameters that hold ``weight``'s values quantized, to be loaded: the data
+    in ``data_dtype`` and ``weight``'s shape, scales of ``scale_shape`` (the checkpoint's: a
+    tensor-parallel rank holds its part, as of the weight)."""
+    device, partition = weight.device, getattr(weight, "partition", None)
+    if partition is not None:
+        dim, _, count = partition
+        scale_shape = tuple(n // count if d == dim else n for d, n in enumerate(scale_shape))
+    data = empty_param(*weight.shape, dtype=data_dtype, device=device)
+    scale = empty_param(*scale_shape, dtype=scale_dtype, device=device)
+    if partition is not None:
+        data.partition = scale.partition = partition
+    scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
+    return data, scale
+
+
 class Linear(nn.Module):
     """y = x @ W.T (+ b) through the selected linear backend.
 
@@ -44,15 +61,7 @@ class Linear(nn.Module):
         if self.scheme != "dense" or scheme not in self.backend.schemes:
             raise ValueError(f"a {self.scheme} linear cannot become {scheme} (the {self.backend.name} linear "
                              f"backend runs {self.backend.schemes})")
-        device, partition = self.weight.device, getattr(self.weight, "partition", None)
-        if partition is not None:  # a tensor-parallel rank's part: of the scales as of the weight
-            dim, _, count = partition
-            scale_shape = tuple(n // count if d == dim else n for d, n in enumerate(scale_shape))
-        self.weight = empty_param(*self.weight.shape, dtype=data_dtype, device=device)
-        self.weight_scale = empty_param(*scale_shape, dtype=scale_dtype, device=device)
-        if partition is not None:
-            self.weight.partition = self.weight_scale.partition = partition
-        self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
+        self.weight, self.weight_scale = quantized_params(self.weight, data_dtype, scale_shape, scale_dtype)
         self.scheme = scheme
 
     @property

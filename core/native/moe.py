@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..families.linear import FP8_BLOCKS, fp8_block_edge
 from ..families.moe import ExpertWeights, MoEBackend, RoutingConfig
 from .quant import dequantize_fp4, dequantize_fp8_block
 
@@ -18,7 +19,8 @@ SCORINGS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),  # DeepSeek-V4
 }
 ACTIVATIONS = {"silu": F.silu}
-DEQUANTIZE = {"fp8_block": lambda data, scale, dtype: dequantize_fp8_block(data, scale, dtype=dtype),
+DEQUANTIZE = {"fp8_block": lambda data, scale, dtype: dequantize_fp8_block(
+                  data, scale, fp8_block_edge(tuple(data.shape), tuple(scale.shape)), dtype),
               "fp4": dequantize_fp4}
 
 
@@ -68,6 +70,7 @@ class NativeMoE(MoEBackend):
     name = "native"
     graph_safe = False  # experts() sizes each expert's slice on the host
     schemes = ("dense", *DEQUANTIZE)
+    fp8_blocks = FP8_BLOCKS
 
     def route(self, router_logits: torch.Tensor, cfg: RoutingConfig,
               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,11 @@ from ...families.linear import MX_BLOCK, LinearBackend, LinearWeight, MXFP8Tenso
 from ...families.v4_attention import Compression, IndexerLayer, IndexKey, V4AttentionLayer
 from ...forward import ForwardBatch
 from ...kv.storage import KVCache
-from ...native.quant import quantize_fp8_block_e8m0
+from ...native.quant import FP8, quantize_fp8_block_e8m0
 from ...native.rope import RotaryEmbedding
 from ..base import Backends
 from ..fused_projection import FusedProjection
-from ..layers import Linear, RMSNorm, empty_param
+from ..layers import Linear, RMSNorm, empty_param, quantized_params
 from .cache import LayerCache
 from .topology import CSA2Role
 
@@ -38,20 +38,29 @@ CSA2 = "compressed_sparse_attention_2"  # V4.1: entries at ratio 1 or 2, shared 
 
 class GroupedLinear(nn.Module):
     """The grouped low-rank output projection's first half: each of G head groups has its own
-    [rank, in] block of ``weight`` [G * rank, in]. Fed MXFP8 (an attention that emits it), it
-    multiplies in MXFP8 through the linear backend, once ``keep_mxfp8`` has quantized the weight."""
+    [rank, in] block of ``weight`` [G * rank, in]. Held dense, or as DeepSeek-V4.1 stores it
+    (``keep_fp8_block``: E4M3 with a scale per 32 x 32 block); fed MXFP8 (an attention that emits
+    it), it multiplies in MXFP8 or on the stored blocks through the linear backend, a dense weight
+    once ``keep_mxfp8`` has quantized it."""
 
     def __init__(self, in_per_group: int, rank: int, groups: int, backend: LinearBackend, *, dtype: torch.dtype,
                  device) -> None:
         super().__init__()
         self.weight = empty_param(groups * rank, in_per_group, dtype=dtype, device=device)
         self.register_parameter("weight_scale", None)
-        self.groups, self.backend = groups, backend
+        self.groups, self.backend, self.scheme = groups, backend, "dense"
+
+    def keep_fp8_block(self, scale_shape: tuple[int, ...]) -> None:
+        """Hold the weight as stored, E4M3 with fp32 block scales of ``scale_shape``, empty until loaded."""
+        self.weight, self.weight_scale = quantized_params(self.weight, FP8, scale_shape, torch.float32)
+        self.scheme = "fp8_block"
 
     def keep_mxfp8(self) -> None:
         """Quantize the loaded weight to MXFP8: E4M3 with one E8M0 scale per 32 along K, each amax / 448
         rounded up to a power of two, so nothing saturates and DeepSeek's FP8 checkpoints (E8M0
         scales on 128 x 128 blocks, which their 1 x 32 blocks refine) keep every value exactly."""
+        if self.scheme != "dense":
+            raise ValueError(f"the output projection holds its weight as {self.scheme}, not dense (keep_mxfp8)")
         partition = getattr(self.weight, "partition", None)
         data, scale = quantize_fp8_block_e8m0(self.weight.detach(), block=1, cols=MX_BLOCK)
         self.weight = nn.Parameter(data, requires_grad=False)
@@ -59,14 +68,16 @@ class GroupedLinear(nn.Module):
         self.weight_scale.values_per_element = 0  # a scale stands for no weight of its own (weights.resident_bytes)
         if partition is not None:
             self.weight.partition = self.weight_scale.partition = partition
+        self.scheme = "mxfp8"
 
     def forward(self, x: torch.Tensor | MXFP8Tensor) -> torch.Tensor:
         """[T, G, in] -> [T, G * rank]."""
+        weight = LinearWeight(self.weight, self.scheme, self.weight_scale)
         if isinstance(x, MXFP8Tensor):
-            if self.weight_scale is None:
+            if self.scheme == "dense":
                 raise ValueError("the output projection was fed MXFP8 but holds its weight unquantized (keep_mxfp8)")
-            return self.backend.grouped_mxfp8(x, LinearWeight(self.weight, "mxfp8", self.weight_scale))
-        return self.backend.grouped(x, LinearWeight(self.weight))
+            return self.backend.grouped_mxfp8(x, weight)
+        return self.backend.grouped(x, weight)
 
 
 class Compressor(nn.Module):
@@ -188,7 +199,7 @@ class Attention(nn.Module):
         the attention emits MXFP8 quantize the output projection's weight for it."""
         self.x_proj.fuse()
         self.q_proj.fuse()
-        if self.backend.emits_mxfp8:
+        if self.backend.emits_mxfp8 and self.wo_a.scheme == "dense":
             self.wo_a.keep_mxfp8()
 
     def _index_keys(self) -> Compression:

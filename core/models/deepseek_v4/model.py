@@ -24,13 +24,13 @@ from ...kv.storage import KVCache, KVLayerSpec
 from ...native.quant import FP8, e8m0_exponents
 from ...native.rope import RotaryEmbedding, rope_from_hf
 from ..base import Backends, CausalLM
-from ..experts import ExpertStack
+from ..experts import FP8_BLOCK, ExpertStack
 from ..layers import Linear, RMSNorm, empty_param
 from ..weights import Target, checkpoint_part, load_into
-from .attention import CSA, CSA2, HCA, SLIDING, Attention, StepShare
+from .attention import CSA, CSA2, HCA, SLIDING, Attention, GroupedLinear, StepShare
 from . import moe
 from .cache import LayerCache, cache_layout, window_reach
-from .checkpoint import BLOCK, SCALE, Quantized, check_quantization_config, fp8_block, paired
+from .checkpoint import SCALE, V41_BLOCK, Quantized, check_quantization_config, fp8_block, paired
 from .moe import SparseMoE
 from .engram import Engram, EngramLayout, NgramHistory, Rows
 from .engram_host import HostEngram
@@ -298,10 +298,23 @@ class DeepseekV4ForCausalLM(CausalLM):
                 return False
             owner.keep_quantized(scheme, FP8, tuple(q.scale.shape))
             return True
-        if q.kind == "fp8" and q.block != (BLOCK, BLOCK):
-            return False  # an expert stack's FP8 (V4.1's shared experts): the MoE kernels take 128 x 128 blocks
-        if isinstance(owner, ExpertStack) and owner.can_keep(scheme, self.backends.moe.schemes):
-            owner.keep_quantized(scheme)
+        if isinstance(owner, GroupedLinear) and q.kind == "fp8" and q.block == (V41_BLOCK, V41_BLOCK):
+            # V4.1's wo_a as stored (every linear backend's grouped product takes FP8 blocks); V4's
+            # 128-blocks go on as before: dequantized, re-encoded to MXFP8 where the attention emits it
+            owner.keep_fp8_block(tuple(q.scale.shape))
+            return True
+        moe_backend = self.backends.moe
+        if not isinstance(owner, ExpertStack) or scheme not in moe_backend.schemes:
+            return False
+        if q.kind == "fp8":  # the shared expert (routed ones are FP4 in the published layouts)
+            rows, cols = q.block
+            if rows != cols or rows not in moe_backend.fp8_blocks:
+                refusals.add(f"the {moe_backend.name} MoE backend multiplies FP8 experts in square blocks of "
+                             f"{list(moe_backend.fp8_blocks)}, not {rows} x {cols}")
+                return False
+        block = q.block[0] if q.kind == "fp8" else FP8_BLOCK
+        if owner.can_keep(scheme, moe_backend.schemes, block):
+            owner.keep_quantized(scheme, block)
             return True
         return False
 

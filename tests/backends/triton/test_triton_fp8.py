@@ -300,7 +300,8 @@ def test_fp8_quant_and_linear_gpu(seed, m, dtype):
 
 GEMM_SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
                   "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                  "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32"}
+                  "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32",
+                  "stride_ag": "i32", "stride_asg": "i32"}
 
 
 def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool = True, block: int = 128,
@@ -308,7 +309,8 @@ def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool =
     """As fp8_block_gemm launches it, from the block edge's tuning table."""
     cfg = getattr(pick(TUNING[block], target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      SCALE_BLOCK=block, HAS_BIAS=has_bias, EVEN_K=even_k, PDL=pdl(target))
+                      SCALE_BLOCK=block, HAS_BIAS=has_bias, EVEN_K=even_k, PDL=pdl(target), A_GROUP=block,
+                      A_E8M0=False)
     return compile_asm(_fp8_block_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"],
                        sass=sass)

@@ -19,8 +19,9 @@ import re
 import pytest
 import torch
 
-from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, _moe_gemm_kernel,
-                                              arrivals_for, fused_moe, moe_config, moe_down, moe_gate_up)
+from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_TUNING,
+                                              _moe_gemm_kernel, arrivals_for, fused_moe, moe_config, moe_down,
+                                              moe_gate_up)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, ExpertBlocks, _align_one_chunk_kernel, _count_kernel,
@@ -279,21 +280,30 @@ def test_experts_at_block_boundaries(seed, which, counts, top_k):
     check_experts(x, routing_weights(num_tokens, top_k), ids, random_experts(len(counts), 64, 64, torch.float32), 1e-5)
 
 
-def fp8_experts(w: ExpertWeights):
-    """Each expert's matrices quantized in 128 x 128 blocks, and the weights they stand for."""
+def fp8_block_of(m: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 and fp32 block scales: 128-blocks as DeepSeek-V3's (amax / 448), 32-blocks as DeepSeek-V4.1
+    stores them (powers of two, E8M0) and its loader keeps them (as fp32)."""
+    if block == 128:
+        return quant.quantize_fp8_block(m.float())
+    data, exponents = quant.quantize_fp8_block_e8m0(m.float(), block)
+    return data, quant.e8m0_to_float(exponents)
+
+
+def fp8_experts(w: ExpertWeights, block: int = 128):
+    """Each expert's matrices quantized in ``block`` x ``block`` blocks, and the weights they stand for."""
     def per_expert(stack):
-        data, scale = zip(*(quant.quantize_fp8_block(m.float()) for m in stack))
+        data, scale = zip(*(fp8_block_of(m, block) for m in stack))
         return torch.stack(data), torch.stack(scale)
     (gu, gu_scale), (dn, dn_scale) = per_expert(w.gate_up), per_expert(w.down)
     dequantized = ExpertWeights(
-        torch.stack([quant.dequantize_fp8_block(d, s, dtype=w.gate_up.dtype) for d, s in zip(gu, gu_scale)]),
-        torch.stack([quant.dequantize_fp8_block(d, s, dtype=w.down.dtype) for d, s in zip(dn, dn_scale)]),
+        torch.stack([quant.dequantize_fp8_block(d, s, block, w.gate_up.dtype) for d, s in zip(gu, gu_scale)]),
+        torch.stack([quant.dequantize_fp8_block(d, s, block, w.down.dtype) for d, s in zip(dn, dn_scale)]),
         swiglu_limit=w.swiglu_limit)
     return (gu, gu_scale, dn, dn_scale), dequantized
 
 
-def check_fp8(x, weights, ids, w, bound):
-    (gu, gu_scale, dn, dn_scale), dequantized = fp8_experts(w)
+def check_fp8(x, weights, ids, w, bound, block=128):
+    (gu, gu_scale, dn, dn_scale), dequantized = fp8_experts(w, block)
     out = torch.full_like(x, float("nan"))
     got = fused_moe(x, weights, ids, gu, dn, swiglu_limit=w.swiglu_limit, gate_up_scale=gu_scale,
                     down_scale=dn_scale, out=out)
@@ -302,15 +312,21 @@ def check_fp8(x, weights, ids, w, bound):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit,dtype", [
-    (2, 8, 2, 256, 192, None, torch.float32),  # I = 192: a 128-row scale block holds gate and up rows
-    (20, 8, 4, 128, 256, 1.0, torch.float16),
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inner,limit,dtype,block", [
+    (2, 8, 2, 256, 192, None, torch.float32, 128),  # I = 192: a 128-row scale block holds gate and up rows
+    (20, 8, 4, 128, 256, 1.0, torch.float16, 128),
+    (2, 8, 2, 160, 96, None, torch.float32, 32),  # DeepSeek-V4.1's 32-blocks, H = 160: five K steps
+    (20, 8, 4, 96, 64, 1.0, torch.float16, 32),
 ])
 def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_experts, top_k, hidden, inner,
-                                                          limit, dtype):
+                                                          limit, dtype, block):
+    """Through the two grouped GEMMs (activations quantized per token and ``block`` channels by a
+    launch before each) and through ``TritonMoE.experts``, native on the same stored weights."""
     x = activations(num_tokens, hidden, dtype, scale=2.0)
     w = random_experts(num_experts, hidden, inner, dtype, swiglu_limit=limit)
-    check_fp8(x, routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k), w, 0.06)
+    weights, ids = routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k)
+    check_fp8(x, weights, ids, w, 0.06, block)
+    check_experts(x, weights, ids, stack_in("fp8_block", w, block), 0.06)
 
 
 
@@ -332,10 +348,11 @@ def test_experts_read_routing_slices_in_place(seed, num_tokens):
         check_experts(x, weights[:, cols], ids[:, cols], w, 1e-5)
 
 
-def stack_in(scheme: str, w: ExpertWeights) -> ExpertWeights:
-    """``w`` kept as ``scheme``, as ``ExpertStack.keep_quantized`` holds a checkpoint's experts."""
+def stack_in(scheme: str, w: ExpertWeights, block: int = 128) -> ExpertWeights:
+    """``w`` kept as ``scheme`` (FP8 in ``block``-blocks), as ``ExpertStack.keep_quantized`` holds a
+    checkpoint's experts."""
     if scheme == "fp8_block":
-        (gu, gu_scale, dn, dn_scale), _ = fp8_experts(w)
+        (gu, gu_scale, dn, dn_scale), _ = fp8_experts(w, block)
         return ExpertWeights(gu, dn, swiglu_limit=w.swiglu_limit, scheme=scheme, gate_up_scale=gu_scale,
                              down_scale=dn_scale)
     return fp4_experts(w) if scheme == "fp4" else w
@@ -574,20 +591,26 @@ BF16_MMA = {
 # gfx942's FP8 is the FNUZ variant, not OCP E4M3: there the operands are widened to fp16 first
 FP8_MMA = {"sm_90": r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", "sm_100": r"tcgen05\.mma\S*kind::f8f6f4",
            "gfx942": r"v_mfma_f32_\w+_f16", "gfx950": r"v_mfma_f32_\w+_f8f6f4"}
+# K steps of 32 take gfx950's E4M3 MFMA of K 16 (its f8f6f4 one spans K 64)
+FP8_32_MMA = {**FP8_MMA, "gfx950": r"v_mfma_f32_\w+_fp8_fp8"}
 
 
-def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool) -> dict[str, str]:
+def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool, block: int = 128,
+                     sass: bool = False) -> dict[str, str]:
+    """As fused_moe launches it: FP8 experts in ``block``-blocks from that edge's table."""
     from aot import compile_asm, pdl
 
-    cfg = getattr(pick(MOE_GEMM, target), which)
+    cfg = getattr(pick(MOE_TUNING[block], target), which)
     operand = "*fp8e4nv" if fp8 else "*bf16"
     signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=128,
+                      GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=block,
                       PDL=pdl(target), FP4=False, SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False,
                       QUANTIZE_A=False, ACCUMULATE=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"])
+                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"],
+                       sass=sass)
+
 
 
 def check_compiled(asm: dict[str, str], target: str, mma: str) -> None:
@@ -611,6 +634,26 @@ def test_fp8_moe_gemm_reaches_the_matrix_units(target):
     if target.startswith("sm_"):  # launched under the kernel before it (PDL)
         from aot import GRID_DEPENDENCY
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("which,gated", [("small", True), ("small", False), ("large", True), ("large", False)],
+                         ids=["gate_up-small", "down-small", "gate_up-large", "down-large"])
+def test_fp8_32_block_moe_gemm_compiles_without_spills(target, which, gated):
+    """DeepSeek-V4.1's 32-block experts (its shared expert): K steps of 32, the prefill tiles on the
+    E4M3 MMA (the decode tiles' 16 rows on mma.sync or MFMA, as at 128), no local memory on NVIDIA,
+    no scratch and LDS within a workgroup's on AMD."""
+    from aot import LDS_BYTES, amd_scratch_and_lds, local_memory_ops
+
+    asm = compile_moe_gemm(target, which, gated, fp8=True, block=32, sass=target.startswith("sm_"))
+    if which == "large":
+        check_compiled(asm, target, FP8_32_MMA[target])
+    if target.startswith("sm_"):
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 # FP4 experts: the block-scaled MMA where FP4_SCALED_MMA says the target has one (E2M1 weights with

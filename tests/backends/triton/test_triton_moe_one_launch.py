@@ -27,28 +27,30 @@ from engine.backends.triton.moe_one_launch import arrival_counts, fits_one_launc
 from engine.core.native.moe import NativeMoE
 
 DECODE = GemmConfig(16, 32, 128, 1, 4, 1)  # K steps of one FP8 scale group, as the GPUs' decode tiles
+DECODE_32 = GemmConfig(16, 32, 32, 1, 4, 1)  # of one 32-channel group (DeepSeek-V4.1's blocks)
 
 TWO_BLOCKS = GemmConfig(8, 32, 64, 1, 4, 1)
 
-CASES = [  # scheme, scaled_mma, tokens, experts, top_k, bound, config
-    ("dense", False, 1, 8, 2, 1e-5, DECODE),  # most experts empty
+CASES = [  # scheme, scaled_mma, tokens, experts, top_k, bound, config, FP8 block edge
+    ("dense", False, 1, 8, 2, 1e-5, DECODE, 128),  # most experts empty
     # every token on every expert: 13 rows each, two blocks of 8 (the second 3 rows and padding)
-    ("dense", False, 13, 3, 3, 1e-5, TWO_BLOCKS),
-    ("fp8_block", False, 6, 4, 2, 0.1, DECODE),
-    ("fp4", False, 6, 4, 2, 1e-5, DECODE),  # dequantized in registers
-    ("fp4", True, 6, 4, 2, 0.1, DECODE),  # MXFP8 activations, tl.dot_scaled
+    ("dense", False, 13, 3, 3, 1e-5, TWO_BLOCKS, 128),
+    ("fp8_block", False, 6, 4, 2, 0.1, DECODE, 128),
+    ("fp8_block", False, 6, 4, 2, 0.1, DECODE_32, 32),  # K steps of 32, each a 32-block's
+    ("fp4", False, 6, 4, 2, 1e-5, DECODE, 128),  # dequantized in registers
+    ("fp4", True, 6, 4, 2, 0.1, DECODE, 128),  # MXFP8 activations, tl.dot_scaled
 ]
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("scheme,scaled,tokens,experts,top_k,bound,config", CASES,
-                         ids=["dense-1", "dense-13", "fp8", "fp4", "fp4-scaled"])
-def test_one_launch_equals_two(seed, poisoned_empty, scheme, scaled, tokens, experts, top_k, bound, config):
+@pytest.mark.parametrize("scheme,scaled,tokens,experts,top_k,bound,config,block", CASES,
+                         ids=["dense-1", "dense-13", "fp8", "fp8-32", "fp4", "fp4-scaled"])
+def test_one_launch_equals_two(seed, poisoned_empty, scheme, scaled, tokens, experts, top_k, bound, config, block):
     """H = 160 and I = 96: K tails in both GEMMs (of 32 in 128-channel steps); the shared expert folded
     as the stack's last (every token's); 3 or 4 column tiles of I and 5 of H per block."""
     hidden, inner = 160, 96
     cfg = v4_routing(experts, top_k, False, shared=True)
-    w = stack_in(scheme, random_experts(experts + 1, hidden, inner, torch.float32, swiglu_limit=1.0))
+    w = stack_in(scheme, random_experts(experts + 1, hidden, inner, torch.float32, swiglu_limit=1.0), block)
     x = activations(tokens, hidden, torch.float32, scale=2.0)
     weights, ids, blocks, _ = route_and_align(torch.randn(tokens, experts) * 3, cfg, None, experts + 1,
                                               config.block_m, arrival_counts=arrival_counts(tokens, hidden, config))
@@ -120,17 +122,17 @@ def test_route_experts_launches_no_grouped_gemm_at_decode(seed, monkeypatch, tok
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["dense", "fp8_block", "fp4"])
+@pytest.mark.parametrize("scheme,block", [("dense", 128), ("fp8_block", 128), ("fp8_block", 32), ("fp4", 128)])
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_one_launch_gpu(seed, scheme, tokens):
+def test_one_launch_gpu(seed, scheme, block, tokens):
     """256 routed experts, top-6 and the shared one folded, a quarter of V4-Flash's hidden size, in
-    bf16, FP8 or FP4 weights: route_experts (one launch for the experts) equal to the bit to it with
+    bf16, FP8 (128- or V4.1's 32-blocks) or FP4 weights: route_experts (one launch for the experts) equal to the bit to it with
     one launch off (two), eager and from a graph replayed on fresh inputs (the counters zeroed by the
     dispatch launch each replay), and within bounds of native."""
     experts, top_k, hidden, inner = 256, 6, 1024, 512
     cfg = dataclasses.replace(v4_routing(experts, top_k, False, shared=True), weight_dtype=torch.bfloat16)
     cfg = dataclasses.replace(cfg, correction_bias=cfg.correction_bias.cuda())
-    w = stack_in(scheme, random_experts(experts + 1, hidden, inner, torch.float32, "cuda", swiglu_limit=10.0))
+    w = stack_in(scheme, random_experts(experts + 1, hidden, inner, torch.float32, "cuda", swiglu_limit=10.0), block)
     if scheme == "dense":
         w = dataclasses.replace(w, gate_up=w.gate_up.bfloat16(), down=w.down.bfloat16())
     logits = torch.empty(tokens, experts, device="cuda")
@@ -172,28 +174,48 @@ ONE_LAUNCH_SIGNATURE = {
     "swiglu_limit": "fp32"}
 
 
-def compile_one_launch(target: str, scheme: str) -> dict[str, str]:
+def compile_one_launch(target: str, scheme: str, block: int = 128, sass: bool = False) -> dict[str, str]:
+    """The decode tile of ``scheme`` (FP8 in ``block``-blocks) from its table, as TritonMoE launches it."""
     from aot import compile_asm, pdl
 
-    from engine.backends.triton.fused_moe import FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM
+    from engine.backends.triton.fused_moe import FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_TUNING
     from engine.backends.triton.moe_one_launch import _moe_one_launch_kernel, one_launch_warps
     from engine.backends.triton.target import pick
 
     fp4, fp8 = scheme == "fp4", scheme == "fp8_block"
-    cfg = pick(MOE_FP4_GEMM if fp4 else MOE_GEMM, target).small
+    cfg = pick(MOE_FP4_GEMM if fp4 else MOE_TUNING[block], target).small
     scaled = fp4 and pick(FP4_SCALED_MMA, target)
     weight = {"dense": "*bf16", "fp8_block": "*fp8e4nv", "fp4": "*u8"}[scheme]
     scale = {"dense": "*fp32", "fp8_block": "*fp32", "fp4": "*u8"}[scheme]
     signature = {**ONE_LAUNCH_SIGNATURE, "gate_up_ptr": weight, "down_ptr": weight, "gate_up_scale_ptr": scale,
                  "down_scale_ptr": scale}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_LIMIT=True, FP8=fp8,
-                      SCALE_BLOCK=32 if fp4 else 128, FP4=fp4, SCALED_MMA=scaled, EVEN_H=True, EVEN_I=True,
+                      SCALE_BLOCK=32 if fp4 else block, FP4=fp4, SCALED_MMA=scaled, EVEN_H=True, EVEN_I=True,
                       PTX_UNPACK=fp4 and not scaled and pick(FP4_PTX_UNPACK, target), QUANTIZE_A=fp8 or scaled,
                       ACCUMULATE=False, PDL=pdl(target))
     return compile_asm(_moe_one_launch_kernel, signature, constexprs, target, num_warps=one_launch_warps(cfg, target),
-                       num_stages=cfg.num_stages, sass=target == "sm_90",
+                       num_stages=cfg.num_stages, sass=sass or target == "sm_90",
                        divisible_by_16=["H", "I", "stride_xm", "stride_gn", "stride_dn", "stride_hm", "stride_rm",
                                         "stride_om", "stride_gsn", "stride_dsn"])
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+def test_one_launch_of_32_block_experts_compiles_without_spills(target):
+    """DeepSeek-V4.1's shared expert (32-blocks, K steps of 32, its activations quantized in the GEMMs)
+    in one launch: the 128-blocks' decode MMA (gfx950: its E4M3 MFMA of K 16), no local memory on
+    NVIDIA, no scratch and LDS within a workgroup's on AMD."""
+    from aot import LDS_BYTES, amd_scratch_and_lds, local_memory_ops
+    from test_triton_moe import check_compiled
+
+    nvidia = target.startswith("sm_")
+    asm = compile_one_launch(target, "fp8_block", 32, sass=nvidia)
+    check_compiled(asm, target, r"v_mfma_f32_\w+_fp8_fp8" if target == "gfx950" else DECODE_MMA[target, "fp8_block"])
+    if nvidia:
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
 
 
 # the decode tiles' MMA: 16 rows stay on mma.sync on NVIDIA, FP8 widened to f16 there (as in the two

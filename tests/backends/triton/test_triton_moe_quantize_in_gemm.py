@@ -15,7 +15,8 @@ from test_triton_moe import (DEEPSEEK_V4_FLASH, activations, fp4_experts, random
 
 from engine.backends.triton import fused_moe as fused
 from engine.backends.triton.fp8_gemm import GemmConfig
-from engine.backends.triton.fused_moe import FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, fused_moe, quantizes_in_gemm
+from engine.backends.triton.fused_moe import (FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_GEMM_32, fused_moe,
+                                              quantizes_in_gemm)
 from engine.backends.triton.target import pick
 from engine.core.native.moe import NativeMoE
 
@@ -64,19 +65,23 @@ def test_which_steps_quantize_in_the_gemms():
     """Decode-sized rows per expert with the targets' decode tiles; not prefill's many rows, nor FP8 K
     steps that are not one scale group (the CPU's default tiles)."""
     here = torch.device("cpu")  # rows per expert against the CPU's small_m (2): the tiles are the targets'
-    for table, fp8 in ((MOE_GEMM, True), (MOE_FP4_GEMM, False)):
+    for table, block in ((MOE_GEMM, 128), (MOE_FP4_GEMM, None)):
         small, large = pick(table, "sm_90").small, pick(table, "sm_90").large
         cpu = pick(table, "default")
-        assert quantizes_in_gemm(small, 1, 6, 256, here, fp8=fp8)
-        assert not quantizes_in_gemm(large, 4096, 6, 256, here, fp8=fp8)
-        assert quantizes_in_gemm(cpu.small, 1, 6, 256, here, fp8=fp8) == (not fp8)
+        assert quantizes_in_gemm(small, 1, 6, 256, here, fp8_block=block)
+        assert not quantizes_in_gemm(large, 4096, 6, 256, here, fp8_block=block)
+        assert quantizes_in_gemm(cpu.small, 1, 6, 256, here, fp8_block=block) == (not block)
+    # 32-blocks (DeepSeek-V4.1's shared expert): K steps of 32 everywhere, the CPU's too
+    assert all(quantizes_in_gemm(pick(MOE_GEMM_32, target).small, 1, 6, 256, here, fp8_block=32)
+               for target in ("sm_90", "default"))
+    assert not quantizes_in_gemm(pick(MOE_GEMM, "sm_90").small, 1, 6, 256, here, fp8_block=32)
     assert pick(MOE_GEMM, "sm_90").small.block_k == pick(MOE_GEMM, "gfx950").small.block_k == 128
 
 
 @pytest.mark.interpret
 def test_fp8_in_the_gemm_needs_one_scale_group_a_k_step(seed):
     w = stack_in("fp8_block", random_experts(4, 128, 128, torch.float32))
-    with pytest.raises(ValueError, match="one 128-channel group"):
+    with pytest.raises(ValueError, match="need K steps of 128"):
         run(activations(2, 128, torch.float32), routing_weights(2, 2), random_ids(2, 4, 2), w, True,
             config=GemmConfig(16, 32, 64, 1, 4, 1))
 
@@ -102,7 +107,7 @@ def test_quantized_in_the_gemms_gpu(seed, scheme, tokens):
     x = activations(tokens, shape["hidden"], torch.bfloat16, "cuda", scale=2.0)
     weights, ids = routing_weights(tokens, k, "cuda"), random_ids(tokens, e, k, "cuda")
     cfg = fused.moe_config(tokens, k, e, x.device, fp4=scheme == "fp4")
-    assert quantizes_in_gemm(cfg, tokens, k, e, x.device, fp8=scheme == "fp8_block")
+    assert quantizes_in_gemm(cfg, tokens, k, e, x.device, fp8_block=128 if scheme == "fp8_block" else None)
     by_default = fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=w.swiglu_limit,
                            gate_up_scale=w.gate_up_scale, down_scale=w.down_scale)
     assert torch.equal(by_default, run(x, weights, ids, w, in_gemm=False, config=cfg))

@@ -142,13 +142,13 @@ def test_dense_grouped_gemm_matches_native_bmm(seed, dtype, w_dtype):
 
 def test_grouped_refuses_a_quantized_weight():
     x, w = grouped_operands(2, 2, 16, 32)
-    with pytest.raises(ValueError, match="dense weight"):
-        TritonLinear(None).grouped(x.dequantize(), w)
+    with pytest.raises(ValueError, match="dense or fp8_block weight"):
+        TritonLinear(None).grouped(x.dequantize(), w)  # an mxfp8 weight
 
 
 def test_grouped_mxfp8_refuses_a_dense_weight():
     x, w = grouped_operands(2, 2, 16, 32)
-    with pytest.raises(ValueError, match="mxfp8 weight"):
+    with pytest.raises(ValueError, match="mxfp8 or fp8_block weight"):
         TritonLinear(None).grouped_mxfp8(x, LinearWeight(quant.dequantize_mxfp8(w.data, w.scale)))
 
 
