@@ -82,11 +82,12 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
                            EVEN_K: tl.constexpr, PDL: tl.constexpr, A_GROUP: tl.constexpr,
-                           A_E8M0: tl.constexpr):
+                           A_E8M0: tl.constexpr, TILE_SCALE: tl.constexpr):
     """Group ``program_id(1)`` (one, or the grouped output projection's G): its N columns of c from
-    its slice of a (stride_ag, its scales stride_asg) and its N rows of b, which fill whole blocks.
+    its slice of a (stride_ag, its scales stride_asg) and its N rows of b, rows group * N on of the
+    whole b, whose blocks a group's rows need not fill (a tiny model's 8-row groups share a 32-block).
     a's scales cover A_GROUP channels of a token (SCALE_BLOCK, or MXFP8's 32), fp32 or, with
-    A_E8M0, uint8 E8M0 exponents."""
+    A_E8M0, uint8 E8M0 exponents. TILE_SCALE: every tile's rows lie in one block (``tile_scale``)."""
     tl.static_assert(SCALE_BLOCK % BLOCK_K == 0, "a K step must stay within one scale block")
     tl.static_assert(A_GROUP % BLOCK_K == 0, "a K step must stay within one activation scale group")
     wait_for_prior(PDL)
@@ -94,7 +95,6 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
     a_ptr += group * stride_ag
     a_scale_ptr += group * stride_asg
     b_ptr += group * N * stride_bn
-    b_scale_ptr += group * (N // SCALE_BLOCK) * stride_bs
     c_ptr += group * N
     if HAS_BIAS:
         bias_ptr += group * N
@@ -108,13 +108,12 @@ def _fp8_block_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_p
     a_ptrs = a_ptr + am[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + bn[None, :] * stride_bn + rk[:, None]
     a_scale_ptrs = a_scale_ptr + am * stride_as
-    # a tile no wider than a scale block has one weight scale per K step: the product of a step is
-    # then scaled by one vector, a fused multiply-add an element, on the CUDA cores between MMAs
-    TILE_SCALE: tl.constexpr = SCALE_BLOCK % BLOCK_N == 0
+    # a tile within one scale block has one weight scale per K step: the product of a step is then
+    # scaled by one vector, a fused multiply-add an element, on the CUDA cores between MMAs
     if TILE_SCALE:
-        b_scale_ptrs = b_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bs
+        b_scale_ptrs = b_scale_ptr + ((group * N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_bs
     else:
-        b_scale_ptrs = b_scale_ptr + (bn // SCALE_BLOCK) * stride_bs
+        b_scale_ptrs = b_scale_ptr + ((group * N + bn) // SCALE_BLOCK) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:  # no K tail: unmasked loads, which the compiler can vectorize and pipeline freely
@@ -183,13 +182,11 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     uint8 E8M0 exponents, A = 32), b [G * N, K] E4M3 with fp32 scales [G * N / B, ceil(K/B)] ->
     [M, G * N] in ``out_dtype`` (or written into ``out``), group g's N columns being a[:, g] @
     b[g*N:(g+1)*N].T: one launch for every group (DeepSeek-V4's grouped output projection on its
-    weight as stored). N must fill whole blocks, so no block straddles two groups."""
+    weight as stored; a block may hold rows of two groups)."""
     if a.dim() != 3 or b.dim() != 2 or b.shape[1] != a.shape[2] or b.shape[0] % a.shape[1]:
         raise ValueError(f"a [M, G, K] and b [G * N, K] do not fit: {list(a.shape)} and {list(b.shape)}")
     (m, groups, k), n = a.shape, b.shape[0] // a.shape[1]
     block = fp8_block_edge(tuple(b.shape), tuple(b_scale.shape))
-    if n % block:
-        raise ValueError(f"b's {groups} groups of {n} rows do not fill whole {block}-row blocks")
     e8m0 = a_scale.dtype == torch.uint8
     a_group = MX_BLOCK if e8m0 else block
     if a_scale.shape != (m, groups, triton.cdiv(k, a_group)) or not (e8m0 or a_scale.dtype == torch.float32):
@@ -211,13 +208,14 @@ def _launch(a, a_scale, b, b_scale, bias, out, n: int, block: int, a_group: int,
     cfg = config or config_for(TUNING[step], a.device).for_m(m)
     block_k = min(cfg.block_k, step)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), groups)
+    tile_scale = block % cfg.block_n == 0 and (groups == 1 or n % block == 0)
     _fp8_block_gemm_kernel[grid](
         a, a_scale, b, b_scale, bias, out, m, n, k,
         a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
         a.stride(1) if a.dim() == 3 else 0, a_scale.stride(1) if a.dim() == 3 else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         SCALE_BLOCK=block, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, A_GROUP=a_group,
-        A_E8M0=a_scale.dtype == torch.uint8,
+        A_E8M0=a_scale.dtype == torch.uint8, TILE_SCALE=tile_scale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out
 

@@ -50,6 +50,11 @@ class GroupedLinear(nn.Module):
         self.register_parameter("weight_scale", None)
         self.groups, self.backend, self.scheme = groups, backend, "dense"
 
+    def splits_blocks(self, block: int) -> bool:
+        """Whether a tensor-parallel rank's rows (its groups') would cut a ``block``-row block of scales."""
+        partition = getattr(self.weight, "partition", None)
+        return partition is not None and partition[2] > 1 and self.weight.shape[0] % block != 0
+
     def keep_fp8_block(self, scale_shape: tuple[int, ...]) -> None:
         """Hold the weight as stored, E4M3 with fp32 block scales of ``scale_shape``, empty until loaded."""
         self.weight, self.weight_scale = quantized_params(self.weight, FP8, scale_shape, torch.float32)

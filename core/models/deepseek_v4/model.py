@@ -301,6 +301,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         if isinstance(owner, GroupedLinear) and q.kind == "fp8" and q.block == (V41_BLOCK, V41_BLOCK):
             # V4.1's wo_a as stored (every linear backend's grouped product takes FP8 blocks); V4's
             # 128-blocks go on as before: dequantized, re-encoded to MXFP8 where the attention emits it
+            if owner.splits_blocks(V41_BLOCK):
+                refusals.add(f"wo_a's {owner.weight.shape[0]} rows a tensor-parallel rank do not fill whole "
+                             f"{V41_BLOCK}-row blocks")
+                return False
             owner.keep_fp8_block(tuple(q.scale.shape))
             return True
         moe_backend = self.backends.moe

@@ -310,7 +310,7 @@ def compile_gemm(target: str, which: str, has_bias: bool = False, even_k: bool =
     cfg = getattr(pick(TUNING[block], target), which)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       SCALE_BLOCK=block, HAS_BIAS=has_bias, EVEN_K=even_k, PDL=pdl(target), A_GROUP=block,
-                      A_E8M0=False)
+                      A_E8M0=False, TILE_SCALE=block % cfg.block_n == 0)
     return compile_asm(_fp8_block_gemm_kernel, GEMM_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"],
                        sass=sass)

@@ -49,3 +49,12 @@ def test_mxfp8_activations_regroup_and_multiply_as_dequantized(seed):
     torch.testing.assert_close(layer(regrouped), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="split blocks"):
         o.reshape(t, -1, 16)
+
+
+def test_a_rank_whose_rows_cut_a_block_does_not_keep_fp8_blocks():
+    """Under tensor parallelism a rank holds its groups' rows of wo_a: V4.1's 32-row scale blocks stay
+    whole only where those rows fill them."""
+    for rows, ranks, splits in ((8, 2, True), (64, 2, False), (8, 1, False)):
+        layer = GroupedLinear(32, rows // 2, 2, NativeLinear(None), dtype=torch.float32, device="cpu")
+        layer.weight.partition = (0, 0, ranks)
+        assert layer.splits_blocks(32) == splits
