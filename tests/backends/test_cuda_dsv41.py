@@ -36,9 +36,10 @@ def test_triton_runs_v41_on_the_gpu_as_the_oracle_on_the_cpu(tiny, tmp_path, see
     path, linear = tiny, {}
     if published:  # V4.1's blocks of 32: E4M3 index keys derived by an FP8 projection
         write_published(tiny, tmp_path / "published", block=32)
-        # its linears kept in 32 x 32 blocks: the native linear, whose unquantized activations the CPU
-        # oracle's are (the FP8 GEMM's E4M3 ones: test_triton_block_fp8_model's V4.1 tests)
-        path, linear = tmp_path / "published", {"linear_backend": "native"}
+        # its linears, wo_a and shared expert kept in 32 x 32 blocks: the native linear and MoE, whose
+        # unquantized activations the CPU oracle's are (the Triton kernels' E4M3 ones, and decode from
+        # graphs with them: test_triton_block_fp8_model's V4.1 tests, test_triton_moe_one_launch)
+        path, linear = tmp_path / "published", {"linear_backend": "native", "moe_backend": "native"}
     rng = random.Random(seed)
     stem = [rng.randrange(128) for _ in range(rng.randint(30, 60))]
     prompts = [stem] + [stem[:rng.randint(5, len(stem))] + [rng.randrange(128) for _ in range(rng.randint(1, 40))]

@@ -110,6 +110,16 @@ def amd_scratch_and_lds(asm: dict[str, str]) -> tuple[int, int]:
     return int(re.search(r"; ScratchSize: (\d+)", asm["amdgcn"]).group(1)), int(asm["shared"])
 
 
+def assert_no_spills(asm: dict[str, str], target: str) -> None:
+    """No local memory in an NVIDIA build (compiled with ``sass``), no scratch and LDS within a
+    workgroup's in an AMD one."""
+    if target.startswith("sm_"):
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
+
+
 def _compile_by_name(module: str, qualname: str, *job) -> dict[str, str]:
     fn = importlib.import_module(module)
     for part in qualname.split("."):

@@ -26,7 +26,7 @@ from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 from engine.core.native.norm import NativeNorm, rms_norm
 
-from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
+from aot import GRID_DEPENDENCY, TARGETS, amd_scratch_and_lds, assert_no_spills, compile_asm, local_memory_ops, pdl
 
 FP8 = torch.float8_e4m3fn
 
@@ -340,11 +340,7 @@ def test_fp8_32_block_gemm_compiles_without_spills(target, which):
     """DeepSeek-V4.1's 32-blocks: K steps of 32 on the E4M3 MMA (wgmma e4m3 on sm_90), with a bias and
     a K tail, no local memory on NVIDIA, no scratch and LDS within a workgroup's on AMD."""
     asm = compile_gemm(target, which, has_bias=True, even_k=False, block=32, sass=target.startswith("sm_"))
-    if target.startswith("sm_"):
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+    assert_no_spills(asm, target)
     if target == "sm_90":
         assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", asm["ptx"])
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)

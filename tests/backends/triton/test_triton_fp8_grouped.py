@@ -15,7 +15,7 @@ from engine.core.families.linear import LinearWeight, MXFP8Tensor
 from engine.core.native import quant
 from engine.core.native.linear import NativeLinear
 
-from aot import LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
+from aot import TARGETS, assert_no_spills, compile_asm, pdl
 from test_triton_fp8 import GEMM_SIGNATURE, random_activations, rel_err, weight_blocks
 
 
@@ -102,11 +102,7 @@ def test_grouped_fp8_block_gemm_compiles_without_spills(target, which, block):
     asm = compile_asm(_fp8_block_gemm_kernel, GROUPED_SIGNATURE, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm"],
                       sass=target.startswith("sm_"))
-    if target.startswith("sm_"):
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+    assert_no_spills(asm, target)
     if target == "sm_90":
         assert "wgmma.mma_async" in asm["ptx"] and ".e4m3.e4m3" in asm["ptx"]
 

@@ -644,16 +644,12 @@ def test_fp8_32_block_moe_gemm_compiles_without_spills(target, which, gated):
     """DeepSeek-V4.1's 32-block experts (its shared expert): K steps of 32, the prefill tiles on the
     E4M3 MMA (the decode tiles' 16 rows on mma.sync or MFMA, as at 128), no local memory on NVIDIA,
     no scratch and LDS within a workgroup's on AMD."""
-    from aot import LDS_BYTES, amd_scratch_and_lds, local_memory_ops
+    from aot import assert_no_spills
 
     asm = compile_moe_gemm(target, which, gated, fp8=True, block=32, sass=target.startswith("sm_"))
     if which == "large":
         check_compiled(asm, target, FP8_32_MMA[target])
-    if target.startswith("sm_"):
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+    assert_no_spills(asm, target)
 
 
 # FP4 experts: the block-scaled MMA where FP4_SCALED_MMA says the target has one (E2M1 weights with

@@ -205,17 +205,12 @@ def test_one_launch_of_32_block_experts_compiles_without_spills(target):
     """DeepSeek-V4.1's shared expert (32-blocks, K steps of 32, its activations quantized in the GEMMs)
     in one launch: the 128-blocks' decode MMA (gfx950: its E4M3 MFMA of K 16), no local memory on
     NVIDIA, no scratch and LDS within a workgroup's on AMD."""
-    from aot import LDS_BYTES, amd_scratch_and_lds, local_memory_ops
+    from aot import assert_no_spills
     from test_triton_moe import check_compiled
 
-    nvidia = target.startswith("sm_")
-    asm = compile_one_launch(target, "fp8_block", 32, sass=nvidia)
+    asm = compile_one_launch(target, "fp8_block", 32, sass=target.startswith("sm_"))
     check_compiled(asm, target, r"v_mfma_f32_\w+_fp8_fp8" if target == "gfx950" else DECODE_MMA[target, "fp8_block"])
-    if nvidia:
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+    assert_no_spills(asm, target)
 
 
 # the decode tiles' MMA: 16 rows stay on mma.sync on NVIDIA, FP8 widened to f16 there (as in the two
