@@ -52,6 +52,17 @@ class Draft(msgspec.Struct, tag=True, gc=False):
     inputs: StepInputs | None
 
 
+class DraftBlock(msgspec.Struct, tag=True, gc=False):
+    """One block of DSpark stages (core/spec/dspark/proposer.py): per sequence its anchor token, the
+    anchor's position and how many context rows it reads (the rows themselves are broadcast), and
+    the drafts a sequence takes at most."""
+
+    anchors: list[int]
+    positions: list[int]
+    context_lens: list[int]
+    k: int
+
+
 class AddRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -89,7 +100,7 @@ class RankOutputs(msgspec.Struct, tag=True):
     stats: RankStats
 
 
-Message = Ready | Failed | Step | Stop | Idle | DraftCount | Draft | RankRequests | RankOutputs
+Message = Ready | Failed | Step | Stop | Idle | DraftCount | Draft | DraftBlock | RankRequests | RankOutputs
 
 
 def _enc(obj: Any) -> Any:

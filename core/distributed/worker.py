@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from .group import Rendezvous, join_store
-from .messages import Draft, DraftCount, Failed, Idle, Ready, Step, Stop, decoder, encoder
+from .messages import Draft, DraftBlock, DraftCount, Failed, Idle, Ready, Step, Stop, decoder, encoder
 
 logger = logging.getLogger("engine.core.distributed.worker")
 
@@ -55,7 +55,7 @@ def serve(conn: Connection, runner, proposer=None) -> None:
             runner.follow(msg.inputs)
         elif isinstance(msg, Idle):
             runner.idle()
-        elif isinstance(msg, (Draft, DraftCount)):
+        elif isinstance(msg, (Draft, DraftBlock, DraftCount)):
             proposer.follow(msg)
 
 

@@ -106,6 +106,12 @@ class SpecProposer(ABC):
         features (one row each); positions it computes again (after drafts it rejected, or
         preemption) come again."""
 
+    def settled(self, seq_id: int, token_ids: list[int], end: int) -> None:
+        """After ``observe``: the sequence's positions before ``end`` are final (their tokens,
+        ``token_ids[:end]``, will not change: a prompt's or kept tokens, not drafts), so what a
+        proposer computed there may be kept for any sequence that starts with those tokens (DSpark's
+        context rows, for prefix hits)."""
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """An n > 1 sibling starts from its parent's computed prompt (the target's KV forked, not
         computed again): a proposer that drafts from the target's features gives the child the

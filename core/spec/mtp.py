@@ -55,6 +55,7 @@ from ..forward import ForwardBatch
 from ..runner import StepInputs
 from .config import SpecConfigError
 from .draft_model import DraftSeq, OwnKVProposer
+from .drafting_group import DraftingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,7 @@ class MTPProposer(OwnKVProposer):
         self.cache, self.kv = proposer_kv(config, self.layer, device, ctx.model_config.dtype,
                                           ctx.model_config.max_model_len, k)
         self.target = target
-        group = target.backends.moe_group  # under DP attention its forwards meet the other ranks'
-        self.lockstep = group if target.backends.dp_attention and group.size > 1 else None
-        self.group = target.backends.tp  # its attention's processes: this one leads, the others follow
-        self.peers = None
+        self.group = DraftingGroup(target, self.layer, device)  # whom its forwards meet
         self._streams = (ctx.model_config.get("hc_mult", 4), ctx.model_config.get("hidden_size"))
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, streams from it)
         disagg = config.disaggregation
@@ -180,9 +178,9 @@ class MTPProposer(OwnKVProposer):
                 ids.append(row[0])
                 keys.append(row[1])
                 streams.append(row[2])
-        for _ in range(self._forwards(max((r.k for r in rows), default=0))):
+        for _ in range(self.group.count(max((r.k for r in rows), default=0))):
             if not rows:  # this rank's drafts are done: the others' forwards go on
-                self._idle_forward()
+                self.group.idle()
                 continue
             out, last = self._forward([self._seqs[r.seq_id] for r in rows], ids, keys, torch.cat(streams))
             for r, t in zip(rows, out):
@@ -195,34 +193,21 @@ class MTPProposer(OwnKVProposer):
         return Drafts([drafts[r.seq_id] for r in requests])
 
     def idle(self) -> None:
-        for _ in range(self._forwards(0)):
-            self._idle_forward()
+        for _ in range(self.group.count(0)):
+            self.group.idle()
 
     def lead(self, peers) -> None:
-        self.peers = peers
+        self.group.lead(peers)
 
     def follow(self, message: Draft | DraftCount) -> None:
         if isinstance(message, DraftCount):
-            self._forwards(0)
+            self.group.count(0)
         elif message.inputs is None:
             idle_forward(self.layer)
         else:
             for page, window in message.inputs.windows:
                 self.cache.stage_window(page, window)
             self._run(message.inputs)
-
-    def _idle_forward(self) -> None:
-        if self.peers is not None:
-            self.peers.send(Draft(None))
-        idle_forward(self.layer)
-
-    def _forwards(self, n: int) -> int:
-        """The drafting forwards of this step: ``n`` here, under data-parallel attention the most of any rank."""
-        if self.lockstep is None:
-            return n
-        if self.peers is not None:  # they join the count too
-            self.peers.send(DraftCount())
-        return int(self.lockstep.all_reduce(torch.tensor([n], device=self.device), "max").item())
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], list[int], torch.Tensor] | None:
         """The catch-up row of ``r``: the tokens x[p + 1], their pair keys and the target's streams
@@ -269,9 +254,8 @@ class MTPProposer(OwnKVProposer):
         tables = self.kv.page_table.gather([self.kv.state(s).row for s in seqs], width)
         ends = torch.tensor(query).cumsum(0).sub(1).tolist()
         inputs = StepInputs([t for i in ids for t in i], query, context, tables, ends, [], self.kv.take_page_copies(),
-                            self.cache.staged_windows() if self.peers is not None else [])
-        if self.peers is not None:
-            self.peers.send(Draft(inputs))
+                            self.cache.staged_windows() if self.group.peers is not None else [])
+        self.group.send(Draft(inputs))
         tokens, out = self._run(inputs, streams)
         for s, k in zip(seqs, keys):
             s.tokens += k
@@ -286,11 +270,8 @@ class MTPProposer(OwnKVProposer):
         if inputs.page_copies:
             src, dst = zip(*inputs.page_copies)
             self.cache.copy_pages(list(src), list(dst))
-        if self.group.size > 1:
-            shape = (len(inputs.input_ids), *self._streams)
-            streams = (torch.empty(shape, dtype=self.layer.dtype, device=self.device) if streams is None
-                       else streams.to(self.layer.dtype).contiguous())  # the layer reads them in its dtype
-            self.group.broadcast(streams, src=0)
+        # the layer reads them in its dtype
+        streams = self.group.broadcast(streams, (len(inputs.input_ids), *self._streams), self.layer.dtype)
         batch = ForwardBatch.build(inputs.input_ids, inputs.query_lens, inputs.context_lens, inputs.tables,
                                    self.kv.page_size, inputs.logits_indices, device=self.device)
         out, hidden = self.layer(batch, self.cache, streams)

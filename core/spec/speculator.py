@@ -179,6 +179,8 @@ class Speculator:
         for s in scheduled:
             self.proposer.observe(s.seq.seq_id, s.context_len, features[at:at + s.num_new])
             at += s.num_new
+            # a verify row's drafts are not final; a prefill chunk's and the last token's positions are
+            self.proposer.settled(s.seq.seq_id, s.seq.tokens, min(s.context_len + s.num_new, s.seq.num_tokens))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """An n > 1 sibling forked from its parent's prompt: so does its proposer state."""

@@ -114,6 +114,9 @@ class BlockDrafter(nn.Module):
     gives ``shape``, ``context_kv`` and ``backbone``, and the target's LM head as ``_target[1]``."""
 
     shape: DSparkShape
+    # its layers are split over the attention's processes as the target's are (every forward a
+    # collective they all run), rather than whole on the process that drafts
+    split = False
 
     def block(self, anchors: torch.Tensor, anchor_positions: torch.Tensor,
               context: list[tuple[torch.Tensor, torch.Tensor]], context_valid: torch.Tensor) -> torch.Tensor:

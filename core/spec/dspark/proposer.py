@@ -9,23 +9,30 @@ The target hands back the hidden states of the drafter's chosen layers for every
 keys and values are computed from them once and kept per sequence, by position: positions the
 target computes again (after rejected drafts, whose rows it handed back too) overwrite theirs. A
 block reads the positions before its anchor, the sequence's last token, whose own features come
-with the next verification. A prefix hit gives the target's features from the hit's end on only:
-the block reads what there is. An n > 1 sibling forks its parent's context of the prompt (``fork``).
+with the next verification. Whole pages of final positions are also kept by token prefix
+(prefix_rows.py), so a prefix hit starts from the rows of the hit (``admit``: the target's hit is
+cut back to where they end, within the scheduler's recompute bound; a longer hit gives the target's
+features from its end on only, and the block reads what there is). An n > 1 sibling forks its
+parent's context of the prompt (``fork``).
 
 Under prefill/decode disaggregation (core/disagg/) the decode engine computes only a prompt's last
 token, so the prefill engine, started with the same ``speculative_config``, sends the context rows
 of every position before it with the KV (``carried``): the drafter's keys and values, not the
 target's features they are computed from, as they are smaller (the trained drafter's 512 elements
 a position against 3072 features) and exactly the rows a colocated engine computes. A prompt the
-prefill engine took partly from its prefix cache has no context before the hit, and none is sent:
-the decode engine drafts from the positions it computes.
+prefill engine took partly from its prefix cache sends the rows kept for the hit with the rest;
+only a hit past the kept rows by more than the recompute bound sends none (the decode engine then
+drafts from the positions it computes).
 
 Under tensor parallelism the target's features are whole on every rank after its all-reduces, and
-the scheduling rank alone drafts, with whole copies of the target's embedding and LM head
-(weights.py): a trained drafter's own layers have no collectives. Under data-parallel attention each
-rank drafts its own requests; the stages' MoE (stages.py) spans every rank, as the target's MoE
-layers do, so the ranks first agree whether the step runs a block, and a rank with none to draft
-(``idle``) runs the stages with no tokens.
+the scheduling rank alone keeps the context rows. A trained drafter's own layers have no
+collectives: that rank alone drafts, with whole copies of the target's embedding and LM head
+(weights.py). The stages hold the target's slices (stages.py), so every process of the attention
+group runs each block (core/spec/drafting_group.py): the scheduling one sends the others its host
+data (``DraftBlock``) and broadcasts the block's context rows, which only it keeps. Under
+data-parallel attention each rank drafts its own requests; the stages' MoE spans every rank, as the
+target's MoE layers do, so the ranks first agree whether the step runs a block, and a rank with none
+to draft (``idle``) runs the stages with no tokens, its attention group with it.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ import logging
 
 import torch
 
+from ...distributed.messages import Draft, DraftBlock, DraftCount
 from ...distributed.moe import idle_forward
 from ...families.spec import DraftRequest, Drafts, SpecProposer
 from ..config import SpecConfigError
+from ..drafting_group import DraftingGroup
+from .prefix_rows import PrefixRows
 from .stages import build_stages, has_dspark, stage_reasons
 from .weights import METHOD, build_drafter, read_drafter
 
@@ -56,10 +66,6 @@ def dspark_reasons(ctx) -> list[str]:
                 "mtp.* tensors), which this one has not"]
     if target is None:
         return []
-    if own and ctx.engine_config.attention_tp_size > 1:
-        return ["DSpark stages with attention split over processes (tensor parallelism) are not built (their "
-                "attention's collectives would need every rank to draft in lockstep); under data-parallel "
-                "attention each rank's attention must be whole"]
     if own:
         return stage_reasons(target.hf, target.path, spec.num_speculative_tokens)
     if reasons := drafter_reasons(spec.model, METHOD, target.path):
@@ -111,13 +117,15 @@ class DSparkProposer(SpecProposer):
         self.feature_layers = shape.target_layer_ids
         self.device = next(self.drafter.parameters()).device
         self._contexts: dict[int, _Context] = {}
+        one = self._context_kv(torch.zeros(1, shape.feature_size, device=self.device), 0)
+        self._row, self._row_dtype = one[:, :, 0].shape, one.dtype  # a position's rows [layers, 2, kv heads, hd]
         if ctx.engine_config.disaggregation is not None:  # the whole prompt's context rows move
-            one = self._context_kv(torch.zeros(1, shape.feature_size, device=self.device), 0)
-            self.carried, self._row = ctx.engine_config.max_model_len, one[:, :, 0].shape
-            self.carried_row, self.carried_dtype = one.numel(), one.dtype
-        group = target.backends.moe_group  # under DP attention the stages' MoE meets the other ranks'
-        exchanges = any(hasattr(m, "placement") for m in self.drafter.modules())
-        self.lockstep = group if exchanges and target.backends.dp_attention and group.size > 1 else None
+            self.carried, self.carried_row, self.carried_dtype = ctx.engine_config.max_model_len, one.numel(), one.dtype
+        self.group = DraftingGroup(target, self.drafter, self.device, self.drafter.split)  # whom its blocks meet
+        config = ctx.engine_config
+        per_seq = -(-(config.max_model_len or ctx.model_config.max_model_len) // config.page_size)
+        self.prefixes = PrefixRows(config.page_size, config.max_num_seqs * per_seq if config.enable_prefix_caching
+                                   else 0)
         logger.info("DSpark: a block of %d from target layers %s, %d drafts a step at most", shape.block_size,
                     list(shape.target_layer_ids), spec.num_speculative_tokens)
 
@@ -128,6 +136,23 @@ class DSparkProposer(SpecProposer):
         if c is None or not c.start <= start <= c.end:
             c = self._contexts[seq_id] = _Context(start, kv.new_empty(*kv.shape[:2], 2 * kv.shape[2], *kv.shape[3:]))
         c.put(start, kv)
+
+    def settled(self, seq_id: int, token_ids: list[int], end: int) -> None:
+        if (c := self._contexts.get(seq_id)) is not None:
+            self.prefixes.keep(seq_id, token_ids, min(end, c.end), c.start, c.rows)
+
+    def admit(self, seq_id: int, token_ids: list[int]) -> int:
+        """The context of the longest prefix of ``token_ids`` whose rows are kept: a hit drafts as
+        computing it would, where the target's hit ends there too."""
+        rows = self.prefixes.lookup(seq_id, token_ids)
+        if rows is None:
+            return 0
+        self._contexts[seq_id] = c = _Context(0, rows.new_empty(*rows.shape[:2], 2 * rows.shape[2], *rows.shape[3:]))
+        c.put(0, rows)
+        return c.end
+
+    def reset_prefix_cache(self) -> None:
+        self.prefixes.clear()
 
     @torch.inference_mode()
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -158,6 +183,7 @@ class DSparkProposer(SpecProposer):
 
     def release(self, seq_id: int) -> None:
         self._contexts.pop(seq_id, None)
+        self.prefixes.forget(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], features=None) -> Drafts:
@@ -167,36 +193,51 @@ class DSparkProposer(SpecProposer):
             if c is not None and c.start < len(r.token_ids) - 1 <= c.end:
                 rows.append((r, c))
         drafts: dict[int, tuple[list[int], list[float]]] = {r.seq_id: ([], []) for r in requests}
-        runs = self._runs_block(bool(rows))
+        runs = self.group.count(int(bool(rows)))  # whether this step runs a block, here or on any rank
         if rows:
             for (r, _), ids, conf in zip(rows, *self._draft(rows)):
                 drafts[r.seq_id] = (ids[:r.k], conf[:r.k])
         elif runs:  # the other ranks' blocks: this rank's part of their MoE exchanges
-            idle_forward(self.drafter)
+            self.group.idle()
         return Drafts([drafts[r.seq_id][0] for r in requests], confidence=[drafts[r.seq_id][1] for r in requests])
 
     def idle(self) -> None:
-        if self._runs_block(False):
-            idle_forward(self.drafter)
+        if self.group.count(0):
+            self.group.idle()
 
-    def _runs_block(self, drafting: bool) -> bool:
-        """Whether this step runs the block: where this rank drafts, under data-parallel attention
-        with a drafter whose MoE spans the ranks where any rank does."""
-        if self.lockstep is None:
-            return drafting
-        return bool(self.lockstep.all_reduce(torch.tensor([int(drafting)], device=self.device), "max").item())
+    def lead(self, peers) -> None:
+        self.group.lead(peers)  # where the stages are split: a trained drafter drafts here alone
+
+    @torch.inference_mode()
+    def follow(self, message: Draft | DraftBlock | DraftCount) -> None:
+        if isinstance(message, DraftCount):
+            self.group.count(0)
+        elif isinstance(message, Draft):
+            idle_forward(self.drafter)
+        else:
+            self._block(message)
 
     def _draft(self, rows: list[tuple[DraftRequest, _Context]]) -> tuple[list[list[int]], list[list[float]]]:
         """One block per row over its context rows before the anchor, padded to the longest."""
-        lengths = [len(r.token_ids) - 1 - c.start for r, c in rows]
-        width = max(lengths)
+        block = DraftBlock([r.token_ids[-1] for r, _ in rows], [len(r.token_ids) - 1 for r, _ in rows],
+                           [len(r.token_ids) - 1 - c.start for r, c in rows], max(r.k for r, _ in rows))
         first = rows[0][1].rows
-        ctx = first.new_zeros(first.shape[0], 2, len(rows), width, *first.shape[3:])
-        for i, ((_, c), n) in enumerate(zip(rows, lengths)):
+        ctx = first.new_zeros(first.shape[0], 2, len(rows), max(block.context_lens), *first.shape[3:])
+        for i, ((_, c), n) in enumerate(zip(rows, block.context_lens)):
             ctx[:, :, i, :n] = c.rows[:, :, :n]
-        valid = torch.arange(width, device=self.device) < torch.tensor(lengths, device=self.device).unsqueeze(1)
-        anchors = torch.tensor([r.token_ids[-1] for r, _ in rows], device=self.device)
-        at = torch.tensor([len(r.token_ids) - 1 for r, _ in rows], device=self.device)
+        self.group.send(block)
+        return self._block(block, ctx)
+
+    def _block(self, block: DraftBlock, ctx: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """The drafts and confidences of ``block`` over the context rows ``ctx`` [layers, 2, N, C, kv
+        heads, hd] (the leader's, broadcast to the others of the attention group, which hold none)."""
+        n, width = len(block.anchors), max(block.context_lens)
+        layers, _, *head = self._row
+        ctx = self.group.broadcast(ctx, (layers, 2, n, width, *head), self._row_dtype)
+        lengths = torch.tensor(block.context_lens, device=self.device)
+        valid = torch.arange(width, device=self.device) < lengths.unsqueeze(1)
+        anchors = torch.tensor(block.anchors, device=self.device)
+        at = torch.tensor(block.positions, device=self.device)
         hidden = self.drafter.block(anchors, at, [(layer[0], layer[1]) for layer in ctx], valid)
-        tokens, conf = self.drafter.draft(hidden, anchors, max(r.k for r, _ in rows))
+        tokens, conf = self.drafter.draft(hidden, anchors, block.k)
         return tokens.tolist(), conf.float().tolist()

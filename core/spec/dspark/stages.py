@@ -153,6 +153,8 @@ class Stage(DecoderLayer):
 
 
 class StageDrafter(BlockDrafter):
+    split = True  # the target's kind of layers, the target's embedding and LM head
+
     def __init__(self, target) -> None:
         super().__init__()
         hf = _normalised(target.config.hf)

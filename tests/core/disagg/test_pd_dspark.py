@@ -17,9 +17,12 @@ import pytest
 from engine.core.config import EngineConfig
 from engine.core.disagg import engine_class
 from engine.core.engine import EngineCore
+from engine.core.sampling_params import SamplingParams
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
+
+from drafts_spy import Drafts
 from test_pd_engines import Pair, assert_idle, colocated
-from test_pd_mtp import Drafts, prompts
+from test_pd_mtp import prompts
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-dsv4-py-dspark"
 DSPARK = {"method": "dspark", "num_speculative_tokens": 4, "model": str(ASSET)}
@@ -82,3 +85,41 @@ def test_every_sibling_drafts_as_its_request_alone(engines, eval_text, seed):
     assert three.by_seq == {(rid + "'", i): one.by_seq[(rid, 0)] for rid in alone for i in range(3)}
     assert_idle(colocated_dspark)
     assert not colocated_dspark.speculator.proposer._contexts
+
+
+def test_a_prefix_hit_drafts_as_computing_the_prompt(engines, eval_text, seed):
+    """A second request sharing a long prefix with the first (past the scheduler's recompute bound,
+    so the hit is taken whole): the prefill engine sends the context rows it kept for the hit, and
+    the decode engine, like a colocated engine that hit its own cache, drafts as an engine that
+    computed the whole prompt."""
+    pair, plain, colocated_dspark = engines
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    start = random.randrange(len(eval_text) - 4000)
+    text = plain.tokenizer.encode(eval_text[start:start + 4000])
+    shared = random.randint(100, 140)  # six pages or more, past the recompute bound of four
+    # the shared part first, answered shortly: V4's windows are kept within reach of a cached end only
+    first = {"first": (text[:shared], dataclasses.replace(greedy, max_tokens=2))}
+    second = {"second": (text[:shared] + text[-random.randint(5, 30):], greedy)}
+    want = colocated(plain, second)
+    for e in (pair.prefill, pair.decode, colocated_dspark):
+        e.reset_prefix_cache()
+    with Drafts(colocated_dspark) as computed:
+        assert colocated(colocated_dspark, second) == want
+    colocated_dspark.reset_prefix_cache()
+    colocated(colocated_dspark, first)
+    hits = colocated_dspark.kv_manager.stats().prefix_hits
+    with Drafts(colocated_dspark) as hit:
+        assert colocated(colocated_dspark, second) == want
+    assert colocated_dspark.kv_manager.stats().prefix_hits - hits >= shared - 16
+    assert hit.by_seq == computed.by_seq and computed.by_seq
+    got, failures = pair.run(first)
+    assert not failures
+    hits = pair.prefill.kv_manager.stats().prefix_hits
+    with Drafts(pair.decode) as there:
+        got, failures = pair.run(second)
+    assert not failures and got == want
+    assert pair.prefill.kv_manager.stats().prefix_hits - hits >= shared - 16, "the prefill engine hit its cache"
+    assert there.by_seq == computed.by_seq
+    for e in (pair.prefill, pair.decode, colocated_dspark):
+        assert_idle(e)
+        assert not e.speculator.proposer._contexts

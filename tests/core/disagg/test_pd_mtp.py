@@ -19,6 +19,8 @@ from engine.core.config import EngineConfig
 from engine.core.disagg import engine_class
 from engine.core.engine import EngineCore
 from engine.core.sampling_params import SamplingParams
+
+from drafts_spy import Drafts
 from test_pd_engines import Pair, assert_idle, colocated
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-dsv4-py-mtp"
@@ -36,28 +38,6 @@ class MTPPair(Pair):
         self.prefill = _engine(model, prefill_spec, mode="prefill", bootstrap_port=0, timeout=5.0)
         self.decode = _engine(model, MTP, mode="decode", timeout=5.0)
         self.rooms = iter(range(random.randrange(2**40), 2**62))
-
-
-class Drafts:
-    """Records each sequence's drafts, step by step, keyed by (request id, index)."""
-
-    def __init__(self, engine: EngineCore) -> None:
-        self.speculator, self.by_seq = engine.speculator, {}
-
-    def __enter__(self) -> Drafts:
-        propose = self.speculator.propose
-
-        def spied(seqs, budget):
-            drafts = propose(seqs, budget)
-            for s in seqs:
-                if drafts.get(s.seq_id):
-                    self.by_seq.setdefault((s.request_id, s.index), []).append(drafts[s.seq_id])
-            return drafts
-        self.speculator.propose = spied
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.speculator.propose
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ the target's whole features, with whole copies of the embedding and LM head, and
 greedy tokens of one process, as many drafts proposed and kept as one speculating process, the
 verify step timed at start-up on both ranks, every page back. Under data-parallel attention (2
 processes, experts partitioned) a tiny random DeepSeek-V4.1's own DSpark stages, whose MoE spans
-both ranks, draft each rank's requests in lockstep: the greedy tokens of one process. Stages under
-attention split over processes are refused with the reason."""
+both ranks, draft each rank's requests in lockstep: the greedy tokens of one process. With the
+attention split over processes (2 tensor-parallel processes; 2 data-parallel ranks of 2 each) every
+process of an attention group runs each block of the stages from the scheduling one's context rows:
+the drafts of one process, step by step, the greedy tokens of one process without speculation."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.spec.dspark.proposer import dspark_reasons
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
 
+from drafts_spy import Drafts
 from dsv41_random import random_v41_checkpoint, v41_config
-from test_dp_speculative import ASSETS, OPTS, refusals, repetitive, tokens
+from test_dp_speculative import ASSETS, OPTS, repetitive, tokens
 from tp_helpers import DSV4_OPTS, TIMEOUT_S, within
 
 K = 3
@@ -91,7 +93,27 @@ def test_stages_under_data_parallel_attention_draft_in_lockstep(v41):
         llm.engine.shutdown()
 
 
-def test_stages_need_each_ranks_attention_whole(v41):
-    reasons = refusals(dspark_reasons, v41, STAGES)
-    assert reasons(2, 2) == [] and reasons(1, 1) == []
-    assert any("attention split over processes" in r for r in reasons(2, 1))
+@pytest.mark.parametrize("tp, dp", [(2, 1), (4, 2)], ids=["tp2", "dp2-attention-tp2"])
+def test_stages_under_attention_split_over_processes_draft_as_one_process(tp, dp, v41):
+    """Every process of an attention group runs each block of the stages, its heads and slices, from
+    the context rows of the process that schedules: the drafts of one process, step by step."""
+    opts = dict(dtype="float32", page_size=4, num_pages=64, chunked_prefill_size=8, max_num_seqs=4, progress=False)
+    plain, one = LLM(str(v41), **opts), every_draft_verified(LLM(str(v41), speculative_config=STAGES, **opts))
+    llm = within(TIMEOUT_S, lambda: LLM(str(v41), tensor_parallel_size=tp, data_parallel_size=dp,
+                                        enable_dp_attention=dp > 1, speculative_config=STAGES,
+                                        distributed_timeout=TIMEOUT_S, **opts))
+    try:
+        every_draft_verified(llm)  # rank 0's; under DP attention rank 1 keeps its timed curve
+        rng = random.Random()
+        batch = [[rng.randrange(4, 128) for _ in range(rng.randint(9, 20))] for _ in range(3)]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 6, 3)]
+        with Drafts(llm.engine) as split, Drafts(one.engine) as whole:
+            assert tokens(llm, batch, params) == tokens(plain, batch, params) == tokens(one, batch, params)
+        # this attention group's sequences (under DP attention rank 0's: 0 and 2), drafted as alone
+        assert split.by_seq and split.by_seq == {seq: whole.by_seq[seq] for seq in split.by_seq}
+        assert llm.engine.speculator.counters.num_draft_tokens > 0
+        if dp == 1:  # as many drafted and kept, at each position
+            assert llm.engine.stats().spec == one.engine.stats().spec
+        assert_clean(llm)
+    finally:
+        llm.engine.shutdown()
