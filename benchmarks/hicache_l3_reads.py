@@ -1,0 +1,152 @@
+"""Pages a second from the storage tier (L3) in a prefetch: the existence check and the reads of a
+long prefix hit, as a request's prefetch makes them (core/kv/prefetch.py, policy wait_complete).
+
+Tiers: ``file`` (core/tiers/file.py, a directory: --dir, default a temporary one under /tmp),
+``nixl-posix`` (NIXL's POSIX plugin on the same layout) and ``nixl-obj`` (NIXL's OBJ plugin
+against moto's S3 server on loopback). The NIXL ones need ``pip install nixl-cu12 moto[server]
+boto3`` (skipped where missing). Each run writes ``--pages`` records of ``--record-kib`` KiB, then
+times ``--repeats`` prefetches of all of them from a reader that has none; the JSON gives each
+tier's pages/s (median, min, max) and MB/s, and checks every record came back intact.
+
+    python benchmarks/hicache_l3_reads.py --json benchmarks/results/hicache-l3-reads-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+try:
+    from common import commit, write_result
+except ImportError:
+    from benchmarks.common import commit, write_result
+
+from engine.core.config import EngineConfig
+from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys
+from engine.core.kv.prefetch import StorageReader
+from engine.core.tiers.file import FileTier
+
+PAGE_SIZE = 16  # tokens a page; only the keys depend on it
+
+
+def import_nixl() -> bool:
+    """Whether nixl imports with an OBJ plugin that loads: nixl's meta package takes nixl_cu13 where
+    torch has no CUDA, whose OBJ plugin needs a library no wheel carries, so where nixl-cu12 is
+    installed the import goes as under a CUDA 12 torch (as tests/plugins/test_nixl_obj_tier.py does)."""
+    if importlib.util.find_spec("nixl") is None:
+        return False
+    if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
+        torch.version.cuda = "12"
+        try:
+            importlib.import_module("nixl")
+        finally:
+            torch.version.cuda = None
+    return True
+
+
+def context(layout: TierLayout, **config) -> TierContext:
+    return TierContext(None, None, EngineConfig(model="-", enable_hierarchical_cache=True, **config), layout)
+
+
+def file_tier(layout, directory):
+    return FileTier(context(layout, hicache_storage_backend="file", hicache_storage_dir=directory)), None
+
+
+def nixl_posix_tier(layout, directory):
+    from engine.plugins import nixl
+
+    nixl.FILE_PLUGINS = ("POSIX",)
+    return nixl.NixlFileTier(context(layout, hicache_storage_backend="nixl", hicache_storage_dir=directory)), None
+
+
+def nixl_obj_tier(layout, directory):
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from engine.plugins.nixl_obj import NixlObjectTier
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url, bucket = f"http://{host}:{port}", f"kv-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=bucket)
+    options = {"nixl": {"plugin": "OBJ", "endpoint_override": url, "bucket": bucket, "access_key": "test",
+                        "secret_key": "test"}}
+    return NixlObjectTier(context(layout, hicache_storage_backend="nixl", plugin_options=options)), server.stop
+
+
+TIERS = {"file": file_tier, "nixl-posix": nixl_posix_tier, "nixl-obj": nixl_obj_tier}
+
+
+def measure(name: str, pages: int, record_bytes: int, repeats: int, directory: str) -> dict:
+    layout = TierLayout({"page": (record_bytes,)}, f"bench-{uuid.uuid4().hex[:8]}")
+    tier, stop = TIERS[name](layout, directory)
+    try:
+        keys = prefix_keys(list(range(pages * PAGE_SIZE)), PAGE_SIZE, layout.model)
+        g = torch.Generator().manual_seed(0)
+        records = [TierPage.of(k, torch.randint(0, 256, (record_bytes,), dtype=torch.uint8, generator=g)) for k in keys]
+        assert all(tier.put(records)), tier.last_error
+        seconds = []
+        for _ in range(repeats):
+            reader = StorageReader(tier, "wait_complete", PAGE_SIZE, PAGE_SIZE)
+            start = time.perf_counter()
+            p = reader.start(keys, 0)
+            got = reader.take(p) if p is not None else []
+            seconds.append(time.perf_counter() - start)
+            reader.close()
+            if len(got) != pages or not all(r.key == k and r.intact() for r, k in zip(got, keys)):
+                raise RuntimeError(f"{name}: {len(got)} of {pages} records came back intact")
+        rates = sorted(pages / s for s in seconds)
+        return {"pages": pages, "record_bytes": record_bytes, "repeats": repeats,
+                "pages_per_s": {"median": round(statistics.median(rates), 1), "min": round(rates[0], 1),
+                                "max": round(rates[-1], 1)},
+                "mb_per_s_median": round(statistics.median(rates) * record_bytes / 1e6, 1),
+                "plugin": getattr(tier, "plugin", None)}
+    finally:
+        if stop is not None:
+            stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiers", nargs="+", default=list(TIERS), choices=list(TIERS))
+    p.add_argument("--pages", type=int, default=128)
+    p.add_argument("--record-kib", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where the directory tiers write (default: a new one under /tmp)")
+    p.add_argument("--label", default="", help="what the code measured is (before / after a change)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    have_nixl = import_nixl()
+    results = {}
+    for name in args.tiers:
+        if name.startswith("nixl") and not have_nixl:
+            print(f"{name}: skipped (nixl is not installed)")
+            continue
+        with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+            results[name] = measure(name, args.pages, args.record_kib << 10, args.repeats, directory)
+        r = results[name]
+        print(f"{name}: {r['pages_per_s']['median']} pages/s ({r['pages_per_s']['min']}-{r['pages_per_s']['max']}), "
+              f"{r['mb_per_s_median']} MB/s", flush=True)
+    if args.json:
+        write_result(args.json, {
+            "benchmark": "hicache_l3_reads", "label": args.label, "commit": commit(),
+            "command": "python " + " ".join(sys.argv),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
+                       f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+            "tiers": results})
+
+
+if __name__ == "__main__":
+    main()
