@@ -50,19 +50,39 @@ class NixlFileTier(FileTier):
         finally:
             os.close(fd)
 
-    def _read(self, path: Path):
-        """The file read by NIXL into a buffer the record then lies over (no copy after)."""
+    def _read_many(self, paths: list[Path]) -> list:
+        """The files read by NIXL in one transfer (a descriptor each) into one buffer the records
+        then lie over (no copy after); an absent file is its OSError. Where the transfer fails, each
+        file is read alone, so one bad file fails only itself."""
         import torch
 
-        fd = os.open(path, os.O_RDONLY)
+        out: list = []
+        fds: list[tuple[int, int]] = []  # (index in out, descriptor)
         try:
-            size = os.fstat(fd).st_size
-            buffer = torch.empty(size, dtype=torch.uint8)
-            if size:
-                self.store.transfer("READ", buffer, "FILE", size, fd)
-            return buffer.numpy()
+            for path in paths:
+                try:
+                    fds.append((len(out), os.open(path, os.O_RDONLY)))
+                    out.append(None)
+                except OSError as exc:
+                    out.append(exc)
+            sizes = [os.fstat(fd).st_size for _, fd in fds]
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+            regions, at = [], 0
+            for (i, fd), size in zip(fds, sizes):
+                out[i] = buffer[at:at + size].numpy()
+                if size:
+                    regions.append((at, size, fd, ""))
+                at += size
+            if regions:
+                self.store.transfer("READ", buffer, "FILE", regions)
+            return out
+        except OSError as exc:
+            if len(paths) == 1:
+                return [exc]
         finally:
-            os.close(fd)
+            for _, fd in fds:
+                os.close(fd)
+        return [self._read_many([p])[0] for p in paths]
 
 
 def create(ctx):

@@ -11,7 +11,10 @@ AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN; unset: the AWS SDK's own credential ch
 
 Start-up writes a probe object, so an unreachable endpoint or a missing bucket refuses the tier
 with the reason. An S3 PUT replaces an object whole: a reader sees a complete record or none, as
-the file tier's rename gives. Existence is a HEAD (NIXL's query). A read asks for the largest
+the file tier's rename gives. Existence is a HEAD (NIXL's query). Many records are asked for
+together, split over ``LANES`` NIXL agents side by side: a ``get`` as one transfer request a lane
+(a descriptor, a GET, a record), an existence check as one query a lane; a long hit's requests
+go ``LANES`` at a time or more, not one after another. A read asks for the largest
 record's length and room for its header (S3 answers with what the object holds) and the record's
 header says where it ends. NIXL deletes no object: a bad record (``reject``) stays a miss for
 this engine until its next write of that prefix replaces it. The bucket's own lifecycle rules
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from ..core.families.cache_tier import CacheTier, TierPage
 from ..core.tiers.file import record_name
@@ -40,6 +44,8 @@ SETTINGS = {  # option of plugin_options["nixl"]: (environment variable, default
     "secret_key": ("AWS_SECRET_ACCESS_KEY", None),
     "session_token": ("AWS_SESSION_TOKEN", None),
 }
+LANES = 8  # NIXL agents a run of records is split over: one agent's OBJ plugin sends its GETs from a pool
+# sized by the CPU count (one at a time on a 2-CPU host) and its HEADs one after another
 HEADER_ROOM = 1024  # bytes read past the largest record for its header (record.py: about 150)
 PROBE = "engine-kv-probe"  # the object start-up writes
 
@@ -85,8 +91,10 @@ class NixlObjectTier(CacheTier):
         super().__init__(ctx)
         s = object_settings(ctx)
         self.where = f"bucket {s['bucket']!r} at {s['endpoint_override']}"
-        self.store = NixlStore(("OBJ",), {k: str(v) for k, v in s.items() if k != "plugin" and v is not None})
-        self.plugin = self.store.plugin
+        params = {k: str(v) for k, v in s.items() if k != "plugin" and v is not None}
+        self.lanes = [NixlStore(("OBJ",), params) for _ in range(LANES)]
+        self.store, self.plugin = self.lanes[0], self.lanes[0].plugin
+        self._asking = ThreadPoolExecutor(LANES, thread_name_prefix="hicache-s3-query")  # the lanes' HEADs
         try:
             self.store.write([PROBE.encode()], "OBJ", meta=PROBE)
         except OSError as exc:
@@ -111,7 +119,29 @@ class NixlObjectTier(CacheTier):
         return done
 
     def get(self, keys: list[str]) -> list[TierPage | None]:
-        return [self._get(k) for k in keys]
+        """The records in one transfer request a lane (a descriptor a record, the lanes' requests
+        posted together): a run of records costs about one round trip. Where a lane's request
+        fails (an object gone meanwhile, a bucket not answering), its records are read one by one,
+        so only those that fail are misses."""
+        import torch
+
+        wanted = [k for k in keys if k not in self._bad]
+        if len(wanted) < 2:
+            return [self._get(k) for k in keys]
+        size = self.read_size
+        buffer = torch.empty(len(wanted) * size, dtype=torch.uint8)
+        chunks = _split(list(range(len(wanted))))
+        posted = [lane.post("READ", buffer, "OBJ", [(i * size, size, None, record_name(wanted[i])) for i in chunk])
+                  for lane, chunk in zip(self.lanes, chunks)]
+        failed = set()
+        for request, chunk in zip(posted, chunks):
+            try:
+                request.wait()
+            except OSError:
+                failed.update(wanted[i] for i in chunk)
+        at = {k: i * size for i, k in enumerate(wanted)}
+        return [None if k not in at else self._get(k) if k in failed else self._decode(k, buffer[at[k]:at[k] + size])
+                for k in keys]
 
     def _get(self, key: str) -> TierPage | None:
         import torch
@@ -120,11 +150,15 @@ class NixlObjectTier(CacheTier):
             return None
         buffer = torch.empty(self.read_size, dtype=torch.uint8)
         try:
-            self.store.transfer("READ", buffer, "OBJ", self.read_size, meta=record_name(key))
+            self.store.transfer("READ", buffer, "OBJ", [(0, self.read_size, None, record_name(key))])
         except OSError as exc:
             if self._held([key]) != [False]:  # there, or the bucket does not answer: a failed read
                 self._read_failed(f"reading {record_name(key)} from {self.where}: {exc}")
             return None
+        return self._decode(key, buffer)
+
+    def _decode(self, key: str, buffer) -> TierPage | None:
+        """The record of ``key`` read into ``buffer`` (a host uint8 tensor); a miss where it is not one."""
         try:
             return decode(key, buffer.numpy())
         except ValueError as exc:
@@ -145,11 +179,21 @@ class NixlObjectTier(CacheTier):
         self._bad.add(key)
 
     def _held(self, keys: list[str]) -> list[bool] | None:
-        """Which of ``keys`` the bucket holds (one HEAD each, in parallel), those read bad here not;
-        None where it does not answer (``last_error`` says why)."""
+        """Which of ``keys`` the bucket holds (a HEAD each: NIXL's query sends its one after another,
+        so the keys are split over the lanes, queried side by side), those read bad here not; None
+        where it does not answer (``last_error`` says why)."""
+        def ask(lane: NixlStore, part: list[str]) -> list:
+            return lane.agent.query_memory([(0, 0, i, record_name(k)) for i, k in enumerate(part)], "OBJ", "OBJ")
+
         try:
-            found = self.store.agent.query_memory([(0, 0, i, record_name(k)) for i, k in enumerate(keys)], "OBJ", "OBJ")
+            found = [f for part in self._asking.map(ask, self.lanes, _split(keys)) for f in part]
         except Exception as exc:
             self.last_error = f"{type(exc).__name__} {exc}"
             return None
         return [f is not None and k not in self._bad for k, f in zip(keys, found)]
+
+
+def _split(items: list) -> list[list]:
+    """``items`` in up to ``LANES`` runs of nearly equal length, in order."""
+    n = min(LANES, len(items))
+    return [items[len(items) * j // n:len(items) * (j + 1) // n] for j in range(n)]

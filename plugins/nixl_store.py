@@ -1,8 +1,10 @@
 """A NIXL agent with one storage plugin started, moving bytes between host buffers and storage:
 files (GDS_MT, GDS, 3FS, POSIX; nixl.py) or objects in an S3 bucket (OBJ; nixl_obj.py).
 
-The storage tier uses it from two threads (the storage writer's and the prefetcher's), so the
-agent serialises its own calls (NIXL_THREAD_SYNC_STRICT).
+The storage tier uses it from several threads (the storage writer's, the prefetcher's), so the
+agent serialises its own calls (NIXL_THREAD_SYNC_STRICT). A transfer request carries many
+descriptors (a run of records); a plugin runs its own on its own threads (the OBJ plugin on a
+pool sized by the CPU count), so a tier may post requests on several agents to run side by side.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import itertools
 import os
 
 
+AGENTS = itertools.count()  # a process's agents each have a name of their own
+
+
 class NixlStore:
     def __init__(self, candidates: tuple[str, ...], params: dict[str, str] | None = None) -> None:
         """The first of ``candidates`` that NIXL lists and starts here (with ``params``);
         RuntimeError saying what NIXL offers and why each listed one did not start."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-        self.agent = nixl_agent(f"engine-hicache-{os.getpid()}", nixl_agent_config(
+        self.agent = nixl_agent(f"engine-hicache-{os.getpid()}-{next(AGENTS)}", nixl_agent_config(
             backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._devices = itertools.count(1)  # an object's registration names a device id of its own
         offered = self.agent.get_plugin_list()
@@ -37,34 +42,30 @@ class NixlStore:
                                f"it lists {offered}" + (f", refused {'; '.join(refused)}" if refused else "")
                                + " (NIXL_LOG_LEVEL=DEBUG logs why a plugin's library does not load)")
 
-    def transfer(self, op: str, buffer, mem_type: str, size: int, device: int | None = None, meta: str = "") -> None:
-        """One transfer (``op`` READ or WRITE) between ``buffer`` (a host uint8 tensor) and ``size``
-        bytes of storage: a file (``mem_type`` FILE, ``device`` its descriptor) or an object
-        (OBJ, ``meta`` its key). OSError where NIXL fails it."""
-        device = next(self._devices) if device is None else device
-        mem = self.agent.register_memory(buffer)
+    def transfer(self, op: str, buffer, mem_type: str, regions: list[tuple[int, int, int | None, str]]) -> None:
+        """One transfer request (``op`` READ or WRITE) between ``buffer`` (a host uint8 tensor) and
+        storage, a descriptor per region: (offset in ``buffer``, bytes, device, meta), each a file
+        (``mem_type`` FILE, ``device`` its descriptor) or an object (OBJ, ``meta`` its key; ``device``
+        None). OSError where NIXL fails any of them."""
+        self.post(op, buffer, mem_type, regions).wait()
+
+    def post(self, op: str, buffer, mem_type: str, regions: list[tuple[int, int, int | None, str]]) -> Posted:
+        """``transfer``'s request, started and not waited for (``wait()`` ends it): several agents'
+        requests posted together run side by side."""
+        remotes = [(0, size, next(self._devices) if device is None else device, meta)
+                   for _, size, device, meta in regions]
+        what = f"{len(regions)} {mem_type} regions" if len(regions) > 1 else (regions[0][3] or "file")
+        posted = Posted(self, f"{op} of {sum(r[1] for r in regions)} bytes ({what})")
+        posted.registered.append(self.agent.register_memory(buffer))
         try:
-            remote = self.agent.register_memory([(0, size, device, meta)], mem_type)
-        except Exception as exc:
-            self.agent.deregister_memory(mem)
-            raise OSError(f"NIXL {self.plugin} registering {meta or device}: {exc}") from None
-        handle = None
-        try:
-            local = self.agent.get_xfer_descs(buffer)
-            handle = self.agent.initialize_xfer(op, local, self.agent.get_xfer_descs([(0, size, device)], mem_type),
-                                                self.agent.name)
-            state = self.agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                state = self.agent.check_xfer_state(handle)
+            posted.registered.append(self.agent.register_memory(remotes, mem_type))
+            local = self.agent.get_xfer_descs([buffer[at:at + size] for at, size, _, _ in regions])
+            posted.handle = self.agent.initialize_xfer(
+                op, local, self.agent.get_xfer_descs([r[:3] for r in remotes], mem_type), self.agent.name)
+            posted.state = self.agent.transfer(posted.handle)
         except Exception as exc:  # NIXL raises where the plugin reports an error (an absent object, a refused write)
-            state = f"ERR ({type(exc).__name__} {exc})"
-        finally:
-            if handle is not None:
-                self.agent.release_xfer_handle(handle)
-            self.agent.deregister_memory(remote)
-            self.agent.deregister_memory(mem)
-        if state != "DONE":
-            raise OSError(f"NIXL {self.plugin} {op} of {size} bytes ({meta or 'file'}) failed: {state}")
+            posted.state = f"ERR ({type(exc).__name__} {exc})"
+        return posted
 
     def write(self, parts: list, mem_type: str, device: int | None = None, meta: str = "") -> None:
         """``parts`` (buffers, in order) gathered into one buffer NIXL registers (the one copy), written."""
@@ -77,4 +78,30 @@ class NixlStore:
         for v in views:
             out[at:at + len(v)] = np.frombuffer(v, dtype=np.uint8)
             at += len(v)
-        self.transfer("WRITE", buffer, mem_type, at, device, meta)
+        self.transfer("WRITE", buffer, mem_type, [(0, at, device, meta)])
+
+
+class Posted:
+    """A transfer request on its way; ``wait()`` once."""
+
+    def __init__(self, store: NixlStore, what: str) -> None:
+        self.store, self.what = store, what
+        self.registered: list = []  # what to deregister when it ends
+        self.handle = None
+        self.state = "ERR"
+
+    def wait(self) -> None:
+        """Until it ends, its handle and registrations released; OSError where NIXL failed it."""
+        agent, state = self.store.agent, self.state
+        try:
+            while state not in ("DONE", "ERR") and not state.startswith("ERR "):
+                state = agent.check_xfer_state(self.handle)
+        except Exception as exc:
+            state = f"ERR ({type(exc).__name__} {exc})"
+        finally:
+            if self.handle is not None:
+                agent.release_xfer_handle(self.handle)
+            for reg in reversed(self.registered):
+                agent.deregister_memory(reg)
+        if state != "DONE":
+            raise OSError(f"NIXL {self.store.plugin} {self.what} failed: {state}")

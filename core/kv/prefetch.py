@@ -2,10 +2,12 @@
 
 A prefetch starts when a request arrives and the storage holds at least ``threshold`` tokens of
 its prompt past what the device and host memory already know; a thread reads the records in
-order. When the request is admitted, the policy says how long it waits for the rest
+order, as few runs as fit ``READ_BATCH_BYTES`` each: one ``get`` of the tier a run, which the tier
+serves as one request where it can (one NIXL transfer of many descriptors, S3 GETs at once, files
+read side by side), so a long hit does not pay a round trip a page. When the request is admitted, the policy says how long it waits for the rest
 (SGLang's names): ``best_effort`` not at all, ``wait_complete`` until every record is read,
 ``timeout`` at most ``TIMEOUT_BASE + TIMEOUT_PER_KI_TOKEN`` per 1,024 tokens; the reads stop and
-the records read so far are what the hit gets.
+the records read so far (whole runs) are what the hit gets.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..families.cache_tier import CacheTier, TierPage
 
 TIMEOUT_BASE = 1.0  # seconds
 TIMEOUT_PER_KI_TOKEN = 0.25  # seconds per 1,024 tokens
-READ_BATCH = 8  # records a read asks the tier for at once
+READ_BATCH_BYTES = 64 << 20  # a run's records in one get: one request's worth, the host memory a read holds
 
 
 @dataclass
@@ -36,6 +38,7 @@ class StorageReader:
     def __init__(self, tier: CacheTier, policy: str, threshold_tokens: int, page_size: int) -> None:
         self.tier, self.policy, self.page_size = tier, policy, page_size
         self.threshold_pages = max(1, -(-threshold_tokens // page_size))
+        self.batch_pages = max(1, READ_BATCH_BYTES // max(1, tier.ctx.layout.record_bytes("page")))
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="hicache-storage")
 
     def start(self, keys: list[str], start_page: int) -> Prefetch | None:
@@ -49,10 +52,10 @@ class StorageReader:
 
     def _read(self, p: Prefetch) -> None:
         try:
-            for i in range(0, len(p.keys), READ_BATCH):
+            for i in range(0, len(p.keys), self.batch_pages):
                 if p.stop:
                     break
-                got = self.tier.get(p.keys[i:i + READ_BATCH])
+                got = self.tier.get(p.keys[i:i + self.batch_pages])
                 for rec in got:
                     if rec is None:
                         return

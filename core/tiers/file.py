@@ -11,8 +11,10 @@ is logged and refused, and a read that fails other than by absence is a counted 
 goes on. A read that hits a record touches it (its modification time), and with a size bound
 (``--hicache-storage-max-size``) the writing engine deletes the least recently used records once
 the directory outgrows it (``bound.py``). Otherwise records are deleted only when bad (``reject``:
-not a record of their key, or failing their checksum). Subclasses may move the bytes their own way
-(``_write``, ``_read``: NIXL's file plugins).
+not a record of their key, or failing their checksum). A ``get`` of many records reads their files
+side by side (``READ_THREADS``), so a long hit on a shared file system pays about one round trip,
+not one a record. Subclasses may move the bytes their own way (``_write``, ``_read_many``: NIXL's
+file plugins, one transfer for a get's files).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +37,7 @@ from .record import decode, encode
 logger = logging.getLogger(__name__)
 
 USAGE_EVERY_S = 1.0  # how often the usage gauges ask the file system
+READ_THREADS = 8  # files one get reads at once
 
 
 def file_reasons(ctx) -> list[str]:
@@ -67,6 +71,7 @@ class FileTier(CacheTier):
         max_size = getattr(ctx.engine_config, "hicache_storage_max_size", 0)
         self.bound = DirectoryBound(self.root, int(max_size * 2**30)) if max_size else None
         self._usage: tuple[float, tuple[int, int] | None] = (float("-inf"), None)
+        self._readers: ThreadPoolExecutor | None = None  # a get's reads, started with the first of many records
 
     def _path(self, key: str) -> Path:
         return self.root / record_name(key)
@@ -117,18 +122,26 @@ class FileTier(CacheTier):
                 got += n
         return buffer[:got]  # shorter where the file shrank meanwhile: it fails its checksum
 
-    def get(self, keys: list[str]) -> list[TierPage | None]:
-        return [self._get(k) for k in keys]
+    def _read_many(self, paths: list[Path]) -> list[np.ndarray | OSError]:
+        """Each file's bytes, or the OSError reading it: ``READ_THREADS`` at once, so a shared file
+        system's round trips overlap rather than add up. Subclasses may read them in one request."""
+        if len(paths) < 2:
+            return [_read_or_error(self._read, p) for p in paths]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hicache-file-read")
+        return list(self._readers.map(_read_or_error, [self._read] * len(paths), paths))
 
-    def _get(self, key: str) -> TierPage | None:
-        try:
-            raw = self._read(self._path(key))
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
+    def get(self, keys: list[str]) -> list[TierPage | None]:
+        return [self._record(k, raw) for k, raw in zip(keys, self._read_many([self._path(k) for k in keys]))]
+
+    def _record(self, key: str, raw: np.ndarray | OSError) -> TierPage | None:
+        """The record ``raw`` (a file's bytes, or why it could not be read) holds for ``key``; None for a miss."""
+        if isinstance(raw, OSError):
+            if raw.errno != errno.ENOENT:
                 self.read_failures += 1
                 if self.read_failures == 1 or self.read_failures % 1000 == 0:
                     logger.warning("hierarchical cache: reading %s failed (%s; %d failed reads so far); a miss",
-                                   self._path(key), exc, self.read_failures)
+                                   self._path(key), raw, self.read_failures)
             return None
         try:
             record = decode(key, raw)
@@ -164,6 +177,14 @@ class FileTier(CacheTier):
 
     def contains(self, keys: list[str]) -> int:
         return next((i for i, k in enumerate(keys) if not self._path(k).exists()), len(keys))
+
+
+def _read_or_error(read, path: Path):
+    """``read(path)``, or the OSError it raised."""
+    try:
+        return read(path)
+    except OSError as exc:
+        return exc
 
 
 def _touch(path: Path) -> bool:

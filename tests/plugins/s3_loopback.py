@@ -1,0 +1,52 @@
+"""moto's S3 server on loopback, counting what it answers: requests by method and the most it
+answered at once (what shows a tier's reads batched: one round trip for a run, not one a record),
+each held ``delay_s`` first where asked (a store at a network's distance: on loopback the server's
+own CPU is the whole cost). Used by tests/plugins/test_nixl_obj_tier.py and
+benchmarks/hicache_l3_reads.py; needs ``pip install moto[server]``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from werkzeug.serving import make_server
+
+
+class LoopbackS3:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line a request otherwise
+        self.delay_s = delay_s
+        self.requests: Counter[str] = Counter()
+        self.most_at_once = 0
+        self._at_once, self._lock = 0, threading.Lock()
+        self._app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server("127.0.0.1", 0, self._answer, threaded=True, request_handler=MotoRequestHandler)
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _answer(self, environ, start_response):
+        with self._lock:
+            self.requests[environ["REQUEST_METHOD"]] += 1
+            self._at_once += 1
+            self.most_at_once = max(self.most_at_once, self._at_once)
+        try:
+            time.sleep(self.delay_s)
+            return self._app(environ, start_response)
+        finally:
+            with self._lock:
+                self._at_once -= 1
+
+    def reset(self) -> None:
+        """Count from nothing again."""
+        with self._lock:
+            self.requests.clear()
+            self.most_at_once = 0
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join()
