@@ -146,3 +146,64 @@ def test_records_evicted_while_a_prefetch_reads_them_end_the_hit_without_a_failu
     s = second.lower.stats
     assert s.checksum_failures == s.storage_read_failures == 0 and slow[0].tier.read_failures == 0
     second.check_consistency()
+
+
+class Counted(Slow):
+    """A slow tier whose reads are counted: what the prefetch asked of the tier, call by call."""
+
+    def __init__(self, tier):
+        super().__init__(tier)
+        self.gets = []
+
+    def get(self, keys):
+        self.gets.append(list(keys))
+        return super().get(keys)
+
+
+@pytest.mark.parametrize("damage", [None, "missing", "corrupt"])
+def test_a_long_hit_is_read_in_one_call_and_a_bad_record_in_it_ends_the_hit_there(tmp_path, seed, damage):
+    """A hit of many pages costs the tier one read of all of them (not one a few pages); a record
+    gone or damaged in the middle of that read ends the hit exactly before it (counted where it
+    is damaged; a gone one is no failure), nothing read after it is kept, and every page goes back."""
+    rng = random.Random(seed)
+    first, h1, files = engine(tmp_path, False, rng)
+    pages = rng.randint(12, 20)
+    prompt = [rng.randrange(1000) for _ in range(pages * 4)]
+    run(first, h1, prompt + [1])
+    keys = prefix_keys(prompt, 4, first.lower.model_key)
+    counted = []
+    second, h2, _ = engine(tmp_path, False, rng, tier_wrapper=lambda t: counted.append(Counted(t)) or counted[0])
+    second.prefetch(prompt)  # finds every page, then waits to read them
+    cut = rng.randrange(3, pages - 1) if damage else pages
+    if damage == "missing":
+        files._path(keys[cut]).unlink()
+    elif damage == "corrupt":
+        raw = bytearray(files._path(keys[cut]).read_bytes())
+        raw[-1 - rng.randrange(16)] ^= 1 << rng.randrange(8)
+        files._path(keys[cut]).write_bytes(bytes(raw))
+    counted[0].go.set()
+    hit, _ = run(second, h2, prompt + [2])
+    assert counted[0].gets[0] == keys  # one read of them all
+    assert hit == cut * 4 and second.lower.stats.storage_hit_tokens == hit
+    assert second.lower.stats.checksum_failures == (damage == "corrupt") and counted[0].tier.read_failures == 0
+    second.check_consistency()
+    second.reset_prefix_cache()
+    second.check_consistency()
+    assert second.stats().num_used == 0 and not second.lower.tier.keys()
+
+
+def test_a_hit_longer_than_one_read_holds_is_read_in_runs_of_that_bound(tmp_path, seed, monkeypatch):
+    rng = random.Random(seed)
+    first, h1, files = engine(tmp_path, False, rng)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    run(first, h1, prompt + [1])
+    per_read = rng.randint(2, 4)
+    record = files.ctx.layout.record_bytes("page")
+    monkeypatch.setattr(prefetch, "READ_BATCH_BYTES", per_read * record + rng.randrange(record))
+    counted = []
+    second, h2, _ = engine(tmp_path, False, rng, tier_wrapper=lambda t: counted.append(Counted(t)) or counted[0])
+    counted[0].go.set()
+    assert run(second, h2, prompt + [2])[0] == 40
+    keys = prefix_keys(prompt, 4, first.lower.model_key)
+    assert counted[0].gets == [keys[i:i + per_read] for i in range(0, 10, per_read)]
+    second.check_consistency()
