@@ -36,7 +36,6 @@ def _import_nixl():
 
 _import_nixl()
 
-from moto.server import ThreadedMotoServer  # noqa: E402
 
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys  # noqa: E402
@@ -45,6 +44,7 @@ from engine.core.tiers.file import record_name  # noqa: E402
 from engine.core.tiers.record import encode  # noqa: E402
 from engine.plugins import nixl_obj  # noqa: E402
 from engine.plugins.nixl_store import NixlStore  # noqa: E402
+from s3_loopback import LoopbackS3  # noqa: E402
 from test_storage_plugins import plugins, second_engine_hits_the_first  # noqa: E402
 
 LAYOUT = TierLayout({"page": (96, 32), "window": (40,)}, "test-model")  # a short read of the window kind too
@@ -59,18 +59,20 @@ def no_environment(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
+def s3_server():
+    server = LoopbackS3()
     try:
-        NixlStore(("OBJ",), {"endpoint_override": url, "scheme": "http", "bucket": "none"})
+        NixlStore(("OBJ",), {"endpoint_override": server.url, "scheme": "http", "bucket": "none"})
     except RuntimeError as exc:
         server.stop()
         pytest.skip(f"NIXL's OBJ plugin does not start here: {exc}")
-    yield url
+    yield server
     server.stop()
+
+
+@pytest.fixture
+def endpoint(s3_server):
+    return s3_server.url
 
 
 def client(endpoint):
@@ -167,3 +169,33 @@ def test_an_engine_hits_what_another_stored_in_the_bucket(tiny_qwen3, endpoint, 
         assert client(endpoint).list_objects_v2(Bucket=bucket)["KeyCount"] == written + 1
 
     second_engine_hits_the_first(tiny_qwen3, seed, "nixl", stored, plugin_options=options(endpoint, bucket))
+
+
+def test_many_records_are_asked_for_together_and_a_gone_one_fails_only_itself(s3_server, bucket, seed):
+    """An existence check and a get of a long run each go out as one request a lane, the lanes' at
+    once (the server answers several at a time), a HEAD and a GET a record; a record deleted after
+    the check is a plain miss in the middle of the get (its lane's run read again one by one), the
+    others read intact."""
+    rng = random.Random(seed)
+    ctx = context(options(s3_server.url, bucket))
+    tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    recs = [r for r in records(rng.randint(3 * nixl_obj.LANES, 4 * nixl_obj.LANES), seed) if r.kind == "page"]
+    keys = [r.key for r in recs]
+    assert tier.put(recs) == [True] * len(recs)
+    s3_server.reset()
+    assert tier.contains(keys) == len(recs)
+    assert s3_server.requests == {"HEAD": len(recs)} and s3_server.most_at_once > 1
+    gone = rng.randrange(1, len(recs) - 1)
+    client(s3_server.url).delete_object(Bucket=bucket, Key=record_name(keys[gone]))
+    posted = []
+    for lane in tier.lanes:
+        lane.post = lambda *args, post=lane.post: posted.append(args[3]) or post(*args)
+    s3_server.reset()
+    got = tier.get(keys)
+    runs, alone = posted[:nixl_obj.LANES], posted[nixl_obj.LANES:]
+    assert [r[3] for run in runs for r in run] == [record_name(k) for k in keys]  # a run a lane, in order
+    failed = next(run for run in runs if (record_name(keys[gone]), None) in {(r[3], r[2]) for r in run})
+    assert [run[0][3] for run in alone] == [r[3] for r in failed]  # the failed run's records again, one by one
+    assert s3_server.most_at_once > 1 and s3_server.requests == {"GET": len(recs) + len(failed), "HEAD": 1}
+    assert got[gone] is None and tier.read_failures == tier.rejected == 0
+    assert all(g.intact() and torch.equal(g.data, r.data) for i, (g, r) in enumerate(zip(got, recs)) if i != gone)
