@@ -17,7 +17,6 @@ the most the server answered at once; every record must come back intact.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import platform
@@ -44,18 +43,12 @@ from engine.core.tiers.file import FileTier
 PAGE_SIZE = 16  # tokens a page; only the keys depend on it
 
 
-def import_nixl() -> bool:
-    """Whether nixl imports with an OBJ plugin that loads: nixl's meta package takes nixl_cu13 where
-    torch has no CUDA, whose OBJ plugin needs a library no wheel carries, so where nixl-cu12 is
-    installed the import goes as under a CUDA 12 torch (as tests/plugins/test_nixl_obj_tier.py does)."""
+def have_nixl() -> bool:
     if importlib.util.find_spec("nixl") is None:
         return False
-    if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
-        torch.version.cuda = "12"
-        try:
-            importlib.import_module("nixl")
-        finally:
-            torch.version.cuda = None
+    from s3_loopback import import_nixl
+
+    import_nixl()
     return True
 
 
@@ -142,10 +135,10 @@ def main() -> None:
     p.add_argument("--label", default="", help="what the code measured is (before / after a change)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    have_nixl = import_nixl()
+    nixl_here = have_nixl()
     results = {}
     for name in args.tiers:
-        if name.startswith("nixl") and not have_nixl:
+        if name.startswith("nixl") and not nixl_here:
             print(f"{name}: skipped (nixl is not installed)")
             continue
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:

@@ -1,18 +1,36 @@
-"""moto's S3 server on loopback, counting what it answers: requests by method and the most it
+"""The S3 tier's test bed: moto's S3 server on loopback, counting what it answers: requests by method and the most it
 answered at once (what shows a tier's reads batched: one round trip for a run, not one a record),
 each held ``delay_s`` first where asked (a store at a network's distance: on loopback the server's
 own CPU is the whole cost). Used by tests/plugins/test_nixl_obj_tier.py and
-benchmarks/hicache_l3_reads.py; needs ``pip install moto[server]``."""
+benchmarks/hicache_l3_reads.py; needs ``pip install moto[server]``. And ``import_nixl``: the nixl build
+whose OBJ plugin loads here."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from collections import Counter
 
+import torch
+
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
+
+
+def import_nixl() -> None:
+    """nixl's meta package takes nixl_cu13 where torch has no CUDA (a CPU machine), and nixl-cu13
+    1.5.1's OBJ plugin needs libcuobjclient.so.1, which no wheel carries; nixl-cu12's has all it
+    needs, so the import goes as under a CUDA 12 torch where nixl-cu12 is installed."""
+    if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
+        torch.version.cuda = "12"
+        try:
+            importlib.import_module("nixl")
+        finally:
+            torch.version.cuda = None
 
 
 class LoopbackS3:

@@ -3,14 +3,14 @@ optional nixl and moto packages are installed (skipped otherwise, as in CI): rec
 objects, found by a HEAD, a missing one a plain miss and a bad one a miss until rewritten; a config
 the OBJ plugin cannot serve is refused naming the setting, a bucket it cannot write refused at
 start-up; an engine hits what another engine stored in the bucket and decodes as an engine without
-tiers does, no page left behind."""
+tiers does, no page left behind; a long run's existence check and reads go out a request a lane,
+side by side, a record gone mid-run failing only itself."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import random
-import sys
 import uuid
 
 import pytest
@@ -21,21 +21,9 @@ if importlib.util.find_spec("nixl") is None:
 pytest.importorskip("moto.server", reason="moto is not installed (pip install 'moto[server]')")
 boto3 = pytest.importorskip("boto3", reason="boto3 (moto's) is not installed")
 
+from s3_loopback import LoopbackS3, import_nixl  # noqa: E402
 
-def _import_nixl():
-    """nixl's meta package takes nixl_cu13 where torch has no CUDA (this CPU machine), and
-    nixl-cu13 1.5.1's OBJ plugin needs libcuobjclient.so.1, which no wheel carries; nixl-cu12's
-    has all it needs, so the import goes as under a CUDA 12 torch where nixl-cu12 is installed."""
-    if "nixl" not in sys.modules and torch.version.cuda is None and importlib.util.find_spec("nixl_cu12"):
-        torch.version.cuda = "12"
-        try:
-            importlib.import_module("nixl")
-        finally:
-            torch.version.cuda = None
-
-
-_import_nixl()
-
+import_nixl()
 
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys  # noqa: E402
@@ -44,7 +32,6 @@ from engine.core.tiers.file import record_name  # noqa: E402
 from engine.core.tiers.record import encode  # noqa: E402
 from engine.plugins import nixl_obj  # noqa: E402
 from engine.plugins.nixl_store import NixlStore  # noqa: E402
-from s3_loopback import LoopbackS3  # noqa: E402
 from test_storage_plugins import plugins, second_engine_hits_the_first  # noqa: E402
 
 LAYOUT = TierLayout({"page": (96, 32), "window": (40,)}, "test-model")  # a short read of the window kind too

@@ -36,6 +36,14 @@ def run(m, harness, prompt, **kwargs):
     return out
 
 
+def every_page_back(m) -> None:
+    """Every page and record is accounted for, and all go back when the prefix cache is emptied."""
+    m.check_consistency()
+    m.reset_prefix_cache()
+    m.check_consistency()
+    assert m.stats().num_used == 0 and not m.lower.tier.keys()
+
+
 @pytest.mark.parametrize("windowed", [False, True])
 def test_a_second_engine_fetches_what_the_first_stored(tmp_path, seed, windowed):
     rng = random.Random(seed)
@@ -48,10 +56,7 @@ def test_a_second_engine_fetches_what_the_first_stored(tmp_path, seed, windowed)
     second.prefetch(follow[:-1])
     hit, _ = run(second, h2, follow)  # reads every hit token back from the fetched pages
     assert hit == len(prompt) // 4 * 4 and second.lower.stats.storage_hit_tokens == hit
-    second.check_consistency()
-    second.reset_prefix_cache()
-    second.check_consistency()
-    assert second.stats().num_used == 0 and not second.lower.tier.keys()
+    every_page_back(second)
 
 
 def test_a_short_storage_hit_is_not_fetched_and_a_corrupted_record_ends_it(tmp_path, seed):
@@ -186,10 +191,7 @@ def test_a_long_hit_is_read_in_one_call_and_a_bad_record_in_it_ends_the_hit_ther
     assert counted[0].gets[0] == keys  # one read of them all
     assert hit == cut * 4 and second.lower.stats.storage_hit_tokens == hit
     assert second.lower.stats.checksum_failures == (damage == "corrupt") and counted[0].tier.read_failures == 0
-    second.check_consistency()
-    second.reset_prefix_cache()
-    second.check_consistency()
-    assert second.stats().num_used == 0 and not second.lower.tier.keys()
+    every_page_back(second)
 
 
 def test_a_hit_longer_than_one_read_holds_is_read_in_runs_of_that_bound(tmp_path, seed, monkeypatch):
