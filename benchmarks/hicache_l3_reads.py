@@ -101,7 +101,7 @@ def measure(name: str, pages: int, record_bytes: int, repeats: int, directory: s
         if server is not None:
             server.reset()
         for _ in range(repeats):
-            reader = StorageReader(tier, "wait_complete", PAGE_SIZE, PAGE_SIZE)
+            reader = StorageReader(tier, "wait_complete", PAGE_SIZE, PAGE_SIZE, record_bytes)
             start = time.perf_counter()
             p = reader.start(keys, 0)
             got = reader.take(p) if p is not None else []

@@ -297,7 +297,8 @@ class KVHierarchy:
         """Keep what host memory takes in ``tier`` too, and fetch prefixes from it (prefetch.py)."""
         if self.reader is not None:
             self.detach_storage()
-        self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size)
+        self.reader = StorageReader(tier, policy, threshold_tokens, self.page_size,
+                                    sum(self.kv.record_segments()))
         self.writer = StorageWriter(tier, self._written)
 
     @contextlib.contextmanager

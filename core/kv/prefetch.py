@@ -35,10 +35,11 @@ class Prefetch:
 
 
 class StorageReader:
-    def __init__(self, tier: CacheTier, policy: str, threshold_tokens: int, page_size: int) -> None:
+    def __init__(self, tier: CacheTier, policy: str, threshold_tokens: int, page_size: int, record_bytes: int) -> None:
+        """``record_bytes``: a page record's size (the layout's), which bounds how many a read asks for."""
         self.tier, self.policy, self.page_size = tier, policy, page_size
         self.threshold_pages = max(1, -(-threshold_tokens // page_size))
-        self.batch_pages = max(1, READ_BATCH_BYTES // max(1, tier.ctx.layout.record_bytes("page")))
+        self.batch_pages = max(1, READ_BATCH_BYTES // max(1, record_bytes))
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="hicache-storage")
 
     def start(self, keys: list[str], start_page: int) -> Prefetch | None:
