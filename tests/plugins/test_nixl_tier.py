@@ -51,17 +51,18 @@ def test_a_get_of_many_records_is_one_transfer_and_a_gone_or_cut_file_fails_only
     rng = random.Random(seed)
     ctx = context(tmp_path, "nixl")
     tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
-    recs = [TierPage.of(f"{i:02x}" * 16, torch.randint(0, 256, (rng.randint(1, 300),), dtype=torch.uint8))
+    recs = [TierPage.of(f"{i:02x}" * 16, torch.randint(0, 256, (rng.randint(4, 300),), dtype=torch.uint8))
             for i in range(rng.randint(8, 16))]
     assert tier.put(recs) == [True] * len(recs)
     gone, cut = rng.sample(range(1, len(recs) - 1), 2)
     tier._path(recs[gone].key).unlink()
     path = tier._path(recs[cut].key)
-    path.write_bytes(path.read_bytes()[:-rng.randint(1, 3)])
+    path.write_bytes(path.read_bytes()[:-rng.randint(1, 3)])  # within its data (4 bytes or more)
     posted = []
     post = tier.store.post
     tier.store.post = lambda *args: posted.append(args[3]) or post(*args)
     got = tier.get([r.key for r in recs])
     assert len(posted) == 1 and len(posted[0]) == len(recs) - 1  # one request, a descriptor a file there
     assert got[gone] is None and not got[cut].intact() and tier.read_failures == tier.rejected == 0
-    assert all(g.intact() and torch.equal(g.data, r.data) for i, (g, r) in enumerate(zip(got, recs)) if i not in (gone, cut))
+    assert all(g.intact() and torch.equal(g.data, r.data)
+               for i, (g, r) in enumerate(zip(got, recs)) if i not in (gone, cut))
