@@ -6,10 +6,11 @@ Tiers: ``file`` (core/tiers/file.py, a directory: --dir, default a temporary one
 against moto's S3 server on loopback, tests/plugins/s3_loopback.py) and ``nixl-obj-delayed`` (the
 same server holding each request ``--s3-delay-ms``, a store at a network's distance: on loopback
 the server's CPU, about a hundred requests a second here, is otherwise the whole cost). The NIXL
-ones need ``pip install nixl-cu12 moto[server] boto3`` (skipped where missing). Each run writes ``--pages`` records of ``--record-kib`` KiB, then
-times ``--repeats`` prefetches of all of them from a reader that has none; the JSON gives each
-tier's pages/s (median, min, max), MB/s and, for S3, the requests a prefetch made by method and
-the most the server answered at once; every record must come back intact.
+ones need ``pip install nixl-cu12 moto[server] boto3`` (skipped where missing). Each run writes
+``--pages`` records of ``--record-kib`` KiB, then times ``--repeats`` prefetches of all of them
+from a reader that has none; the JSON gives each tier's pages/s (median, min, max), MB/s and, for
+S3, the requests a prefetch made by method and the most the server answered at once; every record
+must come back intact.
 
     python benchmarks/hicache_l3_reads.py --json benchmarks/results/hicache-l3-reads-cpu.json
 """
