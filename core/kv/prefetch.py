@@ -3,8 +3,8 @@
 A prefetch starts when a request arrives and the storage holds at least ``threshold`` tokens of
 its prompt past what the device and host memory already know; a thread reads the records in
 order, in as few runs as fit ``READ_BATCH_BYTES`` each: one ``get`` of the tier a run, which the
-tier serves as one request where it can (one NIXL transfer of many descriptors, S3 GETs at once,
-files read side by side), so a long hit does not pay a round trip a page. When the request is
+tier serves as one request where it can (one NIXL transfer of many descriptors, S3 GETs at once),
+so a long hit does not pay a round trip a page. When the request is
 admitted, the policy says how long it waits for the rest (SGLang's names): ``best_effort`` not
 at all, ``wait_complete`` until every record is read, ``timeout`` at most ``TIMEOUT_BASE +
 TIMEOUT_PER_KI_TOKEN`` per 1,024 tokens; the reads stop and the records read so far (whole runs)

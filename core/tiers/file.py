@@ -12,9 +12,9 @@ goes on. A read that hits a record touches it (its modification time), and with 
 (``--hicache-storage-max-size``) the writing engine deletes the least recently used records once
 the directory outgrows it (``bound.py``). Otherwise records are deleted only when bad (``reject``:
 not a record of their key, or failing their checksum). A ``get`` of many records reads their files
-side by side (``READ_THREADS``), so a long hit on a shared file system pays about one round trip,
-not one a record. Subclasses may move the bytes their own way (``_write``, ``_read_many``: NIXL's
-file plugins, one transfer for a get's files).
+one after another (8 threads reading them side by side were no faster on a local disk: the work
+is the CPU's). Subclasses may move the bytes their own way (``_write``, ``_read_many``: NIXL's file
+plugins, one transfer for a get's files).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,6 @@ from .record import decode, encode
 logger = logging.getLogger(__name__)
 
 USAGE_EVERY_S = 1.0  # how often the usage gauges ask the file system
-READ_THREADS = 8  # files one get reads at once
 
 
 def file_reasons(ctx) -> list[str]:
@@ -71,7 +69,6 @@ class FileTier(CacheTier):
         max_size = getattr(ctx.engine_config, "hicache_storage_max_size", 0)
         self.bound = DirectoryBound(self.root, int(max_size * 2**30)) if max_size else None
         self._usage: tuple[float, tuple[int, int] | None] = (float("-inf"), None)
-        self._readers: ThreadPoolExecutor | None = None  # a get's reads, started with the first of many records
 
     def _path(self, key: str) -> Path:
         return self.root / record_name(key)
@@ -123,13 +120,9 @@ class FileTier(CacheTier):
         return buffer[:got]  # shorter where the file shrank meanwhile: it fails its checksum
 
     def _read_many(self, paths: list[Path]) -> list[np.ndarray | OSError]:
-        """Each file's bytes, or the OSError reading it: ``READ_THREADS`` at once, so a shared file
-        system's round trips overlap rather than add up. Subclasses may read them in one request."""
-        if len(paths) < 2:
-            return [_read_or_error(self._read, p) for p in paths]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hicache-file-read")
-        return list(self._readers.map(_read_or_error, [self._read] * len(paths), paths))
+        """Each file's bytes, or the OSError reading it (a get's files: subclasses may read them in
+        one request)."""
+        return [_read_or_error(self._read, p) for p in paths]
 
     def get(self, keys: list[str]) -> list[TierPage | None]:
         return [self._record(k, raw) for k, raw in zip(keys, self._read_many([self._path(k) for k in keys]))]
