@@ -18,7 +18,7 @@ def test_the_multiturn_benchmark_runs_every_configuration(shared_dir, tmp_path, 
     cmd = [sys.executable, str(BENCHMARKS / "hicache_multiturn.py"), "--model", str(shared_dir / "models" / "tiny-qwen3-py"),
            "--device", "cpu", "--conversations", "4", "--turns", "3", "--system-len", "32", "--user-len", "16",
            "--answer-len", "4", "--page-size", "4", "--prefetch-threshold", "8", "--seed", str(run_seed % 1000),
-           "--storage-dir", str(tmp_path / "storage"), "--json", str(out)]
+           "--storage-dir", str(tmp_path / "storage"), "--bandwidth-bytes", str(16 << 20), "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
