@@ -8,13 +8,16 @@ decoder layer's input norm, DeepSeek-V4's q_norm) computes that norm (and the re
 it) in its prologue where the rows are short enough (``gemv.NORM_MAX_K``). More rows go to the
 library GEMM: at 4 and 8 rows the GEMV's tensor-core variant ran at 0.96x of cuBLAS; a projection
 fed by a norm keeps the GEMV up to ``gemv.MAX_ROWS`` rows, where the norm's launch it saves
-outweighs that (not measured). Block-FP8 weights take the norm into the activations'
+outweighs that (not measured). Block-FP8 weights (128 or 32 blocks) take the GEMV up to
+``gemv.MAX_ROWS`` rows in every entry point: the E4M3 weight read as it is stored, dequantized in
+registers as native dequantizes it, times unquantized x, one launch with the norm and the SiLU-mul
+fused as for bf16 (not yet timed on a GPU). Past that the norm goes into the activations'
 quantization (each of its programs reads its rows whole for the statistic), so norm, quantize
 and GEMM are two launches. The
-activations of quantized schemes are quantized to the weight's format on the way in (per token
-and the weight's block edge, 128 or 32, for fp8_block, MXFP8 for mxfp8), so the E4M3 tensor cores
-see both operands; this is the one numerical difference from the native backend, which
-multiplies unquantized x.
+activations of quantized schemes in the GEMMs are quantized to the weight's format on the way in
+(per token and the weight's block edge, 128 or 32, for fp8_block, MXFP8 for mxfp8), so the E4M3
+tensor cores see both operands; this is the one numerical difference from the native backend,
+which multiplies unquantized x, as the GEMV does.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ class TritonLinear(LinearBackend):
     gemv_devices: tuple[str, ...] = ("cuda",)  # the interpreter keeps F.linear (a launch count adds "cpu")
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if self._gemv_serves(x, w):
+            return gemv.gemv(x, w.data, w.bias, scale=w.scale)
         if w.scheme == "dense":
-            if self._gemv_serves(x, w):
-                return gemv.gemv(x, w.data, w.bias)
             return F.linear(x, w.data.to(x.dtype), None if w.bias is None else w.bias.to(x.dtype))
         if w.scheme not in QUANTIZED:
             raise ValueError(f"the triton linear backend has no scheme {w.scheme!r}; it has {self.schemes}")
@@ -51,8 +54,8 @@ class TritonLinear(LinearBackend):
         return QUANTIZED[w.scheme](x, w.data, w.scale, w.bias)
 
     def logits(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-        if w.scheme == "dense" and self._gemv_serves(x, w):
-            return gemv.gemv(x, w.data, w.bias, out_dtype=torch.float32)  # rounded to x's dtype, stored as fp32
+        if self._gemv_serves(x, w):
+            return gemv.gemv(x, w.data, w.bias, scale=w.scale, out_dtype=torch.float32)  # rounded to x's dtype, stored as fp32
         return super().logits(x, w)
 
     def grouped(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
@@ -71,16 +74,16 @@ class TritonLinear(LinearBackend):
         return mxfp8_grouped_gemm(x.data, x.scale, w.data, w.scale, x.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
-        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w):
-            return gemv.gemv(x, w.data, silu_mul=True)
+        if w.bias is None and self._gemv_serves(x, w):
+            return gemv.gemv(x, w.data, silu_mul=True, scale=w.scale)
         return ops.silu_and_mul(self.apply(x, w))
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     w: LinearWeight, ops: NormBackend, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if not gemv.norm_fits(x):
             return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
-        if w.scheme == "dense" and w.bias is None and self._gemv_serves(x, w, gemv.MAX_ROWS):
-            return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul)
+        if w.bias is None and self._gemv_serves(x, w, gemv.MAX_ROWS):
+            return gemv.norm_gemv(x, residual, norm_weight, eps, w.data, silu_mul=silu_mul, scale=w.scale)
         if w.scheme == "fp8_block" and w.scale is not None and residual is None:
             k = x.shape[-1]
             data, scale = quantize_fp8_token_group(x.reshape(-1, k), group=w.block, norm=(norm_weight, eps))
@@ -89,6 +92,12 @@ class TritonLinear(LinearBackend):
         return super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
 
     def _gemv_serves(self, x: torch.Tensor, w: LinearWeight, rows: int = 1) -> bool:
-        """On a GPU, for 1 to ``rows`` rows of x in the weight's own dtype."""
-        return (x.device.type in self.gemv_devices and x.dtype == w.data.dtype
-                and 0 < x.numel() <= rows * x.shape[-1] and gemv.fits(x, w.data))
+        """On a GPU, for 1 to ``rows`` rows of x in a dense weight's own dtype, or for as many rows
+        as the GEMV takes of a block-FP8 weight (whose alternative is two launches, one a GEMM of
+        64-row tiles)."""
+        if w.scheme == "fp8_block":
+            rows, served = gemv.MAX_ROWS, w.scale is not None and x.dtype in gemv.FLOATS
+        else:
+            served = w.scheme == "dense" and x.dtype == w.data.dtype
+        return (served and x.device.type in self.gemv_devices and 0 < x.numel() <= rows * x.shape[-1]
+                and gemv.fits(x, w.data))

@@ -54,8 +54,8 @@ def _project_route_align_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, 
     wait_for_prior(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (rn % E).to(tl.int64)  # experts past E reread the last one; they are not stored
-    acc = _band_product(x_ptr, x_ptr, x_ptr, tl.zeros([1], tl.float32), gate_ptr + rows[:, None] * stride_gn, 1, K,
-                        0, 0, tl.arange(0, BLOCK_K), 1, BLOCK_N, BLOCK_K, EVEN_K, False, False, False)
+    acc = _band_product(x_ptr, x_ptr, x_ptr, tl.zeros([1], tl.float32), gate_ptr + rows[:, None] * stride_gn, x_ptr,
+                        1, K, 0, 0, tl.arange(0, BLOCK_K), 1, BLOCK_N, BLOCK_K, EVEN_K, False, False, False, 0)
     tl.store(logits_ptr + rn[None, :], acc.to(logits_ptr.dtype.element_ty), mask=rn[None, :] < E)
     tl.debug_barrier()  # every thread's stores before the release
     if tl.atomic_add(tickets_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:

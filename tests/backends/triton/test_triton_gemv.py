@@ -239,9 +239,10 @@ def test_triton_linear_matches_native_at_decode_rows(seed, m):
         assert _rel(got, want) < TOL[torch.bfloat16] and torch.equal(got_sum, want_sum)
 
 
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
-             "res_out_ptr": "*bf16", "norm_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-             "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32", "stride_rom": "i32", "eps": "fp32"}
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+             "res_ptr": "*bf16", "res_out_ptr": "*bf16", "norm_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32", "stride_rm": "i32",
+             "stride_rom": "i32", "eps": "fp32"}
 
 
 @pytest.mark.aot
