@@ -165,7 +165,7 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-                PDL: tl.constexpr, SCALE_BLOCK: tl.constexpr = 0):
+                PDL: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """out [M, N] = x @ w.T (+ bias); with SILU_MUL, w holds N gate rows then N up rows and
     out = silu(x @ gate.T) * (x @ up.T). With NORM, x is first rms_norm(x + residual) with the
     weight at ``norm_ptr`` (HAS_RESIDUAL: the sum goes to ``res_out_ptr``), the decoder layer's

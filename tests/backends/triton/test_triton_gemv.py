@@ -260,7 +260,8 @@ def test_gemv_compiles(target, rows, silu_mul, norm):
     asm = compile_asm(gemv_kernel, signature, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
                                                    BLOCK_K=cfg.block_k, HAS_BIAS=not silu_mul, SILU_MUL=silu_mul,
                                                    EVEN_K=True, NORM=norm is not None, HAS_RESIDUAL=norm == "bf16",
-                                                   ROUND_BEFORE_WEIGHT=norm == "bf16", PDL=pdl(target)),
+                                                   ROUND_BEFORE_WEIGHT=norm == "bf16", PDL=pdl(target),
+                                                   SCALE_BLOCK=0),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"])
     if target.startswith("sm_"):
@@ -284,7 +285,7 @@ def test_logits_gemv_compiles(target, rows):
     asm = compile_asm(gemv_kernel, dict(SIGNATURE, out_ptr="*fp32"),
                       dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            HAS_BIAS=False, SILU_MUL=False, EVEN_K=True, NORM=False, HAS_RESIDUAL=False,
-                           ROUND_BEFORE_WEIGHT=False, PDL=pdl(target)),
+                           ROUND_BEFORE_WEIGHT=False, PDL=pdl(target), SCALE_BLOCK=0),
                       target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                       divisible_by_16=["K", "stride_xm", "stride_wn", "stride_om"], sass=target.startswith("sm_"))
     if target.startswith("sm_"):
