@@ -137,10 +137,15 @@ def _band_product(x_ptr, res_ptr, norm_ptr, rstd, w_rows, scale_rows, M, K, stri
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + rk0
+        wk = rk
+        if SCALE_BLOCK and BLOCK_M == 1:
+            # E4M3 in 8-byte loads, 8 a thread as x's 16-byte loads hold: the product then needs
+            # no layout change of the tile (with 16 a thread, 8 KB through shared memory a K step)
+            wk = tl.max_contiguous(k0 + rk0, 8)
         if EVEN_K:
-            w = tl.load(w_rows + rk[None, :])
+            w = tl.load(w_rows + wk[None, :])
         else:
-            w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
+            w = tl.load(w_rows + wk[None, :], mask=wk[None, :] < K, other=0.0)
         x = _load_x(x_ptr, res_ptr, rm, rk, K, stride_xm, stride_rm, HAS_RESIDUAL, EVEN_K)
         if SCALE_BLOCK:
             w = _block_scaled(w, scale_rows, k0, K, BLOCK_N, BLOCK_K, SCALE_BLOCK, EVEN_K).to(x.dtype)
