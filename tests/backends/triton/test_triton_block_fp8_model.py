@@ -86,16 +86,21 @@ class QuantizedActivations(NativeLinear):
 
 class CheckedTriton(TritonLinear):
     """The Triton linear, each FP8 product also computed by ``QuantizedActivations`` on the same
-    input; ``worst``: the largest relative difference seen."""
+    input, or by the native linear where the GEMV multiplies it (decode rows on a GPU, x as it is);
+    ``worst``: the largest relative difference seen."""
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.oracle, self.worst, self.products, self.grouped_products = QuantizedActivations(ctx), 0.0, 0, 0
+        self.native = NativeLinear(ctx)
+
+    def oracle_for(self, x: torch.Tensor, w: LinearWeight) -> NativeLinear:
+        return self.native if self._gemv_serves(x, w) else self.oracle
 
     def apply(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         out = super().apply(x, w)
         if w.scheme == "fp8_block":
-            self.worst = max(self.worst, _rel(out.float(), self.oracle.apply(x, w).float()))
+            self.worst = max(self.worst, _rel(out.float(), self.oracle_for(x, w).apply(x, w).float()))
             self.products += 1
         return out
 
@@ -114,11 +119,11 @@ class CheckedTriton(TritonLinear):
         return out
 
     def norm_linear(self, x, residual, norm_weight, eps, w, ops, silu_mul=False):
-        """Where the norm runs inside the activations' quantization (no residual), the same check
-        against the oracle's norm then product."""
+        """Where the norm runs inside the activations' quantization (no residual) or the GEMV, the
+        same check against the oracle's norm then product."""
         out, summed = super().norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
-        if w.scheme == "fp8_block" and residual is None:
-            want, _ = self.oracle.norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
+        if w.scheme == "fp8_block" and (residual is None or self._gemv_serves(x, w)):
+            want, _ = self.oracle_for(x, w).norm_linear(x, residual, norm_weight, eps, w, ops, silu_mul)
             self.worst = max(self.worst, _rel(out.float(), want.float()))
             self.products += 1
         return out, summed
