@@ -3,8 +3,8 @@ linear, which dequantizes the weight to x's dtype and multiplies unquantized x: 
 and compiled for every target.
 
 The bound is the one fp32 accumulation allows: the GEMV reproduces native's weight to the bit
-(``NativeLinear.weight``), so its result is the exact product of x and that weight but for its
-sum's order (at most K fp32 roundings) and one rounding to the output's dtype."""
+(``weight_values``, which native multiplies), so its result is the exact product of x and that
+weight but for its sum's order (at most K fp32 roundings) and one rounding to the output's dtype."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from engine.backends.triton.gemv import DOT_ROWS, GEMV, MAX_ROWS, GemvConfig, ge
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.norm import TritonNorm
 from engine.backends.triton.target import pick
-from engine.core.families.linear import LinearWeight
+from engine.core.families.linear import LinearWeight, weight_values
 from engine.core.native import activation as native_activation
 from engine.core.native import norm as native_norm
 from engine.core.native.linear import NativeLinear
@@ -57,7 +57,7 @@ def check_fp8_gemv(m, n, k, block, dtype, device="cpu", bias=False, config=None)
     got = gemv(x, w.data, w.bias, scale=w.scale, config=config,
                out=torch.full((m, n), float("nan"), dtype=dtype, device=device))
     assert got.dtype == dtype
-    assert_within_accumulation(got, x, NativeLinear.weight(w, dtype), w.bias)
+    assert_within_accumulation(got, x, weight_values(w, dtype), w.bias)
 
 
 @pytest.mark.interpret
@@ -89,7 +89,7 @@ def test_fp8_gate_up_silu_interpreted(seed, m, block):
     got = gemv(x, w.data, silu_mul=True, scale=w.scale, config=CONFIGS[1])
     both = NativeLinear(None).apply(x, w)
     gate, up = both[:, :inner].double(), both[:, inner:].double()
-    wd = NativeLinear.weight(w, torch.float32).double()
+    wd = weight_values(w, torch.float32).double()
     bounds = 2 * k * FP32_EPS * (x.double().abs() @ wd.abs().T)
     slope = 1.1  # the largest |silu'|
     want = native_activation.silu_and_mul(both).double()
@@ -110,7 +110,7 @@ def test_fp8_norm_gemv_interpreted(seed, m, residual, block):
     w = fp8_weight(72, k, block)
     got, summed = norm_gemv(x, r, g, 1e-6, w.data, scale=w.scale, config=CONFIGS[0])
     h, want_sum = native_norm.add_rms_norm(x, r, g, 1e-6) if residual else (native_norm.rms_norm(x, g, 1e-6), x)
-    assert_within_accumulation(got, h, NativeLinear.weight(w, torch.float32), slack=4)
+    assert_within_accumulation(got, h, weight_values(w, torch.float32), slack=4)
     assert torch.equal(summed, want_sum)
 
 
@@ -140,7 +140,7 @@ def test_fp8_decode_rows_take_the_gemv_interpreted(seed, monkeypatch, m, block):
     got, summed = lin.norm_linear(x, None, g, 1e-6, w, ops, silu_mul=True)
     assert torch.equal(got, norm_gemv(x, None, g, 1e-6, w.data, silu_mul=True, scale=w.scale)[0])
     assert torch.equal(summed, x)
-    assert_within_accumulation(lin.apply(x, wb), x, NativeLinear.weight(wb, torch.float16), wb.bias)
+    assert_within_accumulation(lin.apply(x, wb), x, weight_values(wb, torch.float16), wb.bias)
 
 
 @pytest.mark.interpret
@@ -164,7 +164,7 @@ def test_fp8_gemv_gpu(seed, m, n, k, block):
     fp32 accumulation given twice the slack."""
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w = fp8_weight(n, k, block, "cuda")
-    assert_within_accumulation(TritonLinear(None).apply(x, w), x, NativeLinear.weight(w, torch.bfloat16), slack=4)
+    assert_within_accumulation(TritonLinear(None).apply(x, w), x, weight_values(w, torch.bfloat16), slack=4)
 
 
 SIGNATURE = dict(GEMV_SIGNATURE, w_ptr="*fp8e4nv")
