@@ -21,7 +21,7 @@ import torch
 
 from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_TUNING,
                                               _moe_gemm_kernel, arrivals_for, fused_moe, moe_config, moe_down,
-                                              moe_gate_up)
+                                              moe_gate_up, ptx_unpack_fits)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, ExpertBlocks, _align_one_chunk_kernel, _count_kernel,
@@ -302,11 +302,11 @@ def fp8_experts(w: ExpertWeights, block: int = 128):
     return (gu, gu_scale, dn, dn_scale), dequantized
 
 
-def check_fp8(x, weights, ids, w, bound, block=128):
+def check_fp8(x, weights, ids, w, bound, block=128, config=None):
     (gu, gu_scale, dn, dn_scale), dequantized = fp8_experts(w, block)
     out = torch.full_like(x, float("nan"))
     got = fused_moe(x, weights, ids, gu, dn, swiglu_limit=w.swiglu_limit, gate_up_scale=gu_scale,
-                    down_scale=dn_scale, out=out)
+                    down_scale=dn_scale, out=out, config=config)
     ref = NativeMoE(None).experts(x, weights, ids, dequantized)
     assert not got.isnan().any() and rel_err(got, ref) < bound
 
@@ -328,6 +328,30 @@ def test_fp8_experts_match_native_on_dequantized_weights(seed, num_tokens, num_e
     check_fp8(x, weights, ids, w, 0.06, block)
     check_experts(x, weights, ids, stack_in("fp8_block", w, block), 0.06)
 
+
+
+# the tiles MOE_GEMM gives sm_90 and sm_100 (those the AOT test compiles without spills), each once
+GPU_TILES = list(dict.fromkeys(getattr(pick(MOE_GEMM, target), which)
+                               for target in ("sm_90", "sm_100") for which in ("small", "large")))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("config", GPU_TILES, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}")
+@pytest.mark.parametrize("scheme", ["dense", "fp8_block"])
+def test_gpu_tiles_match_native(seed, config, scheme):
+    """The NVIDIA tiles of bf16 and 128-block FP8 experts (a decode tile's FP8 activations quantized
+    in the GEMM, as launched) in the interpreter against native: two K steps of the prefill tile's
+    64, a K tail in the decode tile's 128 (the down GEMM's 96)."""
+    num_tokens, num_experts, top_k, hidden, inner = 24, 4, 2, 128, 96
+    x = activations(num_tokens, hidden, torch.float16, scale=2.0)
+    w = random_experts(num_experts, hidden, inner, torch.float16, swiglu_limit=1.0)
+    weights, ids = routing_weights(num_tokens, top_k), random_ids(num_tokens, num_experts, top_k)
+    if scheme == "fp8_block":
+        check_fp8(x, weights, ids, w, 0.06, config=config)
+    else:
+        out = torch.full_like(x, float("nan"))
+        got = fused_moe(x, weights, ids, w.gate_up, w.down, swiglu_limit=w.swiglu_limit, out=out, config=config)
+        assert not got.isnan().any() and rel_err(got, NativeMoE(None).experts(x, weights, ids, w)) < 3e-3
 
 
 @pytest.mark.interpret
@@ -597,20 +621,23 @@ FP8_32_MMA = {**FP8_MMA, "gfx950": r"v_mfma_f32_\w+_fp8_fp8"}
 
 def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool, block: int = 128,
                      sass: bool = False) -> dict[str, str]:
-    """As fused_moe launches it: FP8 experts in ``block``-blocks from that edge's table."""
+    """As fused_moe launches it at DeepSeek-V4-Flash's expert shape (hidden 4096, intermediate 2048:
+    K a multiple of every K step), FP8 experts in ``block``-blocks from that edge's table; a decode
+    tile of FP8 experts quantizes its activations as it loads them where ``quantizes_in_gemm`` says
+    it does (K steps of one block)."""
     from aot import compile_asm, pdl
 
     cfg = getattr(pick(MOE_TUNING[block], target), which)
+    quantize = fp8 and which == "small" and cfg.block_k == block
     operand = "*fp8e4nv" if fp8 else "*bf16"
-    signature = {**SIGNATURE, "a_ptr": operand, "b_ptr": operand, "c_ptr": "*bf16"}
+    signature = {**SIGNATURE, "a_ptr": "*bf16" if quantize else operand, "b_ptr": operand, "c_ptr": "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=block,
                       PDL=pdl(target), FP4=False, SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False,
-                      QUANTIZE_A=False, ACCUMULATE=False)
+                      QUANTIZE_A=quantize, ACCUMULATE=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"],
                        sass=sass)
-
 
 
 def check_compiled(asm: dict[str, str], target: str, mma: str) -> None:
@@ -638,16 +665,20 @@ def test_fp8_moe_gemm_reaches_the_matrix_units(target):
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("fp8,block", [(False, 128), (True, 128), (True, 32)], ids=["bf16", "fp8-128", "fp8-32"])
 @pytest.mark.parametrize("which,gated", [("small", True), ("small", False), ("large", True), ("large", False)],
                          ids=["gate_up-small", "down-small", "gate_up-large", "down-large"])
-def test_fp8_32_block_moe_gemm_compiles_without_spills(target, which, gated):
-    """DeepSeek-V4.1's 32-block experts (its shared expert): K steps of 32, the prefill tiles on the
-    E4M3 MMA (the decode tiles' 16 rows on mma.sync or MFMA, as at 128), no local memory on NVIDIA,
-    no scratch and LDS within a workgroup's on AMD."""
+def test_moe_gemm_tables_compile_without_spills(target, fp8, block, which, gated):
+    """Every tile of MOE_GEMM (bf16 and 128-block FP8 experts) and MOE_GEMM_32 (DeepSeek-V4.1's
+    32-block experts, its shared expert) as launched: no local memory on NVIDIA, no scratch and LDS
+    within a workgroup's on AMD. The FP8 tiles scale both accumulators each K step in registers (and
+    a decode tile quantizes its activations there too), so they need more registers than bf16's. The
+    prefill tiles of 32-blocks reach the E4M3 MMA (K steps of 32; the decode tiles' 16 rows on
+    mma.sync or MFMA, as at 128)."""
     from aot import assert_no_spills
 
-    asm = compile_moe_gemm(target, which, gated, fp8=True, block=32, sass=target.startswith("sm_"))
-    if which == "large":
+    asm = compile_moe_gemm(target, which, gated, fp8=fp8, block=block, sass=target.startswith("sm_"))
+    if fp8 and block == 32 and which == "large":
         check_compiled(asm, target, FP8_32_MMA[target])
     assert_no_spills(asm, target)
 
@@ -670,24 +701,27 @@ FP4_MMA = {
 @pytest.mark.parametrize("which,gated", [("small", True), ("large", True), ("small", False), ("large", False)],
                          ids=["gate_up-small", "gate_up-large", "down-small", "down-large"])
 def test_fp4_moe_gemm_reaches_the_matrix_units(target, which, gated):
-    from aot import GRID_DEPENDENCY, compile_asm, local_memory_ops, pdl
+    """Each tile of MOE_FP4_GEMM reaches its MMA under PDL, without spills: on sm_90 and gfx942 the
+    weights are unpacked in registers, so every tile must hold them there."""
+    from aot import GRID_DEPENDENCY, assert_no_spills, compile_asm, pdl
 
     cfg = getattr(pick(MOE_FP4_GEMM, target), which)
     scaled = pick(FP4_SCALED_MMA, target)
+    quantize = scaled and which == "small"  # a decode tile quantizes to MXFP8 as it loads (quantizes_in_gemm)
     signature = {**SIGNATURE, "a_scale_ptr": "*u8", "b_scale_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*bf16",
-                 "a_ptr": "*fp8e4nv" if scaled else "*bf16"}
+                 "a_ptr": "*fp8e4nv" if scaled and not quantize else "*bf16"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=False, SCALE_BLOCK=32, PDL=pdl(target),
-                      FP4=True, SCALED_MMA=scaled, EVEN_K=True, PTX_UNPACK=pick(FP4_PTX_UNPACK, target),
-                      QUANTIZE_A=False, ACCUMULATE=False)
+                      FP4=True, SCALED_MMA=scaled, EVEN_K=True,
+                      PTX_UNPACK=not scaled and pick(FP4_PTX_UNPACK, target) and ptx_unpack_fits(cfg),
+                      QUANTIZE_A=quantize, ACCUMULATE=False)
     asm = compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, sass=target == "sm_90",
+                      num_stages=cfg.num_stages, sass=target.startswith("sm_"),
                       divisible_by_16=["K", "stride_am", "stride_as", "stride_bn", "stride_bsn", "stride_cm", "stride_om"])
     check_compiled(asm, target, FP4_MMA[target, which])
     if target.startswith("sm_"):
         assert all(op in asm["ptx"] for op in GRID_DEPENDENCY)
-    if target == "sm_90":  # the weights unpacked in registers: every tile must fit them without spilling
-        assert local_memory_ops(asm["sass"]) == 0
+    assert_no_spills(asm, target)
 
 
 @pytest.mark.aot
