@@ -75,23 +75,28 @@ def num_splits_for(tuning: DecodeTuning, num_seqs: int, programs_per_seq: int) -
     return max(1, min(tuning.max_splits, tuning.min_programs // max(1, num_seqs * programs_per_seq)))
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_KEPT_ZERO: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+
+def kept_zero(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """At least ``n`` zeroed values of ``dtype`` on ``device``, the same buffer every launch that fits.
+
+    Each launch that takes it leaves it at zero, so the buffer is made once and never cleared. It
+    grows to a power of two on demand, outside graph capture only; the graph runner warms every
+    batch size eagerly, largest first, so its warm-up makes the buffer. A grown-out buffer is kept:
+    graphs captured earlier still use it."""
+    held = _KEPT_ZERO.setdefault((device, dtype), [])
+    if not held or held[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a launch needs {n} zeroed {dtype} values on {device} while a CUDA graph is being "
+                               "captured; run the captured batch size once eagerly first")
+        held.append(torch.zeros(triton.next_power_of_2(n), dtype=dtype, device=device))
+    return held[-1]
 
 
 def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least ``n`` zeroed int32 counters on ``device``, the same buffer every launch that fits.
-
-    Each launch leaves its counters at zero, so the buffer is made once and never cleared. It
-    grows to a power of two on demand, outside graph capture only; the graph runner warms every
-    batch size eagerly, largest first, so its warm-up makes the buffer. A grown-out buffer is kept:
-    graphs captured earlier still count in it."""
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention needs {n} arrival counters on {device} while a CUDA graph is "
-                               "being captured; run the captured batch size once eagerly first")
-        held.append(torch.zeros(triton.next_power_of_2(n), dtype=torch.int32, device=device))
-    return held[-1]
+    """At least ``n`` int32 arrival counters at zero on ``device`` (``kept_zero``)."""
+    return kept_zero(n, device, torch.int32)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from engine.core.families.linear import FP8_BLOCKS, LinearBackend, LinearWeight, MXFP8Tensor
 from engine.core.families.norm import NormBackend
 
-from . import gemv
+from . import gemv, gemv_chain, low_rank_output
 from .fp8_gemm import fp8_block_gemm, fp8_block_grouped_gemm, fp8_block_linear
 from .fp8_quant import quantize_fp8_token_group
 from .mxfp8 import grouped_gemm, mxfp8_grouped_gemm, mxfp8_linear
@@ -72,6 +72,26 @@ class TritonLinear(LinearBackend):
         if w.scheme != "mxfp8" or w.scale is None:
             return super().grouped_mxfp8(x, w)  # which names what is wrong
         return mxfp8_grouped_gemm(x.data, x.scale, w.data, w.scale, x.dtype)
+
+    def projection_then_normed(self, x: torch.Tensor, first: LinearWeight, take: int, norm_weight: torch.Tensor,
+                               eps: float, second: LinearWeight, ops: NormBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        if (first.scheme == second.scheme == "dense" and first.bias is None and second.bias is None
+                and self._gemv_serves(x, first, gemv.MAX_ROWS)
+                and gemv_chain.fits(x, first.data, take, norm_weight, second.data)):
+            return gemv_chain.gemv_chain(x, first.data, take, norm_weight, eps, second.data)
+        return super().projection_then_normed(x, first, take, norm_weight, eps, second, ops)
+
+    def low_rank_output(self, x: torch.Tensor | MXFP8Tensor, first: LinearWeight, second: LinearWeight) -> torch.Tensor:
+        mx = isinstance(x, MXFP8Tensor)
+        t, groups = x.shape[0], x.shape[1]
+        if (x.data.device.type in self.gemv_devices and second.scheme == "dense" and second.bias is None
+                and first.bias is None and first.scheme == ("mxfp8" if mx else "dense")
+                and (first.scale is not None) == mx and first.data.shape[0] % groups == 0
+                and low_rank_output.fits(t, first.data.dtype, second.data, x.dtype, groups,
+                                         first.data.shape[0] // groups)):
+            return low_rank_output.low_rank_output(x.data if mx else x, x.scale if mx else None, first.data,
+                                                   first.scale, second.data, x.dtype)
+        return super().low_rank_output(x, first, second)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
         if w.bias is None and self._gemv_serves(x, w):

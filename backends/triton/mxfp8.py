@@ -107,27 +107,15 @@ DENSE_GROUPED_GEMM = {
 
 
 @triton.jit
-def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
-                       stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_cm,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SCALED: tl.constexpr, UPCAST: tl.constexpr):
-    """Group ``program_id(1)``: its N columns of c from its slice of a and its N rows of b. Without
-    ``SCALED`` the operands are unquantized, of one dtype, and go to an ordinary dot
-    ("ieee": fp32 operands multiplied in fp32, not TF32; bf16 and fp16 ones as ever). ``UPCAST``
-    (the interpreter, whose dot multiplies bf16's raw bits) feeds it fp32 copies: the same exact
-    products, summed in fp32 as the MMA does."""
-    group = tl.program_id(1).to(tl.int64)
-    a_ptr += group * stride_ag
-    a_scale_ptr += group * stride_asg
-    b_ptr += group * N * stride_bn
-    b_scale_ptr += group * N * stride_bs
-    c_ptr += group * N
-    if HAS_BIAS:
-        bias_ptr += group * N
-    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def group_tile(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, M, N, K, stride_am, stride_as, stride_bn, stride_bs,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr,
+               SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N]: rows ``rm`` of a [M, K] times rows ``rn`` of b [N, K] (pointers already
+    at the group's slice), rows and columns past M and N rereading the last. Without ``SCALED`` the
+    operands are unquantized, of one dtype, and go to an ordinary dot ("ieee": fp32 operands
+    multiplied in fp32, not TF32; bf16 and fp16 ones as ever). ``UPCAST`` (the interpreter, whose
+    dot multiplies bf16's raw bits) feeds it fp32 copies: the same exact products, summed in fp32
+    as the MMA does."""
     rk = tl.arange(0, BLOCK_K)
     rs = tl.arange(0, BLOCK_K // MX)
     am = (rm % M).to(tl.int64)
@@ -154,6 +142,30 @@ def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, 
         b_ptrs += BLOCK_K
         a_scale_ptrs += BLOCK_K // MX
         b_scale_ptrs += BLOCK_K // MX
+    return acc
+
+
+@triton.jit
+def _mxfp8_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
+                       stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_cm,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, MX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """Group ``program_id(1)``: its N columns of c from its slice of a and its N rows of b
+    (``group_tile``)."""
+    group = tl.program_id(1).to(tl.int64)
+    a_ptr += group * stride_ag
+    a_scale_ptr += group * stride_asg
+    b_ptr += group * N * stride_bn
+    b_scale_ptr += group * N * stride_bs
+    c_ptr += group * N
+    if HAS_BIAS:
+        bias_ptr += group * N
+    pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = group_tile(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, M, N, K, stride_am, stride_as, stride_bn,
+                     stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, MX, SCALED, UPCAST)
     store_tile(acc, bias_ptr, c_ptr, rm, rn, M, N, stride_cm, HAS_BIAS)
 
 

@@ -77,7 +77,16 @@ class RowParallelLinear(Linear):
         self.weight.partition = (1, group.rank, group.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(self.backend.apply(x, LinearWeight(self.weight, self.scheme, self.weight_scale)))
+        return self.reduce(self.backend.apply(x, self.local_weight))
+
+    @property
+    def local_weight(self) -> LinearWeight:
+        """This rank's columns of the weight, without the bias (added once, after the sum)."""
+        return LinearWeight(self.weight, self.scheme, self.weight_scale)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The output from this rank's product with ``local_weight``: the ranks' sum, plus the bias."""
+        y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

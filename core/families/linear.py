@@ -150,6 +150,23 @@ class LinearBackend(ABC):
         b = weight_values(w, torch.float32).view(groups, -1, k).transpose(1, 2)  # [G, K, R]
         return torch.bmm(a, b).transpose(0, 1).reshape(t, -1).to(x.dtype)
 
+    def projection_then_normed(self, x: torch.Tensor, first: LinearWeight, take: int, norm_weight: torch.Tensor,
+                               eps: float, second: LinearWeight, ops: NormBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``apply(x, first)``, ``norm_linear`` of its leading ``take`` columns through the RMSNorm
+        ``norm_weight`` and ``second``): a projection whose first part an RMSNorm feeds to the next
+        (DeepSeek-V4's attention input and its low-rank q). Here the two in turn; a backend may run
+        them as one launch."""
+        out = self.apply(x, first)
+        return out, self.norm_linear(out[..., :take], None, norm_weight, eps, second, ops)[0]
+
+    def low_rank_output(self, x: torch.Tensor | MXFP8Tensor, first: LinearWeight, second: LinearWeight) -> torch.Tensor:
+        """DeepSeek-V4's grouped low-rank output projection, both halves: x [T, G, K] through each group's
+        block of ``first`` (``grouped``; ``grouped_mxfp8`` where x is MXFP8), rounded to x's dtype,
+        then through ``second`` [H, G * R] -> [T, H]. Here the two products in turn; a backend may
+        run them as one launch."""
+        low = self.grouped_mxfp8(x, first) if isinstance(x, MXFP8Tensor) else self.grouped(x, first)
+        return self.apply(low, second)
+
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:
         """silu_and_mul(apply(x, w)) for a gate/up projection w [2I, K], so the [.., 2I] product
         need never reach memory."""

@@ -14,7 +14,10 @@ keeps some of these projections in FP8 and others in bf16), hence after loading,
 
 An input that an RMSNorm feeds (V4's low-rank q, which both query projections read) goes through
 ``normed``: with one group the linear backend may fuse the norm into the GEMM's prologue, which
-then costs no launch of its own.
+then costs no launch of its own. Where that input is itself the leading part of another group's
+product (the low-rank q among the attention input's projections), ``then_normed`` hands both
+products to the linear backend at once (``projection_then_normed``), which may run them as one
+launch.
 """
 
 from __future__ import annotations
@@ -81,6 +84,25 @@ class FusedProjection:
         for weight, names, sizes in self.groups:
             out.update(zip(names, self.backend.apply(x, weight).split(sizes, dim=-1)))
         return out
+
+    def then_normed(self, x: torch.Tensor, part: str, norm: RMSNorm,
+                    then: FusedProjection) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(``self(x)``, ``then.normed(self(x)[part], norm)``), the group that leads with ``part`` and
+        ``then``'s one group through the backend's ``projection_then_normed``."""
+        lead = next((g for g in self.groups if g[1][0] == part), None)
+        if lead is None or len(then.groups) != 1 or then.backend is not self.backend:
+            out = self(x)
+            return out, then.normed(out[part], norm)
+        out = {}
+        for weight, names, sizes in self.groups:
+            if weight is lead[0]:
+                first, second = self.backend.projection_then_normed(x, weight, sizes[0], norm.weight, norm.eps,
+                                                                    then.groups[0][0], norm.ops)
+                out.update(zip(names, first.split(sizes, dim=-1)))
+            else:
+                out.update(zip(names, self.backend.apply(x, weight).split(sizes, dim=-1)))
+        _, then_names, then_sizes = then.groups[0]
+        return out, dict(zip(then_names, second.split(then_sizes, dim=-1)))
 
     def normed(self, x: torch.Tensor, norm: RMSNorm) -> dict[str, torch.Tensor]:
         """Each part's product with norm(x): one group's through the backend's ``norm_linear`` (the

@@ -75,14 +75,13 @@ class GroupedLinear(nn.Module):
             self.weight.partition = self.weight_scale.partition = partition
         self.scheme = "mxfp8"
 
-    def forward(self, x: torch.Tensor | MXFP8Tensor) -> torch.Tensor:
-        """[T, G, in] -> [T, G * rank]."""
+    def forward(self, x: torch.Tensor | MXFP8Tensor, then: RowParallelLinear) -> torch.Tensor:
+        """[T, G, in] -> [T, hidden]: this half, then ``then`` (wo_b) over its [T, G * rank], through
+        the linear backend as one product (which may be one launch), the ranks' sum after."""
+        if isinstance(x, MXFP8Tensor) and self.scheme == "dense":
+            raise ValueError("the output projection was fed MXFP8 but holds its weight unquantized (keep_mxfp8)")
         weight = LinearWeight(self.weight, self.scheme, self.weight_scale)
-        if isinstance(x, MXFP8Tensor):
-            if self.scheme == "dense":
-                raise ValueError("the output projection was fed MXFP8 but holds its weight unquantized (keep_mxfp8)")
-            return self.backend.grouped_mxfp8(x, weight)
-        return self.backend.grouped(x, weight)
+        return then.reduce(self.backend.low_rank_output(x, weight, then.local_weight))
 
 
 class Compressor(nn.Module):
@@ -251,8 +250,7 @@ class Attention(nn.Module):
         """x [T, hidden], the batch's new tokens packed, through the attention's input norm (which the
         mHC pre before runs) -> [T, hidden]."""
         layer, backend = self.spec(), self.backend
-        p = self.x_proj(x)
-        qs = self.q_proj.normed(p["wq_a"], self.q_norm)
+        p, qs = self.x_proj.then_normed(x, "wq_a", self.q_norm, self.q_proj)
         q = qs["wq_b"].view(-1, self.num_heads, self.head_dim)  # attend normalises each head
         if self.compressor is not None:  # in CSA the indexer's compressor too
             index = None
@@ -274,4 +272,4 @@ class Attention(nn.Module):
         elif self.role is not None and self.role.index_source is not None:
             picks = share.picks[self.role.index_source]  # "Reuse": the picks of the layer's index source
         out = backend.attend(q, layer, kv, batch, meta, picks)
-        return self.wo_b(self.wo_a(out.reshape(x.shape[0], self.groups, -1)))
+        return self.wo_a(out.reshape(x.shape[0], self.groups, -1), self.wo_b)

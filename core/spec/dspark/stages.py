@@ -138,7 +138,7 @@ class Stage(DecoderLayer):
         out = attend(q.float().view(n, q_len, 1, a.num_heads, -1).permute(0, 2, 3, 1, 4), kv, kv,
                      mask[:, None, None], spec)  # [N, 1, H, Q, hd]
         out = rotate_tail(out[:, 0].transpose(1, 2).reshape(q.shape).to(x.dtype), cos, -sin)
-        return a.wo_b(a.wo_a(out.reshape(x.shape[0], a.groups, -1)))
+        return a.wo_a(out.reshape(x.shape[0], a.groups, -1), a.wo_b)
 
     def _mixed(self, name: str, streams: torch.Tensor, norm: RMSNorm, sublayer) -> torch.Tensor:
         """One mHC-wrapped sublayer over ``streams`` [T, n, D]."""

@@ -128,13 +128,15 @@ def test_tiny_dsv4_on_the_triton_mhc_is_greedy_identical_to_native(seed, shared_
     assert tokens[1] == tokens[0]
 
 
-def quantized_then_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+def quantized_then_dequantized(self, x: torch.Tensor, then) -> torch.Tensor:
     """GroupedLinear.forward on O and wo_a each quantized and dequantized by core/native (O as the
-    attention epilogue quantizes it, the weight as keep_mxfp8 does): the definition of the MXFP8 path."""
+    attention epilogue quantizes it, the weight as keep_mxfp8 does), then wo_b: the definition of
+    the MXFP8 path."""
     data, scale = quant.quantize_mxfp8(x)
     w_data, w_scale = quant.quantize_fp8_block_e8m0(self.weight, 1, 32)
     w = quant.dequantize_fp8_block_e8m0(w_data, w_scale, 1, cols=32).view(self.groups, -1, x.shape[-1])
-    return torch.bmm(quant.dequantize_mxfp8(data, scale).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+    return then(torch.bmm(quant.dequantize_mxfp8(data, scale).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+                .flatten(1))
 
 
 @pytest.mark.interpret

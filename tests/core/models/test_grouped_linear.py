@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.distributed.group import SINGLE
+from engine.core.distributed.layers import RowParallelLinear
 from engine.core.families.linear import MXFP8Tensor
 from engine.core.models.deepseek_v4.attention import GroupedLinear
 from engine.core.native import quant
@@ -34,19 +36,21 @@ def test_keep_mxfp8_is_exact_for_published_fp8_weights(seed):
 
 def test_mxfp8_activations_regroup_and_multiply_as_dequantized(seed):
     """[T, H, D] as attention writes it, regrouped to [T, G, H * D / G]: the same values, and the
-    projection of them the dequantized product."""
+    projection of them (both halves) the dequantized product, then wo_b."""
     t, heads, head_dim, groups, rank = 5, 4, 64, 2, 48
     data, scale = quant.quantize_mxfp8(torch.randn(t, heads, head_dim))
     o = MXFP8Tensor(data, scale, torch.float32)
     regrouped = o.reshape(t, groups, -1)
     assert torch.equal(regrouped.dequantize(), o.dequantize().reshape(t, groups, -1))
     layer = grouped(torch.randn(groups * rank, heads * head_dim // groups) * 0.05, groups)
+    wo_b = RowParallelLinear(groups * rank, 32, NativeLinear(None), SINGLE, dtype=torch.float32, device="cpu")
+    wo_b.weight.data.copy_(torch.randn(32, groups * rank) * 0.1)
     with pytest.raises(ValueError, match="keep_mxfp8"):
-        layer(regrouped)
+        layer(regrouped, wo_b)
     layer.keep_mxfp8()
     w = quant.dequantize_mxfp8(layer.weight, layer.weight_scale).view(groups, rank, -1)
-    want = torch.einsum("tgk,grk->tgr", regrouped.dequantize(), w).reshape(t, -1)
-    torch.testing.assert_close(layer(regrouped), want, rtol=1e-5, atol=1e-5)
+    want = torch.einsum("tgk,grk->tgr", regrouped.dequantize(), w).reshape(t, -1) @ wo_b.weight.T
+    torch.testing.assert_close(layer(regrouped, wo_b), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="split blocks"):
         o.reshape(t, -1, 16)
 

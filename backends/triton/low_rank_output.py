@@ -1,0 +1,137 @@
+"""DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step:
+o [M, G, K] through each group's [R, K] block of wo_a (MXFP8 or dense), rounded to the activations'
+dtype, then through wo_b [H, G * R] (dense, that dtype) -> [M, H].
+
+The grid is the first half's (mxfp8.py's grouped GEMM): program (n, g) computes its BLOCK_N of
+group g's R low-rank values, rounds them as the first half's output is rounded, and multiplies
+them at once by the BLOCK_N columns of wo_b they meet, for every output column in steps of
+BLOCK_H, adding the [M, H] partial products into an fp32 accumulator with relaxed atomics. So
+the [M, G * R] intermediate never reaches memory, and wo_b is read once, split over the programs
+by its columns as wo_a is by its rows. Each program then counts itself in at a ticket (a barrier,
+then an acq_rel atomic at GPU scope, as the MoE router's launch counts its bands); the one that
+arrives last sees every sum, writes the output rounded to the activations' dtype, and sets the
+accumulator and the ticket back to zero for the next launch (and every graph replay). No program
+waits for another.
+
+At DeepSeek-V4-Flash's shape (G 8, R 1024, K 4096, H 4096; MXFP8 wo_a 33 MB, bf16 wo_b 64 MB) the
+grid is 8 x 16 programs of BLOCK_N 64, each reading 0.26 MB of wo_a and 0.5 MB of wo_b: the bytes
+of the two launches it replaces, over as many programs as the first half had alone (wo_b's GEMV
+had 2048 programs of 2 rows). The atomics are M * H per program, 2 MB of fp32 reductions in L2 a
+row against 97 MB of weights read from HBM; the last program's pass over the accumulator is M * H
+values. Past ``MAX_ROWS`` rows the reductions grow with M while the weights do not, and the two
+GEMMs run apart.
+
+Numerically: the same products as the two launches, the intermediate rounded as before, but the
+sum over wo_b's G * R columns is taken in fp32 in arrival order (BLOCK_N columns a program, then
+the programs' partial sums in whatever order their atomics land), where the GEMV summed its K in
+fixed steps: the fp32 sums differ by reassociation (a few fp32 ulps of the largest partial sum),
+which can move the output's final rounding by one ulp of its dtype, and on a GPU runs are not
+bit-reproducible. In the interpreter programs run in order, so it is deterministic there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_decode import arrival_counters, kept_zero
+from .fp8_gemm import tile_of, unit_inner_stride
+from .gemv import MAX_ROWS
+from .mxfp8 import DENSE_GROUPED_GEMM, MX_BLOCK, MXFP8_GEMM, group_tile
+from .pdl import launch_options, wait_for_prior
+from .target import config_for
+
+OUTPUT_COLUMNS = {"cuda": 64, "hip": 64, "default": 32}  # BLOCK_H: output columns of wo_b per step
+FLUSH = 1024  # accumulator values the last program turns into output per step
+
+
+@triton.jit
+def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, acc_ptr, out_ptr, tickets_ptr,
+                            M, R, K, H, stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_w2,
+                            stride_om,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, MX: tl.constexpr, SCALED: tl.constexpr,
+                            UPCAST: tl.constexpr, FLUSH_H: tl.constexpr, PDL: tl.constexpr):
+    """Program (n, g): rows of group g's low-rank tile n, then their share of every output column."""
+    group = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = tile_of(tl.program_id(0), M, R, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_prior(PDL)
+    low = group_tile(a_ptr + group * stride_ag, a_scale_ptr + group * stride_asg, b_ptr + group * R * stride_bn,
+                     b_scale_ptr + group * R * stride_bs, rm, rn, M, R, K, stride_am, stride_as, stride_bn, stride_bs,
+                     BLOCK_M, BLOCK_N, BLOCK_K, MX, SCALED, UPCAST)
+    ty = out_ptr.dtype.element_ty
+    low = low.to(ty)  # the first half's output, rounded as its own launch stores it
+    if UPCAST:
+        low = low.to(tl.float32)
+    cols = group * R + rn  # wo_b's columns that this tile's low-rank values meet
+    col_ok = rn < R  # columns past R reread the last one: their weights load as zero
+    row_ok = rm < M
+    for h0 in range(0, H, BLOCK_H):
+        rh = h0 + tl.arange(0, BLOCK_H)
+        w = tl.load(w2_ptr + rh[None, :].to(tl.int64) * stride_w2 + cols[:, None],
+                    mask=col_ok[:, None] & (rh[None, :] < H), other=0.0)  # [BLOCK_N, BLOCK_H]
+        if UPCAST:
+            w = w.to(tl.float32)
+        part = tl.dot(low, w, input_precision="ieee")
+        tl.atomic_add(acc_ptr + rm[:, None] * H + rh[None, :], part, mask=row_ok[:, None] & (rh[None, :] < H),
+                      sem="relaxed")
+    tl.debug_barrier()  # every thread's reductions before the release
+    if tl.atomic_add(tickets_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(tickets_ptr, 0)
+        for m in range(0, M):
+            for h0 in range(0, H, FLUSH_H):
+                rh = h0 + tl.arange(0, FLUSH_H)
+                keep = rh < H
+                total = tl.load(acc_ptr + m * H + rh, mask=keep, other=0.0)
+                tl.store(out_ptr + m * stride_om + rh, total.to(ty), mask=keep)
+                tl.store(acc_ptr + m * H + rh, tl.zeros([FLUSH_H], tl.float32), mask=keep)
+
+
+def fits(rows: int, first_dtype: torch.dtype, second: torch.Tensor, dtype: torch.dtype, groups: int,
+         rank: int) -> bool:
+    """Whether the one launch serves this: a decode step's rows, wo_b [H, G * R] plain in the
+    activations' dtype, wo_a MXFP8 (E4M3) or in that dtype too."""
+    return (0 < rows <= MAX_ROWS and second.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and first_dtype in (dtype, torch.float8_e4m3fn) and second.dim() == 2
+            and second.shape[1] == groups * rank)
+
+
+def low_rank_output(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
+                    w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a [M, G, K] (E4M3 with E8M0 scales [M, G, K/32], or unquantized in ``dtype`` with no scales),
+    b [G * R, K] (the same format), w2 [H, G * R] in ``dtype`` -> [M, H] in ``dtype``: w2 times each
+    group's a[:, g] @ b[g*R:(g+1)*R].T, that product rounded to ``dtype`` first."""
+    scaled = a_scale is not None
+    if a.dim() != 3 or b.dim() != 2 or b.shape[1] != a.shape[2] or b.shape[0] % a.shape[1]:
+        raise ValueError(f"a [M, G, K] and b [G * R, K] do not fit: {list(a.shape)} and {list(b.shape)}")
+    m, groups, k = a.shape
+    rank = b.shape[0] // groups
+    if not fits(m, b.dtype, w2, dtype, groups, rank) or (a.dtype == torch.float8_e4m3fn) != scaled or (
+            b_scale is None) == scaled:
+        raise ValueError(f"a {a.dtype} {list(a.shape)} (scaled: {scaled}), b {b.dtype} and w2 {w2.dtype} "
+                         f"{list(w2.shape)} are not {MAX_ROWS} rows or fewer of MXFP8 or {dtype} operands against a "
+                         f"[H, {groups * rank}] {dtype} second half; run the halves apart")
+    if scaled and (k % MX_BLOCK or a_scale.shape != (m, groups, k // MX_BLOCK)
+                   or b_scale.shape != (groups * rank, k // MX_BLOCK)):
+        raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit a {list(a.shape)} and "
+                         f"b {list(b.shape)} in blocks of {MX_BLOCK}")
+    a, b, w2 = unit_inner_stride(a, b, w2)
+    if scaled:
+        a_scale, b_scale = unit_inner_stride(a_scale, b_scale)
+    else:
+        a_scale, b_scale = a, b  # unread
+    hidden = w2.shape[0]
+    out = torch.empty(m, hidden, dtype=dtype, device=a.device)
+    cfg = config_for(MXFP8_GEMM if scaled else DENSE_GROUPED_GEMM, a.device).for_m(m)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(rank, cfg.block_n), groups)
+    _low_rank_output_kernel[grid](
+        a, a_scale, b, b_scale, w2, kept_zero(m * hidden, a.device, torch.float32), out,
+        arrival_counters(1, a.device), m, rank, k, hidden, a.stride(0), a.stride(1), a_scale.stride(0),
+        a_scale.stride(1) if scaled else 0, b.stride(0), b_scale.stride(0), w2.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=config_for(OUTPUT_COLUMNS, a.device),
+        GROUP_M=cfg.group_m, MX=MX_BLOCK, SCALED=scaled, UPCAST=a.device.type == "cpu", FLUSH_H=FLUSH,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
+    return out

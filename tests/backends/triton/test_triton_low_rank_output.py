@@ -1,0 +1,165 @@
+"""DeepSeek-V4's grouped low-rank output projection in one launch (low_rank_output.py) against
+core/native's two products (``NativeLinear.low_rank_output``: the grouped product rounded to the
+activations' dtype, then wo_b).
+
+Fresh random inputs every run, outputs poisoned first (``poisoned_empty``). The one launch sums wo_b's
+columns in another order (a band a program, then the programs' atomics), so it matches the native
+composition to fp32 reassociation, not to the bit; the accumulator and the ticket must be left at
+zero for the next launch. ``TritonLinear`` takes the launch for a decode step's rows where the GEMV
+serves (on the CPU here only as a launch count configures it) and composes the halves otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_mxfp8 import grouped_operands, random_activations
+
+from engine.backends.triton import low_rank_output as fused
+from engine.backends.triton.attention_decode import arrival_counters, kept_zero
+from engine.backends.triton.gemv import MAX_ROWS
+from engine.backends.triton.linear import TritonLinear
+from engine.backends.triton.mxfp8 import DENSE_GROUPED_GEMM, MXFP8_GEMM
+from engine.backends.triton.target import pick
+from engine.core.families.linear import LinearBackend, LinearWeight, MXFP8Tensor
+from engine.core.native.linear import NativeLinear
+
+from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
+
+CPU = torch.device("cpu")
+
+
+class GemvLinear(TritonLinear):
+    """The linear backend choosing its kernels as on a GPU (the GEMV, and this launch, for a decode row)."""
+
+    gemv_devices = ("cuda", "cpu")
+
+
+def operands(m, groups, rank, k, hidden, dtype, mxfp8):
+    """o [m, groups, k] and wo_a [groups * rank, k] (MXFP8, or dense in ``dtype``), wo_b [hidden, groups * rank]."""
+    if mxfp8:
+        x, first = grouped_operands(m, groups, rank, k)
+        x = MXFP8Tensor(x.data, x.scale, dtype)
+    else:
+        x = random_activations((m, groups, k), dtype)
+        first = LinearWeight((torch.randn(groups * rank, k) * 0.05).to(dtype))
+    second = LinearWeight((torch.randn(hidden, groups * rank) * (groups * rank) ** -0.5).to(dtype))
+    return x, first, second
+
+
+def at_rest(hidden_values: int) -> None:
+    """The launch left its accumulator and its ticket at zero."""
+    assert not kept_zero(hidden_values, CPU, torch.float32).any()
+    assert arrival_counters(1, CPU)[0] == 0
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,groups,rank,k,hidden", [(1, 2, 48, 96, 40), (3, 3, 32, 64, 72), (8, 1, 80, 32, 16)])
+def test_one_launch_equals_the_two_products(seed, poisoned_empty, mxfp8, dtype, m, groups, rank, k, hidden):
+    """Ranks past a band (48 and 80 of 32) and output columns past a step (40 and 72 of 32) masked, K
+    past a step (96 of 64); one to eight rows."""
+    x, first, second = operands(m, groups, rank, k, hidden, dtype, mxfp8)
+    got = GemvLinear(None).low_rank_output(x, first, second)
+    want = NativeLinear(None).low_rank_output(x, first, second)
+    assert got.dtype == dtype and got.shape == (m, hidden) and not got.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)  # one fp16 ulp
+    torch.testing.assert_close(got, want, **tol)
+    at_rest(m * hidden)
+
+
+@pytest.mark.interpret
+def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch):
+    """Up to MAX_ROWS rows on a device where the GEMV serves, the one launch (the grouped GEMM is never
+    launched); more rows, or the interpreter's usual devices, the two products."""
+    calls = []
+    launch = fused.low_rank_output
+    monkeypatch.setattr(fused, "low_rank_output", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
+    for rows, backend, one in ((MAX_ROWS, GemvLinear(None), True), (MAX_ROWS + 1, GemvLinear(None), False),
+                               (1, TritonLinear(None), False)):
+        x, first, second = operands(rows, 2, 32, 64, 24, torch.float32, True)
+        calls.clear()
+        got = backend.low_rank_output(x, first, second)
+        assert calls == ([rows] if one else [])
+        torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_what_it_does_not_fuse():
+    x, first, second = operands(2, 2, 32, 64, 24, torch.float32, True)
+    with pytest.raises(ValueError, match="run the halves apart"):  # a second half of another dtype
+        fused.low_rank_output(x.data, x.scale, first.data, first.scale, second.data.half(), torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused.low_rank_output(x.data, x.scale[..., :1], first.data, first.scale, second.data, torch.float32)
+
+
+SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*u8", "w2_ptr": "*bf16",
+             "acc_ptr": "*fp32", "out_ptr": "*bf16", "tickets_ptr": "*i32", "M": "i32", "R": "i32", "K": "i32",
+             "H": "i32", "stride_am": "i32", "stride_ag": "i32", "stride_as": "i32", "stride_asg": "i32",
+             "stride_bn": "i32", "stride_bs": "i32", "stride_w2": "i32", "stride_om": "i32"}
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
+def test_one_launch_compiles(target, mxfp8):
+    """DeepSeek-V4-Flash's output projection at a decode step's tiles (the first half's table, wo_b in
+    bf16): no spills on NVIDIA, no scratch on AMD, within the LDS; the reductions relaxed fp32
+    atomics, the arrival an acq_rel atomic at GPU scope; the block-scaled MMA where the target has
+    it (sm_100, gfx950); PDL on NVIDIA."""
+    cfg = pick(MXFP8_GEMM if mxfp8 else DENSE_GROUPED_GEMM, target).small
+    signature = SIGNATURE if mxfp8 else {**SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_ptr": "*bf16",
+                                         "b_scale_ptr": "*bf16"}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=mxfp8,
+                      UPCAST=False, FLUSH_H=fused.FLUSH, PDL=pdl(target))
+    cuda = TARGETS[target].backend == "cuda"
+    asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, sass=cuda,
+                      divisible_by_16=["K", "H", "stride_am", "stride_ag", "stride_bn", "stride_w2", "stride_om"])
+    if cuda:
+        ptx = asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and all(op in ptx for op in GRID_DEPENDENCY)
+        assert any("red.global.gpu.relaxed.add" in line and ".f32" in line for line in ptx.splitlines())
+        if mxfp8 and target == "sm_100":
+            assert any("tcgen05.mma" in line and "block_scale" in line for line in ptx.splitlines())
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert "global_atomic_add_f32" in asm["amdgcn"]
+        if mxfp8 and target == "gfx950":
+            assert "v_mfma_scale_f32" in asm["amdgcn"]
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
+@pytest.mark.parametrize("m", [1, 8])
+def test_one_launch_gpu(seed, mxfp8, m):
+    """DeepSeek-V4-Flash's shape in bf16 on the GPU: the one launch within a bf16 ulp of the two
+    products, eager and replayed from a CUDA graph on fresh inputs (the accumulator left at zero)."""
+    groups, rank, k, hidden = 8, 1024, 4096, 4096
+    x, first, second = operands(m, groups, rank, k, hidden, torch.bfloat16, mxfp8)
+    x = MXFP8Tensor(x.data.cuda(), x.scale.cuda(), x.dtype) if mxfp8 else x.cuda()
+    first = LinearWeight(first.data.cuda(), first.scheme, None if first.scale is None else first.scale.cuda())
+    second = LinearWeight(second.data.cuda())
+    backend, native = TritonLinear(None), NativeLinear(None)
+
+    def check(got):
+        want = LinearBackend.low_rank_output(backend, x, first, second)  # the two launches
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
+        torch.testing.assert_close(got.float(), native.low_rank_output(x, first, second).float(), rtol=2e-2,
+                                   atol=2e-2)
+        assert not kept_zero(m * hidden, got.device, torch.float32).any()
+
+    check(backend.low_rank_output(x, first, second))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.low_rank_output(x, first, second)
+    for _ in range(2):
+        fresh = operands(m, groups, rank, k, hidden, torch.bfloat16, mxfp8)[0]
+        (x.data if mxfp8 else x).copy_(fresh.data if mxfp8 else fresh)
+        if mxfp8:
+            x.scale.copy_(fresh.scale)
+        graph.replay()
+        check(out)
