@@ -129,3 +129,45 @@ def test_normed_projects_the_norm_of_x(seed, formats):
     for name, part in parts.items():
         bound = k * eps * (norm(x).abs() @ dequantized(part).abs().T)
         assert (got[name] - want[name]).abs().le(bound).all(), name
+
+
+class CountingLinear(NativeLinear):
+    """The native linear backend, counting the chained products it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.chained = 0
+
+    def projection_then_normed(self, *args):
+        self.chained += 1
+        return super().projection_then_normed(*args)
+
+
+@pytest.mark.parametrize("lead", ["dense", "fp8"])
+def test_then_normed_hands_the_leading_group_to_the_backend(seed, lead):
+    """The input's projections, the first part (``q``) leading its group, then the projections of q's
+    norm: the backend gets the leading group and the next projection's one group in one call, the
+    other group apart; every output is what ``self(x)`` then ``normed`` give, to the bit (integer
+    weights and inputs, one norm computed the same way)."""
+    backend = CountingLinear()
+    k, q = 128, 128
+
+    def part(kind, n, k=k):
+        made = dense(k, n) if kind == "dense" else fp8_block(k, n)
+        made.backend = backend
+        return made
+
+    first = FusedProjection({"q": part(lead, q), "kv": part(lead, 128), "other": part(
+        "fp8" if lead == "dense" else "dense", 128)})
+    then = FusedProjection({"a": part("dense", 40, q), "b": part("dense", 24, q)})
+    first.fuse()
+    then.fuse()
+    norm = RMSNorm(q, 1e-6, dtype=torch.float32, device="cpu")
+    norm.weight.data.copy_(torch.rand(q) + 0.5)
+    x = torch.randint(-4, 5, (3, k)).float()
+    out, normed = first.then_normed(x, "q", norm, then)
+    assert backend.chained == 1
+    want = first(x)
+    assert out.keys() == want.keys() and all(torch.equal(out[n], want[n]) for n in want)
+    want_normed = then.normed(want["q"], norm)
+    assert normed.keys() == want_normed.keys() and all(torch.equal(normed[n], want_normed[n]) for n in want_normed)
