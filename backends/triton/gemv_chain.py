@@ -49,8 +49,8 @@ def gemv_chain_kernel(x_ptr, w1_ptr, out1_ptr, w2_ptr, out2_ptr, norm_ptr, count
         rn = ticket * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = (rn % N1).to(tl.int64)  # columns past N1 reread row N1-1; they are not stored
         acc = _band_product(x_ptr, x_ptr, x_ptr, tl.zeros([BLOCK_M], tl.float32), w1_ptr + rows[:, None] * stride_w1,
-                            M, K1, stride_xm, 0, tl.arange(0, BLOCK_K1), BLOCK_M, BLOCK_N, BLOCK_K1, EVEN_K1, False,
-                            False, False)
+                            x_ptr, M, K1, stride_xm, 0, tl.arange(0, BLOCK_K1), BLOCK_M, BLOCK_N, BLOCK_K1, EVEN_K1,
+                            False, False, False, 0)
         tl.store(out1_ptr + rm[:, None] * stride_o1 + rn[None, :], acc.to(ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N1))
         if ticket < ready:
@@ -64,8 +64,8 @@ def gemv_chain_kernel(x_ptr, w1_ptr, out1_ptr, w2_ptr, out2_ptr, norm_ptr, count
         rk = tl.arange(0, BLOCK_K2)
         rstd = _row_rstd(out1_ptr, out1_ptr, out1_ptr, M, K2, stride_o1, 0, 0, eps, rk, BLOCK_M, BLOCK_K2, False,
                          EVEN_K2)
-        acc = _band_product(out1_ptr, out1_ptr, norm_ptr, rstd, w2_ptr + rows[:, None] * stride_w2, M, K2, stride_o1,
-                            0, rk, BLOCK_M, BLOCK_N, BLOCK_K2, EVEN_K2, True, False, ROUND_BEFORE_WEIGHT)
+        acc = _band_product(out1_ptr, out1_ptr, norm_ptr, rstd, w2_ptr + rows[:, None] * stride_w2, out1_ptr, M, K2,
+                            stride_o1, 0, rk, BLOCK_M, BLOCK_N, BLOCK_K2, EVEN_K2, True, False, ROUND_BEFORE_WEIGHT, 0)
         tl.store(out2_ptr + rm[:, None] * stride_o2 + rn[None, :], acc.to(ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N2))
     tl.debug_barrier()  # every thread done with the counters before the arrival
