@@ -229,13 +229,13 @@ def test_arrival_counters_grow_outside_capture_only(monkeypatch):
     """The buffer grows to a power of two and keeps the old one (captured graphs hold its address);
     growing while a graph is captured is refused before anything is allocated."""
     device = torch.device("cpu")
-    monkeypatch.setitem(attention_decode._COUNTERS, device, [])
+    monkeypatch.setitem(attention_decode._KEPT_ZERO, (device, torch.int32), [])
     small = arrival_counters(3, device)
     assert small.numel() == 4 and arrival_counters(4, device) is small
     big = arrival_counters(100, device)
-    assert big.numel() == 128 and attention_decode._COUNTERS[device] == [small, big]
+    assert big.numel() == 128 and attention_decode._KEPT_ZERO[device, torch.int32] == [small, big]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setitem(attention_decode._COUNTERS, torch.device("cuda", 0), [])
+    monkeypatch.setitem(attention_decode._KEPT_ZERO, (torch.device("cuda", 0), torch.int32), [])
     with pytest.raises(RuntimeError, match="captured"):
         arrival_counters(8, torch.device("cuda", 0))
 
