@@ -33,6 +33,14 @@ TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.float16: dict(rtol=2e-3,
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
 
 
+def assert_rows_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Nearly every entry row equals the oracle's to the bit. Counted by rows, not values: a row's
+    norm an ulp off (another summation order) moves most of that row, and a case may write only
+    five rows; a missing rounding step moves nearly all of them."""
+    rows_off = int((got != want).any(-1).sum())
+    assert rows_off <= 1 + 0.02 * got.shape[0], f"{rows_off} of {got.shape[0]} rows differ in some bit"
+
+
 def mixed_lens(rate: int) -> list[tuple[int, int]]:
     """(cached, new) per sequence: a decode row that closes a window, one that does not, a prefill
     from 0 past two windows, and a chunk that starts inside a window after a cached prefix (at rate
@@ -184,7 +192,7 @@ class Case:
         if want_scales is not None:  # E4M3: nearly every code agrees, and the values they stand for
             assert want_scales[~written].isnan().all(), "a scale written beside no entry"
             torch.testing.assert_close(scales, want_scales, equal_nan=True, **TOL[self.dtype])
-            assert (entries[written].view(torch.uint8) == want_entries[written].view(torch.uint8)).float().mean() > 0.98
+            assert_rows_agree(entries[written].view(torch.uint8), want_entries[written].view(torch.uint8))
             entries, want_entries = (e.float() * s[:, None]
                                      for e, s in ((entries, scales), (want_entries, want_scales)))
             # an entry an ulp off in the cache dtype may round to the neighbouring E4M3 value; and the
@@ -196,7 +204,7 @@ class Case:
         else:
             tol = TOL[self.dtype]
             if self.dtype != torch.float32:  # the oracle's rounding steps: nearly every bit agrees
-                assert (entries[written] == want_entries[written]).float().mean() > 0.98
+                assert_rows_agree(entries[written], want_entries[written])
         # every closed window's entry matches; every other slot is still NaN
         torch.testing.assert_close(entries, want_entries, equal_nan=True, **tol)
 
