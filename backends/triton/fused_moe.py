@@ -43,10 +43,12 @@ import triton.language as tl
 
 from engine.core.families.linear import fp8_block_edge
 
-from .fp8_gemm import GemmConfig, GemmTuning, output_for, tile_of, unit_inner_stride
+from .fp8_gemm import GemmConfig, output_for, tile_of, unit_inner_stride
 from .fp4 import fp4_rows, fp4_rows_ptx
 from .fp8_quant import GROUP, quantize_fp8_token_group, token_groups
 from .moe_align import ExpertBlocks, align_by_expert
+from .moe_tiles import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_TUNING, check_fp8_steps, moe_config,
+                        ptx_unpack_fits, stages_that_fit)
 from .mxfp8 import MX_BLOCK, mxfp8_blocks, quantize_mxfp8
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
@@ -57,66 +59,6 @@ UNQUANTIZED = (torch.float32, torch.float16, torch.bfloat16)
 PACKED_FP4 = torch.uint8  # E2M1 weights, two per byte along K
 FP4_SCALE = torch.uint8  # E8M0, one per 32 along K
 ACTIVATIONS = ("silu",)
-# targets whose block-scaled MMA takes E2M1 weights with MXFP8 activations (tl.dot_scaled lowers to it);
-# elsewhere triton would only emulate it, so FP4 tiles are dequantized in registers for an ordinary dot
-FP4_SCALED_MMA = {"sm_100": True, "gfx950": True, "default": False}
-# targets that unpack bf16 FP4 rows with inline PTX (fp4.py); the others with portable operations
-FP4_PTX_UNPACK = {"cuda": True, "default": False}
-# the PTX packs four bytes of a thread's registers into a word as if they were adjacent in the tile,
-# which holds when each thread holds one 16-byte vector of the packed weight tile: on an H100 every
-# tile of 16 bytes a thread unpacked right (12 configs) and every one of 32, 64 or 128 wrong (52)
-PTX_UNPACK_BYTES_PER_THREAD = 16
-
-
-def ptx_unpack_fits(cfg: GemmConfig) -> bool:
-    """Whether ``cfg``'s packed FP4 weight tile gives each thread exactly one 16-byte vector."""
-    return cfg.block_n * cfg.block_k // 2 == PTX_UNPACK_BYTES_PER_THREAD * 32 * cfg.num_warps
-
-# small: decode, a few rows per expert, so narrow N tiles spread each expert's weights over every
-# SM; large: prefill, full matrix-unit tiles. ``small_m`` counts rows per expert (T * top_k / E).
-# block_k divides 128 so that an FP8 K step stays inside one scale block.
-# On sm_90 and sm_100 the tiles are the largest that compile without spills (the AOT test reads the
-# SASS of each, bf16 and 128-block FP8): the gated tile holds two fp32 accumulators, and FP8 scales
-# each K step's products in registers before adding them (a decode tile also quantizes its
-# activations there), so a thread holds several BLOCK_M x BLOCK_N / threads arrays besides the
-# operands, against 255 registers a thread (64K a SM). At 4 warps the 16 x 64 decode tile spilled
-# (gated: 385 local loads and stores in FP8 on sm_90, 196 in bf16; 297 FP8 on sm_100), as did
-# 64 x 128 for prefill on sm_90 (gated FP8 509, down 83, gated bf16 374; at 8 warps gated FP8
-# still 208) and 128 x 128 on sm_100 (gated FP8 3920, down 409); 64 x 64 on 8 warps spills in
-# none. Chosen to compile without spills, not measured on a GPU.
-MOE_GEMM = {
-    "sm_90": GemmTuning(GemmConfig(16, 64, 128, 1, 8, 4), GemmConfig(64, 64, 64, 8, 8, 3), small_m=16),
-    "sm_100": GemmTuning(GemmConfig(16, 64, 128, 1, 8, 4), GemmConfig(64, 64, 64, 8, 8, 3), small_m=16),
-    "gfx942": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 2), GemmConfig(64, 128, 64, 8, 4, 2), small_m=16),
-    "gfx950": GemmTuning(GemmConfig(16, 64, 128, 1, 4, 2), GemmConfig(64, 128, 64, 8, 4, 2), small_m=16),
-    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 64, 2, 4, 1), small_m=2),
-}
-
-# FP8 experts in DeepSeek-V4.1's 32-blocks: K steps of 32, so the accumulators are scaled four times
-# as often; on sm_90 and sm_100 the prefill tile is 64 x 64 on 8 warps, where 64 x 128 spilled (the
-# gated tile: 231 local loads and stores on sm_90 at 4 warps, 73 at 8; 331 on sm_100) and so did
-# 128 x 128 on sm_100 (956); the AOT test reads the SASS. Not measured on a GPU.
-MOE_GEMM_32 = {
-    "sm_90": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 4), GemmConfig(64, 64, 32, 8, 8, 3), small_m=16),
-    "sm_100": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 4), GemmConfig(64, 64, 32, 8, 8, 3), small_m=16),
-    "gfx942": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 2), GemmConfig(64, 128, 32, 8, 4, 2), small_m=16),
-    "gfx950": GemmTuning(GemmConfig(16, 64, 32, 1, 4, 2), GemmConfig(64, 128, 32, 8, 4, 2), small_m=16),
-    "default": GemmTuning(GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(32, 32, 32, 2, 4, 1), small_m=2),
-}
-MOE_TUNING = {128: MOE_GEMM, 32: MOE_GEMM_32}  # FP8 block edge (128 also for bf16 experts) -> its table
-
-# FP4 experts: as above, but sm_100 keeps 128-row blocks for decode too, since tl.dot_scaled falls
-# back to a bf16 emulation below that (as in mxfp8.py); on sm_90, where the gated tile unpacks two
-# weight tiles in registers, decode tiles take 8 warps and prefill tiles are 64 wide, which is what
-# keeps them from spilling (4 warps: 27 local loads and stores; 128 wide: over 500). On sm_100 the
-# 128-row tiles take 8 warps: at 4 the gated decode tile (quantizing its activations to MXFP8)
-# spilled 402 and the 128 x 128 prefill tile 516. The AOT test reads the SASS; not measured on a GPU.
-MOE_FP4_GEMM = {**MOE_GEMM,
-                "sm_90": GemmTuning(GemmConfig(16, 64, 128, 1, 8, 4), GemmConfig(64, 64, 64, 8, 4, 3), small_m=16),
-                "sm_100": GemmTuning(GemmConfig(128, 64, 128, 1, 8, 4), GemmConfig(128, 128, 128, 8, 8, 3),
-                                     small_m=16)}
-
-
 @triton.jit
 def _clear_arrivals(arrivals_ptr, token, valid, tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """arrivals[token, :] = 0 for the block's valid rows (a token of several blocks is cleared by each)."""
@@ -364,13 +306,6 @@ def expert_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, out
                  stride_cm, stride_om, stride_wt, stride_it, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.device, fp4: bool = False,
-               fp8_block: int = GROUP) -> GemmConfig:
-    """The launch parameters for the rows an expert gets on average; FP8 experts in blocks of
-    ``fp8_block`` from that edge's table."""
-    return config_for(MOE_FP4_GEMM if fp4 else MOE_TUNING[fp8_block], device).for_m(-(-num_tokens * top_k // num_experts))
-
-
 def fp8_expert_block(w: torch.Tensor, scale: torch.Tensor | None) -> int | None:
     """The block edge of FP8 experts ``w`` [E, N, K] with fp32 scales [E, ceil(N/B), ceil(K/B)] (B,
     128 or 32, from their shape); None for other weights."""
@@ -409,25 +344,6 @@ def _weight_format(a, a_scale, b, b_scale, quantize_a: bool = False) -> str:
     return "fp8_block" if fp8 else "dense"
 
 
-SMEM_BUDGET = 200 * 1024  # under the 227 KiB an sm_90 or sm_100 program may take, with room for scales
-
-
-def _stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: bool, fp4: bool) -> int:
-    """The pipeline stages whose A and B tiles fit in shared memory: the tuned stages hold for bf16
-    and FP8, but fp32 tiles are twice bf16's (three stages of the large gated tile need 240 KiB)."""
-    b_tile = cfg.block_k * cfg.block_n * b.element_size() // (2 if fp4 else 1)
-    per_stage = cfg.block_m * cfg.block_k * a.element_size() + b_tile * (2 if gated else 1)
-    return max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
-
-
-def check_fp8_steps(cfg: GemmConfig, block: int, quantize_a: bool) -> None:
-    """FP8 experts in blocks of ``block`` need K steps within a block, and activations quantized in
-    the GEMM need steps of exactly one block (one scale group of each row)."""
-    if block % cfg.block_k or (quantize_a and cfg.block_k != block):
-        raise ValueError(f"FP8 experts in {block}-blocks need K steps {'of' if quantize_a else 'dividing'} "
-                         f"{block}{' (activations quantized in the GEMM)' if quantize_a else ''}, not {cfg.block_k}")
-
-
 def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig, n: int, rows_per_a: int,
                   c: torch.Tensor, arrivals: torch.Tensor, *, gated: bool, swiglu_limit: float | None = None,
                   out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
@@ -464,7 +380,7 @@ def _grouped_gemm(a, a_scale, b, b_scale, blocks: ExpertBlocks, cfg: GemmConfig,
         PTX_UNPACK=(fmt == "fp4" and a.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, a.device)
                     and ptx_unpack_fits(cfg)),
         QUANTIZE_A=quantize_a, ACCUMULATE=accumulate,
-        num_warps=cfg.num_warps, num_stages=_stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
+        num_warps=cfg.num_warps, num_stages=stages_that_fit(cfg, a, b, gated, fp4), **launch_options(a.device))
 
 
 def arrivals_for(num_tokens: int, hidden: int, cfg: GemmConfig, device: torch.device) -> torch.Tensor:

@@ -16,10 +16,11 @@ from engine.core.native.moe import NativeMoE
 
 from . import moe_routing
 from .fp8_quant import GROUP
-from .fused_moe import PACKED_FP4, fp8_expert_block, fused_moe, moe_config
+from .fused_moe import PACKED_FP4, fp8_expert_block, fused_moe
 from .moe_dispatch import fits_one_program, route_and_align
 from .moe_one_launch import arrival_counts, fits_one_launch, moe_one_launch
 from .moe_router import project_route_and_align, projects_in_dispatch
+from .moe_tiles import moe_config
 
 
 class TritonMoE(MoEBackend):

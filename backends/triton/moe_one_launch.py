@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import GemmConfig, unit_inner_stride
-from .fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, FP8, MX_BLOCK, PACKED_FP4, _stages_that_fit, _weight_format,
-                        check_fp8_steps, expert_tile, fp8_expert_block, ptx_unpack_fits, quantizes_in_gemm)
+from .fused_moe import FP8, MX_BLOCK, PACKED_FP4, _weight_format, expert_tile, fp8_expert_block, quantizes_in_gemm
 from .moe_align import ExpertBlocks
+from .moe_tiles import FP4_PTX_UNPACK, FP4_SCALED_MMA, check_fp8_steps, ptx_unpack_fits, stages_that_fit
 from .pdl import launch_options, wait_for_prior
 from .target import arch_of, config_for, pick
 
@@ -161,5 +161,5 @@ def moe_one_launch(x: torch.Tensor, blocks: ExpertBlocks, gate_up: torch.Tensor,
         PTX_UNPACK=(fmt == "fp4" and x.dtype == torch.bfloat16 and config_for(FP4_PTX_UNPACK, x.device)
                     and ptx_unpack_fits(cfg)),
         QUANTIZE_A=quantize, ACCUMULATE=accumulate, num_warps=one_launch_warps(cfg, arch_of(x.device)),
-        num_stages=_stages_that_fit(cfg, x, gate_up, True, fp4), **launch_options(x.device))
+        num_stages=stages_that_fit(cfg, x, gate_up, True, fp4), **launch_options(x.device))
     return out

@@ -19,9 +19,9 @@ import re
 import pytest
 import torch
 
-from engine.backends.triton.fused_moe import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_TUNING,
-                                              _moe_gemm_kernel, arrivals_for, fused_moe, moe_config, moe_down,
-                                              moe_gate_up, ptx_unpack_fits)
+from engine.backends.triton.fused_moe import _moe_gemm_kernel, arrivals_for, fused_moe, moe_down, moe_gate_up
+from engine.backends.triton.moe_tiles import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_TUNING,
+                                              moe_config, ptx_unpack_fits)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, ExpertBlocks, _align_one_chunk_kernel, _count_kernel,

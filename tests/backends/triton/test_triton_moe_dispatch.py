@@ -306,7 +306,8 @@ def test_adding_down_gemm_compiles(target):
     from aot import compile_asm, pdl
     from test_triton_moe import BF16_MMA, SIGNATURE, check_compiled
 
-    from engine.backends.triton.fused_moe import MOE_GEMM, _moe_gemm_kernel
+    from engine.backends.triton.fused_moe import _moe_gemm_kernel
+    from engine.backends.triton.moe_tiles import MOE_GEMM
 
     cfg = pick(MOE_GEMM, target).small
     signature = {**SIGNATURE, "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}

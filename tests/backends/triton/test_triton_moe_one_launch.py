@@ -178,7 +178,7 @@ def compile_one_launch(target: str, scheme: str, block: int = 128, sass: bool = 
     """The decode tile of ``scheme`` (FP8 in ``block``-blocks) from its table, as TritonMoE launches it."""
     from aot import compile_asm, pdl
 
-    from engine.backends.triton.fused_moe import FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_TUNING
+    from engine.backends.triton.moe_tiles import FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_TUNING
     from engine.backends.triton.moe_one_launch import _moe_one_launch_kernel, one_launch_warps
     from engine.backends.triton.target import pick
 

@@ -15,8 +15,8 @@ from test_triton_moe import (DEEPSEEK_V4_FLASH, activations, fp4_experts, random
 
 from engine.backends.triton import fused_moe as fused
 from engine.backends.triton.fp8_gemm import GemmConfig
-from engine.backends.triton.fused_moe import (FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_GEMM_32, fused_moe,
-                                              quantizes_in_gemm)
+from engine.backends.triton.fused_moe import fused_moe, quantizes_in_gemm
+from engine.backends.triton.moe_tiles import FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_GEMM_32
 from engine.backends.triton.target import pick
 from engine.core.native.moe import NativeMoE
 
