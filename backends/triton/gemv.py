@@ -107,21 +107,30 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_ro
 
 @triton.jit
 def _block_scaled(w, scale_rows, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                  EVEN_K: tl.constexpr):
+                  EVEN_K: tl.constexpr, run_stride=1):
     """An E4M3 tile [BLOCK_N, BLOCK_K] of weight columns from ``k0`` times its blocks' scales (the
     scale rows of its weight rows at ``scale_rows``) -> fp32, as core/native dequantizes it: the
     tile is viewed as runs of at most SCALE_BLOCK columns, one scale each, so a scale is loaded
-    once a run and broadcast in registers."""
+    once a run and broadcast in registers. ``run_stride``: between the scales of consecutive
+    blocks along K (a tile of the weight's transpose, low_rank_output.py's, steps scale rows)."""
     RUN: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_BLOCK else SCALE_BLOCK
     RUNS: tl.constexpr = BLOCK_K // RUN
     starts = k0 + tl.arange(0, RUNS) * RUN
-    scale_ptrs = scale_rows[:, None] + (starts // SCALE_BLOCK)[None, :]
+    scale_ptrs = scale_rows[:, None] + (starts // SCALE_BLOCK)[None, :] * run_stride
     if EVEN_K:
         s = tl.load(scale_ptrs)
     else:
         s = tl.load(scale_ptrs, mask=starts[None, :] < K, other=0.0)
     w = tl.reshape(w.to(tl.float32), (BLOCK_N, RUNS, RUN)) * s[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _scale_rows(scale_ptr, rows, stride_s, SCALE_BLOCK: tl.constexpr):
+    """The scale rows of weight ``rows`` (blocks of SCALE_BLOCK rows); unread for a plain weight."""
+    if SCALE_BLOCK:
+        scale_ptr = scale_ptr + (rows // SCALE_BLOCK) * stride_s
+    return scale_ptr
 
 
 @triton.jit
@@ -180,12 +189,8 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (rn % N).to(tl.int64)  # columns past N reread row N-1; they are not stored
     up_rows = rows + N
-    if SCALE_BLOCK:
-        gate_scales = scale_ptr + (rows // SCALE_BLOCK) * stride_sn
-        up_scales = scale_ptr + (up_rows // SCALE_BLOCK) * stride_sn
-    else:
-        gate_scales = scale_ptr
-        up_scales = scale_ptr
+    gate_scales = _scale_rows(scale_ptr, rows, stride_sn, SCALE_BLOCK)
+    up_scales = _scale_rows(scale_ptr, up_rows, stride_sn, SCALE_BLOCK)
     rk0 = tl.arange(0, BLOCK_K)
     rstd = tl.zeros([BLOCK_M], tl.float32)
     wait_for_prior(PDL)
@@ -255,6 +260,19 @@ def _scale_block(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
         raise ValueError(f"an E4M3 weight needs its block scales and a float one takes none: weight {weight.dtype}, "
                          f"scale {None if scale is None else list(scale.shape)}")
     return 0 if scale is None else fp8_block_edge(tuple(weight.shape), tuple(scale.shape))
+
+
+def fused_scale_block(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+    """``SCALE_BLOCK`` of a weight that a launch fusing this GEMV with another product takes
+    (gemv_chain.py, low_rank_output.py): 0 for one plain in x's ``dtype``, the block edge of an E4M3
+    one with fp32 block scales; None for anything else, which the separate launches serve."""
+    if weight.dim() != 2:
+        return None
+    try:
+        block = _scale_block(weight, scale)
+    except ValueError:
+        return None
+    return block if (scale.dtype == torch.float32 if block else weight.dtype == dtype) else None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,

@@ -11,7 +11,8 @@ fed by a norm keeps the GEMV up to ``gemv.MAX_ROWS`` rows, where the norm's laun
 outweighs that (not measured). Block-FP8 weights (128 or 32 blocks) take the GEMV up to
 ``gemv.MAX_ROWS`` rows in every entry point: the E4M3 weight read as it is stored, dequantized in
 registers as native dequantizes it, times unquantized x, one launch with the norm and the SiLU-mul
-fused as for bf16 (not yet timed on a GPU). Past that the norm goes into the activations'
+fused as for bf16, and through DeepSeek-V4's chained projections and its output projection's wo_b
+in their one launch too (not yet timed on a GPU). Past that the norm goes into the activations'
 quantization (each of its programs reads its rows whole for the statistic), so norm, quantize
 and GEMM are two launches. The
 activations of quantized schemes in the GEMMs are quantized to the weight's format on the way in
@@ -75,22 +76,23 @@ class TritonLinear(LinearBackend):
 
     def projection_then_normed(self, x: torch.Tensor, first: LinearWeight, take: int, norm_weight: torch.Tensor,
                                eps: float, second: LinearWeight, ops: NormBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        if (first.scheme == second.scheme == "dense" and first.bias is None and second.bias is None
+        if ({first.scheme, second.scheme} <= {"dense", "fp8_block"} and first.bias is None and second.bias is None
                 and self._gemv_serves(x, first, gemv.MAX_ROWS)
-                and gemv_chain.fits(x, first.data, take, norm_weight, second.data)):
-            return gemv_chain.gemv_chain(x, first.data, take, norm_weight, eps, second.data)
+                and gemv_chain.fits(x, first.data, take, norm_weight, second.data, first.scale, second.scale)):
+            return gemv_chain.gemv_chain(x, first.data, take, norm_weight, eps, second.data, first.scale,
+                                         second.scale)
         return super().projection_then_normed(x, first, take, norm_weight, eps, second, ops)
 
     def low_rank_output(self, x: torch.Tensor | MXFP8Tensor, first: LinearWeight, second: LinearWeight) -> torch.Tensor:
         mx = isinstance(x, MXFP8Tensor)
         t, groups = x.shape[0], x.shape[1]
-        if (x.data.device.type in self.gemv_devices and second.scheme == "dense" and second.bias is None
-                and first.bias is None and first.scheme == ("mxfp8" if mx else "dense")
+        if (x.data.device.type in self.gemv_devices and second.scheme in ("dense", "fp8_block")
+                and second.bias is None and first.bias is None and first.scheme == ("mxfp8" if mx else "dense")
                 and (first.scale is not None) == mx and first.data.shape[0] % groups == 0
                 and low_rank_output.fits(t, first.data.dtype, second.data, x.dtype, groups,
-                                         first.data.shape[0] // groups)):
+                                         first.data.shape[0] // groups, second.scale)):
             return low_rank_output.low_rank_output(x.data if mx else x, x.scale if mx else None, first.data,
-                                                   first.scale, second.data, x.dtype)
+                                                   first.scale, second.data, x.dtype, second.scale)
         return super().low_rank_output(x, first, second)
 
     def gate_up_silu(self, x: torch.Tensor, w: LinearWeight, ops: NormBackend) -> torch.Tensor:

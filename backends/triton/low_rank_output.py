@@ -27,6 +27,14 @@ the programs' partial sums in whatever order their atomics land), where the GEMV
 fixed steps: the fp32 sums differ by reassociation (a few fp32 ulps of the largest partial sum),
 which can move the output's final rounding by one ulp of its dtype, and on a GPU runs are not
 bit-reproducible. In the interpreter programs run in order, so it is deterministic there.
+
+wo_b may be block-FP8 as DeepSeek publishes it (E4M3, fp32 scales of 128 x 128 blocks; V4.1's
+32 x 32): each [BLOCK_N, BLOCK_H] tile is scaled by its blocks' scales in registers and rounded to
+the activations' dtype, the weight gemv.py's block-FP8 GEMV multiplies in the second launch, so
+the published checkpoint's decode takes the one launch too. gemv.py's ``_block_scaled`` scales the
+tile, whose runs here are along wo_b's rows (each output column step starts on a block's run); the
+tile's columns start anywhere in a block (a group's R need not fill whole blocks), so each column
+takes its own scale.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import triton.language as tl
 
 from .attention_decode import arrival_counters, kept_zero
 from .fp8_gemm import tile_of, unit_inner_stride
-from .gemv import MAX_ROWS
+from .gemv import FLOATS, MAX_ROWS, _block_scaled, fused_scale_block
 from .mxfp8 import DENSE_GROUPED_GEMM, MX_BLOCK, MXFP8_GEMM, group_tile
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
@@ -47,13 +55,15 @@ FLUSH = 1024  # accumulator values the last program turns into output per step
 
 
 @triton.jit
-def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, acc_ptr, out_ptr, tickets_ptr,
-                            M, R, K, H, stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs, stride_w2,
-                            stride_om,
+def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, w2_scale_ptr, acc_ptr, out_ptr,
+                            tickets_ptr, M, R, K, H, stride_am, stride_ag, stride_as, stride_asg, stride_bn, stride_bs,
+                            stride_w2, stride_w2s, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, MX: tl.constexpr, SCALED: tl.constexpr,
-                            UPCAST: tl.constexpr, FLUSH_H: tl.constexpr, PDL: tl.constexpr):
-    """Program (n, g): rows of group g's low-rank tile n, then their share of every output column."""
+                            UPCAST: tl.constexpr, FLUSH_H: tl.constexpr, W2_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (n, g): rows of group g's low-rank tile n, then their share of every output column.
+    W2_BLOCK (0: wo_b in the output's dtype): wo_b is E4M3 with fp32 scales of W2_BLOCK x W2_BLOCK
+    blocks at ``w2_scale_ptr`` (rows of ``stride_w2s``)."""
     group = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = tile_of(tl.program_id(0), M, R, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,11 +78,16 @@ def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, acc_
         low = low.to(tl.float32)
     cols = group * R + rn  # wo_b's columns that this tile's low-rank values meet
     col_ok = rn < R  # columns past R reread the last one: their weights load as zero
+    scale_cols = w2_scale_ptr  # a block-FP8 wo_b's scales of these columns (those past R: the last's)
+    if W2_BLOCK:
+        scale_cols += (group * R + tl.minimum(rn, R - 1)) // W2_BLOCK
     row_ok = rm < M
     for h0 in range(0, H, BLOCK_H):
         rh = h0 + tl.arange(0, BLOCK_H)
         w = tl.load(w2_ptr + rh[None, :].to(tl.int64) * stride_w2 + cols[:, None],
                     mask=col_ok[:, None] & (rh[None, :] < H), other=0.0)  # [BLOCK_N, BLOCK_H]
+        if W2_BLOCK:  # dequantized and rounded as the block-FP8 GEMV's band rounds it
+            w = _block_scaled(w, scale_cols, h0, H, BLOCK_N, BLOCK_H, W2_BLOCK, False, stride_w2s).to(ty)
         if UPCAST:
             w = w.to(tl.float32)
         part = tl.dot(low, w, input_precision="ieee")
@@ -91,34 +106,37 @@ def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, acc_
 
 
 def fits(rows: int, first_dtype: torch.dtype, second: torch.Tensor, dtype: torch.dtype, groups: int,
-         rank: int) -> bool:
+         rank: int, second_scale: torch.Tensor | None = None) -> bool:
     """Whether the one launch serves this: a decode step's rows, wo_b [H, G * R] plain in the
-    activations' dtype, wo_a MXFP8 (E4M3) or in that dtype too."""
-    return (0 < rows <= MAX_ROWS and second.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and first_dtype in (dtype, torch.float8_e4m3fn) and second.dim() == 2
-            and second.shape[1] == groups * rank)
+    activations' dtype or block-FP8 (with ``second_scale``), wo_a MXFP8 (E4M3) or in that dtype."""
+    return (0 < rows <= MAX_ROWS and dtype in FLOATS and fused_scale_block(second, second_scale, dtype) is not None
+            and first_dtype in (dtype, torch.float8_e4m3fn) and second.shape[1] == groups * rank)
 
 
 def low_rank_output(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
-                    w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                    w2: torch.Tensor, dtype: torch.dtype, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, G, K] (E4M3 with E8M0 scales [M, G, K/32], or unquantized in ``dtype`` with no scales),
-    b [G * R, K] (the same format), w2 [H, G * R] in ``dtype`` -> [M, H] in ``dtype``: w2 times each
-    group's a[:, g] @ b[g*R:(g+1)*R].T, that product rounded to ``dtype`` first."""
+    b [G * R, K] (the same format), w2 [H, G * R] in ``dtype`` (or E4M3 with fp32 block scales
+    ``w2_scale``) -> [M, H] in ``dtype``: w2 times each group's a[:, g] @ b[g*R:(g+1)*R].T, that
+    product rounded to ``dtype`` first."""
     scaled = a_scale is not None
     if a.dim() != 3 or b.dim() != 2 or b.shape[1] != a.shape[2] or b.shape[0] % a.shape[1]:
         raise ValueError(f"a [M, G, K] and b [G * R, K] do not fit: {list(a.shape)} and {list(b.shape)}")
     m, groups, k = a.shape
     rank = b.shape[0] // groups
-    if not fits(m, b.dtype, w2, dtype, groups, rank) or (a.dtype == torch.float8_e4m3fn) != scaled or (
+    if not fits(m, b.dtype, w2, dtype, groups, rank, w2_scale) or (a.dtype == torch.float8_e4m3fn) != scaled or (
             b_scale is None) == scaled:
         raise ValueError(f"a {a.dtype} {list(a.shape)} (scaled: {scaled}), b {b.dtype} and w2 {w2.dtype} "
-                         f"{list(w2.shape)} are not {MAX_ROWS} rows or fewer of MXFP8 or {dtype} operands against a "
-                         f"[H, {groups * rank}] {dtype} second half; run the halves apart")
+                         f"{list(w2.shape)} (scale {None if w2_scale is None else list(w2_scale.shape)}) are not "
+                         f"{MAX_ROWS} rows or fewer of MXFP8 or {dtype} operands against a [H, {groups * rank}] "
+                         f"second half in {dtype} or block-FP8 with fp32 scales; run the halves apart")
     if scaled and (k % MX_BLOCK or a_scale.shape != (m, groups, k // MX_BLOCK)
                    or b_scale.shape != (groups * rank, k // MX_BLOCK)):
         raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit a {list(a.shape)} and "
                          f"b {list(b.shape)} in blocks of {MX_BLOCK}")
+    w2_block = fused_scale_block(w2, w2_scale, dtype)
     a, b, w2 = unit_inner_stride(a, b, w2)
+    w2_scale = w2 if w2_scale is None else unit_inner_stride(w2_scale)[0]  # unread where plain
     if scaled:
         a_scale, b_scale = unit_inner_stride(a_scale, b_scale)
     else:
@@ -128,10 +146,11 @@ def low_rank_output(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tens
     cfg = config_for(MXFP8_GEMM if scaled else DENSE_GROUPED_GEMM, a.device).for_m(m)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(rank, cfg.block_n), groups)
     _low_rank_output_kernel[grid](
-        a, a_scale, b, b_scale, w2, kept_zero(m * hidden, a.device, torch.float32), out,
+        a, a_scale, b, b_scale, w2, w2_scale, kept_zero(m * hidden, a.device, torch.float32), out,
         arrival_counters(1, a.device), m, rank, k, hidden, a.stride(0), a.stride(1), a_scale.stride(0),
-        a_scale.stride(1) if scaled else 0, b.stride(0), b_scale.stride(0), w2.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_H=config_for(OUTPUT_COLUMNS, a.device),
-        GROUP_M=cfg.group_m, MX=MX_BLOCK, SCALED=scaled, UPCAST=a.device.type == "cpu", FLUSH_H=FLUSH,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
+        a_scale.stride(1) if scaled else 0, b.stride(0), b_scale.stride(0), w2.stride(0), w2_scale.stride(0),
+        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_H=config_for(OUTPUT_COLUMNS, a.device), GROUP_M=cfg.group_m, MX=MX_BLOCK, SCALED=scaled,
+        UPCAST=a.device.type == "cpu", FLUSH_H=FLUSH, W2_BLOCK=w2_block, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_options(a.device))
     return out

@@ -27,7 +27,9 @@ import types
 import pytest
 import torch
 
+from engine.backends.triton import gemv_chain
 from engine.backends.triton.attention import TritonAttention
+from engine.backends.triton.gemv import MAX_ROWS
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.norm import TritonNorm
@@ -116,6 +118,21 @@ class CheckedTriton(TritonLinear):
         if w.scheme == "fp8_block":  # the definition: both dequantized exactly, multiplied in fp32
             self.worst = max(self.worst, _rel(out.float(), self.oracle.grouped_mxfp8(x, w).float()))
             self.grouped_products += 1
+        return out
+
+    def projection_then_normed(self, x, first, take, norm_weight, eps, second, ops):
+        """As on a GPU on the CPU too (a decode step's two projections chained in one launch, whose
+        products the GEMV's are), each pair with an FP8 weight checked against native's."""
+        self.gemv_devices = ("cuda", "cpu")
+        try:
+            out = super().projection_then_normed(x, first, take, norm_weight, eps, second, ops)
+            gemv_rows = self._gemv_serves(x, first, MAX_ROWS)
+        finally:
+            del self.gemv_devices
+        if gemv_rows and "fp8_block" in (first.scheme, second.scheme):
+            want = self.native.projection_then_normed(x, first, take, norm_weight, eps, second, ops)
+            self.worst = max(self.worst, *(_rel(o.float(), w.float()) for o, w in zip(out, want)))
+            self.products += 2
         return out
 
     def norm_linear(self, x, residual, norm_weight, eps, w, ops, silu_mul=False):
@@ -266,12 +283,16 @@ class CheckedTritonMoE(TritonMoE):
 MOE_FP8_BOUND = 0.1
 
 
-def _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed: int, device: str) -> None:
+def _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed: int, device: str, monkeypatch) -> None:
     """A tiny random DeepSeek-V4.1 in its published layout on the Triton linear and MoE: wo_a and the
     shared expert held as stored (E4M3, fp32 scales of 32 x 32 blocks), wo_a multiplied by the grouped
     block GEMM within GEMM_BOUND of the oracle on its input, each MoE layer (FP4 routed experts, the
     FP8 shared one through the fused grouped GEMMs, a decode step's in one launch) within
-    MOE_FP8_BOUND of the native experts on its input."""
+    MOE_FP8_BOUND of the native experts on its input; a decode step's FP8 attention input and query
+    projections chained in one launch (gemv_chain.py), within GEMM_BOUND of native's."""
+    chained = []
+    launch = gemv_chain.gemv_chain
+    monkeypatch.setattr(gemv_chain, "gemv_chain", lambda *a: chained.append(a[1].dtype) or launch(*a))
     hf = {**v41_config(ratios=[0, 2, 2], kv_sources=[1], index_sources=[1], top_k=64, moe_intermediate_size=32),
           "hidden_size": 96}
     src = random_v41_checkpoint(tmp_path / "bf16", seed, hf, shared_dir / "models" / "tiny-dsv4-py")
@@ -298,18 +319,22 @@ def _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed: int, device: str) ->
     assert linear.grouped_products > 0 and linear.worst < GEMM_BOUND[device, torch.float32], (
         f"an FP8 product differs from the oracle by {linear.worst:.2e}")
     assert moe.fp8_layers > 0 and moe.worst < MOE_FP8_BOUND, f"a MoE layer differs from native by {moe.worst:.2e}"
+    # a layer whose query projections are one group (the tiny indexer layer's two are 32 x 16 each, one
+    # scale a weight, read as a 128-block: they do not concatenate), FP8 weights, 2 decode steps at least
+    single = sum(len(layer.attn.q_proj.groups) == 1 for layer in model.model.layers)
+    assert single and len(chained) >= 2 * single and set(chained) == {FP8}
 
 
 @pytest.mark.interpret
-def test_v41_wo_a_and_shared_expert_on_the_triton_kernels_in_interpreter(tmp_path, shared_dir, seed):
-    _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed, "cpu")
+def test_v41_wo_a_and_shared_expert_on_the_triton_kernels_in_interpreter(tmp_path, shared_dir, seed, monkeypatch):
+    _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed, "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
-def test_v41_wo_a_and_shared_expert_on_the_triton_kernels_on_cuda(tmp_path, shared_dir, seed):
+def test_v41_wo_a_and_shared_expert_on_the_triton_kernels_on_cuda(tmp_path, shared_dir, seed, monkeypatch):
     """The compiled grouped block GEMM (wo_a on the Triton V4 attention's MXFP8 output where it emits
     it, grouped_mxfp8, else grouped) and the compiled fused MoE, decode steps in one launch."""
-    _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed, "cuda")
+    _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed, "cuda", monkeypatch)
 
 
 @pytest.mark.interpret

@@ -7,6 +7,9 @@ columns in another order (a band a program, then the programs' atomics), so it m
 composition to fp32 reassociation, not to the bit; the accumulator and the ticket must be left at
 zero for the next launch. ``TritonLinear`` takes the launch for a decode step's rows where the GEMV
 serves (on the CPU here only as a launch count configures it) and composes the halves otherwise.
+wo_b block-FP8 as published (128 or 32 blocks): against the two launches on those weights (the
+grouped product, then the block-FP8 GEMV) and native (which dequantizes wo_b first), to the same
+reassociation.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from engine.backends.triton.mxfp8 import DENSE_GROUPED_GEMM, MXFP8_GEMM
 from engine.backends.triton.target import pick
 from engine.core.families.linear import LinearBackend, LinearWeight, MXFP8Tensor
 from engine.core.native.linear import NativeLinear
+from engine.core.native.quant import quantize_fp8_block
 
 from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
 
@@ -35,16 +39,20 @@ class GemvLinear(TritonLinear):
     gemv_devices = ("cuda", "cpu")
 
 
-def operands(m, groups, rank, k, hidden, dtype, mxfp8):
-    """o [m, groups, k] and wo_a [groups * rank, k] (MXFP8, or dense in ``dtype``), wo_b [hidden, groups * rank]."""
+def operands(m, groups, rank, k, hidden, dtype, mxfp8, block=0):
+    """o [m, groups, k] and wo_a [groups * rank, k] (MXFP8, or dense in ``dtype``), wo_b [hidden, groups * rank]
+    (dense in ``dtype``, or block-FP8 in blocks of ``block``)."""
     if mxfp8:
         x, first = grouped_operands(m, groups, rank, k)
         x = MXFP8Tensor(x.data, x.scale, dtype)
     else:
         x = random_activations((m, groups, k), dtype)
         first = LinearWeight((torch.randn(groups * rank, k) * 0.05).to(dtype))
-    second = LinearWeight((torch.randn(hidden, groups * rank) * (groups * rank) ** -0.5).to(dtype))
-    return x, first, second
+    second = torch.randn(hidden, groups * rank) * (groups * rank) ** -0.5
+    if block:
+        data, scale = quantize_fp8_block(second, block)
+        return x, first, LinearWeight(data, "fp8_block", scale)
+    return x, first, LinearWeight(second.to(dtype))
 
 
 def at_rest(hidden_values: int) -> None:
@@ -70,7 +78,29 @@ def test_one_launch_equals_the_two_products(seed, poisoned_empty, mxfp8, dtype, 
 
 
 @pytest.mark.interpret
-def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch):
+@pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,groups,rank,k,hidden,block", [(1, 2, 48, 64, 136, 128), (3, 3, 40, 32, 72, 32),
+                                                          (8, 1, 80, 32, 40, 32)])
+def test_block_fp8_wo_b_equals_the_two_launches(seed, poisoned_empty, mxfp8, dtype, m, groups, rank, k, hidden,
+                                                block):
+    """wo_b in E4M3 with fp32 block scales (V4's 128, V4.1's 32): its columns G * R past a block (96 of
+    128, 120 and 80 of 32, the groups' boundaries inside blocks), its rows past one (136, 72, 40); one
+    to eight rows. As close to the two launches (the grouped product, the block-FP8 GEMV) and to
+    native (wo_b dequantized, then the products) as the dense wo_b is."""
+    x, first, second = operands(m, groups, rank, k, hidden, dtype, mxfp8, block)
+    backend = GemvLinear(None)
+    got = backend.low_rank_output(x, first, second)
+    assert got.dtype == dtype and got.shape == (m, hidden) and not got.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)  # one fp16 ulp
+    torch.testing.assert_close(got, LinearBackend.low_rank_output(backend, x, first, second), **tol)
+    torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), **tol)
+    at_rest(m * hidden)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("block", [0, 32, 128], ids=["dense", "fp8-32", "fp8-128"])
+def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch, block):
     """Up to MAX_ROWS rows on a device where the GEMV serves, the one launch (the grouped GEMM is never
     launched); more rows, or the interpreter's usual devices, the two products."""
     calls = []
@@ -78,11 +108,13 @@ def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch):
     monkeypatch.setattr(fused, "low_rank_output", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
     for rows, backend, one in ((MAX_ROWS, GemvLinear(None), True), (MAX_ROWS + 1, GemvLinear(None), False),
                                (1, TritonLinear(None), False)):
-        x, first, second = operands(rows, 2, 32, 64, 24, torch.float32, True)
+        x, first, second = operands(rows, 2, 32, 64, 24, torch.float32, True, block=block)
         calls.clear()
         got = backend.low_rank_output(x, first, second)
         assert calls == ([rows] if one else [])
-        torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), rtol=1e-5, atol=1e-5)
+        if one or not block:  # composed, an FP8 wo_b past the GEMV's rows quantizes its activations
+            torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), rtol=1e-5,
+                                       atol=1e-5)
 
 
 def test_refuses_what_it_does_not_fuse():
@@ -91,28 +123,37 @@ def test_refuses_what_it_does_not_fuse():
         fused.low_rank_output(x.data, x.scale, first.data, first.scale, second.data.half(), torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         fused.low_rank_output(x.data, x.scale[..., :1], first.data, first.scale, second.data, torch.float32)
+    fp8 = operands(2, 2, 32, 64, 24, torch.float32, True, block=32)[2]
+    for scale in (None, fp8.scale[:, :1].expand(2, 1), fp8.scale.to(torch.uint8)):  # none, no block's shape, not fp32
+        assert not fused.fits(2, first.data.dtype, fp8.data, torch.float32, 2, 32, scale)
+        with pytest.raises(ValueError, match="run the halves apart"):
+            fused.low_rank_output(x.data, x.scale, first.data, first.scale, fp8.data, torch.float32, scale)
 
 
 SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*u8", "w2_ptr": "*bf16",
-             "acc_ptr": "*fp32", "out_ptr": "*bf16", "tickets_ptr": "*i32", "M": "i32", "R": "i32", "K": "i32",
-             "H": "i32", "stride_am": "i32", "stride_ag": "i32", "stride_as": "i32", "stride_asg": "i32",
-             "stride_bn": "i32", "stride_bs": "i32", "stride_w2": "i32", "stride_om": "i32"}
+             "w2_scale_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "tickets_ptr": "*i32", "M": "i32",
+             "R": "i32", "K": "i32", "H": "i32", "stride_am": "i32", "stride_ag": "i32", "stride_as": "i32",
+             "stride_asg": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_w2": "i32", "stride_w2s": "i32",
+             "stride_om": "i32"}
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
-def test_one_launch_compiles(target, mxfp8):
+@pytest.mark.parametrize("mxfp8,w2_block", [(True, 0), (False, 0), (True, 128), (False, 32)],
+                         ids=["mxfp8", "dense", "mxfp8-fp8wo_b", "dense-fp8wo_b-32"])
+def test_one_launch_compiles(target, mxfp8, w2_block):
     """DeepSeek-V4-Flash's output projection at a decode step's tiles (the first half's table, wo_b in
-    bf16): no spills on NVIDIA, no scratch on AMD, within the LDS; the reductions relaxed fp32
-    atomics, the arrival an acq_rel atomic at GPU scope; the block-scaled MMA where the target has
-    it (sm_100, gfx950); PDL on NVIDIA."""
+    bf16, or block-FP8 as V4 publishes it, in 128-blocks, and V4.1 in 32): no spills on NVIDIA, no
+    scratch on AMD, within the LDS; the reductions relaxed fp32 atomics, the arrival an acq_rel
+    atomic at GPU scope; the block-scaled MMA where the target has it (sm_100, gfx950); PDL on NVIDIA."""
     cfg = pick(MXFP8_GEMM if mxfp8 else DENSE_GROUPED_GEMM, target).small
     signature = SIGNATURE if mxfp8 else {**SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_ptr": "*bf16",
                                          "b_scale_ptr": "*bf16"}
+    if w2_block:
+        signature = {**signature, "w2_ptr": "*fp8e4nv"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=mxfp8,
-                      UPCAST=False, FLUSH_H=fused.FLUSH, PDL=pdl(target))
+                      UPCAST=False, FLUSH_H=fused.FLUSH, W2_BLOCK=w2_block, PDL=pdl(target))
     cuda = TARGETS[target].backend == "cuda"
     asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, sass=cuda,
