@@ -5,7 +5,7 @@ batch into per-token device tensors (each token's sequence and window slot, in o
 every piece reads the rest (positions, page table, window table) from the device. One module per piece:
 the window store (with the KV's RMSNorm) is v4_window.py, ``attend (with the query's) is
 v4_sparse_attention.py, ``compress`` v4_compressor.py and ``select`` (the lightning indexer)
-v4_indexer.py.
+v4_indexer.py; a CSA layer's decode step compresses and selects in one launch, v4_compress_select.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.core.forward import ForwardBatch
 from engine.core.kv.storage import KVCache
 from engine.core.models.deepseek_v4.cache import flat
 
+from . import v4_compress_select as compress_select
 from .pdl import launch_options, wait_for_prior
 from .v4_compressor import compress
 from .v4_indexer import select, select_candidates
@@ -76,6 +77,16 @@ class TritonV4Attention(V4AttentionBackend):
                            comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
                            meta: TritonV4Metadata, indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         compress(kv_proj, gate_proj, comp, layer, kv, batch, meta, window=kv_new, indexer=indexer)  # one launch
+
+    def store_compress_and_select(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
+                                  comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+                                  meta: TritonV4Metadata, indexer: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                                  weights: torch.Tensor) -> torch.Tensor:
+        if compress_select.fits(kv_proj.shape[0], comp, layer, meta):  # one launch
+            return compress_select.compress_and_select(kv_new, kv_proj, gate_proj, comp, layer, kv, batch, meta,
+                                                       indexer, q, weights)
+        return super().store_compress_and_select(kv_new, kv_proj, gate_proj, comp, layer, kv, batch, meta, indexer,
+                                                 q, weights)
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: TritonV4Metadata, candidates: torch.Tensor | None = None) -> torch.Tensor:

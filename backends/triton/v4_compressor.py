@@ -242,9 +242,38 @@ def compress_kernel(
     # WINDOW: programs (t, 1) store row t of win_ptr [T, WIN_DIM] in the window (v4_window.py);
     # INDEXER: programs (t, 1 + WINDOW) run the CSA indexer's compression (ix_*: its own projections,
     # cache layers, bias, norm and IX_ shape), of the same rate, overlap and rope
-    t = tl.program_id(0).to(tl.int64)
-    role = tl.program_id(1)
     wait_for_prior(PDL)
+    compress_program(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr,
+        entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, window_slots_ptr,
+        window_table_ptr, page_table_ptr, query_start_ptr, latent_ptr, eps, stride_kv, stride_gate, stride_kvc,
+        stride_gc, stride_entry, stride_entry_scale, stride_ape, stride_cos, stride_pt, stride_latent, win_ptr,
+        win_norm_ptr, win_cache_ptr, stride_win, stride_wc, win_eps, ix_kv_ptr, ix_gate_ptr, ix_kv_cache_ptr,
+        ix_gate_cache_ptr, ix_entry_ptr, ix_entry_scale_ptr, ix_ape_ptr, ix_norm_ptr, ix_eps, stride_ix_kv,
+        stride_ix_gate, stride_ix_kvc, stride_ix_gc, stride_ix_entry, stride_ix_entry_scale, stride_ix_ape,
+        WIDTH, HEAD_DIM, ROPE_HALF, RATE, OVERLAP, NUM_SLOTS, PAGE_SIZE, ENTRIES_PER_PAGE, QUANTIZE, BLOCK_W, BLOCK_S,
+        BLOCK_D, GATED, HAS_APE, LATENT, WINDOW, WIN_DIM, WIN_BLOCK, INDEXER, IX_WIDTH, IX_HEAD_DIM, IX_QUANTIZE,
+        IX_BLOCK_W, IX_BLOCK_S, IX_BLOCK_D)
+
+
+@triton.jit
+def compress_program(
+    t, role, kv_ptr, gate_ptr, kv_cache_ptr, gate_cache_ptr, entry_ptr, entry_scale_ptr, ape_ptr, norm_ptr, cos_ptr,
+    sin_ptr, positions_ptr, token_seq_ptr, window_slots_ptr, window_table_ptr, page_table_ptr, query_start_ptr,
+    latent_ptr, eps, stride_kv, stride_gate, stride_kvc, stride_gc, stride_entry, stride_entry_scale, stride_ape,
+    stride_cos, stride_pt, stride_latent, win_ptr, win_norm_ptr, win_cache_ptr, stride_win, stride_wc, win_eps,
+    ix_kv_ptr, ix_gate_ptr, ix_kv_cache_ptr, ix_gate_cache_ptr, ix_entry_ptr, ix_entry_scale_ptr, ix_ape_ptr,
+    ix_norm_ptr, ix_eps, stride_ix_kv, stride_ix_gate, stride_ix_kvc, stride_ix_gc, stride_ix_entry,
+    stride_ix_entry_scale, stride_ix_ape,
+    WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, RATE: tl.constexpr,
+    OVERLAP: tl.constexpr, NUM_SLOTS: tl.constexpr, PAGE_SIZE: tl.constexpr, ENTRIES_PER_PAGE: tl.constexpr,
+    QUANTIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr, HAS_APE: tl.constexpr, LATENT: tl.constexpr, WINDOW: tl.constexpr, WIN_DIM: tl.constexpr,
+    WIN_BLOCK: tl.constexpr, INDEXER: tl.constexpr, IX_WIDTH: tl.constexpr, IX_HEAD_DIM: tl.constexpr,
+    IX_QUANTIZE: tl.constexpr, IX_BLOCK_W: tl.constexpr, IX_BLOCK_S: tl.constexpr, IX_BLOCK_D: tl.constexpr,
+):
+    """Program (t, role) of ``compress_kernel``'s launch: token t's compression, its window row or its
+    indexer's compression; what v4_compress_select.py's launch runs for each of them too."""
     if WINDOW and role == 1:  # a program of its own: the pooling's registers stay its own
         one = t + tl.arange(0, 1)
         window_rows(win_ptr, win_norm_ptr, win_cache_ptr, cos_ptr, sin_ptr, positions_ptr, window_slots_ptr, one,
@@ -382,24 +411,30 @@ def _indexer_pooling(indexer: tuple[torch.Tensor, torch.Tensor], comp: Compressi
     return _pooling(*indexer, ix, layer, kv)
 
 
-def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression, layer: V4AttentionLayer,
-             kv: KVCache, batch: ForwardBatch, meta, window: torch.Tensor | None = None,
-             indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """``V4AttentionBackend.compress`` for the whole step: ``meta`` gives each token's sequence
-    (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
-    page table (``window_table``); nothing is read back to the host. A CSA2 KV source that indexes
-    (``comp.index_key``) keeps its entries' index keys too: its projection runs on the latents the
-    launch leaves, then ``index_key_kernel`` keeps them. ``window`` [T, head_dim]: the layer's window
-    KV, stored in the same launch as ``V4AttentionBackend.store`` stores it. ``indexer``: the CSA
-    indexer's (kv, gate) projections, compressed into ``layer.indexer.compression`` in the same
-    launch (programs of their own)."""
+@dataclass(frozen=True)
+class CompressLaunch:
+    """What ``compress_kernel`` takes for a step: its arguments, constexprs, programs per token (the
+    grid's second dimension), warps, and the latents' scratch an indexing CSA2 source leaves."""
+
+    args: tuple
+    constexprs: dict
+    roles: int
+    num_warps: int
+    latent: torch.Tensor | None
+
+
+def compress_launch(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression,
+                    layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch, meta,
+                    window: torch.Tensor | None = None,
+                    indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> CompressLaunch | None:
+    """``compress``'s launch, checked (None for a step of no tokens)."""
     main = _pooling(kv_proj, gate_proj, comp, layer, kv)
     ix = None if indexer is None else _indexer_pooling(indexer, comp, layer, kv)
     tokens = kv_proj.shape[0]
     if indexer is not None and indexer[0].shape[0] != tokens:
         raise ValueError(f"the indexer's projections for {indexer[0].shape[0]} tokens beside projections of {tokens}")
     if tokens == 0:
-        return
+        return None
     gated = comp.projections is not None
     cos, sin = layer.rope.cos, layer.rope.sin
     latent = None
@@ -412,7 +447,7 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compre
         if window.shape[0] != tokens:
             raise ValueError(f"window KV for {window.shape[0]} tokens beside projections of {tokens}")
     rate = comp.rate
-    compress_kernel[(tokens, 1 + (window is not None) + (ix is not None))](
+    args = (
         *main.tensors, cos, sin, batch.positions, meta.token_seq, meta.window_slots, meta.window_table,
         batch.page_table, batch.query_start_loc, kv_proj if latent is None else latent, main.eps, *main.strides,
         cos.stride(0), batch.page_table.stride(0), 0 if latent is None else latent.stride(0),
@@ -420,20 +455,40 @@ def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compre
         kv_proj if window is None else win_cache, 0 if window is None else window.stride(0),
         0 if window is None else win_cache.stride(0), layer.eps,
         *(main if ix is None else ix).tensors, (main if ix is None else ix).eps,  # unread without the indexer
-        *(main if ix is None else ix).strides,
+        *(main if ix is None else ix).strides)
+    constexprs = dict(
         **main.shape, ROPE_HALF=cos.shape[-1], RATE=rate, OVERLAP=int(comp.overlap),
         NUM_SLOTS=2 * rate if comp.overlap else rate, PAGE_SIZE=batch.page_size,
         ENTRIES_PER_PAGE=-(-batch.page_size // rate), GATED=gated, HAS_APE=comp.ape is not None,
         LATENT=latent is not None, WINDOW=window is not None,
         WIN_DIM=1 if window is None else window.shape[1],
         WIN_BLOCK=1 if window is None else triton.next_power_of_2(window.shape[1]),
-        INDEXER=ix is not None, **({} if ix is None else {f"IX_{k}": v for k, v in ix.shape.items()}),
-        num_warps=max(main.num_warps, 1 if ix is None else ix.num_warps),
+        INDEXER=ix is not None, **({} if ix is None else {f"IX_{k}": v for k, v in ix.shape.items()}))
+    return CompressLaunch(args, constexprs, 1 + (window is not None) + (ix is not None),
+                          max(main.num_warps, 1 if ix is None else ix.num_warps), latent)
+
+
+def compress(kv_proj: torch.Tensor, gate_proj: torch.Tensor | None, comp: Compression, layer: V4AttentionLayer,
+             kv: KVCache, batch: ForwardBatch, meta, window: torch.Tensor | None = None,
+             indexer: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``V4AttentionBackend.compress`` for the whole step: ``meta`` gives each token's sequence
+    (``token_seq`` [T] int32), its window slot (``window_slots`` [T] int64) and the page -> window
+    page table (``window_table``); nothing is read back to the host. A CSA2 KV source that indexes
+    (``comp.index_key``) keeps its entries' index keys too: its projection runs on the latents the
+    launch leaves, then ``index_key_kernel`` keeps them. ``window`` [T, head_dim]: the layer's window
+    KV, stored in the same launch as ``V4AttentionBackend.store`` stores it. ``indexer``: the CSA
+    indexer's (kv, gate) projections, compressed into ``layer.indexer.compression`` in the same
+    launch (programs of their own)."""
+    launch = compress_launch(kv_proj, gate_proj, comp, layer, kv, batch, meta, window, indexer)
+    if launch is None:
+        return
+    compress_kernel[(kv_proj.shape[0], launch.roles)](
+        *launch.args, **launch.constexprs, num_warps=launch.num_warps,
         enable_fp_fusion=False,  # a fused multiply-add skips a rounding step
         **launch_options(kv_proj.device),
     )
-    if latent is not None:
-        keep_index_keys(comp.index_key.project(latent), comp, layer, kv, batch, meta)
+    if launch.latent is not None:
+        keep_index_keys(comp.index_key.project(launch.latent), comp, layer, kv, batch, meta)
 
 
 def keep_index_keys(projected: torch.Tensor, comp: Compression, layer: V4AttentionLayer, kv: KVCache,

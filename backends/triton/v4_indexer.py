@@ -87,9 +87,25 @@ def index_scores_kernel(
 ):
     # NUM_CAND > 0: only the entries of the row's NUM_CAND blocks of CAND_SIZE (cand_ptr, -1: none) are
     # scored, in the blocks' order; the rest of the row is left as it was
-    token = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
     wait_for_prior(PDL)
+    _score_row(tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr,
+               positions_ptr, token_seq_ptr, page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale, w_scale,
+               stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c, NUM_HEADS,
+               HEAD_DIM, ROT_HALF, RATE, PAGE_SIZE, SPLITS, HAS_SCALES, DOT_FP32, BLOCK_H, BLOCK_N, BLOCK_D, NUM_CAND,
+               CAND_SIZE)
+
+
+@triton.jit
+def _score_row(
+    token, split, q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr,
+    out_ptr, cand_ptr, max_entries, sm_scale, w_scale,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CAND: tl.constexpr,
+    CAND_SIZE: tl.constexpr,
+):
+    """Split ``split`` of token ``token``'s scores: its share of the entry blocks."""
     pos = tl.load(positions_ptr + token)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     visible = tl.minimum((pos + 1) // RATE, max_entries)  # the bound keeps a bad position in its row
@@ -159,8 +175,16 @@ def stable_topk_kernel(scores_ptr, positions_ptr, cand_ptr, out_ptr, max_entries
     # GROUP: a score per group of that many entries (the candidate source's blocks). NUM_CAND > 0: the
     # candidate filter; only entries in the row's NUM_CAND blocks of CAND_SIZE entries (cand_ptr,
     # ascending, -1 first) count, and only those are read
-    token = tl.program_id(0).to(tl.int64)
     wait_for_prior(PDL)
+    _stable_topk_row(tl.program_id(0).to(tl.int64), scores_ptr, positions_ptr, cand_ptr, out_ptr, max_entries,
+                     stride_s, stride_c, stride_o, TOP_K, RATE, BLOCK, GROUP, NUM_CAND, CAND_SIZE)
+
+
+@triton.jit
+def _stable_topk_row(token, scores_ptr, positions_ptr, cand_ptr, out_ptr, max_entries, stride_s, stride_c, stride_o,
+                     TOP_K: tl.constexpr, RATE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                     NUM_CAND: tl.constexpr, CAND_SIZE: tl.constexpr):
+    """Token ``token``'s top-k, written to its row of ``out_ptr``."""
     visible = tl.minimum((tl.load(positions_ptr + token) + 1) // RATE, max_entries).to(tl.int32)
     n = tl.cdiv(visible, GROUP)  # the scores it sees
     row = scores_ptr + token * stride_s
@@ -255,17 +279,37 @@ def index_topk_kernel(
     """``index_scores_kernel``'s program (token, split), then the count at the token's counter: the
     last of its SPLITS programs to arrive sees every score of the row, sets the counter back to 0 and
     runs ``stable_topk_kernel``'s program for the token into ``picks_ptr``."""
-    index_scores_kernel(q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr,
-                        page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale, w_scale, stride_qt, stride_qh,
-                        stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c, NUM_HEADS, HEAD_DIM,
-                        ROT_HALF, RATE, PAGE_SIZE, SPLITS, HAS_SCALES, DOT_FP32, BLOCK_H, BLOCK_N, BLOCK_D, PDL,
-                        NUM_CAND, CAND_SIZE)
+    wait_for_prior(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    index_topk_program(token, tl.program_id(1), counters_ptr + token, q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr,
+                       sin_ptr, positions_ptr, token_seq_ptr, page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale,
+                       w_scale, stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out,
+                       stride_c, picks_ptr, stride_picks, NUM_HEADS, HEAD_DIM, ROT_HALF, RATE, PAGE_SIZE, SPLITS,
+                       HAS_SCALES, DOT_FP32, BLOCK_H, BLOCK_N, BLOCK_D, TOP_K, TOPK_BLOCK, NUM_CAND, CAND_SIZE)
+
+
+@triton.jit
+def index_topk_program(
+    token, split, counter, q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr,
+    page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale, w_scale,
+    stride_qt, stride_qh, stride_wt, stride_key, stride_cos, stride_pt, stride_out, stride_c, picks_ptr, stride_picks,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_HALF: tl.constexpr, RATE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALES: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_BLOCK: tl.constexpr, NUM_CAND: tl.constexpr, CAND_SIZE: tl.constexpr,
+):
+    """Split ``split`` of token ``token``'s scores, then its count at ``counter`` (zero at the start,
+    left so): the last of the token's SPLITS to arrive runs the token's top-k. What
+    ``index_topk_kernel`` and v4_compress_select.py's launch run for each (token, split)."""
+    _score_row(token, split, q_ptr, w_ptr, keys_ptr, scales_ptr, cos_ptr, sin_ptr, positions_ptr, token_seq_ptr,
+               page_table_ptr, out_ptr, cand_ptr, max_entries, sm_scale, w_scale, stride_qt, stride_qh, stride_wt,
+               stride_key, stride_cos, stride_pt, stride_out, stride_c, NUM_HEADS, HEAD_DIM, ROT_HALF, RATE,
+               PAGE_SIZE, SPLITS, HAS_SCALES, DOT_FP32, BLOCK_H, BLOCK_N, BLOCK_D, NUM_CAND, CAND_SIZE)
     tl.debug_barrier()  # every thread's scores stored before the release
-    counter = counters_ptr + tl.program_id(0)
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
         tl.store(counter, 0)
-        stable_topk_kernel(out_ptr, positions_ptr, cand_ptr, picks_ptr, max_entries, stride_out, stride_c,
-                           stride_picks, TOP_K, RATE, TOPK_BLOCK, False, 1, NUM_CAND, CAND_SIZE)
+        _stable_topk_row(token, out_ptr, positions_ptr, cand_ptr, picks_ptr, max_entries, stride_out, stride_c,
+                         stride_picks, TOP_K, RATE, TOPK_BLOCK, 1, NUM_CAND, CAND_SIZE)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -297,7 +341,7 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: t
     launched just before it is yielded."""
     for a, b, scores, args, constexprs in _scoring(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
                                                   token_seq, page_table, page_size, rate, max_entries, cfg):
-        index_scores_kernel[(b - a, constexprs["SPLITS"])](*args, **constexprs, num_warps=cfg.num_warps,
+        index_scores_kernel[(b - a, constexprs["SPLITS"])](**args, **constexprs, num_warps=cfg.num_warps,
                                                             enable_fp_fusion=False, **launch_options(q.device))
         yield a, b, scores
 
@@ -307,7 +351,7 @@ def _scoring(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: 
              token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
              cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
     """(a, b, scores [b - a, max_entries], arguments, constexprs) for chunks a..b of the step's tokens:
-    what ``index_scores_kernel`` takes to score the chunk (grid: b - a tokens x SPLITS), the kernel
+    what ``index_scores_kernel`` takes, by name, to score the chunk (grid: b - a tokens x SPLITS), the kernel
     taking the weights in their own dtype and scaling them in fp32 (as ``weights.float() *
     weight_scale``); with ``candidates`` [T, B] only the entries of those blocks of ``block_size``
     are scored (the rest of a row is unwritten). A fused multiply-add would skip the rotation's
@@ -324,11 +368,14 @@ def _scoring(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: 
     for a in range(0, tokens, step):
         b = min(a + step, tokens)
         scores = _empty((b - a, max_entries), torch.float32, q.device)
-        args = (q[a:b], weights[a:b], keys, key_scales if fp8 else keys, cos, sin, positions[a:b], token_seq[a:b],
-                page_table, scores, token_seq if candidates is None else candidates[a:b], max_entries,
-                head_dim ** -0.5, weight_scale, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
-                cos.stride(0), page_table.stride(0), scores.stride(0),
-                0 if candidates is None else candidates.stride(0))
+        args = dict(q_ptr=q[a:b], w_ptr=weights[a:b], keys_ptr=keys, scales_ptr=key_scales if fp8 else keys,
+                    cos_ptr=cos, sin_ptr=sin, positions_ptr=positions[a:b], token_seq_ptr=token_seq[a:b],
+                    page_table_ptr=page_table, out_ptr=scores,
+                    cand_ptr=token_seq if candidates is None else candidates[a:b], max_entries=max_entries,
+                    sm_scale=head_dim ** -0.5, w_scale=weight_scale, stride_qt=q.stride(0), stride_qh=q.stride(1),
+                    stride_wt=weights.stride(0), stride_key=keys.stride(0), stride_cos=cos.stride(0),
+                    stride_pt=page_table.stride(0), stride_out=scores.stride(0),
+                    stride_c=0 if candidates is None else candidates.stride(0))
         constexprs = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROT_HALF=cos.shape[-1], RATE=rate,
                           PAGE_SIZE=page_size, SPLITS=max(1, min(blocks, cfg.programs // (b - a))), HAS_SCALES=fp8,
                           DOT_FP32=not exact or q.dtype == torch.float32,
@@ -366,7 +413,8 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
                                               token_seq, page_table, page_size, rate, max_entries, cfg, cands,
                                               max(1, block_size)):
         index_topk_kernel[(b - a, constexprs["SPLITS"])](
-            *args, picks[a:b], arrival_counters(b - a, q.device), picks.stride(0), **constexprs, TOP_K=top_k,
+            **args, picks_ptr=picks[a:b], counters_ptr=arrival_counters(b - a, q.device), stride_picks=picks.stride(0),
+            **constexprs, TOP_K=top_k,
             TOPK_BLOCK=cfg.topk_block, num_warps=cfg.num_warps, enable_fp_fusion=False, **launch_options(q.device))
     return picks
 

@@ -171,6 +171,16 @@ class V4AttentionBackend(ABC):
         if indexer is not None:
             self.compress(*indexer, layer.indexer.compression, layer, kv, batch, meta)
 
+    def store_compress_and_select(self, kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor,
+                                  comp: Compression, layer: V4AttentionLayer, kv: KVCache, batch: ForwardBatch,
+                                  meta: Any, indexer: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                                  weights: torch.Tensor) -> torch.Tensor:
+        """A CSA layer's ``store_and_compress`` (with its ``indexer``'s projections), then ``select`` of
+        ``q`` and ``weights`` over the index keys it wrote: what a CSA layer writes and then picks,
+        which a backend may run in one pass."""
+        self.store_and_compress(kv_new, kv_proj, gate_proj, comp, layer, kv, batch, meta, indexer=indexer)
+        return self.select(q, weights, layer, kv, batch, meta)
+
     @abstractmethod
     def select(self, q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: KVCache,
                batch: ForwardBatch, meta: Any, candidates: torch.Tensor | None = None) -> torch.Tensor:

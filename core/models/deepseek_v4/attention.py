@@ -252,22 +252,26 @@ class Attention(nn.Module):
         layer, backend = self.spec(), self.backend
         p, qs = self.x_proj.then_normed(x, "wq_a", self.q_norm, self.q_proj)
         q = qs["wq_b"].view(-1, self.num_heads, self.head_dim)  # attend normalises each head
-        if self.compressor is not None:  # in CSA the indexer's compressor too
-            index = None
-            if self.indexer is not None and self.indexer.compressor is not None:
-                index = (p["indexer.compressor.wkv"], p["indexer.compressor.wgate"])
-            backend.store_and_compress(p["wkv"], p["compressor.wkv"], p.get("compressor.wgate"), layer.compression,
-                                       layer, kv, batch, meta, indexer=index)
-        else:
-            backend.store(p["wkv"], layer, kv, batch, meta)
-        picks = None
+        picks = q_index = weights = None
         if self.indexer is not None:
             q_index = qs["indexer.wq_b"].view(-1, self.indexer.num_heads, self.indexer.head_dim)
             weights = p["indexer.weights_proj"]  # the backend scales it by num_heads^-0.5 in fp32
-            if layer.indexer.candidate_blocks:
-                share.candidates = backend.select_candidates(q_index, weights, layer, kv, batch, meta)
-            picks = backend.select(q_index, weights, layer, kv, batch, meta,
-                                   share.candidates if layer.indexer.filtered else None)
+        if self.indexer is not None and self.indexer.compressor is not None:  # CSA: the indexer picks what it wrote
+            index = (p["indexer.compressor.wkv"], p["indexer.compressor.wgate"])
+            picks = backend.store_compress_and_select(p["wkv"], p["compressor.wkv"], p.get("compressor.wgate"),
+                                                      layer.compression, layer, kv, batch, meta, index, q_index,
+                                                      weights)
+        elif self.compressor is not None:
+            backend.store_and_compress(p["wkv"], p["compressor.wkv"], p.get("compressor.wgate"), layer.compression,
+                                       layer, kv, batch, meta)
+        else:
+            backend.store(p["wkv"], layer, kv, batch, meta)
+        if self.indexer is not None:
+            if picks is None:
+                if layer.indexer.candidate_blocks:
+                    share.candidates = backend.select_candidates(q_index, weights, layer, kv, batch, meta)
+                picks = backend.select(q_index, weights, layer, kv, batch, meta,
+                                       share.candidates if layer.indexer.filtered else None)
             share.picks[self.layer_id] = picks
         elif self.role is not None and self.role.index_source is not None:
             picks = share.picks[self.role.index_source]  # "Reuse": the picks of the layer's index source
