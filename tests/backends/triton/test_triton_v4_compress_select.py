@@ -2,10 +2,9 @@
 the two launches it replaces (``store_and_compress``, then ``select``) and the native oracle.
 
 Decode batches of several sequences: one whose entry closes in this very step and that sees fewer
-entries than top-k, one that closes with more, one inside a window, one that sees none; the index
-keys of earlier steps random, every other entry slot NaN, the scores' scratch and the picks
-poisoned first. The same programs as the two launches, so their picks to the bit, the counters left
-at zero.
+entries than top-k, four that close with more, one inside a window, one that sees none; the index
+keys of earlier steps random, every other entry slot NaN, the scores' scratch and the picks poisoned
+first. The same programs as the two launches, so their picks to the bit, the counters left at zero.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from engine.core.models.deepseek_v4.cache import SeqView, entries_of
 from engine.core.native.indexer import quantize_keys
 from engine.core.native.v4_attention import NativeV4Attention
 
-RATE, TOP_K, HEADS, INDEX_DIM = 4, 4, 3, 16
+RATE, TOP_K, HEADS, INDEX_DIM, ROPE = 4, 4, 3, 32, 16
 POISON = {torch.float32: float("nan"), torch.int32: 0x5EED}
 
 
@@ -46,35 +45,52 @@ def poisoned(monkeypatch):
 
 
 def decode_lens() -> list[tuple[int, int]]:
-    """(cached, 1) rows: closing its entry with at most TOP_K visible, closing with more, inside a
-    window with more, and one that sees no entry yet."""
-    return [(RATE * random.randint(1, TOP_K) - 1, 1), (RATE * random.randint(TOP_K + 2, 9) - 1, 1),
-            (RATE * random.randint(TOP_K + 1, 9) + random.randint(0, RATE - 2), 1), (random.randint(0, RATE - 2), 1)]
+    """(cached, 1) rows: one closing its entry with at most TOP_K visible, four closing with more, one
+    inside a window with more, and one that sees no entry yet."""
+    return ([(RATE * random.randint(1, TOP_K) - 1, 1)] +
+            [(RATE * random.randint(TOP_K + 2, 12) - 1, 1) for _ in range(4)] +
+            [(RATE * random.randint(TOP_K + 1, 12) + random.randint(0, RATE - 2), 1),
+             (random.randint(0, RATE - 2), 1)])
 
 
-def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False) -> Case:
-    """A CSA layer with its indexer (HEADS heads of INDEX_DIM, top TOP_K), the index keys of every
-    entry before the step written, and the indexer's queries and weights; ``ties``: every other
-    token's weights 0, so each of its scores is 0 and its picks are its lowest entries."""
-    case = Case(lens, 32, 16, RATE, True, 4, dtype, "cpu", with_indexer=True, fp8=fp8, index_dim=INDEX_DIM)
+def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False, stale: bool = False) -> Case:
+    """A CSA layer with its indexer (HEADS heads of INDEX_DIM, rope on the last ROPE, top TOP_K), the
+    index keys of every entry before the step written, and the indexer's queries and weights;
+    ``ties``: every other token's weights 0, so each of its scores is 0 and its picks are its lowest
+    entries. ``stale``: every earlier key the same, scoring far above any key the step's compression
+    makes (queries and weights 1 but on the rope), and the slots of the step's entries holding an
+    older key that scores higher still: each row's picks are its lowest entries only where the
+    top-k reads the keys the step wrote."""
+    case = Case(lens, 32, ROPE, RATE, True, 4, dtype, "cpu", with_indexer=True, fp8=fp8, index_dim=INDEX_DIM)
     case.layer = dataclasses.replace(case.layer, indexer=IndexerLayer(HEADS, INDEX_DIM, TOP_K, case.ix_comp))
     kv = case.cache(case.state)
     keys, scales = entries_of(kv, case.ix_comp.entries)
+    level = torch.cat([torch.ones(INDEX_DIM - ROPE), torch.zeros(ROPE)])
     for (cached, _), pages in zip(lens, case.tables):
-        seq = SeqView(0, cached, 0, torch.tensor(pages, dtype=torch.int32), kv.window_table(), case.page_size)
-        slots = seq.entry_slots(0, cached // RATE, RATE)
-        plain = torch.randn(slots.shape[0], INDEX_DIM)
+        seq = SeqView(0, cached + 1, 0, torch.tensor(pages, dtype=torch.int32), kv.window_table(), case.page_size)
+        slots = seq.entry_slots(0, (cached + 1) // RATE, RATE)
+        earlier = cached // RATE
+        plain = 4 * level.expand(slots.shape[0], INDEX_DIM).clone() if stale else torch.randn(slots.shape[0],
+                                                                                              INDEX_DIM)
+        plain[earlier:] = 8 * level if stale else float("nan")
         if scales is None:
             keys[slots] = plain.to(keys.dtype)
         else:
-            keys[slots], scales[slots] = quantize_keys(plain)
+            keys[slots[:earlier]], scales[slots[:earlier]] = quantize_keys(plain[:earlier])
     case.state = [t for i in range(kv.num_layers) for t in (kv.layer(i).k, kv.layer(i).v)]
     tokens = case.kv_proj.shape[0]
-    case.q = torch.randn(tokens, HEADS, INDEX_DIM).to(dtype)
-    case.weights = torch.randn(tokens, HEADS).to(dtype)
+    case.q = (level.expand(tokens, HEADS, INDEX_DIM) if stale else torch.randn(tokens, HEADS, INDEX_DIM)).to(dtype)
+    case.weights = (torch.ones(tokens, HEADS) if stale else torch.randn(tokens, HEADS)).to(dtype)
     if ties:
         case.weights[::2] = 0
     return case
+
+
+def lowest_entries(case: Case) -> torch.Tensor:
+    """Each row's lowest min(visible, TOP_K) entries, then -1, sorted."""
+    visible = (case.batch.positions + 1) // RATE
+    lowest = torch.arange(TOP_K).expand(visible.shape[0], TOP_K)
+    return torch.where(lowest < visible[:, None], lowest, -1).to(torch.int32).sort(1).values
 
 
 def run(case: Case, backend: V4AttentionBackend | None = None) -> tuple[KVCache, torch.Tensor]:
@@ -111,9 +127,18 @@ def test_one_launch_equals_the_two_interpreted(seed, poisoned, dtype, fp8, ties)
     visible = (case.batch.positions + 1) // RATE
     assert torch.equal((picks >= 0).sum(1), visible.clamp(max=TOP_K).to(torch.int64))
     if ties:  # a row of equal scores: its lowest entries
-        lowest = torch.arange(TOP_K).expand(tokens, TOP_K)
-        tied = torch.where(lowest < visible[:, None], lowest, -1).to(torch.int32)
-        assert torch.equal(picks[::2].sort(1).values, tied[::2].sort(1).values)
+        assert torch.equal(picks[::2].sort(1).values, lowest_entries(case)[::2])
+
+
+@pytest.mark.interpret
+def test_the_top_k_reads_the_keys_the_step_wrote_interpreted(seed, poisoned):
+    """Where the slots of the step's entries held an older key that outscores every other, the picks
+    are each row's lowest entries (equal scores) as the two launches pick: the scores read each
+    entry after the launch's compress programs wrote it."""
+    case = csa_case(decode_lens(), torch.float32, False, stale=True)
+    picks = run(case)[1]
+    assert torch.equal(picks.sort(1).values, lowest_entries(case))
+    assert torch.equal(picks, run(case, TritonV4Attention(None))[1])
 
 
 @pytest.mark.interpret
