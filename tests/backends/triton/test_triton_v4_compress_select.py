@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
-from test_triton_v4_compressor import Case, mixed_lens
+from test_triton_v4_compressor import Case, CountedLaunches, mixed_lens
 
 from engine.backends.triton import v4_compress_select, v4_compressor, v4_indexer
 from engine.backends.triton.attention_decode import arrival_counters
@@ -149,15 +149,6 @@ def test_one_launch_picks_what_the_native_picks_interpreted(seed, poisoned, ties
     case = csa_case(decode_lens(), torch.float32, False, ties)
     got, want = run(case)[1], run(case, NativeV4Attention(None))[1]
     assert torch.equal(got.sort(1).values, want.sort(1).values)
-
-
-class CountedLaunches:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 @pytest.mark.interpret
