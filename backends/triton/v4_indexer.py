@@ -22,7 +22,8 @@ attention counts; the same counters, left at 0 by every launch); the last of a t
 arrive sees the whole row and runs the top-k's program for it. The top-k so starts as soon as a
 token's scores are in rather than after every token's and a launch, on the scoring's warps (both
 4 in the tables); what it computes is the two launches' to the bit. The candidate filter keeps its
-launches (``block_best_kernel`` runs between).
+launches (``block_best_kernel`` runs between). In a CSA layer's decode step the same programs
+(``index_topk_program``) run in its compressor's launch instead (v4_compress_select.py).
 
 FP8 keys (E4M3, one fp32 scale per key, as DeepSeek stores them) are scored by the same kernel:
 the key converts exactly to the query's dtype for the MMA, and its scale multiplies the dot.
