@@ -33,7 +33,8 @@ from .gemv import MAX_ROWS
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 from .v4_compressor import compress_launch, compress_program
-from .v4_indexer import INDEXER, SCRATCH_BYTES, _check, _empty, _keys, _scoring, index_topk_program
+from .v4_indexer import (INDEXER, SCRATCH_BYTES, check_scoring, index_keys, index_topk_program, output_buffer,
+                         scoring_chunks)
 
 COUNTERS = tl.constexpr(3)  # the ticket, the flag, the arrival count; each token's top-k counter after them
 # the launch's options beside its parts' warps: on gfx950 the scores' loop in two stages beside the compressor's
@@ -131,14 +132,15 @@ def compress_and_select(kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: 
                          f" or whose compression derives index keys, or past {MAX_ROWS} tokens: run compress and "
                          f"select apart")
     launch = compress_launch(kv_proj, gate_proj, comp, layer, kv, batch, meta, window=kv_new, indexer=indexer)
-    keys, scales = _keys(layer, q, kv)
-    _check(q, weights, keys, scales, layer.rope.cos)
+    keys, scales = index_keys(layer, q, kv)
+    check_scoring(q, weights, keys, scales, layer.rope.cos)
     ix = layer.indexer
     cfg = config_for(INDEXER, q.device)
-    ((_, _, _, args, constexprs),) = _scoring(q, weights, ix.num_heads ** -0.5, keys, scales, layer.rope.cos,
-                                              layer.rope.sin, batch.positions, meta.token_seq, batch.page_table,
-                                              batch.page_size, ix.compression.rate, meta.max_entries, cfg)
-    picks = _empty((tokens, ix.top_k), torch.int32, q.device)
+    ((_, _, _, args, constexprs),) = scoring_chunks(q, weights, ix.num_heads ** -0.5, keys, scales, layer.rope.cos,
+                                                    layer.rope.sin, batch.positions, meta.token_seq,
+                                                    batch.page_table, batch.page_size, ix.compression.rate,
+                                                    meta.max_entries, cfg)
+    picks = output_buffer((tokens, ix.top_k), torch.int32, q.device)
     selection = {f"stride_sel_{k[7:]}" if k.startswith("stride_") else f"sel_{k}": v for k, v in args.items()
                  if k not in SHARED}
     compress_select_kernel[(tokens * launch.roles + tokens * constexprs["SPLITS"],)](

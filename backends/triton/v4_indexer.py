@@ -313,12 +313,12 @@ def index_topk_program(
                          stride_picks, TOP_K, RATE, TOPK_BLOCK, 1, NUM_CAND, CAND_SIZE)
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Where the kernels' outputs come from (tests poison them)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
+def check_scoring(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
            cos: torch.Tensor) -> None:
     tokens, num_heads, head_dim = q.shape
     if weights.shape != (tokens, num_heads):
@@ -340,14 +340,15 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: t
             cfg: IndexerConfig):
     """(a, b, scores [b - a, max_entries]) for chunks a..b of the step's tokens, each chunk's scores
     launched just before it is yielded."""
-    for a, b, scores, args, constexprs in _scoring(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
-                                                  token_seq, page_table, page_size, rate, max_entries, cfg):
+    for a, b, scores, args, constexprs in scoring_chunks(q, weights, weight_scale, keys, key_scales, cos, sin,
+                                                         positions, token_seq, page_table, page_size, rate,
+                                                         max_entries, cfg):
         index_scores_kernel[(b - a, constexprs["SPLITS"])](**args, **constexprs, num_warps=cfg.num_warps,
                                                             enable_fp_fusion=False, **launch_options(q.device))
         yield a, b, scores
 
 
-def _scoring(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
+def scoring_chunks(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
              key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
              cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
@@ -368,7 +369,7 @@ def _scoring(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: 
     step = max(1, SCRATCH_BYTES // (4 * max(1, max_entries)))
     for a in range(0, tokens, step):
         b = min(a + step, tokens)
-        scores = _empty((b - a, max_entries), torch.float32, q.device)
+        scores = output_buffer((b - a, max_entries), torch.float32, q.device)
         args = dict(q_ptr=q[a:b], w_ptr=weights[a:b], keys_ptr=keys, scales_ptr=key_scales if fp8 else keys,
                     cos_ptr=cos, sin_ptr=sin, positions_ptr=positions[a:b], token_seq_ptr=token_seq[a:b],
                     page_table_ptr=page_table, out_ptr=scores,
@@ -401,18 +402,18 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_s
     ``max_entries``: the most entries a sequence can have (a static bound: it sizes the grid).
     ``candidates`` [T, B] int32 (-1: none): only the entries of those blocks of ``block_size`` count.
     """
-    _check(q, weights, keys, key_scales, cos)
+    check_scoring(q, weights, keys, key_scales, cos)
     tokens = q.shape[0]
     if candidates is not None and (candidates.dim() != 2 or candidates.shape[0] != tokens or block_size < 1):
         raise ValueError(f"candidates {tuple(candidates.shape)} must be [tokens={tokens}, blocks] of blocks of "
                          f"block_size {block_size} >= 1 entries")
-    picks = _empty((tokens, top_k), torch.int32, q.device)
+    picks = output_buffer((tokens, top_k), torch.int32, q.device)
     cfg = config_for(INDEXER, q.device)
     # the blocks ascending (-1 first): the top-k walks their entries in entry order, ties to the lowest
     cands = None if candidates is None else candidates.sort(dim=1).values
-    for a, b, _, args, constexprs in _scoring(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
-                                              token_seq, page_table, page_size, rate, max_entries, cfg, cands,
-                                              max(1, block_size)):
+    for a, b, _, args, constexprs in scoring_chunks(q, weights, weight_scale, keys, key_scales, cos, sin, positions,
+                                                    token_seq, page_table, page_size, rate, max_entries, cfg, cands,
+                                                    max(1, block_size)):
         index_topk_kernel[(b - a, constexprs["SPLITS"])](
             **args, picks_ptr=picks[a:b], counters_ptr=arrival_counters(b - a, q.device), stride_picks=picks.stride(0),
             **constexprs, TOP_K=top_k,
@@ -428,15 +429,15 @@ def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
     the blocks of ``block_size`` entries whose best visible score is highest, the block of each
     token's newest visible entry always taken, ties to the lowest block, -1 where fewer blocks hold
     a visible entry; order within a row unspecified."""
-    _check(q, weights, keys, key_scales, cos)
+    check_scoring(q, weights, keys, key_scales, cos)
     tokens = q.shape[0]
-    chosen = _empty((tokens, num_blocks), torch.int32, q.device)
+    chosen = output_buffer((tokens, num_blocks), torch.int32, q.device)
     cfg = config_for(INDEXER, q.device)
     max_blocks = -(-max_entries // block_size)
     block_e = triton.next_power_of_2(block_size)
     for a, b, scores in _scored(q, weights, weight_scale, keys, key_scales, cos, sin, positions, token_seq,
                                 page_table, page_size, rate, max_entries, cfg):
-        best = _empty((b - a, max_blocks), torch.float32, q.device)
+        best = output_buffer((b - a, max_blocks), torch.float32, q.device)
         block_best_kernel[(b - a,)](scores, positions[a:b], best, max_entries, scores.stride(0), best.stride(0),
                                     RATE=rate, SIZE=block_size, BLOCK_B=max(1, cfg.topk_block // block_e),
                                     BLOCK_E=block_e, num_warps=cfg.topk_warps, **launch_options(q.device))
@@ -447,7 +448,7 @@ def candidate_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
     return chosen
 
 
-def _keys(layer: V4AttentionLayer, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+def index_keys(layer: V4AttentionLayer, q: torch.Tensor, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
     indexer = layer.indexer
     if q.shape[1:] != (indexer.num_heads, indexer.head_dim):
         raise ValueError(f"q {tuple(q.shape)} must be [tokens, {indexer.num_heads}, {indexer.head_dim}] "
@@ -462,7 +463,7 @@ def select(q: torch.Tensor, weights: torch.Tensor, layer: V4AttentionLayer, kv: 
     index source's: those its KV source derives), the rotation of ``layer.rope``; ``candidates``
     (the candidate source's blocks) narrow each row to their entries."""
     indexer = layer.indexer
-    keys, scales = _keys(layer, q, kv)
+    keys, scales = index_keys(layer, q, kv)
     return index_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
                       batch.page_table, batch.page_size, indexer.compression.rate, indexer.top_k, meta.max_entries,
                       candidates, indexer.candidate_block_size, indexer.num_heads ** -0.5)
@@ -472,7 +473,7 @@ def select_candidates(q: torch.Tensor, weights: torch.Tensor, layer: V4Attention
                       batch: ForwardBatch, meta) -> torch.Tensor:
     """``V4AttentionBackend.select_candidates`` for the whole step (a CSA2 candidate source)."""
     indexer = layer.indexer
-    keys, scales = _keys(layer, q, kv)
+    keys, scales = index_keys(layer, q, kv)
     return candidate_topk(q, weights, keys, scales, layer.rope.cos, layer.rope.sin, batch.positions, meta.token_seq,
                           batch.page_table, batch.page_size, indexer.compression.rate, indexer.candidate_blocks,
                           indexer.candidate_block_size, meta.max_entries, indexer.num_heads ** -0.5)

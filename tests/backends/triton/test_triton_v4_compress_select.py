@@ -38,8 +38,8 @@ POISON = {torch.float32: float("nan"), torch.int32: 0x5EED}
 def poisoned(monkeypatch):
     """The scores' scratch and the picks start as poison; several splits and top-k blocks a token."""
     empty = lambda shape, dtype, device: torch.full(shape, POISON[dtype], dtype=dtype, device=device)
-    monkeypatch.setattr(v4_indexer, "_empty", empty)
-    monkeypatch.setattr(v4_compress_select, "_empty", empty)
+    monkeypatch.setattr(v4_indexer, "output_buffer", empty)
+    monkeypatch.setattr(v4_compress_select, "output_buffer", empty)
     monkeypatch.setitem(v4_indexer.INDEXER, "default",
                         v4_indexer.IndexerConfig(block_n=4, num_warps=1, programs=64, topk_block=4, topk_warps=1))
 

@@ -178,7 +178,7 @@ POISON = {torch.float32: float("nan"), torch.int32: 0x5EED}  # NaN scores sort a
 @pytest.fixture
 def poisoned_scratch(monkeypatch):
     """The kernels' outputs (the scores, the picks) start as poison: a slot either forgets shows."""
-    monkeypatch.setattr(v4_indexer, "_empty", lambda shape, dtype, device: torch.full(
+    monkeypatch.setattr(v4_indexer, "output_buffer", lambda shape, dtype, device: torch.full(
         shape, POISON[dtype], dtype=dtype, device=device))
 
 
