@@ -53,7 +53,8 @@ def decode_lens() -> list[tuple[int, int]]:
              (random.randint(0, RATE - 2), 1)])
 
 
-def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False, stale: bool = False) -> Case:
+def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False, stale: bool = False,
+             device: str = "cpu") -> Case:
     """A CSA layer with its indexer (HEADS heads of INDEX_DIM, rope on the last ROPE, top TOP_K), the
     index keys of every entry before the step written, and the indexer's queries and weights;
     ``ties``: every other token's weights 0, so each of its scores is 0 and its picks are its lowest
@@ -61,17 +62,18 @@ def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False, stale: boo
     makes (queries and weights 1 but on the rope), and the slots of the step's entries holding an
     older key that scores higher still: each row's picks are its lowest entries only where the
     top-k reads the keys the step wrote."""
-    case = Case(lens, 32, ROPE, RATE, True, 4, dtype, "cpu", with_indexer=True, fp8=fp8, index_dim=INDEX_DIM)
+    case = Case(lens, 32, ROPE, RATE, True, 4, dtype, device, with_indexer=True, fp8=fp8, index_dim=INDEX_DIM)
     case.layer = dataclasses.replace(case.layer, indexer=IndexerLayer(HEADS, INDEX_DIM, TOP_K, case.ix_comp))
     kv = case.cache(case.state)
     keys, scales = entries_of(kv, case.ix_comp.entries)
-    level = torch.cat([torch.ones(INDEX_DIM - ROPE), torch.zeros(ROPE)])
+    level = torch.cat([torch.ones(INDEX_DIM - ROPE, device=device), torch.zeros(ROPE, device=device)])
     for (cached, _), pages in zip(lens, case.tables):
-        seq = SeqView(0, cached + 1, 0, torch.tensor(pages, dtype=torch.int32), kv.window_table(), case.page_size)
+        seq = SeqView(0, cached + 1, 0, torch.tensor(pages, dtype=torch.int32, device=device), kv.window_table(),
+                      case.page_size)
         slots = seq.entry_slots(0, (cached + 1) // RATE, RATE)
         earlier = cached // RATE
         plain = 4 * level.expand(slots.shape[0], INDEX_DIM).clone() if stale else torch.randn(slots.shape[0],
-                                                                                              INDEX_DIM)
+                                                                                              INDEX_DIM, device=device)
         plain[earlier:] = 8 * level if stale else float("nan")
         if scales is None:
             keys[slots] = plain.to(keys.dtype)
@@ -79,8 +81,10 @@ def csa_case(lens, dtype: torch.dtype, fp8: bool, ties: bool = False, stale: boo
             keys[slots[:earlier]], scales[slots[:earlier]] = quantize_keys(plain[:earlier])
     case.state = [t for i in range(kv.num_layers) for t in (kv.layer(i).k, kv.layer(i).v)]
     tokens = case.kv_proj.shape[0]
-    case.q = (level.expand(tokens, HEADS, INDEX_DIM) if stale else torch.randn(tokens, HEADS, INDEX_DIM)).to(dtype)
-    case.weights = (torch.ones(tokens, HEADS) if stale else torch.randn(tokens, HEADS)).to(dtype)
+    case.q = (level.expand(tokens, HEADS, INDEX_DIM) if stale
+              else torch.randn(tokens, HEADS, INDEX_DIM, device=device)).to(dtype)
+    case.weights = (torch.ones(tokens, HEADS, device=device) if stale
+                    else torch.randn(tokens, HEADS, device=device)).to(dtype)
     if ties:
         case.weights[::2] = 0
     return case
@@ -179,6 +183,41 @@ def test_refuses_a_step_past_the_decode_bound(seed, poisoned):
     case = csa_case(mixed_lens(RATE), torch.float32, False)
     with pytest.raises(ValueError, match="run compress and select apart"):
         run(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_launch_equals_the_two_and_replays_gpu(seed, fp8):
+    """bf16 on the GPU with the target's own indexer tiles: a decode batch of 8 sequences (the most the
+    launch takes; contexts to about 4K, rows closing an entry and rows inside a window) picks and
+    writes what the two launches
+    do, to the bit; captured in a CUDA graph and replayed over new queries, weights and projections,
+    each replay equals the two launches on the same inputs (the counters reset for every replay)."""
+    def lens():
+        return [(RATE * random.randint(TOP_K + 1, 1000) - random.choice([1, 2]), 1) for _ in range(8)]
+
+    case = csa_case(lens(), torch.bfloat16, fp8, device="cuda")
+    kv, picks = run(case)
+    want_kv, want = run(case, TritonV4Attention(None))
+    assert torch.equal(picks, want)
+    assert_same_cache(kv, want_kv)
+    kv = case.cache(case.state)
+    inputs = [case.q, case.weights, case.kv_proj, case.gate_proj, case.kv_new, *case.indexer_proj]
+    args = (case.kv_new, case.kv_proj, case.gate_proj, case.comp, case.layer, kv, case.batch, case.meta(kv),
+            case.indexer_proj, case.q, case.weights)
+    compress_and_select(*args)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = compress_and_select(*args)
+    for _ in range(3):
+        fresh = [torch.randn_like(x) for x in inputs]
+        for x, y in zip(inputs, fresh):
+            x.copy_(y)
+        case.restore(kv)
+        graph.replay()
+        want_kv, want = run(case, TritonV4Attention(None))
+        assert torch.equal(captured, want)
+        assert_same_cache(kv, want_kv)
 
 
 @pytest.mark.aot
