@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """After a failed test, the interpreted kernels' kept-zero counters back at zero: a kernel that
+    raised part way (its programs run one after another on CPU) leaves its ticket and arrivals set,
+    and the next test's launch would spin on them forever instead of failing by itself."""
+    report = (yield).get_result()
+    if report.failed:
+        _zero_cpu_counters()
+
+
+def _zero_cpu_counters() -> None:
+    decode = sys.modules.get("engine.backends.triton.attention_decode")
+    boundary = sys.modules.get("engine.backends.triton.mhc_boundary")
+    held = [t for ts in (decode._KEPT_ZERO.values() if decode else ()) for t in ts]
+    held += list(boundary._COUNTERS.__dict__.get("by_device", {}).values()) if boundary else []
+    for t in held:
+        if t.device.type == "cpu":
+            t.zero_()
 
 
 @pytest.fixture(scope="session")
