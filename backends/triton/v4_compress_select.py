@@ -111,12 +111,13 @@ def compress_select_kernel(
 
 def fits(tokens: int, comp: Compression, layer: V4AttentionLayer, meta) -> bool:
     """Whether the one launch serves this step: a decode step's tokens (at most ``gemv.MAX_ROWS``, the
-    decode launches' bound), a CSA layer whose indexer compresses its own keys and filters no
-    candidates, every token's scores in one chunk of the scratch."""
+    decode launches' bound), a CSA layer whose indexer compresses its own keys and neither publishes
+    nor takes candidates (the launch passes none), every token's scores in one chunk of the scratch."""
     indexer = layer.indexer
     return (0 < tokens <= MAX_ROWS and comp.index_key is None and indexer is not None
             and indexer.compression is not None and indexer.compression.index_key is None
-            and not indexer.candidate_blocks and tokens * 4 * max(1, meta.max_entries) <= SCRATCH_BYTES)
+            and not indexer.candidate_blocks and not indexer.filtered
+            and tokens * 4 * max(1, meta.max_entries) <= SCRATCH_BYTES)
 
 
 def compress_and_select(kv_new: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, comp: Compression,

@@ -319,7 +319,7 @@ def output_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 def check_scoring(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor | None,
-           cos: torch.Tensor) -> None:
+                  cos: torch.Tensor) -> None:
     tokens, num_heads, head_dim = q.shape
     if weights.shape != (tokens, num_heads):
         raise ValueError(f"weights {tuple(weights.shape)} must be [tokens, heads] = [{tokens}, {num_heads}]")
@@ -349,9 +349,9 @@ def _scored(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: t
 
 
 def scoring_chunks(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, keys: torch.Tensor,
-             key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-             token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
-             cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
+                   key_scales: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   token_seq: torch.Tensor, page_table: torch.Tensor, page_size: int, rate: int, max_entries: int,
+                   cfg: IndexerConfig, candidates: torch.Tensor | None = None, block_size: int = 1):
     """(a, b, scores [b - a, max_entries], arguments, constexprs) for chunks a..b of the step's tokens:
     what ``index_scores_kernel`` takes, by name, to score the chunk (grid: b - a tokens x SPLITS), the kernel
     taking the weights in their own dtype and scaling them in fp32 (as ``weights.float() *

@@ -185,6 +185,19 @@ def test_refuses_a_step_past_the_decode_bound(seed, poisoned):
         run(case)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("candidates", ["filtered", "published"])
+def test_refuses_an_indexer_with_candidates(seed, poisoned, candidates):
+    """The launch scores every visible entry: an indexer taking its top-k inside candidate blocks, or
+    publishing them, runs compress and select apart."""
+    case = csa_case(decode_lens(), torch.float32, False)
+    change = dict(filtered=True, candidate_block_size=2) if candidates == "filtered" else dict(
+        candidate_blocks=2, candidate_block_size=2)
+    case.layer = dataclasses.replace(case.layer, indexer=dataclasses.replace(case.layer.indexer, **change))
+    with pytest.raises(ValueError, match="run compress and select apart"):
+        run(case)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_one_launch_equals_the_two_and_replays_gpu(seed, fp8):
