@@ -113,7 +113,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens or (3 if args.method == "mtp" else 5)
     report = train(args.model, files, args.out, steps=args.steps, seq_len=args.seq_len, batch=args.batch_size,
                    lr=args.lr, max_tokens=args.max_tokens, seed=args.seed, eval_file=args.eval,
-                   num_speculative_tokens=k)
+                   num_speculative_tokens=k, seconds=None if args.max_minutes is None else args.max_minutes * 60)
     print(f"trained {report.steps} steps on {report.tokens} tokens in {report.seconds:.0f} s: loss "
           f"{report.first_loss:.3f} -> {report.last_loss:.3f}; wrote {args.out}")
     if report.acceptance_length is not None:
@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--glob", default="*.py", help="the files a --data directory gives")
     t.add_argument("--out", required=True, help="the drafter directory to write (speculative_config.model)")
     t.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training after this long even if --steps are not done (the schedule cut short)")
     t.add_argument("--seq-len", type=int, default=128, help="tokens of one training window")
     t.add_argument("--batch-size", type=int, default=4, help="windows of one step")
     t.add_argument("--lr", type=float, default=2e-3, help="the one-cycle schedule's peak learning rate")

@@ -55,7 +55,8 @@ def initial_nextn(target, seed: int) -> dict[str, torch.Tensor]:
 
 def train_mtp(model: str, files: list[str], out: str, steps: int = 300, seq_len: int = 128, batch: int = 4,
               lr: float = 2e-3, max_tokens: int = 2_000_000, seed: int = 0, eval_file: str | None = None,
-              num_speculative_tokens: int = 3, progress: bool = True) -> TrainReport:
+              num_speculative_tokens: int = 3, progress: bool = True,
+              seconds: float | None = None) -> TrainReport:
     from ..models.deepseek_v4.nextn import NextN, build_nextn
     from ..startup import proposer_kv
     from .drafter import save_drafter
@@ -85,7 +86,7 @@ def train_mtp(model: str, files: list[str], out: str, steps: int = 300, seq_len:
         want = torch.tensor([w[2:] for w in windows])
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
 
-    losses, seconds = fit(params, loss_of, steps, lr, "training the next-n layer", progress)
+    losses, seconds = fit(params, loss_of, steps, lr, "training the next-n layer", progress, seconds)
     result = report(losses, seconds, target)
     tensors = layer.export(list(start))
     save_drafter(out, "mtp", model, tensors, asdict(result))

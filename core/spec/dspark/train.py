@@ -65,7 +65,7 @@ def block_loss(drafter: DSparkDrafter, tokens: torch.Tensor, features: torch.Ten
 def train_dspark(model: str, files: list[str], out: str, steps: int = 300, seq_len: int = 128, batch: int = 4,
                  lr: float = 2e-3, max_tokens: int = 2_000_000, seed: int = 0, eval_file: str | None = None,
                  num_speculative_tokens: int = 5, progress: bool = True, block_size: int = 5,
-                 anchors: int = 16) -> TrainReport:
+                 anchors: int = 16, seconds: float | None = None) -> TrainReport:
     target = FrozenTarget(model, files, seq_len, batch, max_tokens, seed, progress)
     shape = shape_for(target.model, block_size=max(block_size, num_speculative_tokens))
     drafter = build_drafter(target.model, shape).train()
@@ -85,7 +85,8 @@ def train_dspark(model: str, files: list[str], out: str, steps: int = 300, seq_l
         picks = torch.rand(batch, seq_len - shape.block_size - 1, generator=gen).argsort(1)[:, :anchors] + 1
         return block_loss(drafter, tokens, features, logits, picks.sort(1).values)
 
-    losses, seconds = fit(list(drafter.parameters()), loss_of, steps, lr, "training the DSpark drafter", progress)
+    losses, seconds = fit(list(drafter.parameters()), loss_of, steps, lr, "training the DSpark drafter", progress,
+                           seconds)
     result = report(losses, seconds, target)
     save_dspark(out, model, drafter, asdict(result))
     if eval_file is not None:

@@ -51,11 +51,12 @@ def test_train_drafter_writes_a_drafter_the_dspark_proposer_loads(target, plain,
     out = tmp_path / "drafter"
     data = Path(sysconfig.get_paths()["stdlib"]) / "json"
     res = subprocess.run([sys.executable, "-m", "engine.server.cli", "train-drafter", "--model", str(target),
-                          "--method", "dspark", "--data", str(data), "--out", str(out), "--steps", "2", "--seq-len",
-                          "32", "--batch-size", "2", "--max-tokens", "4000", "--seed", str(seed)],
+                          "--method", "dspark", "--data", str(data), "--out", str(out), "--steps", "3", "--max-minutes",
+                          "0", "--seq-len", "32", "--batch-size", "2", "--max-tokens", "4000", "--seed", str(seed)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "trained 2 steps on 128 tokens" in res.stdout and "training the DSpark drafter" in res.stderr
+    # --max-minutes 0: the time is spent after the first of the three steps
+    assert "trained 1 steps on 64 tokens" in res.stdout and "stopped after 1 of 3 steps" in res.stderr
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "dspark" and meta["target_name"] == "tiny-dsv4-py" and meta["shape"]["block_size"] == 5
     prompts = [text_ids(plain, eval_text, 24) for _ in range(2)]
