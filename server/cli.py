@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="the drafter directory to write (speculative_config.model)")
     t.add_argument("--steps", type=int, default=300, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=None,
-                   help="stop training after this long even if --steps are not done (the schedule cut short)")
+                   help="train for at most this long: where it runs out before --steps, the learning-rate "
+                        "schedule follows the clock instead")
     t.add_argument("--seq-len", type=int, default=128, help="tokens of one training window")
     t.add_argument("--batch-size", type=int, default=4, help="windows of one step")
     t.add_argument("--lr", type=float, default=2e-3, help="the one-cycle schedule's peak learning rate")

@@ -7,6 +7,7 @@ acceptance length of the written drafter through the engine."""
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -105,30 +106,44 @@ class FrozenTarget:
         return hidden, b.features
 
 
+WARM_UP = 0.1  # of the schedule's progress spent climbing to the peak learning rate
+START, END = 1 / 25, 1 / 25 / 1e4  # the rate at the start and the end, as fractions of the peak
+
+
+def one_cycle(progress: float) -> float:
+    """The one-cycle schedule (cosine up to the peak, cosine down to nearly zero) as a fraction of
+    the peak learning rate, at ``progress`` in [0, 1] of the whole run."""
+    if progress < WARM_UP:
+        return START + (1 - START) * (1 - math.cos(math.pi * progress / WARM_UP)) / 2
+    down = min(1.0, (progress - WARM_UP) / (1 - WARM_UP))
+    return END + (1 - END) * (1 + math.cos(math.pi * down)) / 2
+
+
 def fit(params: list[torch.Tensor], loss_of: Callable[[], torch.Tensor], steps: int, lr: float, desc: str,
         progress: bool, seconds: float | None = None) -> tuple[list[float], float]:
-    """``steps`` AdamW steps on ``params`` (one-cycle, clipped at 1) of the loss ``loss_of`` draws
-    each step, fewer where ``seconds`` run out first (the schedule cut short): the losses and the
-    seconds taken."""
+    """At most ``steps`` AdamW steps on ``params`` (clipped at 1) of the loss ``loss_of`` draws each
+    step, in at most ``seconds``: the one-cycle schedule follows whichever of the two runs out first,
+    so a run stopped by the clock still ends annealed. The losses and the seconds taken."""
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(params, lr=lr * START, weight_decay=0.0)
     losses: list[float] = []
     started = time.monotonic()
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress)
-    for _ in bar:
+    for i in bar:
         loss = loss_of()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if seconds is not None and time.monotonic() - started > seconds:
+        done = max((i + 1) / steps, 0.0 if seconds is None else (time.monotonic() - started) / max(seconds, 1e-9))
+        if done >= 1.0 and i + 1 < steps:
             logger.warning("%s: stopped after %d of %d steps, its %.0f s spent", desc, len(losses), steps, seconds)
             break
+        for group in opt.param_groups:
+            group["lr"] = lr * one_cycle(done)
     return losses, time.monotonic() - started
 
 
