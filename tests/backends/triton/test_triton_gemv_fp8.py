@@ -176,13 +176,14 @@ SIGNATURE = dict(GEMV_SIGNATURE, w_ptr="*fp8e4nv")
     (1, 4096, 128, False, False),  # Llama-8B's qkv, o, down; V4-Flash's wq_a
     (MAX_ROWS, 4096, 128, True, False),  # Llama-8B's gate/up at batch 8
     (1, 4096, 32, True, False),  # the same at one row, DeepSeek-V4.1's 32-blocks
+    (MAX_ROWS, 4096, 32, False, False),  # V4.1's 32-blocks at batch 8
     (1, 1024, 32, False, True),  # V4-Flash's q_b (K q_lora 1024) behind its fp32 q_norm
     (MAX_ROWS, 1024, 128, False, True)])
 def test_fp8_gemv_compiles(target, rows, k, block, silu_mul, norm):
     """E4M3 weight rows stream in wide loads on NVIDIA (16 bytes, or 8 at one row, where the tile
     then needs no layout change before the product), their scales once a block run, in registers
     (no spills, no AMD scratch); more rows than one go to the tensor cores."""
-    cfg = pick(GEMV, target).for_shape(rows, k)
+    cfg = pick(GEMV, target).for_shape(rows, k, block)
     signature = dict(SIGNATURE, norm_ptr="*fp32") if norm else SIGNATURE
     asm = compile_asm(gemv_kernel, signature, dict(BLOCK_M=1 if rows == 1 else DOT_ROWS, BLOCK_N=cfg.block_n,
                                                    BLOCK_K=cfg.block_k, HAS_BIAS=False, SILU_MUL=silu_mul,
