@@ -124,8 +124,9 @@ def measure(name: str, pages: int, record_bytes: int, repeats: int, directory: s
             server.stop()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a storage-tier benchmark (this one's and hicache_l3_writes.py's)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--tiers", nargs="+", default=list(TIERS), choices=list(TIERS))
     p.add_argument("--pages", type=int, default=128)
     p.add_argument("--record-kib", type=int, default=64)
@@ -135,7 +136,12 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the directory tiers write (default: a new one under /tmp)")
     p.add_argument("--label", default="", help="what the code measured is (before / after a change)")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p
+
+
+def over_tiers(benchmark: str, args, measure, line) -> None:
+    """``measure(tier name, directory)`` of each tier asked for (a NIXL one where nixl is installed),
+    in a new directory each; ``line(result)`` printed for each; the JSON written where asked."""
     nixl_here = have_nixl()
     results = {}
     for name in args.tiers:
@@ -143,18 +149,24 @@ def main() -> None:
             print(f"{name}: skipped (nixl is not installed)")
             continue
         with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-            results[name] = measure(name, args.pages, args.record_kib << 10, args.repeats, directory,
-                                    args.s3_delay_ms / 1e3)
-        r = results[name]
-        print(f"{name}: {r['pages_per_s']['median']} pages/s ({r['pages_per_s']['min']}-{r['pages_per_s']['max']}), "
-              f"{r['mb_per_s_median']} MB/s", flush=True)
+            results[name] = measure(name, directory)
+        print(f"{name}: {line(results[name])}", flush=True)
     if args.json:
         write_result(args.json, {
-            "benchmark": "hicache_l3_reads", "label": args.label, "commit": commit(),
+            "benchmark": benchmark, "label": args.label, "commit": commit(),
             "command": "python " + " ".join(sys.argv),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
                        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
             "tiers": results})
+
+
+def main() -> None:
+    args = arguments(__doc__.split("\n\n")[0]).parse_args()
+    over_tiers("hicache_l3_reads", args,
+               lambda name, directory: measure(name, args.pages, args.record_kib << 10, args.repeats, directory,
+                                               args.s3_delay_ms / 1e3),
+               lambda r: f"{r['pages_per_s']['median']} pages/s ({r['pages_per_s']['min']}-{r['pages_per_s']['max']}), "
+                         f"{r['mb_per_s_median']} MB/s")
 
 
 if __name__ == "__main__":

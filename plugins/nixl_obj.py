@@ -13,10 +13,10 @@ Start-up writes a probe object, so an unreachable endpoint or a missing bucket r
 with the reason. An S3 PUT replaces an object whole: a reader sees a complete record or none, as
 the file tier's rename gives. Existence is a HEAD (NIXL's query). Many records are asked for
 together, split over ``LANES`` NIXL agents side by side: a ``get`` as one transfer request a lane
-(a descriptor, a GET, a record), an existence check as one query a lane; a long hit's requests
-go ``LANES`` at a time or more, not one after another. A read asks for the largest
-record's length and room for its header (S3 answers with what the object holds) and the record's
-header says where it ends. NIXL deletes no object: a bad record (``reject``) stays a miss for
+(a descriptor, a GET, a record), a ``put`` likewise (a PUT a record), an existence check as one
+query a lane; a long run's requests go ``LANES`` at a time or more, not one after another. A read
+asks for the largest record's length and room for its header (S3 answers with what the object
+holds) and the record's header says where it ends. NIXL deletes no object: a bad record (``reject``) stays a miss for
 this engine until its next write of that prefix replaces it. The bucket's own lifecycle rules
 bound its size.
 """
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..core.families.cache_tier import CacheTier, TierPage
 from ..core.tiers.file import record_name
 from ..core.tiers.record import decode, encode
-from .nixl_store import NixlStore
+from .nixl_store import NixlStore, gather
 
 logger = logging.getLogger(__name__)
 
@@ -101,22 +101,43 @@ class NixlObjectTier(CacheTier):
             raise RuntimeError(f"NIXL's OBJ plugin cannot write to {self.where} ({exc})") from None
         self.read_size = max(map(ctx.layout.record_bytes, ctx.layout.segments)) + HEADER_ROOM
         self._bad: set[str] = set()  # records read bad here: a miss until this engine writes them again
+        self.failed_writes = 0  # records the bucket refused (their PUT failed alone too)
         logger.info("hierarchical cache: NIXL OBJ stores records in %s", self.where)
 
     def put(self, pages: list[TierPage]) -> list[bool]:
+        """The records the bucket lacks (a HEAD each, as ``contains``; else another engine wrote
+        them) gathered into one buffer and written in one transfer request a lane (a descriptor, a
+        PUT, a record), the lanes' requests posted together: a run costs about one round trip, not
+        one a record. Where a lane's request fails, its records are written one by one, so only
+        those that fail are refused (counted in ``failed_writes``, ``last_error`` saying why)."""
         held = self._held([p.key for p in pages]) or [False] * len(pages)
-        done = []
-        for page, there in zip(pages, held):
-            if not there:  # (else another engine wrote it)
-                try:
-                    self.store.write(encode(page), "OBJ", meta=record_name(page.key))
-                    self._bad.discard(page.key)
-                except OSError as exc:
-                    self.last_error = f"writing {record_name(page.key)} to {self.where}: {exc}"
-                    done.append(False)
-                    continue
-            done.append(True)
-        return done
+        wanted = [p for p, there in zip(pages, held) if not there]
+        if not wanted:
+            return [True] * len(pages)
+        buffer, spans = gather([encode(p) for p in wanted])
+        regions = [(at, size, None, record_name(p.key)) for p, (at, size) in zip(wanted, spans)]
+        chunks = _split(regions)
+        posted = [lane.post("WRITE", buffer, "OBJ", chunk) for lane, chunk in zip(self.lanes, chunks)]
+        refused = set()
+        for request, chunk in zip(posted, chunks):
+            try:
+                request.wait()
+            except OSError:
+                refused.update(self._write_alone(buffer, chunk))
+        self._bad.difference_update(p.key for p in wanted if record_name(p.key) not in refused)
+        return [record_name(p.key) not in refused for p in pages]
+
+    def _write_alone(self, buffer, regions: list) -> list[str]:
+        """Write each of ``regions`` (of ``buffer``) in a request of its own; the objects refused."""
+        refused = []
+        for region in regions:
+            try:
+                self.store.transfer("WRITE", buffer, "OBJ", [region])
+            except OSError as exc:
+                self.failed_writes += 1
+                self.last_error = f"writing {region[3]} to {self.where}: {exc}"
+                refused.append(region[3])
+        return refused
 
     def get(self, keys: list[str]) -> list[TierPage | None]:
         """The records in one transfer request a lane (a descriptor a record, the lanes' requests

@@ -69,16 +69,26 @@ class NixlStore:
 
     def write(self, parts: list, mem_type: str, device: int | None = None, meta: str = "") -> None:
         """``parts`` (buffers, in order) gathered into one buffer NIXL registers (the one copy), written."""
-        import numpy as np
-        import torch
+        buffer, [(at, size)] = gather([parts])
+        self.transfer("WRITE", buffer, mem_type, [(at, size, device, meta)])
 
-        views = [memoryview(p).cast("B") for p in parts]
-        buffer = torch.empty(sum(len(v) for v in views), dtype=torch.uint8)
-        out, at = buffer.numpy(), 0
-        for v in views:
+
+def gather(blobs: list[list]) -> tuple:
+    """Each blob's parts (buffers, in order) copied one after another into one host uint8 tensor NIXL
+    can register (the one copy on the way out); the tensor and each blob's (offset, bytes) in it."""
+    import numpy as np
+    import torch
+
+    views = [[memoryview(p).cast("B") for p in parts] for parts in blobs]
+    buffer = torch.empty(sum(len(v) for parts in views for v in parts), dtype=torch.uint8)
+    out, at, spans = buffer.numpy(), 0, []
+    for parts in views:
+        start = at
+        for v in parts:
             out[at:at + len(v)] = np.frombuffer(v, dtype=np.uint8)
             at += len(v)
-        self.transfer("WRITE", buffer, mem_type, [(0, at, device, meta)])
+        spans.append((start, at - start))
+    return buffer, spans
 
 
 class Posted:

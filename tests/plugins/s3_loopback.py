@@ -1,7 +1,8 @@
 """The S3 tier's test bed: moto's S3 server on loopback, counting what it answers: requests by method and the most it
-answered at once (what shows a tier's reads batched: one round trip for a run, not one a record),
-each held ``delay_s`` first where asked (a store at a network's distance: on loopback the server's
-own CPU is the whole cost). Used by tests/plugins/test_nixl_obj_tier.py and
+answered at once (what shows a tier's reads and writes batched: one round trip for a run, not one a
+record), each held ``delay_s`` first where asked (a store at a network's distance: on loopback the
+server's own CPU is the whole cost), a PUT whose path ``refuse`` picks answered 403 (a store
+refusing a write: a full quota, a denied key). Used by tests/plugins/test_nixl_obj_tier.py and
 benchmarks/hicache_l3_reads.py; needs ``pip install moto[server]``. And ``import_nixl``: the nixl build
 whose OBJ plugin loads here."""
 
@@ -14,11 +15,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from typing import Callable
 
 import torch
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
 from werkzeug.serving import make_server
+
+REFUSED = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>refused</Message></Error>'
 
 
 def import_nixl() -> None:
@@ -37,6 +41,7 @@ class LoopbackS3:
     def __init__(self, delay_s: float = 0.0) -> None:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line a request otherwise
         self.delay_s = delay_s
+        self.refuse: Callable[[str], bool] = lambda path: False  # which PUTs (by path) to refuse
         self.requests: Counter[str] = Counter()
         self.most_at_once = 0
         self._at_once, self._lock = 0, threading.Lock()
@@ -54,6 +59,10 @@ class LoopbackS3:
             self.most_at_once = max(self.most_at_once, self._at_once)
         try:
             time.sleep(self.delay_s)
+            if environ["REQUEST_METHOD"] == "PUT" and self.refuse(environ["PATH_INFO"]):
+                environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))  # the connection stays usable
+                start_response("403 Forbidden", [("Content-Type", "application/xml")])
+                return [REFUSED]
             return self._app(environ, start_response)
         finally:
             with self._lock:

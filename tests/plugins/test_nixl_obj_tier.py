@@ -3,8 +3,9 @@ optional nixl and moto packages are installed (skipped otherwise, as in CI): rec
 objects, found by a HEAD, a missing one a plain miss and a bad one a miss until rewritten; a config
 the OBJ plugin cannot serve is refused naming the setting, a bucket it cannot write refused at
 start-up; an engine hits what another engine stored in the bucket and decodes as an engine without
-tiers does, no page left behind; a long run's existence check and reads go out a request a lane,
-side by side, a record gone mid-run failing only itself."""
+tiers does, no page left behind; a long run's existence check, reads and writes go out a request a
+lane, side by side, a record gone mid-run or a PUT refused failing only itself; a bucket refusing
+every write is detached."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from s3_loopback import LoopbackS3, import_nixl  # noqa: E402
 
 import_nixl()
 
+from engine import LLM, SamplingParams  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
 from engine.core.families.cache_tier import TierContext, TierLayout, TierPage, prefix_keys  # noqa: E402
 from engine.core.registry import SelectionError  # noqa: E402
@@ -186,3 +188,69 @@ def test_many_records_are_asked_for_together_and_a_gone_one_fails_only_itself(s3
     assert s3_server.most_at_once > 1 and s3_server.requests == {"GET": len(recs) + len(failed), "HEAD": 1}
     assert got[gone] is None and tier.read_failures == tier.rejected == 0
     assert all(g.intact() and torch.equal(g.data, r.data) for i, (g, r) in enumerate(zip(got, recs)) if i != gone)
+
+
+@pytest.fixture
+def refusing(s3_server):
+    """The server, its PUTs refused where ``refuse`` says, all taken again after the test."""
+    yield s3_server
+    s3_server.refuse = lambda path: False
+
+
+def test_a_run_of_records_is_written_a_request_a_lane_and_a_refused_put_fails_only_itself(refusing, bucket, seed):
+    """A put of a long run goes out as one write request a lane (a PUT a record), the lanes' at once;
+    a PUT the bucket refuses fails its lane's request, whose records are then written one by one:
+    only the refused one is refused (counted, the reason named), every other record is an object
+    of its own that reads back intact."""
+    rng = random.Random(seed)
+    ctx = context(options(refusing.url, bucket))
+    tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    recs = records(rng.randint(3 * nixl_obj.LANES, 4 * nixl_obj.LANES), seed)
+    keys = [r.key for r in recs]
+    bad = rng.randrange(len(recs))
+    refusing.refuse = lambda path: path.endswith(record_name(keys[bad]))
+    posted = []
+    for lane in tier.lanes:
+        lane.post = lambda *args, post=lane.post: posted.append(args[3]) or post(*args)
+    refusing.reset()
+    done = tier.put(recs)
+    assert done == [i != bad for i in range(len(recs))]
+    assert tier.failed_writes == 1 and record_name(keys[bad]) in tier.last_error
+    runs, alone = posted[:nixl_obj.LANES], posted[nixl_obj.LANES:]
+    assert [r[3] for run in runs for r in run] == [record_name(k) for k in keys]  # a run a lane, in order
+    failed = next(run for run in runs if record_name(keys[bad]) in {r[3] for r in run})
+    assert [run[0][3] for run in alone] == [r[3] for r in failed]  # the refused run's records again, one by one
+    assert refusing.requests == {"HEAD": len(recs), "PUT": len(recs) + len(failed)} and refusing.most_at_once > 1
+    listed = client(refusing.url).list_objects_v2(Bucket=bucket)["Contents"]
+    assert sorted(o["Key"] for o in listed) == sorted([nixl_obj.PROBE] + [record_name(k) for i, k in enumerate(keys)
+                                                                          if i != bad])
+    other = plugins().select("cache_tier", ctx, "nixl").create(ctx)  # another engine reads them
+    got = other.get(keys)
+    assert got[bad] is None and other.read_failures == other.rejected == 0
+    assert all(g.intact() and torch.equal(g.data, r.data) and g.kind == r.kind
+               for i, (g, r) in enumerate(zip(got, recs)) if i != bad)
+    refusing.refuse = lambda path: False
+    assert tier.put(recs) == [True] * len(recs) and other.contains(keys) == len(recs)  # written once taken again
+
+
+def test_a_bucket_refusing_every_write_is_detached_and_serving_goes_on(tiny_qwen3, refusing, bucket, seed):
+    """Every record's PUT refused (a quota filled after start-up wrote its probe): the engine's
+    writes are refused, counted, the tier detached as a full directory is, and the engine goes on
+    serving from host memory."""
+    refusing.refuse = lambda path: path.endswith(".kv")
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4096) for _ in range(40)]
+    llm = LLM(str(tiny_qwen3), dtype="float32", progress=False, page_size=4, num_pages=40,
+              enable_hierarchical_cache=True, hicache_storage_backend="nixl",
+              plugin_options=options(refusing.url, bucket))
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        first = llm.generate([prompt], params)[0]
+        lower = llm.engine.kv_manager.lower
+        lower.flush_storage(30)
+        assert lower.reader is None and lower.stats.storage_written == 0 and lower.stats.storage_refused >= 10
+        assert llm.engine.stats().hicache.storage_backend is None
+        again = llm.generate([prompt], params)[0]
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids and again.num_cached_tokens >= 36
+    finally:
+        llm.engine.shutdown()

@@ -1,15 +1,14 @@
 """The file cache tier: records round-trip through files, a foreign, garbled or truncated file is
-never served as a record and is removed, a full disk refuses a write and serving goes on, and several processes
-writing one directory at once leave every record whole."""
+never served as a record and is removed, a full disk refuses a write and serving goes on, several processes
+writing one directory at once leave every record whole, and the existence check follows what another process
+writes and deletes."""
 
 from __future__ import annotations
 
 import errno
 import multiprocessing
 import random
-import tempfile
 
-import pytest
 import torch
 
 from engine.core.config import EngineConfig
@@ -90,6 +89,47 @@ def test_processes_writing_one_directory_at_once_leave_every_record_whole(tmp_pa
     got = tier(tmp_path).get([r.key for r in recs])
     assert all(g is not None and g.intact() and torch.equal(g.data, r.data) for g, r in zip(got, recs))
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def _change(directory: str, seed: int, n: int, conn) -> None:
+    """Another engine's process: writes (``put``) or deletes (as the size bound evicts: an unlink)
+    the record asked for, answering once it has."""
+    t, recs = tier(directory), records(n, seed)
+    while (asked := conn.recv()) is not None:
+        op, i = asked
+        if op == "put":
+            assert t.put([recs[i]]) == [True]
+        else:
+            t._path(recs[i].key).unlink()
+        conn.send(op)
+
+
+def test_the_existence_check_follows_what_another_process_writes_and_deletes(tmp_path, seed):
+    """Each check after another process wrote or deleted a record of the run (this engine's own
+    checks before it seeing the old state) counts the leading records there now: none found
+    that is gone, none missed that came."""
+    rng, n = random.Random(seed), 8
+    t, keys = tier(tmp_path), [r.key for r in records(n, seed)]
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    other = multiprocessing.get_context("spawn").Process(target=_change, args=(str(tmp_path), seed, n, theirs))
+    other.start()
+    try:
+        held: set[int] = set()
+        for _ in range(40):
+            first_missing = min(set(range(n)) - held, default=n)
+            assert t.contains(keys) == first_missing
+            if first_missing < n and (not held or rng.random() < 0.6):
+                op, i = "put", first_missing if rng.random() < 0.8 else rng.choice(sorted(set(range(n)) - held))
+            else:
+                op, i = "delete", rng.choice(sorted(held))
+            ours.send((op, i))
+            assert ours.recv() == op
+            held = held | {i} if op == "put" else held - {i}
+        assert t.contains(keys) == min(set(range(n)) - held, default=n)
+    finally:
+        ours.send(None)
+        other.join(60)
+    assert other.exitcode == 0
 
 
 def test_the_file_tier_refuses_without_a_writable_directory(tmp_path):
