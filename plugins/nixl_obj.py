@@ -46,6 +46,8 @@ SETTINGS = {  # option of plugin_options["nixl"]: (environment variable, default
 }
 LANES = 8  # NIXL agents a run of records is split over: one agent's OBJ plugin sends its GETs from a pool
 # sized by the CPU count (one at a time on a 2-CPU host) and its HEADs one after another
+WRITE_RUN_BYTES = 64 << 20  # records a put gathers and sends at once (their copy in host memory), as a
+# prefetch reads (core/kv/prefetch.py's READ_BATCH_BYTES)
 HEADER_ROOM = 1024  # bytes read past the largest record for its header (record.py: about 150)
 PROBE = "engine-kv-probe"  # the object start-up writes
 
@@ -106,26 +108,37 @@ class NixlObjectTier(CacheTier):
 
     def put(self, pages: list[TierPage]) -> list[bool]:
         """The records the bucket lacks (a HEAD each, as ``contains``; else another engine wrote
-        them) gathered into one buffer and written in one transfer request a lane (a descriptor, a
-        PUT, a record), the lanes' requests posted together: a run costs about one round trip, not
-        one a record. Where a lane's request fails, its records are written one by one, so only
-        those that fail are refused (counted in ``failed_writes``, ``last_error`` saying why)."""
+        them) written in runs of up to ``WRITE_RUN_BYTES`` (``_write_run``); False for those the
+        bucket refused (counted in ``failed_writes``, ``last_error`` saying why)."""
         held = self._held([p.key for p in pages]) or [False] * len(pages)
         wanted = [p for p, there in zip(pages, held) if not there]
-        if not wanted:
-            return [True] * len(pages)
-        buffer, spans = gather([encode(p) for p in wanted])
-        regions = [(at, size, None, record_name(p.key)) for p, (at, size) in zip(wanted, spans)]
+        runs, size = [[]], 0
+        for page in wanted:
+            if runs[-1] and size + page.data.nbytes > WRITE_RUN_BYTES:
+                runs.append([])
+                size = 0
+            runs[-1].append(page)
+            size += page.data.nbytes
+        refused = {name for run in runs if run for name in self._write_run(run)}
+        self._bad.difference_update(p.key for p in wanted if record_name(p.key) not in refused)
+        return [record_name(p.key) not in refused for p in pages]
+
+    def _write_run(self, pages: list[TierPage]) -> list[str]:
+        """``pages`` gathered into one buffer (their one copy) and written in one transfer request a
+        lane (a descriptor, a PUT, a record), the lanes' requests posted together: a run costs about
+        one round trip, not one a record. Where a lane's request fails, its records are written one
+        by one, so only those that fail are refused; the objects refused."""
+        buffer, spans = gather([encode(p) for p in pages])
+        regions = [(at, size, None, record_name(p.key)) for p, (at, size) in zip(pages, spans)]
         chunks = _split(regions)
         posted = [lane.post("WRITE", buffer, "OBJ", chunk) for lane, chunk in zip(self.lanes, chunks)]
-        refused = set()
+        refused = []
         for request, chunk in zip(posted, chunks):
             try:
                 request.wait()
             except OSError:
-                refused.update(self._write_alone(buffer, chunk))
-        self._bad.difference_update(p.key for p in wanted if record_name(p.key) not in refused)
-        return [record_name(p.key) not in refused for p in pages]
+                refused += self._write_alone(buffer, chunk)
+        return refused
 
     def _write_alone(self, buffer, regions: list) -> list[str]:
         """Write each of ``regions`` (of ``buffer``) in a request of its own; the objects refused."""

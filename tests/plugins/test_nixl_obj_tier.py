@@ -254,3 +254,22 @@ def test_a_bucket_refusing_every_write_is_detached_and_serving_goes_on(tiny_qwen
         assert again.outputs[0].token_ids == first.outputs[0].token_ids and again.num_cached_tokens >= 36
     finally:
         llm.engine.shutdown()
+
+
+def test_a_put_longer_than_a_run_is_written_in_runs_of_that_bound(s3_server, bucket, seed, monkeypatch):
+    """A put gathers at most WRITE_RUN_BYTES of records at once (the copy it sends from), as many as
+    fit, in order; every record of every run reads back intact."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(nixl_obj, "WRITE_RUN_BYTES", rng.randint(128, 400))
+    ctx = context(options(s3_server.url, bucket))
+    tier = plugins().select("cache_tier", ctx, "nixl").create(ctx)
+    recs = records(rng.randint(12, 20), seed)
+    runs = []
+    tier._write_run = lambda pages, write=tier._write_run: runs.append(pages) or write(pages)
+    assert tier.put(recs) == [True] * len(recs)
+    assert [p.key for run in runs for p in run] == [r.key for r in recs] and len(runs) > 1
+    sizes = [sum(p.data.nbytes for p in run) for run in runs]
+    assert all(s <= nixl_obj.WRITE_RUN_BYTES for s in sizes)
+    assert all(s + nxt[0].data.nbytes > nixl_obj.WRITE_RUN_BYTES for s, nxt in zip(sizes, runs[1:]))  # as many as fit
+    got = tier.get([r.key for r in recs])
+    assert all(g.intact() and torch.equal(g.data, r.data) for g, r in zip(got, recs))
