@@ -12,10 +12,10 @@ outweighs that (not measured). Block-FP8 weights (128 or 32 blocks) take the GEM
 ``gemv.MAX_ROWS`` rows in every entry point: the E4M3 weight read as it is stored, dequantized in
 registers as native dequantizes it, times unquantized x, one launch with the norm and the SiLU-mul
 fused as for bf16, and through DeepSeek-V4's chained projections and its output projection's wo_b
-in their one launch too (not yet timed on a GPU). Past that the norm goes into the activations'
-quantization (each of its programs reads its rows whole for the statistic), so norm, quantize
-and GEMM are two launches. The
-activations of quantized schemes in the GEMMs are quantized to the weight's format on the way in
+(and V4.1's block-FP8 wo_a) in their one launch too (not yet timed on a GPU). Past that the norm
+goes into the activations' quantization (each of its programs reads its rows whole for the
+statistic), so norm, quantize and GEMM are two launches. The activations of quantized schemes in
+the GEMMs are quantized to the weight's format on the way in
 (per token and the weight's block edge, 128 or 32, for fp8_block, MXFP8 for mxfp8), so the E4M3
 tensor cores see both operands; this is the one numerical difference from the native backend,
 which multiplies unquantized x, as the GEMV does.
@@ -87,10 +87,10 @@ class TritonLinear(LinearBackend):
         mx = isinstance(x, MXFP8Tensor)
         t, groups = x.shape[0], x.shape[1]
         if (x.data.device.type in self.gemv_devices and second.scheme in ("dense", "fp8_block")
-                and second.bias is None and first.bias is None and first.scheme == ("mxfp8" if mx else "dense")
-                and (first.scale is not None) == mx and first.data.shape[0] % groups == 0
-                and low_rank_output.fits(t, first.data.dtype, second.data, x.dtype, groups,
-                                         first.data.shape[0] // groups, second.scale)):
+                and second.bias is None and first.bias is None
+                and first.scheme in (("mxfp8",) if mx else ("dense", "fp8_block"))
+                and low_rank_output.refusal(t, mx, first.data, first.scale, second.data, second.scale, x.dtype,
+                                            groups) is None):
             return low_rank_output.low_rank_output(x.data if mx else x, x.scale if mx else None, first.data,
                                                    first.scale, second.data, x.dtype, second.scale)
         return super().low_rank_output(x, first, second)

@@ -1,5 +1,5 @@
 """DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step:
-o [M, G, K] through each group's [R, K] block of wo_a (MXFP8 or dense), rounded to the activations'
+o [M, G, K] through each group's [R, K] block of wo_a (MXFP8, block-FP8 or dense), rounded to the activations'
 dtype, then through wo_b [H, G * R] (dense, that dtype) -> [M, H].
 
 The grid is the first half's (mxfp8.py's grouped GEMM): program (n, g) computes its BLOCK_N of
@@ -35,6 +35,15 @@ the published checkpoint's decode takes the one launch too. gemv.py's ``_block_s
 tile, whose runs here are along wo_b's rows (each output column step starts on a block's run); the
 tile's columns start anywhere in a block (a group's R need not fill whole blocks), so each column
 takes its own scale.
+
+wo_a may be block-FP8 too, as DeepSeek-V4.1 publishes it (E4M3, fp32 scales of 32 x 32 blocks; 128
+serves the same way) against unquantized o: the low-rank tile is then the block-FP8 GEMV's band
+(gemv.py's ``_band_product``), each K step's E4M3 tile scaled by ``_block_scaled`` in registers,
+rounded to o's dtype (native's dequantized weight) and multiplied by o as it is, where the two
+launches quantize o per token and 32 channels for the grouped block GEMM first. Its rows need no
+block alignment (each takes its own scale row), and its K steps, 64 or 32 of K, divide or are
+multiples of either block edge. MXFP8 o against a block-FP8 wo_a (sm_100 and gfx950, where the
+attention emits it) is not fused: its two launches serve it.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import triton.language as tl
 
 from .attention_decode import arrival_counters, kept_zero
 from .fp8_gemm import tile_of, unit_inner_stride
-from .gemv import FLOATS, MAX_ROWS, _block_scaled, fused_scale_block
+from .gemv import DOT_ROWS, FLOATS, MAX_ROWS, _band_product, _block_scaled, _scale_rows, fused_scale_block
 from .mxfp8 import DENSE_GROUPED_GEMM, MX_BLOCK, MXFP8_GEMM, group_tile
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
@@ -60,18 +69,29 @@ def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, w2_s
                             stride_w2, stride_w2s, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, MX: tl.constexpr, SCALED: tl.constexpr,
-                            UPCAST: tl.constexpr, FLUSH_H: tl.constexpr, W2_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                            UPCAST: tl.constexpr, FLUSH_H: tl.constexpr, W1_BLOCK: tl.constexpr,
+                            EVEN_K: tl.constexpr, W2_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (n, g): rows of group g's low-rank tile n, then their share of every output column.
-    W2_BLOCK (0: wo_b in the output's dtype): wo_b is E4M3 with fp32 scales of W2_BLOCK x W2_BLOCK
-    blocks at ``w2_scale_ptr`` (rows of ``stride_w2s``)."""
+    W1_BLOCK (0: wo_a as ``group_tile`` takes it): wo_a is E4M3 with fp32 scales of W1_BLOCK x
+    W1_BLOCK blocks at ``b_scale_ptr`` (rows of ``stride_bs``), a in the output's dtype, and the
+    tile is the block-FP8 GEMV's band (its rows from 0: BLOCK_M holds all M). W2_BLOCK (0: wo_b in
+    the output's dtype): wo_b is E4M3 with fp32 scales of W2_BLOCK x W2_BLOCK blocks at
+    ``w2_scale_ptr`` (rows of ``stride_w2s``)."""
     group = tl.program_id(1).to(tl.int64)
     pid_m, pid_n = tile_of(tl.program_id(0), M, R, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wait_for_prior(PDL)
-    low = group_tile(a_ptr + group * stride_ag, a_scale_ptr + group * stride_asg, b_ptr + group * R * stride_bn,
-                     b_scale_ptr + group * R * stride_bs, rm, rn, M, R, K, stride_am, stride_as, stride_bn, stride_bs,
-                     BLOCK_M, BLOCK_N, BLOCK_K, MX, SCALED, UPCAST)
+    if W1_BLOCK:  # each wo_a row scaled by its own block's scales (a group's R need not fill whole blocks)
+        rows = group * R + tl.minimum(rn, R - 1)  # rows past R reread the last one; their values meet no wo_b
+        low = _band_product(a_ptr + group * stride_ag, a_ptr, a_ptr, tl.zeros([BLOCK_M], tl.float32),
+                            b_ptr + rows[:, None] * stride_bn, _scale_rows(b_scale_ptr, rows, stride_bs, W1_BLOCK),
+                            M, K, stride_am, 0, tl.arange(0, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K,
+                            EVEN_K, False, False, False, W1_BLOCK)
+    else:
+        low = group_tile(a_ptr + group * stride_ag, a_scale_ptr + group * stride_asg, b_ptr + group * R * stride_bn,
+                         b_scale_ptr + group * R * stride_bs, rm, rn, M, R, K, stride_am, stride_as, stride_bn,
+                         stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, MX, SCALED, UPCAST)
     ty = out_ptr.dtype.element_ty
     low = low.to(ty)  # the first half's output, rounded as its own launch stores it
     if UPCAST:
@@ -105,52 +125,67 @@ def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, w2_s
                 tl.store(acc_ptr + m * H + rh, tl.zeros([FLUSH_H], tl.float32), mask=keep)
 
 
-def fits(rows: int, first_dtype: torch.dtype, second: torch.Tensor, dtype: torch.dtype, groups: int,
-         rank: int, second_scale: torch.Tensor | None = None) -> bool:
-    """Whether the one launch serves this: a decode step's rows, wo_b [H, G * R] plain in the
-    activations' dtype or block-FP8 (with ``second_scale``), wo_a MXFP8 (E4M3) or in that dtype."""
-    return (0 < rows <= MAX_ROWS and dtype in FLOATS and fused_scale_block(second, second_scale, dtype) is not None
-            and first_dtype in (dtype, torch.float8_e4m3fn) and second.shape[1] == groups * rank)
+def refusal(rows: int, mxfp8: bool, first: torch.Tensor, first_scale: torch.Tensor | None, second: torch.Tensor,
+            second_scale: torch.Tensor | None, dtype: torch.dtype, groups: int) -> str | None:
+    """Why the one launch does not serve this, or None where it does: a decode step's rows; wo_a
+    [G * R, K] MXFP8 against MXFP8 activations, else in the activations' dtype or block-FP8 (E4M3,
+    fp32 scales of 32 or 128 blocks); wo_b [H, G * R] in that dtype or block-FP8."""
+    if not 0 < rows <= MAX_ROWS:
+        return f"{rows} rows, where the one launch takes 1 to {MAX_ROWS}"
+    if dtype not in FLOATS:
+        return f"activations in {dtype}, not one of {FLOATS}"
+    if first.dim() != 2 or first.shape[0] % groups or second.dim() != 2 or second.shape[1] != first.shape[0]:
+        return f"wo_a {list(first.shape)} and wo_b {list(second.shape)} are not [{groups} * R, K] and [H, {groups} * R]"
+    if fused_scale_block(second, second_scale, dtype) is None:
+        return f"wo_b {second.dtype} is neither {dtype} nor E4M3 with fp32 block scales"
+    if mxfp8:
+        if first.dtype != torch.float8_e4m3fn or first_scale is None or first_scale.dtype != torch.uint8:
+            return f"MXFP8 activations against wo_a {first.dtype}, which is not MXFP8 (E4M3 with E8M0 scales)"
+    elif fused_scale_block(first, first_scale, dtype) is None:
+        return f"wo_a {first.dtype} is neither {dtype} nor E4M3 with fp32 block scales"
+    return None
 
 
 def low_rank_output(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor | None,
                     w2: torch.Tensor, dtype: torch.dtype, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, G, K] (E4M3 with E8M0 scales [M, G, K/32], or unquantized in ``dtype`` with no scales),
-    b [G * R, K] (the same format), w2 [H, G * R] in ``dtype`` (or E4M3 with fp32 block scales
-    ``w2_scale``) -> [M, H] in ``dtype``: w2 times each group's a[:, g] @ b[g*R:(g+1)*R].T, that
-    product rounded to ``dtype`` first."""
+    b [G * R, K] (MXFP8 against MXFP8 a; against unquantized a, in ``dtype`` or E4M3 with fp32 block
+    scales ``b_scale``), w2 [H, G * R] in ``dtype`` (or E4M3 with fp32 block scales ``w2_scale``) ->
+    [M, H] in ``dtype``: w2 times each group's a[:, g] @ b[g*R:(g+1)*R].T, that product rounded to
+    ``dtype`` first."""
     scaled = a_scale is not None
     if a.dim() != 3 or b.dim() != 2 or b.shape[1] != a.shape[2] or b.shape[0] % a.shape[1]:
         raise ValueError(f"a [M, G, K] and b [G * R, K] do not fit: {list(a.shape)} and {list(b.shape)}")
     m, groups, k = a.shape
     rank = b.shape[0] // groups
-    if not fits(m, b.dtype, w2, dtype, groups, rank, w2_scale) or (a.dtype == torch.float8_e4m3fn) != scaled or (
-            b_scale is None) == scaled:
-        raise ValueError(f"a {a.dtype} {list(a.shape)} (scaled: {scaled}), b {b.dtype} and w2 {w2.dtype} "
-                         f"{list(w2.shape)} (scale {None if w2_scale is None else list(w2_scale.shape)}) are not "
-                         f"{MAX_ROWS} rows or fewer of MXFP8 or {dtype} operands against a [H, {groups * rank}] "
-                         f"second half in {dtype} or block-FP8 with fp32 scales; run the halves apart")
+    why = refusal(m, scaled, b, b_scale, w2, w2_scale, dtype, groups)
+    if why is None and (a.dtype == torch.float8_e4m3fn) != scaled:
+        why = f"a {a.dtype} with{'' if scaled else 'out'} scales"
+    if why is not None:
+        raise ValueError(f"the one launch does not serve this ({why}); run the halves apart")
     if scaled and (k % MX_BLOCK or a_scale.shape != (m, groups, k // MX_BLOCK)
                    or b_scale.shape != (groups * rank, k // MX_BLOCK)):
         raise ValueError(f"scales {list(a_scale.shape)} and {list(b_scale.shape)} do not fit a {list(a.shape)} and "
                          f"b {list(b.shape)} in blocks of {MX_BLOCK}")
+    w1_block = 0 if scaled else fused_scale_block(b, b_scale, dtype)
     w2_block = fused_scale_block(w2, w2_scale, dtype)
     a, b, w2 = unit_inner_stride(a, b, w2)
     w2_scale = w2 if w2_scale is None else unit_inner_stride(w2_scale)[0]  # unread where plain
-    if scaled:
-        a_scale, b_scale = unit_inner_stride(a_scale, b_scale)
-    else:
-        a_scale, b_scale = a, b  # unread
+    if scaled or w1_block:
+        b_scale = unit_inner_stride(b_scale)[0]
+    a_scale = unit_inner_stride(a_scale)[0] if scaled else a  # unread
+    b_scale = b if b_scale is None else b_scale  # unread
     hidden = w2.shape[0]
     out = torch.empty(m, hidden, dtype=dtype, device=a.device)
     cfg = config_for(MXFP8_GEMM if scaled else DENSE_GROUPED_GEMM, a.device).for_m(m)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(rank, cfg.block_n), groups)
+    block_m = DOT_ROWS if w1_block else cfg.block_m  # the GEMV's band holds every row in one tile
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(rank, cfg.block_n), groups)
     _low_rank_output_kernel[grid](
         a, a_scale, b, b_scale, w2, w2_scale, kept_zero(m * hidden, a.device, torch.float32), out,
         arrival_counters(1, a.device), m, rank, k, hidden, a.stride(0), a.stride(1), a_scale.stride(0),
         a_scale.stride(1) if scaled else 0, b.stride(0), b_scale.stride(0), w2.stride(0), w2_scale.stride(0),
-        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_H=config_for(OUTPUT_COLUMNS, a.device), GROUP_M=cfg.group_m, MX=MX_BLOCK, SCALED=scaled,
-        UPCAST=a.device.type == "cpu", FLUSH_H=FLUSH, W2_BLOCK=w2_block, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options(a.device))
+        UPCAST=a.device.type == "cpu", FLUSH_H=FLUSH, W1_BLOCK=w1_block, EVEN_K=k % cfg.block_k == 0,
+        W2_BLOCK=w2_block, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a.device))
     return out

@@ -39,15 +39,21 @@ class GemvLinear(TritonLinear):
     gemv_devices = ("cuda", "cpu")
 
 
-def operands(m, groups, rank, k, hidden, dtype, mxfp8, block=0):
-    """o [m, groups, k] and wo_a [groups * rank, k] (MXFP8, or dense in ``dtype``), wo_b [hidden, groups * rank]
-    (dense in ``dtype``, or block-FP8 in blocks of ``block``)."""
+def operands(m, groups, rank, k, hidden, dtype, mxfp8, block=0, first_block=0):
+    """o [m, groups, k] and wo_a [groups * rank, k] (MXFP8, or dense in ``dtype``, or block-FP8 in blocks
+    of ``first_block`` against o in ``dtype``), wo_b [hidden, groups * rank] (dense in ``dtype``, or
+    block-FP8 in blocks of ``block``)."""
     if mxfp8:
         x, first = grouped_operands(m, groups, rank, k)
         x = MXFP8Tensor(x.data, x.scale, dtype)
     else:
         x = random_activations((m, groups, k), dtype)
-        first = LinearWeight((torch.randn(groups * rank, k) * 0.05).to(dtype))
+        first = torch.randn(groups * rank, k) * 0.05
+        if first_block:
+            data, scale = quantize_fp8_block(first, first_block)
+            first = LinearWeight(data, "fp8_block", scale)
+        else:
+            first = LinearWeight(first.to(dtype))
     second = torch.randn(hidden, groups * rank) * (groups * rank) ** -0.5
     if block:
         data, scale = quantize_fp8_block(second, block)
@@ -99,20 +105,44 @@ def test_block_fp8_wo_b_equals_the_two_launches(seed, poisoned_empty, mxfp8, dty
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("block", [0, 32, 128], ids=["dense", "fp8-32", "fp8-128"])
-def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch, block):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,groups,rank,k,hidden,first_block,block", [
+    (1, 2, 48, 96, 40, 32, 32), (3, 3, 40, 64, 72, 32, 0), (8, 1, 80, 160, 40, 32, 32), (2, 2, 24, 192, 24, 128, 128)])
+def test_block_fp8_wo_a_equals_native_and_the_two_launches(seed, poisoned_empty, dtype, m, groups, rank, k, hidden,
+                                                           first_block, block):
+    """wo_a in E4M3 with fp32 block scales as V4.1 publishes it (32; 128 too), wo_b block-FP8 or dense:
+    groups' rows inside blocks (48, 40 and 24 of 32 and 128), K past a step and past a block (96, 160,
+    192), one to eight rows. Native dequantizes wo_a and multiplies o as it is, as the one launch does:
+    within fp32 reassociation of it (one fp16 ulp). The two launches quantize o to E4M3 per token and
+    block first: within that rounding (2**-4 of a value, averaged over K)."""
+    x, first, second = operands(m, groups, rank, k, hidden, dtype, False, block, first_block)
+    backend = GemvLinear(None)
+    got = backend.low_rank_output(x, first, second)
+    assert got.dtype == dtype and got.shape == (m, hidden) and not got.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)  # one fp16 ulp
+    torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), **tol)
+    apart = LinearBackend.low_rank_output(backend, x, first, second)
+    assert (got.float() - apart.float()).abs().max() < 2**-4 * apart.float().abs().max()
+    at_rest(m * hidden)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("block,first_block", [(0, 0), (32, 0), (128, 0), (32, 32)],
+                         ids=["dense", "fp8-32", "fp8-128", "v4.1-fp8-wo_a-32"])
+def test_backend_takes_the_launch_for_decode_rows_only(seed, monkeypatch, block, first_block):
     """Up to MAX_ROWS rows on a device where the GEMV serves, the one launch (the grouped GEMM is never
-    launched); more rows, or the interpreter's usual devices, the two products."""
+    launched); more rows, or the interpreter's usual devices, the two products. V4.1's layout (wo_a
+    and wo_b block-FP8 in 32-blocks, o unquantized) too."""
     calls = []
     launch = fused.low_rank_output
     monkeypatch.setattr(fused, "low_rank_output", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
     for rows, backend, one in ((MAX_ROWS, GemvLinear(None), True), (MAX_ROWS + 1, GemvLinear(None), False),
                                (1, TritonLinear(None), False)):
-        x, first, second = operands(rows, 2, 32, 64, 24, torch.float32, True, block=block)
+        x, first, second = operands(rows, 2, 32, 64, 24, torch.float32, not first_block, block, first_block)
         calls.clear()
         got = backend.low_rank_output(x, first, second)
         assert calls == ([rows] if one else [])
-        if one or not block:  # composed, an FP8 wo_b past the GEMV's rows quantizes its activations
+        if one or not (block or first_block):  # composed, an FP8 weight past the GEMV's rows quantizes o
             torch.testing.assert_close(got, NativeLinear(None).low_rank_output(x, first, second), rtol=1e-5,
                                        atol=1e-5)
 
@@ -125,9 +155,22 @@ def test_refuses_what_it_does_not_fuse():
         fused.low_rank_output(x.data, x.scale[..., :1], first.data, first.scale, second.data, torch.float32)
     fp8 = operands(2, 2, 32, 64, 24, torch.float32, True, block=32)[2]
     for scale in (None, fp8.scale[:, :1].expand(2, 1), fp8.scale.to(torch.uint8)):  # none, no block's shape, not fp32
-        assert not fused.fits(2, first.data.dtype, fp8.data, torch.float32, 2, 32, scale)
+        assert "wo_b" in fused.refusal(2, True, first.data, first.scale, fp8.data, scale, torch.float32, 2)
         with pytest.raises(ValueError, match="run the halves apart"):
             fused.low_rank_output(x.data, x.scale, first.data, first.scale, fp8.data, torch.float32, scale)
+    dense_x, block_first = operands(2, 2, 32, 64, 24, torch.float32, False, first_block=32)[:2]
+    assert fused.refusal(2, False, block_first.data, block_first.scale, fp8.data, fp8.scale, torch.float32, 2) is None
+    assert "rows" in fused.refusal(MAX_ROWS + 1, False, block_first.data, block_first.scale, fp8.data, fp8.scale,
+                                   torch.float32, 2)
+    # MXFP8 o against a block-FP8 wo_a, and unquantized o against an MXFP8 wo_a: the two launches serve them
+    assert "not MXFP8" in fused.refusal(2, True, block_first.data, block_first.scale, fp8.data, fp8.scale,
+                                        torch.float32, 2)
+    assert "wo_a" in fused.refusal(2, False, first.data, first.scale, fp8.data, fp8.scale, torch.float32, 2)
+    with pytest.raises(ValueError, match="wo_a .* run the halves apart"):
+        fused.low_rank_output(dense_x, None, first.data, first.scale, fp8.data, torch.float32, fp8.scale)
+    with pytest.raises(ValueError, match="fp32 block scales"):  # a block scale that is not fp32
+        fused.low_rank_output(dense_x, None, block_first.data, block_first.scale.half(), fp8.data, torch.float32,
+                              fp8.scale)
 
 
 SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*u8", "w2_ptr": "*bf16",
