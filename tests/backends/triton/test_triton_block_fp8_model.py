@@ -27,7 +27,7 @@ import types
 import pytest
 import torch
 
-from engine.backends.triton import gemv_chain
+from engine.backends.triton import gemv_chain, low_rank_output
 from engine.backends.triton.attention import TritonAttention
 from engine.backends.triton.gemv import MAX_ROWS
 from engine.backends.triton.linear import TritonLinear
@@ -94,7 +94,7 @@ class CheckedTriton(TritonLinear):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.oracle, self.worst, self.products, self.grouped_products = QuantizedActivations(ctx), 0.0, 0, 0
-        self.native = NativeLinear(ctx)
+        self.native, self.fused_outputs = NativeLinear(ctx), []  # the wo_a dtypes of the one-launch output projections
 
     def oracle_for(self, x: torch.Tensor, w: LinearWeight) -> NativeLinear:
         return self.native if self._gemv_serves(x, w) else self.oracle
@@ -133,6 +133,24 @@ class CheckedTriton(TritonLinear):
             want = self.native.projection_then_normed(x, first, take, norm_weight, eps, second, ops)
             self.worst = max(self.worst, *(_rel(o.float(), w.float()) for o, w in zip(out, want)))
             self.products += 2
+        return out
+
+    def low_rank_output(self, x, first, second):
+        """As on a GPU on the CPU too (a decode step's output projection in one launch, its FP8 wo_a
+        tile the block-FP8 GEMV's on x as it is), that launch checked against native's two products."""
+        fused = low_rank_output.low_rank_output
+        launched = []
+        self.gemv_devices = ("cuda", "cpu")
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(low_rank_output, "low_rank_output", lambda *a: launched.append(1) or fused(*a))
+                out = super().low_rank_output(x, first, second)
+        finally:
+            del self.gemv_devices
+        if launched and first.scheme == "fp8_block":
+            want = self.native.low_rank_output(x, first, second)
+            self.worst = max(self.worst, _rel(out.float(), want.float()))
+            self.fused_outputs.append(first.data.dtype)
         return out
 
     def norm_linear(self, x, residual, norm_weight, eps, w, ops, silu_mul=False):
@@ -289,7 +307,8 @@ def _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed: int, device: str, mo
     block GEMM within GEMM_BOUND of the oracle on its input, each MoE layer (FP4 routed experts, the
     FP8 shared one through the fused grouped GEMMs, a decode step's in one launch) within
     MOE_FP8_BOUND of the native experts on its input; a decode step's FP8 attention input and query
-    projections chained in one launch (gemv_chain.py), within GEMM_BOUND of native's."""
+    projections chained in one launch (gemv_chain.py), and its output projection (the FP8 wo_a, then
+    wo_b) one launch a layer (low_rank_output.py), within GEMM_BOUND of native's."""
     chained = []
     launch = gemv_chain.gemv_chain
     monkeypatch.setattr(gemv_chain, "gemv_chain", lambda *a: chained.append(a[1].dtype) or launch(*a))
@@ -313,9 +332,15 @@ def _v41_kept_on_triton_kernels(tmp_path, shared_dir, seed: int, device: str, mo
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
         e.add_request(str(i), p, params)
-    while e.has_unfinished_requests():
-        e.step()
     linear, moe = model.model.layers[0].attn.wo_a.backend, model.model.layers[0].ffn.backend
+    layers, fused_steps = len(model.model.layers), 0
+    while e.has_unfinished_requests():
+        fused, grouped = len(linear.fused_outputs), linear.grouped_products
+        e.step()
+        if len(linear.fused_outputs) > fused:  # a decode step: the output projection one launch a layer
+            assert len(linear.fused_outputs) - fused == layers and linear.grouped_products == grouped
+            fused_steps += 1
+    assert fused_steps >= 2 and set(linear.fused_outputs) == {FP8}
     assert linear.grouped_products > 0 and linear.worst < GEMM_BOUND[device, torch.float32], (
         f"an FP8 product differs from the oracle by {linear.worst:.2e}")
     assert moe.fp8_layers > 0 and moe.worst < MOE_FP8_BOUND, f"a MoE layer differs from native by {moe.worst:.2e}"

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_fp8_grouped import FLASH_WO_A
 from test_triton_mxfp8 import grouped_operands, random_activations
 
 from engine.backends.triton import low_rank_output as fused
 from engine.backends.triton.attention_decode import arrival_counters, kept_zero
-from engine.backends.triton.gemv import MAX_ROWS
+from engine.backends.triton.gemv import DOT_ROWS, MAX_ROWS
 from engine.backends.triton.linear import TritonLinear
 from engine.backends.triton.mxfp8 import DENSE_GROUPED_GEMM, MXFP8_GEMM
 from engine.backends.triton.target import pick
@@ -196,7 +197,8 @@ def test_one_launch_compiles(target, mxfp8, w2_block):
         signature = {**signature, "w2_ptr": "*fp8e4nv"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=mxfp8,
-                      UPCAST=False, FLUSH_H=fused.FLUSH, W2_BLOCK=w2_block, PDL=pdl(target))
+                      UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=0, EVEN_K=True, W2_BLOCK=w2_block,
+                      PDL=pdl(target))
     cuda = TARGETS[target].backend == "cuda"
     asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, sass=cuda,
@@ -212,6 +214,37 @@ def test_one_launch_compiles(target, mxfp8, w2_block):
         assert "global_atomic_add_f32" in asm["amdgcn"]
         if mxfp8 and target == "gfx950":
             assert "v_mfma_scale_f32" in asm["amdgcn"]
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("block", [32, 128])
+def test_block_fp8_wo_a_compiles(target, block):
+    """DeepSeek-V4.1-Flash's output projection (wo_a and wo_b E4M3 in 32-blocks as published; 128 too)
+    against bf16 o, at the tiles the launch picks for 1 and 8 rows (one kernel): no spills on NVIDIA,
+    no scratch on AMD, within the LDS; the reductions and the arrival as for the other layouts."""
+    groups, rank, k, hidden = FLASH_WO_A["groups"], FLASH_WO_A["n"], FLASH_WO_A["k"], 4096
+    signature = {**SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_scale_ptr": "*fp32", "w2_ptr": "*fp8e4nv"}
+    cuda = TARGETS[target].backend == "cuda"
+    tiles = {pick(DENSE_GROUPED_GEMM, target).for_m(m) for m in (1, MAX_ROWS)}
+    assert len(tiles) == 1 and groups * rank % block == 0 and hidden % block == 0
+    cfg = tiles.pop()
+    constexprs = dict(BLOCK_M=DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=False,
+                      UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=block, EVEN_K=k % cfg.block_k == 0, W2_BLOCK=block,
+                      PDL=pdl(target))
+    asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, sass=cuda,
+                      divisible_by_16=["K", "H", "stride_am", "stride_ag", "stride_bn", "stride_w2", "stride_om"])
+    if cuda:
+        ptx = asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and all(op in ptx for op in GRID_DEPENDENCY)
+        assert any("red.global.gpu.relaxed.add" in line and ".f32" in line for line in ptx.splitlines())
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert "global_atomic_add_f32" in asm["amdgcn"]
         scratch, lds = amd_scratch_and_lds(asm)
         assert scratch == 0 and lds <= LDS_BYTES[target]
 
