@@ -43,9 +43,10 @@ def _zero_cpu_counters() -> None:
     boundary = sys.modules.get("engine.backends.triton.mhc_boundary")
     held = [t for ts in (decode._KEPT_ZERO.values() if decode else ()) for t in ts]
     held += list(boundary._COUNTERS.__dict__.get("by_device", {}).values()) if boundary else []
-    for t in held:
-        if t.device.type == "cpu":
-            t.zero_()
+    with torch.inference_mode():  # buffers first made inside the engine's inference mode are inference tensors
+        for t in held:
+            if t.device.type == "cpu":
+                t.zero_()
 
 
 @pytest.fixture(scope="session")
