@@ -181,15 +181,33 @@ SIGNATURE = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*u8", "b_ptr": "*fp8e4nv", "b_
              "stride_om": "i32"}
 
 
+def compiled(signature, constexprs, cfg, target) -> dict:
+    """The one launch compiled for ``target``: no spills on NVIDIA, no scratch on AMD, within the LDS;
+    the reductions relaxed fp32 atomics, the arrival an acq_rel atomic at GPU scope; PDL on NVIDIA."""
+    cuda = TARGETS[target].backend == "cuda"
+    asm = compile_asm(fused._low_rank_output_kernel, signature, {**constexprs, "PDL": pdl(target)}, target,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, sass=cuda,
+                      divisible_by_16=["K", "H", "stride_am", "stride_ag", "stride_bn", "stride_w2", "stride_om"])
+    if cuda:
+        ptx = asm["ptx"]
+        assert "atom.global.gpu.acq_rel.add" in ptx and all(op in ptx for op in GRID_DEPENDENCY)
+        assert any("red.global.gpu.relaxed.add" in line and ".f32" in line for line in ptx.splitlines())
+        assert local_memory_ops(asm["sass"]) == 0
+    else:
+        assert "global_atomic_add_f32" in asm["amdgcn"]
+        scratch, lds = amd_scratch_and_lds(asm)
+        assert scratch == 0 and lds <= LDS_BYTES[target]
+    return asm
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("mxfp8,w2_block", [(True, 0), (False, 0), (True, 128), (False, 32)],
                          ids=["mxfp8", "dense", "mxfp8-fp8wo_b", "dense-fp8wo_b-32"])
 def test_one_launch_compiles(target, mxfp8, w2_block):
     """DeepSeek-V4-Flash's output projection at a decode step's tiles (the first half's table, wo_b in
-    bf16, or block-FP8 as V4 publishes it, in 128-blocks, and V4.1 in 32): no spills on NVIDIA, no
-    scratch on AMD, within the LDS; the reductions relaxed fp32 atomics, the arrival an acq_rel
-    atomic at GPU scope; the block-scaled MMA where the target has it (sm_100, gfx950); PDL on NVIDIA."""
+    bf16, or block-FP8 as V4 publishes it, in 128-blocks, and V4.1 in 32), ``compiled``; the
+    block-scaled MMA where the target has it (sm_100, gfx950)."""
     cfg = pick(MXFP8_GEMM if mxfp8 else DENSE_GROUPED_GEMM, target).small
     signature = SIGNATURE if mxfp8 else {**SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_ptr": "*bf16",
                                          "b_scale_ptr": "*bf16"}
@@ -197,25 +215,12 @@ def test_one_launch_compiles(target, mxfp8, w2_block):
         signature = {**signature, "w2_ptr": "*fp8e4nv"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=mxfp8,
-                      UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=0, EVEN_K=True, W2_BLOCK=w2_block,
-                      PDL=pdl(target))
-    cuda = TARGETS[target].backend == "cuda"
-    asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, sass=cuda,
-                      divisible_by_16=["K", "H", "stride_am", "stride_ag", "stride_bn", "stride_w2", "stride_om"])
-    if cuda:
-        ptx = asm["ptx"]
-        assert "atom.global.gpu.acq_rel.add" in ptx and all(op in ptx for op in GRID_DEPENDENCY)
-        assert any("red.global.gpu.relaxed.add" in line and ".f32" in line for line in ptx.splitlines())
-        if mxfp8 and target == "sm_100":
-            assert any("tcgen05.mma" in line and "block_scale" in line for line in ptx.splitlines())
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        assert "global_atomic_add_f32" in asm["amdgcn"]
-        if mxfp8 and target == "gfx950":
-            assert "v_mfma_scale_f32" in asm["amdgcn"]
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+                      UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=0, EVEN_K=True, W2_BLOCK=w2_block)
+    asm = compiled(signature, constexprs, cfg, target)
+    if mxfp8 and target == "sm_100":
+        assert any("tcgen05.mma" in line and "block_scale" in line for line in asm["ptx"].splitlines())
+    if mxfp8 and target == "gfx950":
+        assert "v_mfma_scale_f32" in asm["amdgcn"]
 
 
 @pytest.mark.aot
@@ -223,30 +228,16 @@ def test_one_launch_compiles(target, mxfp8, w2_block):
 @pytest.mark.parametrize("block", [32, 128])
 def test_block_fp8_wo_a_compiles(target, block):
     """DeepSeek-V4.1-Flash's output projection (wo_a and wo_b E4M3 in 32-blocks as published; 128 too)
-    against bf16 o, at the tiles the launch picks for 1 and 8 rows (one kernel): no spills on NVIDIA,
-    no scratch on AMD, within the LDS; the reductions and the arrival as for the other layouts."""
-    groups, rank, k, hidden = FLASH_WO_A["groups"], FLASH_WO_A["n"], FLASH_WO_A["k"], 4096
+    against bf16 o, at the tiles the launch picks for 1 and for 8 rows (the same kernel), ``compiled``."""
+    k = FLASH_WO_A["k"]
     signature = {**SIGNATURE, "a_ptr": "*bf16", "a_scale_ptr": "*bf16", "b_scale_ptr": "*fp32", "w2_ptr": "*fp8e4nv"}
-    cuda = TARGETS[target].backend == "cuda"
     tiles = {pick(DENSE_GROUPED_GEMM, target).for_m(m) for m in (1, MAX_ROWS)}
-    assert len(tiles) == 1 and groups * rank % block == 0 and hidden % block == 0
+    assert len(tiles) == 1
     cfg = tiles.pop()
-    constexprs = dict(BLOCK_M=DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=False,
-                      UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=block, EVEN_K=k % cfg.block_k == 0, W2_BLOCK=block,
-                      PDL=pdl(target))
-    asm = compile_asm(fused._low_rank_output_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, sass=cuda,
-                      divisible_by_16=["K", "H", "stride_am", "stride_ag", "stride_bn", "stride_w2", "stride_om"])
-    if cuda:
-        ptx = asm["ptx"]
-        assert "atom.global.gpu.acq_rel.add" in ptx and all(op in ptx for op in GRID_DEPENDENCY)
-        assert any("red.global.gpu.relaxed.add" in line and ".f32" in line for line in ptx.splitlines())
-        assert local_memory_ops(asm["sass"]) == 0
-    else:
-        assert "global_atomic_add_f32" in asm["amdgcn"]
-        scratch, lds = amd_scratch_and_lds(asm)
-        assert scratch == 0 and lds <= LDS_BYTES[target]
+    compiled(signature, dict(BLOCK_M=DOT_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                             BLOCK_H=pick(fused.OUTPUT_COLUMNS, target), GROUP_M=cfg.group_m, MX=32, SCALED=False,
+                             UPCAST=False, FLUSH_H=fused.FLUSH, W1_BLOCK=block, EVEN_K=k % cfg.block_k == 0,
+                             W2_BLOCK=block), cfg, target)
 
 
 @pytest.mark.gpu
