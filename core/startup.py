@@ -20,6 +20,7 @@ from .graph_runner import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
 from .kv.hierarchy import KVHierarchy, host_capacity, tier_layout
 from .kv.manager import KVManager
+from .kv.page_rows import PageRows
 from .kv.storage import KVCache, pages_for_budget
 from .models.base import Backends, CausalLM
 from .plugins import Plugins, load_plugins
@@ -249,14 +250,16 @@ def model_key(model_config: ModelConfig, page_size: int) -> str:
                        page_size], sort_keys=True, default=str)
 
 
-def attach_host_tier(plugins: Plugins, ctx: SelectionContext, kv: KVCache, kv_manager: KVManager) -> None:
-    """The hierarchical cache's host tier (L2, the cache-tier family's ``host``), sized and attached."""
+def attach_host_tier(plugins: Plugins, ctx: SelectionContext, kv: KVCache, kv_manager: KVManager,
+                     rows: PageRows | None = None) -> None:
+    """The hierarchical cache's host tier (L2, the cache-tier family's ``host``), sized and attached;
+    a proposer's ``rows`` of each page go with the pages."""
     config = ctx.engine_config
-    layout = tier_layout(kv, model_key(ctx.model_config, config.page_size))
+    layout = tier_layout(kv, model_key(ctx.model_config, config.page_size), rows)
     capacity = host_capacity(kv, layout, config.hicache_ratio, int(config.hicache_size * 2**30))
     tier_ctx = TierContext(ctx.platform, ctx.model_config, config, layout, capacity, kv.device)
     tier = plugins.select("cache_tier", tier_ctx, "host").create(tier_ctx)
-    lower = kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv)
+    lower = kv_manager.attach_lower(tier, config.hicache_write_policy, layout.model, kv, rows)
     if config.hicache_storage_backend:
         attach_storage_tier(plugins, lower, config)
     logger.info("hierarchical cache: host tier %s (%s) holds %s records (%.1f MiB), %s",
@@ -347,14 +350,14 @@ def build(config: EngineConfig, plugins: Plugins | None = None, progress: bool =
     kv = KVCache(specs, num_pages, config.page_size, model_config.dtype, device, window_pages)
     kv_manager = KVManager(num_pages, config.page_size, config.enable_prefix_caching, kv, window_pages,
                            model.window_reach(), max_rollback, max_seq_len=max_model_len)
-    if config.enable_hierarchical_cache:
-        attach_host_tier(plugins, ctx, kv, kv_manager)
     per_page = [KVCache.bytes_per_page(specs, config.page_size, model_config.dtype, w) for w in (False, True)]
     logger.info("loaded %s (%s, %s) in %.1fs; KV cache %d pages of %d tokens (%.1f MiB, %.1f bytes a token), "
                 "%d window pages (%.1f MiB)", model_config.architecture, model_config.dtype, device,
                 time.monotonic() - started, num_pages, config.page_size, per_page[0] * num_pages / 2**20,
                 per_page[0] / config.page_size, window_pages, per_page[1] * window_pages / 2**20)
     proposer = proposer_selection.create(replace(ctx, target=model)) if proposer_selection is not None else None
+    if config.enable_hierarchical_cache:  # host memory: after the proposer, whose rows go with the pages
+        attach_host_tier(plugins, ctx, kv, kv_manager, proposer.page_rows() if proposer is not None else None)
     graphs = prefill_graphs = verify_graphs = None
     if graph_selection is not None:  # one backend, one memory pool: prefill's buckets, then decode's
         selections["graphs"] = graph_selection

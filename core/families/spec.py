@@ -97,6 +97,11 @@ class SpecProposer(ABC):
         position before (MTP) answers what it holds; the rest, all."""
         return len(token_ids)
 
+    def page_rows(self) -> Any:
+        """What it keeps per page of a token prefix that should cross the hierarchical cache's tiers
+        with the target's pages (core/kv/page_rows.py's PageRows: DSpark's context rows), or None."""
+        return None
+
     def reset_prefix_cache(self) -> None:
         """Drop what the proposer keeps across sequences and its lookup counts (after the start-up
         warm-up, as the target's prefix cache is)."""

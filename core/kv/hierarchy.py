@@ -22,6 +22,12 @@ computed again. A load's pages reach the device layer by layer beside the next f
 tree records the node below at once, its room in host memory taken, while its pages are copied to
 the host behind the step that wrote them (host_copy.py); the records are checksummed and put in
 host memory once landed, then handed to the storage tier's writer thread (storage_writer.py).
+
+A proposer's rows kept per page (DSpark's context rows, page_rows.py) go with the pages: written
+beside a node's pages where the proposer has them, discarded with them, read from storage with
+them, and given back to the proposer when a match ends on pages whose rows it let go. A rows
+record missing, foreign or failing its checksum is a miss for the rows only (counted, dropped):
+the page hit stands, and the proposer drafts from what it has.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ import torch
 
 from ..config import HICACHE_WRITE_POLICIES
 from ..families.cache_tier import CHECKSUM, CacheTier, TierLayout, TierPage, prefix_keys
-from .host_copy import HostCopy
+from .host_copy import HostCopy, to_host
+from .page_rows import KIND as ROWS
+from .page_rows import PageRows, rows_key
 from .pages import PagePool
 from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
@@ -81,6 +89,8 @@ class TierStats:
     refused: int = 0  # records the lower tier had no room for
     loaded_pages: int = 0
     loaded_windows: int = 0
+    written_rows: int = 0  # a proposer's rows of a page (page_rows.py)
+    loaded_rows: int = 0  # rows records given back to the proposer
     hit_tokens: int = 0  # prefix tokens a match found only in the lower tier and loaded back
     checksum_failures: int = 0
     bytes_written: int = 0
@@ -96,19 +106,24 @@ class TierStats:
     storage_read_failures: int = 0  # reads that failed other than by absence (of tiers since detached)
 
 
-def tier_layout(kv: KVCache, model: str) -> TierLayout:
+def tier_layout(kv: KVCache, model: str, rows: PageRows | None = None) -> TierLayout:
     """The records a tier keeps for ``kv`` (a page's components, and a window page's where there are
-    windows), named in content keys by ``model``, those records' layout and how they are checked."""
+    windows; a proposer's ``rows`` of a page where it keeps some), named in content keys by
+    ``model``, those records' layout and how they are checked. Rows have keys of their own: the
+    pages' keys are the same with or without them."""
     segments = {"page": kv.record_segments()}
     if kv.num_window_pages:
         segments["window"] = kv.record_segments(windowed=True)
-    return TierLayout(segments, json.dumps([model, segments, CHECKSUM], sort_keys=True))
+    model = json.dumps([model, segments, CHECKSUM], sort_keys=True)
+    if rows is not None:
+        segments[ROWS] = (rows.record_bytes,)
+    return TierLayout(segments, model)
 
 
 def host_capacity(kv: KVCache, layout: TierLayout, ratio: float, size_bytes: int = 0) -> dict[str, int]:
     """Records of each kind host memory keeps: ``ratio`` times the device's pages (and window
-    pages), or as many as ``size_bytes`` holds in the same proportion."""
-    device = {"page": kv.num_pages - 1, "window": kv.num_window_pages - 1}
+    pages, and a rows record a page), or as many as ``size_bytes`` holds in the same proportion."""
+    device = {"page": kv.num_pages - 1, "window": kv.num_window_pages - 1, ROWS: kv.num_pages - 1}
     device = {k: n for k, n in device.items() if k in layout.segments}
     if size_bytes:
         ratio = size_bytes / sum(n * layout.record_bytes(k) for k, n in device.items())
@@ -117,12 +132,13 @@ def host_capacity(kv: KVCache, layout: TierLayout, ratio: float, size_bytes: int
 
 class KVHierarchy:
     def __init__(self, radix: RadixCache, pool: PagePool, kv: KVCache, window: WindowPool | None, tier: CacheTier,
-                 policy: str = "write_through", model_key: str = "") -> None:
+                 policy: str = "write_through", model_key: str = "", rows: PageRows | None = None) -> None:
         if policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {policy!r}")
         self.radix, self.pool, self.kv, self.window, self.tier = radix, pool, kv, window, tier
         self.policy = policy
         self.model_key = model_key
+        self.rows = rows  # a proposer's rows of each page, which go with the pages
         self.page_size = radix.page_size
         self.stats = TierStats()
         self._pinned = kv.device.type == "cuda"
@@ -169,7 +185,7 @@ class KVHierarchy:
 
     def forget(self, node: _Node) -> None:
         """The tree no longer refers to ``node``'s records (those still on their way are dropped)."""
-        keys = (node.lower or []) + (node.lower_window or [])
+        keys = (node.lower or []) + (node.lower_window or []) + self._rows_keys(node.lower or [])
         self.tier.discard([k for k in keys if not self._unreserve(k)])
 
     # -- writing ------------------------------------------------------------------------------
@@ -186,6 +202,7 @@ class KVHierarchy:
                 node.tiers.add(Tier.HOST)
                 self.stats.written_pages += len(keys)
                 self._landing.append(_Landing(keys, "page", self.kv.copy_records(node.pages)))
+                self._save_rows(node, keys)
         if node.window is not None and node.lower_window is None and node.lower:
             keys = window_keys(node.lower[-1], len(node.window))
             if self._reserve(node, keys, "window"):
@@ -194,6 +211,23 @@ class KVHierarchy:
                 rows = [self.window.page_of(p) for p in node.window]
                 self._landing.append(_Landing(keys, "window", self.kv.copy_records(rows, windowed=True)))
         self.settle()  # what is there already (on the CPU: everything)
+
+    def _save_rows(self, node: _Node, keys: list[str]) -> None:
+        """Put the proposer's rows of the node's pages (``keys``) that it keeps, from the first, in
+        the lower tier beside them."""
+        if self.rows is None:
+            return
+        tokens = self.radix.prefix(node)
+        records = self.rows.records(tokens, len(tokens) // self.page_size - len(keys), len(keys))
+        if records is None:
+            return
+        keys = self._rows_keys(keys[:records.shape[0]])
+        if self._reserve(node, keys, ROWS):
+            self.stats.written_rows += len(keys)
+            self._landing.append(_Landing(keys, ROWS, to_host(records)))
+
+    def _rows_keys(self, page_keys: list[str]) -> list[str]:
+        return [rows_key(k, self.rows.identity) for k in page_keys] if self.rows is not None else []
 
     def settle(self, wait: bool = False) -> None:
         """Put the records whose bytes have landed (``wait``: all of them, waiting for the device) in
@@ -373,11 +407,23 @@ class KVHierarchy:
         try:
             if not self._put(anchor, records[:count]) or windows is not None and not self._put(anchor, windows):
                 return 0
+            self._fetch_rows(anchor, keys[:count])
             self.radix.attach_lower(tokens, keys[:count], [w.key for w in windows] if windows is not None else None)
             self.stats.storage_hit_tokens += count * self.page_size
             return count * self.page_size
         finally:
             self.radix.unlock(anchor)
+
+    def _fetch_rows(self, anchor: _Node, page_keys: list[str]) -> None:
+        """Bring the proposer's rows of the pages under ``page_keys`` that storage holds, intact, from
+        the first, into host memory beside them (where there is room: else the rows miss)."""
+        if self.rows is None:
+            return
+        got = self.reader.read_now(self._rows_keys(page_keys))
+        self.stats.storage_bytes_read += sum(r.data.numel() for r in got)
+        good = self._stored_intact(got, ROWS)
+        if good:
+            self._put(anchor, good)
 
     def _stored_windows(self, end_key: str, num_pages: int) -> list[TierPage] | None:
         """The intact window records storage holds for a prefix of ``num_pages`` pages ending at ``end_key``."""
@@ -416,6 +462,7 @@ class KVHierarchy:
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
             self._restore_windows(frontier, device_pages)
+            self._restore_rows(tokens, len(device_pages))
             return 0
         bad = None
         self.radix.lock(lower[-1])  # neither its path on the device nor its records go meanwhile
@@ -436,11 +483,26 @@ class KVHierarchy:
             self.stats.storage_loaded_tokens += max(0, count * self.page_size - (below - fetched))
             if windows is not None:
                 self._hold_windows(end, device_pages + pages, windows)
+            self._restore_rows(tokens, len(device_pages) + count)
             return count * self.page_size
         finally:
             self.radix.unlock(lower[-1])
             if bad is not None:
                 self.radix.drop(next(n for n in lower if bad in n.lower))
+
+    def _restore_rows(self, tokens: list[int], num_pages: int) -> None:
+        """Give the proposer back the rows of the first ``num_pages`` pages of ``tokens`` (a match's,
+        on the device now) that it let go and the lower tier holds, intact, from the first it lacks;
+        a bad one is counted and let go (a miss for the rows only)."""
+        if self.rows is None or (held := self.rows.held(tokens, num_pages)) >= num_pages:
+            return
+        keys = self._rows_keys(prefix_keys(tokens, self.page_size, self.model_key)[held:num_pages])
+        records, bad = self._read(keys, ROWS)
+        if bad is not None and self.tier.contains([bad]):
+            self.tier.discard([bad])
+        if records:
+            self.rows.restore(tokens, held, records)
+            self.stats.loaded_rows += len(records)
 
     def _end(self, lower: list[_Node], num_records: int, num_device_pages: int):
         """The deepest node of ``lower`` a load can end at (its records, and the windows of its end
@@ -530,17 +592,19 @@ class KVHierarchy:
     def check_consistency(self) -> None:
         """Raise AssertionError unless the lower tier holds, or has room taken for, exactly the records
         the tree refers to."""
-        referred = set()
+        referred, rows = set(), set()  # a page's rows may be missing (the proposer had none)
         for n in self.radix.lower_nodes():
             if len(n.lower) * self.page_size != len(n.key):
                 raise AssertionError(f"a node of {len(n.key)} tokens has {len(n.lower)} lower-tier records")
             referred.update(n.lower + (n.lower_window or []))
+            rows.update(self._rows_keys(n.lower))
+        referred |= rows
         pending = set(self._pending)
         if sum(self._reserved.values()) != len(pending) or any(v < 0 for v in self._reserved.values()):
             raise AssertionError(f"room taken for {dict(self._reserved)} records, {len(pending)} on their way")
         held = self.tier.keys() if hasattr(self.tier, "keys") else referred - pending
         if held & pending:
             raise AssertionError(f"{len(held & pending)} record(s) both held and on their way")
-        if held | pending != referred:
+        if held | pending | rows != referred:
             raise AssertionError(f"the lower tier holds {len((held | pending) - referred)} record(s) no node refers "
                                  f"to and misses {len(referred - held - pending)} that nodes refer to")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from ..families.cache_tier import CacheTier
 from .hicache_stats import HiCacheStats, snapshot
 from .hierarchy import KVHierarchy
+from .page_rows import PageRows
 from .page_table import PageTable
 from .pages import PagePool
 from .radix import RadixCache, RadixStats, Tier
@@ -99,10 +100,11 @@ class KVManager:
         self._copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
         self.lower: KVHierarchy | None = None  # the hierarchical cache's tiers below the device
 
-    def attach_lower(self, tier: CacheTier, policy: str, model_key: str, kv: KVCache) -> KVHierarchy:
+    def attach_lower(self, tier: CacheTier, policy: str, model_key: str, kv: KVCache,
+                     rows: PageRows | None = None) -> KVHierarchy:
         """Keep the prefix cache's pages in ``tier`` below the device too (hierarchy.py), written by
-        ``policy``; ``model_key`` seeds the pages' content keys."""
-        self.lower = KVHierarchy(self.radix, self.pool, kv, self.window, tier, policy, model_key)
+        ``policy``, with a proposer's ``rows`` of them; ``model_key`` seeds the pages' content keys."""
+        self.lower = KVHierarchy(self.radix, self.pool, kv, self.window, tier, policy, model_key, rows)
         return self.lower
 
     @property

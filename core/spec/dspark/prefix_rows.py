@@ -13,6 +13,9 @@ least recently used dropped first, at most as many positions as the running sequ
 hold (``max_num_seqs`` of ``max_model_len``): at most what the live contexts take again. A
 sequence's pages are kept once every position of the page is final (its token will not change: a
 prompt's, or a kept token's, not a draft's).
+
+Under the hierarchical cache the pages' rows also go below the device with the target's pages
+(tier_rows.py): ``held`` and ``pages`` read them by token prefix, ``restore`` takes them back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ import torch
 
 def _digest(before: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(before + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def _chain(tokens: list[int], page_size: int, num_pages: int) -> list[bytes]:
+    """The digests of the first ``num_pages`` whole pages of ``tokens``."""
+    chain: list[bytes] = []
+    for i in range(min(num_pages, len(tokens) // page_size)):
+        chain.append(_digest(chain[-1] if chain else b"", tokens[i * page_size:(i + 1) * page_size]))
+    return chain
 
 
 class PrefixRows:
@@ -46,9 +57,35 @@ class PrefixRows:
             if chain[-1] in self._pages:
                 self._pages.move_to_end(chain[-1])
             elif i * ps >= start:
-                self._pages[chain[-1]] = rows[:, :, i * ps - start:(i + 1) * ps - start].clone()
-                if len(self._pages) > self.capacity:
-                    self._pages.popitem(last=False)
+                self._put(chain[-1], rows[:, :, i * ps - start:(i + 1) * ps - start].clone())
+
+    def _put(self, digest: bytes, rows: torch.Tensor) -> None:
+        if self.capacity == 0:
+            return
+        self._pages[digest] = rows
+        self._pages.move_to_end(digest)
+        if len(self._pages) > self.capacity:
+            self._pages.popitem(last=False)
+
+    def held(self, token_ids: list[int], num_pages: int) -> int:
+        """How many of the first ``num_pages`` whole pages of ``token_ids`` are kept, from the first."""
+        return next((i for i, d in enumerate(_chain(token_ids, self.page_size, num_pages)) if d not in self._pages),
+                    num_pages)
+
+    def pages(self, token_ids: list[int], first: int, count: int) -> list[torch.Tensor]:
+        """The rows of pages ``first``.. (at most ``count``) of ``token_ids`` kept, up to the first not kept."""
+        out = []
+        for d in _chain(token_ids, self.page_size, first + count)[first:]:
+            if d not in self._pages:
+                break
+            out.append(self._pages[d])
+        return out
+
+    def restore(self, token_ids: list[int], first: int, pages: list[torch.Tensor]) -> None:
+        """Keep ``pages`` (rows [layers, 2, page, ...] each) as those of pages ``first``.. of ``token_ids``."""
+        chain = _chain(token_ids, self.page_size, first + len(pages))
+        for digest, rows in zip(chain[first:], pages):
+            self._put(digest, rows)
 
     def lookup(self, seq_id: int, token_ids: list[int]) -> torch.Tensor | None:
         """The rows of the longest run of whole pages of ``token_ids`` kept, from its start, before

@@ -10,8 +10,9 @@ keys and values are computed from them once and kept per sequence, by position: 
 target computes again (after rejected drafts, whose rows it handed back too) overwrite theirs. A
 block reads the positions before its anchor, the sequence's last token, whose own features come
 with the next verification. Whole pages of final positions are also kept by token prefix
-(prefix_rows.py), so a prefix hit starts from the rows of the hit (``admit``: the target's hit is
-cut back to where they end, within the scheduler's recompute bound; a longer hit gives the target's
+(prefix_rows.py; under the hierarchical cache they go below the device with the target's pages and
+come back with a hit there, tier_rows.py), so a prefix hit starts from the rows of the hit
+(``admit``: the target's hit is cut back to where they end, within the scheduler's recompute bound; a longer hit gives the target's
 features from its end on only, and the block reads what there is). An n > 1 sibling forks its
 parent's context of the prompt (``fork``).
 
@@ -48,6 +49,7 @@ from ..config import SpecConfigError
 from ..drafting_group import DraftingGroup
 from .prefix_rows import PrefixRows
 from .stages import build_stages, has_dspark, stage_reasons
+from .tier_rows import TierRows, drafter_identity
 from .weights import METHOD, build_drafter, read_drafter
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,10 @@ class DSparkProposer(SpecProposer):
 
     def reset_prefix_cache(self) -> None:
         self.prefixes.clear()
+
+    def page_rows(self) -> TierRows:
+        return TierRows(self.prefixes, self._row, self._row_dtype, self.device,
+                        drafter_identity(METHOD, self.drafter, self._row_dtype))
 
     @torch.inference_mode()
     def fork(self, parent_id: int, child_id: int) -> None:
