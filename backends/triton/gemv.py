@@ -127,10 +127,13 @@ def _block_scaled(w, scale_rows, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _scale_rows(scale_ptr, rows, stride_s, SCALE_BLOCK: tl.constexpr):
-    """The scale rows of weight ``rows`` (blocks of SCALE_BLOCK rows); unread for a plain weight."""
+    """The scale rows of weight ``rows`` (blocks of SCALE_BLOCK rows); for a plain weight, whose
+    ``scale_ptr`` is None, something unread that is not None (a compiled jit function cannot
+    return None; the interpreter can)."""
+    held = rows
     if SCALE_BLOCK:
-        scale_ptr = scale_ptr + (rows // SCALE_BLOCK) * stride_s
-    return scale_ptr
+        held = scale_ptr + (rows // SCALE_BLOCK) * stride_s
+    return held
 
 
 @triton.jit

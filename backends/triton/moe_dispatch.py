@@ -228,7 +228,8 @@ def dispatch_arguments(router_logits: torch.Tensor, cfg: RoutingConfig, input_id
     ids = torch.empty(t, width, dtype=torch.int64, device=device)
     blocks = unfilled_blocks(t * (cfg.top_k if apart else width), num_experts, block_m, device, arrival_counts)
     shared = unfilled_blocks(t, 1, shared_block_m, device, shared_arrival_counts) if apart else None
-    counters = [(None, 0) if b is None or b.counters is None else (b.counters, b.counters.numel())
+    # no counters: zero words of an int32 tensor (a compiled kernel cannot store through None)
+    counters = [(blocks.sorted_ids, 0) if b is None or b.counters is None else (b.counters, b.counters.numel())
                 for b in (blocks, shared)]
     shared_args = (shared.sorted_ids, shared.block_expert, shared.num_padded, shared.num_blocks) if apart else \
         (None, None, None, 0)
