@@ -130,7 +130,7 @@ class Trainee:
 
         c, n = self.components, len(windows[0])
         cache, kv_manager = proposer_kv(self.config, self.model, c.device, torch.float32, n + PAGE, 0)
-        b, _ = step_batch(kv_manager, windows, PAGE)
+        b, _ = step_batch(kv_manager, windows, PAGE, c.device)
         b.attn_metadata = self.model.prepare(b)
         logits = self.model.compute_logits(self.model(b, cache)).view(len(windows), n, -1)[:, :-1]
         want = torch.tensor([w[1:] for w in windows], device=logits.device)

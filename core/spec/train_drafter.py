@@ -49,9 +49,9 @@ def corpus(tokenizer, files: list[str], max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-def step_batch(kv_manager, windows: list[list[int]], page_size: int, shift: int = 0):
-    """A prefill batch of ``windows`` (from their token ``shift`` on) on pages of ``kv_manager``,
-    and the draft sequences holding them (to free)."""
+def step_batch(kv_manager, windows: list[list[int]], page_size: int, device: torch.device, shift: int = 0):
+    """A prefill batch of ``windows`` (from their token ``shift`` on) on pages of ``kv_manager``, on
+    ``device``, and the draft sequences holding them (to free)."""
     seqs = [DraftSeq(i, w, list(w)) for i, w in enumerate(windows)]
     n = len(windows[0]) - shift
     rows = []
@@ -62,7 +62,8 @@ def step_batch(kv_manager, windows: list[list[int]], page_size: int, shift: int 
         rows.append(st.row)
     tables = kv_manager.page_table.gather(rows, -(-n // page_size))
     ids = [t for w in windows for t in w[shift:]]
-    batch = ForwardBatch.build(ids, [n] * len(windows), [0] * len(windows), tables, page_size, list(range(len(ids))))
+    batch = ForwardBatch.build(ids, [n] * len(windows), [0] * len(windows), tables, page_size, list(range(len(ids))),
+                               device)
     return batch, seqs
 
 
@@ -97,7 +98,7 @@ class FrozenTarget:
     def run(self, windows: list[list[int]], feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict]:
         """The target over ``windows``: its final hidden states of every token, and its features."""
         c = self.components
-        b, seqs = step_batch(c.kv_manager, windows, PAGE)
+        b, seqs = step_batch(c.kv_manager, windows, PAGE, c.device)
         b.features, b.feature_layers = {}, feature_layers
         b.attn_metadata = self.model.prepare(b)
         hidden = self.model(b, c.kv)

@@ -79,11 +79,11 @@ def train_mtp(model: str, files: list[str], out: str, steps: int = 300, seq_len:
         # the layer at positions 0..L-2 reads x[p + 1] and the streams at p, and predicts x[p + 2]
         cache, kv_manager = proposer_kv(target.config, layer, target.components.device, torch.float32,
                                         seq_len + PAGE, 0)
-        b, _ = step_batch(kv_manager, windows, PAGE, shift=1)
+        b, _ = step_batch(kv_manager, windows, PAGE, target.components.device, shift=1)
         rows = streams.view(batch, seq_len, *streams.shape[1:])[:, :-1].reshape(-1, *streams.shape[1:])
         _, hidden = layer(b, cache, rows)
         logits = target.model.compute_logits(hidden).view(batch, seq_len - 1, -1)[:, :-1]
-        want = torch.tensor([w[2:] for w in windows])
+        want = torch.tensor([w[2:] for w in windows], device=logits.device)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
 
     losses, seconds = fit(params, loss_of, steps, lr, "training the next-n layer", progress, seconds)

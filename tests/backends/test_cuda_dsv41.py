@@ -21,7 +21,7 @@ from greedy_agreement import GreedyAgreement, compare_greedy
 pytestmark = pytest.mark.gpu
 
 TINY = dict(ratios=[0, 2, 2, 4, 1, 1, 1, 128, 1, 2, 2], kv_sources=[1, 4, 9], index_sources=[1, 4, 6], candidate=4,
-            blocks=3, block_size=2, window=8, top_k=4, engram=[0, 5])
+            blocks=3, block_size=2, window=8, top_k=4, engram=[0, 5], moe_intermediate_size=32)  # FP4: 32s
 BOUND = 1e-3  # fp32 on both sides; TF32 off in the engine's fp32 paths
 
 

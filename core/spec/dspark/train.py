@@ -78,12 +78,12 @@ def train_dspark(model: str, files: list[str], out: str, steps: int = 300, seq_l
             hidden, features = target.run(windows, shape.target_layer_ids)
             with torch.inference_mode():
                 logits = target.model.compute_logits(hidden)
-            outputs[:] = [torch.tensor(windows), features["layers"].clone().view(batch, seq_len, -1),
+            outputs[:] = [torch.tensor(windows, device=hidden.device), features["layers"].clone().view(batch, seq_len, -1),
                           logits.clone().view(batch, seq_len, -1), 0]
         tokens, features, logits, used = outputs
         outputs[-1] = used + 1
         picks = torch.rand(batch, seq_len - shape.block_size - 1, generator=gen).argsort(1)[:, :anchors] + 1
-        return block_loss(drafter, tokens, features, logits, picks.sort(1).values)
+        return block_loss(drafter, tokens, features, logits, picks.sort(1).values.to(tokens.device))
 
     losses, seconds = fit(list(drafter.parameters()), loss_of, steps, lr, "training the DSpark drafter", progress,
                            seconds)
