@@ -241,6 +241,8 @@ def test_block_fp8_wo_a_compiles(target, block):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on an H100 at 90554ed the last program read sums before every program's "
+                   "atomic reductions landed (6-20% of the outputs wrong); TritonLinear keeps it off on GPUs")
 @pytest.mark.parametrize("mxfp8", [True, False], ids=["mxfp8", "dense"])
 @pytest.mark.parametrize("m", [1, 8])
 def test_one_launch_gpu(seed, mxfp8, m):
@@ -261,10 +263,14 @@ def test_one_launch_gpu(seed, mxfp8, m):
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
         assert not kept_zero(m * hidden, got.device, torch.float32).any()
 
-    check(backend.low_rank_output(x, first, second))
+    def one_launch():
+        return fused.low_rank_output(x.data if mxfp8 else x, x.scale if mxfp8 else None, first.data, first.scale,
+                                     second.data, torch.bfloat16)
+
+    check(one_launch())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.low_rank_output(x, first, second)
+        out = one_launch()
     for _ in range(2):
         fresh = operands(m, groups, rank, k, hidden, torch.bfloat16, mxfp8)[0]
         (x.data if mxfp8 else x).copy_(fresh.data if mxfp8 else fresh)
