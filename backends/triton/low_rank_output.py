@@ -1,4 +1,5 @@
-"""DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step:
+"""DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step
+(run in the interpreter; off on GPUs, where on an H100 it was wrong against native: see linear.py):
 o [M, G, K] through each group's [R, K] block of wo_a (MXFP8, block-FP8 or dense), rounded to the activations'
 dtype, then through wo_b [H, G * R] (dense, that dtype) -> [M, H].
 
