@@ -49,12 +49,19 @@ def test_two_ranks_generate_what_one_process_does(single, tp2, eval_text, seed):
     assert got == expected
     stats = tp2.engine.stats()
     assert stats.num_preemptions > 0, "the batch was meant to run short of pages"
-    # the same prompts again, now cached: prefix hits on every rank's pages
+    # the same prompts again, extended by their outputs: what the few pages kept may hit
     again = [p + t for p, t in zip(batch, expected)]
     expected = [o.outputs[0].token_ids for o in single.generate(again, params)]
     got = [o.outputs[0].token_ids for o in within(TIMEOUT_S, lambda: tp2.generate(again, params))]
     assert got == expected
-    assert tp2.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+    # a prompt right after its own shorter run: its pages are the cache's newest, so it hits them on
+    # every rank (the batch above hits only what its order leaves: none at some seeds)
+    hits = tp2.engine.stats().prefix_cache_hits
+    assert [o.outputs[0].token_ids for o in tp2.generate([again[-1]], params)] == expected[-1:]
+    longer = again[-1] + expected[-1]
+    want = single.generate([longer], params)[0].outputs[0].token_ids
+    assert within(TIMEOUT_S, lambda: tp2.generate([longer], params))[0].outputs[0].token_ids == want
+    assert tp2.engine.stats().prefix_cache_hits > hits
 
 
 def test_each_rank_holds_half_of_the_heads_and_vocabulary(single, tp2):
