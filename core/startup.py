@@ -18,7 +18,8 @@ from .breaks import BreakPoints, break_families, breakable_backends
 from .families.graphs import GraphBackend
 from .graph_runner import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
-from .kv.hierarchy import KVHierarchy, host_capacity, tier_layout
+from .kv.hierarchy import KVHierarchy
+from .kv.tier_layout import host_capacity, tier_layout
 from .kv.manager import KVManager
 from .kv.page_rows import PageRows
 from .kv.storage import KVCache, pages_for_budget

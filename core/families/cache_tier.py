@@ -26,7 +26,7 @@ import xxhash
 
 logger = logging.getLogger(__name__)
 
-CHECKSUM = "xxh3-128"  # named in the tiers' content keys (hierarchy.tier_layout): records checked otherwise never meet
+CHECKSUM = "xxh3-128"  # named in the tiers' content keys (kv/tier_layout.py): records checked otherwise never meet
 
 
 def page_checksum(data: torch.Tensor) -> str:

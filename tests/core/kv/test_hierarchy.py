@@ -15,7 +15,8 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.families.cache_tier import TierContext
-from engine.core.kv.hierarchy import SELECTIVE_HITS, host_capacity, tier_layout
+from engine.core.kv.hierarchy import SELECTIVE_HITS
+from engine.core.kv.tier_layout import host_capacity, tier_layout
 from engine.core.kv.host_copy import HostCopy
 from engine.core.kv.manager import KVManager
 from engine.core.kv.radix import Tier
