@@ -20,6 +20,17 @@ from test_spec_decode import completions, greedy, text_ids
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-dsv4-py-mtp"
 
 
+def train_drafter(target, method: str, out, seed: int, *flags: str) -> subprocess.CompletedProcess:
+    """``engine train-drafter`` on the json package's sources in tiny steps, as a user runs it; it must succeed."""
+    data = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    res = subprocess.run([sys.executable, "-m", "engine.server.cli", "train-drafter", "--model", str(target),
+                          "--method", method, "--data", str(data), "--out", str(out), "--seq-len", "32",
+                          "--batch-size", "2", "--max-tokens", "4000", "--seed", str(seed), *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
 def mtp(target, drafter, **kw) -> LLM:
     return LLM(str(target), dtype="float32", page_size=4, num_pages=400, chunked_prefill_size=16, progress=False,
                speculative_config={"method": "mtp", "num_speculative_tokens": 3, "model": str(drafter)}, **kw)
@@ -38,12 +49,7 @@ def plain(target):
 
 def test_train_drafter_writes_a_drafter_the_mtp_proposer_loads(target, plain, tmp_path, eval_text, seed):
     out = tmp_path / "drafter"
-    data = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    res = subprocess.run([sys.executable, "-m", "engine.server.cli", "train-drafter", "--model", str(target),
-                          "--method", "mtp", "--data", str(data), "--out", str(out), "--steps", "3", "--seq-len",
-                          "32", "--batch-size", "2", "--max-tokens", "4000", "--seed", str(seed)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = train_drafter(target, "mtp", out, seed, "--steps", "3")
     assert "trained 3 steps on 192 tokens" in res.stdout and "training the next-n layer" in res.stderr
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "mtp" and meta["target_name"] == "tiny-dsv4-py" and meta["steps"] == 3

@@ -5,9 +5,6 @@ the output stays the target's; its loss reads each block's features before its a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from engine import LLM
 from engine.core.spec.dspark.train import anchored_mask
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
 from test_spec_decode import completions, greedy, text_ids
+from test_train_drafter import train_drafter
 
 ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-dsv4-py-dspark"
 
@@ -49,12 +47,7 @@ def test_blocks_in_training_see_the_context_before_their_anchor_and_their_own_bl
 
 def test_train_drafter_writes_a_drafter_the_dspark_proposer_loads(target, plain, tmp_path, eval_text, seed):
     out = tmp_path / "drafter"
-    data = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    res = subprocess.run([sys.executable, "-m", "engine.server.cli", "train-drafter", "--model", str(target),
-                          "--method", "dspark", "--data", str(data), "--out", str(out), "--steps", "3", "--max-minutes",
-                          "0", "--seq-len", "32", "--batch-size", "2", "--max-tokens", "4000", "--seed", str(seed)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = train_drafter(target, "dspark", out, seed, "--steps", "3", "--max-minutes", "0")
     # --max-minutes 0: the time is spent after the first of the three steps
     assert "trained 1 steps on 64 tokens" in res.stdout and "stopped after 1 of 3 steps" in res.stderr
     meta = json.loads((out / "drafter.json").read_text())
