@@ -255,26 +255,27 @@ def test_one_launch_gpu(seed, mxfp8, m):
     second = LinearWeight(second.data.cuda())
     backend, native = TritonLinear(None), NativeLinear(None)
 
-    def check(got):
+    def check(got, run):
         oracle = native.low_rank_output(x, first, second).float()
         want = LinearBackend.low_rank_output(backend, x, first, second)  # the two launches
-        torch.testing.assert_close(want.float(), oracle, rtol=2e-2, atol=2e-2, msg=lambda m: f"the two launches: {m}")
-        torch.testing.assert_close(got.float(), oracle, rtol=2e-2, atol=2e-2, msg=lambda m: f"the one launch: {m}")
-        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
-        assert not kept_zero(m * hidden, got.device, torch.float32).any()
+        torch.testing.assert_close(want.float(), oracle, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{run}, the two launches: {m}")
+        torch.testing.assert_close(got.float(), oracle, rtol=2e-2, atol=2e-2, msg=lambda m: f"{run}, the one launch: {m}")
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3, msg=lambda m: f"{run}: {m}")
+        assert not kept_zero(m * hidden, got.device, torch.float32).any(), run
 
     def one_launch():
         return fused.low_rank_output(x.data if mxfp8 else x, x.scale if mxfp8 else None, first.data, first.scale,
                                      second.data, torch.bfloat16)
 
-    check(one_launch())
+    check(one_launch(), "eager")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = one_launch()
-    for _ in range(2):
+    for replay in range(2):
         fresh = operands(m, groups, rank, k, hidden, torch.bfloat16, mxfp8)[0]
         (x.data if mxfp8 else x).copy_(fresh.data if mxfp8 else fresh)
         if mxfp8:
             x.scale.copy_(fresh.scale)
         graph.replay()
-        check(out)
+        check(out, f"replay {replay}")
