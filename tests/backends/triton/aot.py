@@ -38,6 +38,7 @@ TARGETS = {
 
 TEXT_STAGES = ("ttir", "ttgir", "llir", "ptx", "amdgcn")
 LDS_BYTES = {"gfx942": 64 << 10, "gfx950": 160 << 10}  # what one workgroup may take on CDNA3 / CDNA4
+SHARED_BYTES = {"sm_90": 227 << 10, "sm_100": 227 << 10}  # what one block may take on Hopper / Blackwell
 
 _worker: ProcessPoolExecutor | None = None
 

@@ -25,7 +25,8 @@ from engine.core.native.linear import NativeLinear
 from engine.core.native.norm import NativeNorm
 from engine.core.native.quant import quantize_fp8_block
 
-from aot import GRID_DEPENDENCY, LDS_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops, pdl
+from aot import (GRID_DEPENDENCY, LDS_BYTES, SHARED_BYTES, TARGETS, amd_scratch_and_lds, compile_asm, local_memory_ops,
+                 pdl)
 
 CPU = torch.device("cpu")
 
@@ -167,7 +168,7 @@ def test_one_launch_compiles(target, rows, block):
                       SCALE_BLOCK1=block, SCALE_BLOCK2=block, PDL=pdl(target))
     cuda = TARGETS[target].backend == "cuda"
     asm = compile_asm(gemv_chain.gemv_chain_kernel, dict(SIGNATURE, w1_ptr=weight, w2_ptr=weight), constexprs,
-                      target, **gemv_chain._launch_shape(cfg1, cfg2, bool(block)), sass=cuda,
+                      target, **gemv_chain._launch_shape(cfg1, cfg2, bool(block), 2), sass=cuda,
                       divisible_by_16=["K1", "K2", "stride_xm", "stride_w1", "stride_o1", "stride_w2"])
     if cuda:
         ptx = asm["ptx"]
@@ -203,3 +204,20 @@ def test_one_launch_gpu(seed, rows):
         x.copy_(torch.randn_like(x) * 2)
         graph.replay()
         check(out)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_fp32_rows_fit_the_shared_memory(target):
+    """fp32 operands at eight rows (a drafter's fp32 decode steps), V4-Flash's projections: the tiles
+    the launch pipelines fit one block's shared memory (LDS on AMD); at three stages they took 228
+    KiB on sm_90, over an H100's 227, and its decode graphs failed to capture."""
+    tuning = pick(GEMV, target)
+    cfg1, cfg2 = tuning.for_shape(8, 4096), tuning.for_shape(8, 1024)
+    signature = {name: "*fp32" if kind == "*bf16" else kind for name, kind in SIGNATURE.items()}
+    constexprs = dict(BLOCK_M=16, BLOCK_N=cfg1.block_n, BLOCK_K1=cfg1.block_k, BLOCK_K2=cfg2.block_k, EVEN_K1=True,
+                      EVEN_K2=True, ROUND_BEFORE_WEIGHT=False, SCALE_BLOCK1=0, SCALE_BLOCK2=0, PDL=pdl(target))
+    asm = compile_asm(gemv_chain.gemv_chain_kernel, signature, constexprs, target,
+                      **gemv_chain._launch_shape(cfg1, cfg2, False, 4),
+                      divisible_by_16=["K1", "K2", "stride_xm", "stride_w1", "stride_o1", "stride_w2"])
+    assert int(asm["shared"]) <= {**SHARED_BYTES, **LDS_BYTES}[target]
