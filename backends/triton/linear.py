@@ -86,10 +86,7 @@ class TritonLinear(LinearBackend):
     def low_rank_output(self, x: torch.Tensor | MXFP8Tensor, first: LinearWeight, second: LinearWeight) -> torch.Tensor:
         mx = isinstance(x, MXFP8Tensor)
         t, groups = x.shape[0], x.shape[1]
-        # the one launch is off on GPUs: there its last program read sums before every program's
-        # atomic reductions had landed (wrong outputs at 1 and 8 rows on an H100 at 90554ed,
-        # benchmarks/results/gpu-tests-h100-90554ed.txt); the interpreter runs its programs in turn
-        if (x.data.device.type in self.gemv_devices and x.data.device.type != "cuda"
+        if (x.data.device.type in self.gemv_devices
                 and second.scheme in ("dense", "fp8_block")
                 and second.bias is None and first.bias is None
                 and first.scheme in (("mxfp8",) if mx else ("dense", "fp8_block"))

@@ -1,5 +1,4 @@
-"""DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step
-(run in the interpreter; off on GPUs, where on an H100 it was wrong against native: see linear.py):
+"""DeepSeek-V4's grouped low-rank output projection, both halves in one launch for a decode step:
 o [M, G, K] through each group's [R, K] block of wo_a (MXFP8, block-FP8 or dense), rounded to the activations'
 dtype, then through wo_b [H, G * R] (dense, that dtype) -> [M, H].
 
@@ -10,9 +9,10 @@ BLOCK_H, adding the [M, H] partial products into an fp32 accumulator with relaxe
 the [M, G * R] intermediate never reaches memory, and wo_b is read once, split over the programs
 by its columns as wo_a is by its rows. Each program then counts itself in at a ticket (a barrier,
 then an acq_rel atomic at GPU scope, as the MoE router's launch counts its bands); the one that
-arrives last sees every sum, writes the output rounded to the activations' dtype, and sets the
-accumulator and the ticket back to zero for the next launch (and every graph replay). No program
-waits for another.
+arrives last reads every sum with an atomic (plain loads, even past L1, read zeros where the
+reductions had not landed: whole warps' columns on an H100), writes the output rounded to the
+activations' dtype, and sets the accumulator and the ticket back to zero for the next launch (and
+every graph replay). No program waits for another.
 
 At DeepSeek-V4-Flash's shape (G 8, R 1024, K 4096, H 4096; MXFP8 wo_a 33 MB, bf16 wo_b 64 MB) the
 grid is 8 x 16 programs of BLOCK_N 64, each reading 0.26 MB of wo_a and 0.5 MB of wo_b: the bytes
@@ -60,7 +60,8 @@ from .mxfp8 import DENSE_GROUPED_GEMM, MX_BLOCK, MXFP8_GEMM, group_tile
 from .pdl import launch_options, wait_for_prior
 from .target import config_for
 
-OUTPUT_COLUMNS = {"cuda": 64, "hip": 64, "default": 32}  # BLOCK_H: output columns of wo_b per step
+OUTPUT_COLUMNS = {"cuda": 64, "hip": 64, "default": 32,  # BLOCK_H: output columns of wo_b per step
+                  "sm_100": 32}  # at 64, 32-block FP8 wo_b against bf16 wo_a spilled with the sums read by atomics
 FLUSH = 1024  # accumulator values the last program turns into output per step
 
 
@@ -121,7 +122,9 @@ def _low_rank_output_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, w2_ptr, w2_s
             for h0 in range(0, H, FLUSH_H):
                 rh = h0 + tl.arange(0, FLUSH_H)
                 keep = rh < H
-                total = tl.load(acc_ptr + m * H + rh, mask=keep, other=0.0)
+                # read by atomics, as the reductions were made (plain loads read zeros: see above)
+                total = tl.atomic_add(acc_ptr + m * H + rh, tl.zeros([FLUSH_H], tl.float32), mask=keep,
+                                      sem="acquire", scope="gpu")
                 tl.store(out_ptr + m * stride_om + rh, total.to(ty), mask=keep)
                 tl.store(acc_ptr + m * H + rh, tl.zeros([FLUSH_H], tl.float32), mask=keep)
 
