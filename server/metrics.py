@@ -147,6 +147,13 @@ class ServerMetrics:
         metric("hicache_storage_attached", "gauge", "Whether a storage tier (L3) is attached, by backend.",
                [f'engine:hicache_storage_attached{{{L},backend="{_escape(h.storage_backend or "")}"}} '
                 f"{int(h.storage_backend is not None)}"])
+        for event, help_ in (("written", "A proposer's rows records (DSpark's context rows) written below the device."),
+                             ("read", "Rows records given back to the proposer for a prefix hit."),
+                             ("missed", "Rows a prefix hit's pages lacked: absent below the device, of another "
+                                        "drafter, or failing their checksum (drafted without them).")):
+            if event in h.rows:
+                metric(f"hicache_rows_{event}_total", "counter", help_,
+                       [f"engine:hicache_rows_{event}_total{{{L}}} {h.rows[event]}"])
 
 
 def _escape(value: str) -> str:

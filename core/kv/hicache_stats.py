@@ -23,7 +23,8 @@ TIERS = ("l1", "l2", "l3")
 class HiCacheStats(msgspec.Struct):
     """Since start-up (or the warm-up's reset): prefix tokens hit per tier, bytes per tier and
     direction, records that failed their checksum or were not a record of their key, storage
-    operations that failed (a full disk, an unreachable store); now: bytes used and capacity per tier."""
+    operations that failed (a full disk, an unreachable store), a proposer's rows records written, read
+    and missed; now: bytes used and capacity per tier."""
 
     hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     bytes_written: dict[str, int] = msgspec.field(default_factory=dict)
@@ -34,6 +35,8 @@ class HiCacheStats(msgspec.Struct):
     used_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     storage_backend: str | None = None  # the L3 tier attached now, if any
+    rows: dict[str, int] = msgspec.field(default_factory=dict)  # a proposer's rows records (page_rows.py), where
+    # it has some: "written" below the device, "read" (given back to it), "missed" (a match's, absent or bad)
 
 
 def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
@@ -46,6 +49,7 @@ def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
     used = {"l1": kv.num_used * page + kv.num_window_used * window}
     capacity = {"l1": kv.num_usable * page + kv.num_window_usable * window}
     storage = lower.reader.tier if lower.reader is not None else None
+    rows = {"written": s.written_rows, "read": s.loaded_rows, "missed": s.missed_rows} if lower.rows else {}
     for name, tier in (("l2", lower.tier), ("l3", storage)):
         usage = tier.usage() if tier is not None else None
         if usage is not None:
@@ -57,4 +61,4 @@ def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
         checksum_failures=s.checksum_failures + s.foreign_records + (storage.rejected if storage is not None else 0),
         storage_failures=s.storage_refused + s.storage_read_failures + (storage.read_failures if storage is not None else 0),
         storage_dropped=lower.storage_dropped(), used_bytes=used, capacity_bytes=capacity,
-        storage_backend=storage.name if storage is not None else None)
+        storage_backend=storage.name if storage is not None else None, rows=rows)

@@ -28,6 +28,17 @@ beside a node's pages where the proposer has them, discarded with them, read fro
 them, and given back to the proposer when a match ends on pages whose rows it let go. A rows
 record missing, foreign or failing its checksum is a miss for the rows only (counted, dropped):
 the page hit stands, and the proposer drafts from what it has.
+
+Write-back and selective write-through write a node's pages later than the tree stores them, by
+when the proposer may have let their rows go (it keeps them least recently used first, in its own
+budget). So under those policies the tree's storing a node takes a host copy of the rows the
+proposer has of its pages (``_stage_rows``), held on the node until its pages are written (the
+copy becomes their rows records) or the node leaves the tree (the copy goes with it). That is at
+most one rows record per device page, in host memory: bounded by the device cache, taken once
+per page as write-through takes it, and with no bookkeeping of its own (the tree's nodes are it).
+Handing rows down when the proposer lets them go would need the proposer to name the pages its
+digests stand for; keeping them on the device until written would spend device memory the
+proposer's budget does not count.
 """
 
 from __future__ import annotations
@@ -90,6 +101,7 @@ class TierStats:
     loaded_windows: int = 0
     written_rows: int = 0  # a proposer's rows of a page (page_rows.py)
     loaded_rows: int = 0  # rows records given back to the proposer
+    missed_rows: int = 0  # rows a match's pages lacked in the proposer and the lower tier had not, intact
     hit_tokens: int = 0  # prefix tokens a match found only in the lower tier and loaded back
     checksum_failures: int = 0
     bytes_written: int = 0
@@ -137,10 +149,13 @@ class KVHierarchy:
     # -- what the radix tree asks -------------------------------------------------------------
 
     def inserted(self, node: _Node) -> None:
-        """The tree stored a prefix ending at ``node``: write-through writes what is not below yet."""
-        if self.policy == "write_through":
-            for n in self.radix.path(node):
+        """The tree stored a prefix ending at ``node``: write-through writes what is not below yet;
+        the other policies, which write later, keep a copy of the proposer's rows of it now."""
+        for n in self.radix.path(node):
+            if self.policy == "write_through":
                 self._save(n)
+            else:
+                self._stage_rows(n)
 
     def matched(self, node: _Node) -> None:
         """A match went through ``node`` (and its ancestors): selective write-through counts it."""
@@ -188,18 +203,34 @@ class KVHierarchy:
         self.settle()  # what is there already (on the CPU: everything)
 
     def _save_rows(self, node: _Node, keys: list[str]) -> None:
-        """Put the proposer's rows of the node's pages (``keys``) that it keeps, from the first, in
-        the lower tier beside them."""
+        """Put the rows of the node's pages (``keys``), from the first, in the lower tier beside them:
+        those copied when the tree stored it (``_stage_rows``), else those the proposer keeps now."""
         if self.rows is None:
             return
-        tokens = self.radix.prefix(node)
-        records = self.rows.records(tokens, len(tokens) // self.page_size - len(keys), len(keys))
-        if records is None:
+        rows, node.rows = node.rows, None
+        if rows is None:
+            records = self._held_rows(node)
+            rows = to_host(records) if records is not None else None
+        if not rows:
             return
-        keys = self._rows_keys(keys[:records.shape[0]])
+        keys = self._rows_keys(keys[:len(rows)])
         if self._reserve(node, keys, ROWS):
             self.stats.written_rows += len(keys)
-            self._landing.append(_Landing(keys, ROWS, to_host(records)))
+            self._landing.append(_Landing(keys, ROWS, rows))
+
+    def _stage_rows(self, node: _Node) -> None:
+        """Copy to the host, on the node, the proposer's rows of its pages (from the first) where they
+        are not written yet and it has some: the pages may be written after it lets them go."""
+        if self.rows is None or node.rows is not None or Tier.HOST in node.tiers:
+            return
+        records = self._held_rows(node)
+        if records is not None:
+            node.rows = to_host(records)
+
+    def _held_rows(self, node: _Node) -> torch.Tensor | None:
+        """The proposer's rows of the node's pages it keeps, from the first (on the device)."""
+        tokens, count = self.radix.prefix(node), len(node.key) // self.page_size
+        return self.rows.records(tokens, len(tokens) // self.page_size - count, count)
 
     def _rows_keys(self, page_keys: list[str]) -> list[str]:
         return [rows_key(k, self.rows.identity) for k in page_keys] if self.rows is not None else []
@@ -478,6 +509,7 @@ class KVHierarchy:
         if records:
             self.rows.restore(tokens, held, records)
             self.stats.loaded_rows += len(records)
+        self.stats.missed_rows += len(keys) - len(records)
 
     def _end(self, lower: list[_Node], num_records: int, num_device_pages: int):
         """The deepest node of ``lower`` a load can end at (its records, and the windows of its end

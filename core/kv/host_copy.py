@@ -16,6 +16,13 @@ class HostCopy:
     def __init__(self, data: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
         self._data, self._event = data, event
 
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, rows: slice) -> HostCopy:
+        """The copy of some of its rows, landing with the rest."""
+        return HostCopy(self._data[rows], self._event)
+
     def ready(self) -> bool:
         """Whether the bytes are on the host (never waits)."""
         return self._event is None or self._event.query()

@@ -3,7 +3,8 @@ core/spec/dspark/tier_rows.py), which cross the cache tiers with the target's pa
 
 The hierarchy (hierarchy.py) writes a page's rows as a record of kind ``"rows"`` under the page's
 content key and the rows' ``identity`` (what computed them: a drafter and its weights), checksummed
-as every record is, when it writes the page; it discards them with the page; a hit loaded from
+as every record is, when it writes the page (from a copy taken when the prefix cache stored the
+page, where the write policy writes it later); it discards them with the page; a hit loaded from
 below (or found on the device while the proposer let its rows go) gives the proposer back the rows
 the lower tier holds. Rows are a function of the tokens and the drafter only, so a page's record is
 the same with or without them: an engine without a proposer, or with another drafter, shares the

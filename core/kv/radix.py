@@ -51,7 +51,7 @@ class Tier(enum.Enum):
 
 class _Node:
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "uid", "window", "tiers",
-                 "lower", "lower_window", "hits")
+                 "lower", "lower_window", "hits", "rows")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, uid: int) -> None:
         self.key = key  # tokens of the edge from the parent: len(pages) * page_size of them
@@ -66,6 +66,7 @@ class _Node:
         self.lower: list[str] | None = None  # on the HOST tier: its records' keys, one per page
         self.lower_window: list[str] | None = None  # the records of the windows of its end's pages
         self.hits = 0  # matches through it (selective write-through)
+        self.rows = None  # a host copy of a proposer's rows of its first pages, until they are written (hierarchy.py)
 
     @property
     def on_device(self) -> bool:
@@ -323,6 +324,8 @@ class RadixCache:
         upper.hits = child.hits
         if child.lower is not None:
             upper.lower, child.lower = child.lower[:n], child.lower[n:]
+        if child.rows is not None:
+            upper.rows, child.rows = child.rows[:n], child.rows[n:] or None
         child.parent.children[upper.key[:ps]] = upper
         child.key, child.pages, child.parent = child.key[n * ps:], child.pages[n:], upper
         upper.children[child.key[:ps]] = child

@@ -8,6 +8,7 @@ brings back is checked against what was written, byte for byte, through the host
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -30,18 +31,58 @@ WINDOW, PLAIN = 0, 1  # SPECS: a windowed layer and a plain one
 
 def make(page_size: int, windowed: bool, policy: str = "write_through", layout: str = "layer_first",
          ratio: float = 2.0, reach: int = 5, num_window: int = 14,
-         window_ratio: float | None = None) -> tuple[KVManager, KVCache, HostTier]:
+         window_ratio: float | None = None, rows: FakeRows | None = None) -> tuple[KVManager, KVCache, HostTier]:
     specs = SPECS if windowed else SPECS[1:]
     kv = KVCache(specs, NUM_PAGES, page_size, torch.float64, "cpu", num_window if windowed else 0)
     m = KVManager(NUM_PAGES, page_size, True, kv, num_window if windowed else 0, reach if windowed else 0)
-    lay = tier_layout(kv, "test-model")
+    lay = tier_layout(kv, "test-model", rows)
     config = EngineConfig(model="-", hicache_mem_layout=layout, enable_hierarchical_cache=True)
     capacity = host_capacity(kv, lay, ratio)
     if window_ratio is not None and windowed:
         capacity["window"] = host_capacity(kv, lay, window_ratio)["window"]
     tier = HostTier(TierContext(None, None, config, lay, capacity, kv.device))
-    m.attach_lower(tier, policy, lay.model, kv)
+    m.attach_lower(tier, policy, lay.model, kv, rows)
     return m, kv, tier
+
+
+class FakeRows:
+    """A proposer's rows of pages (page_rows.py): each page's a digest of the tokens up to its end,
+    kept where ``keep`` computed or ``restore`` gave them, let go by ``clear``."""
+
+    identity, record_bytes = "fake-drafter", 16
+
+    def __init__(self, page_size: int) -> None:
+        self.ps, self.kept = page_size, {}
+
+    def of(self, tokens: list[int], page: int) -> torch.Tensor:
+        digest = hashlib.blake2b(repr(tokens[:(page + 1) * self.ps]).encode(), digest_size=self.record_bytes)
+        return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+
+    def keep(self, tokens: list[int]) -> None:
+        for i in range(len(tokens) // self.ps):
+            self.kept[tuple(tokens[:(i + 1) * self.ps])] = self.of(tokens, i)
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+    def _run(self, tokens: list[int], first: int, count: int) -> list[torch.Tensor]:
+        out = []
+        for i in range(first, min(first + count, len(tokens) // self.ps)):
+            if (rows := self.kept.get(tuple(tokens[:(i + 1) * self.ps]))) is None:
+                break
+            out.append(rows)
+        return out
+
+    def held(self, tokens: list[int], num_pages: int) -> int:
+        return len(self._run(tokens, 0, num_pages))
+
+    def records(self, tokens: list[int], first: int, count: int) -> torch.Tensor | None:
+        rows = self._run(tokens, first, count)
+        return torch.stack(rows) if rows else None
+
+    def restore(self, tokens: list[int], first: int, records: list[torch.Tensor]) -> None:
+        for i, rows in enumerate(records, first):
+            self.kept[tuple(tokens[:(i + 1) * self.ps])] = rows.clone()
 
 
 class KVSlots:
@@ -195,6 +236,38 @@ def test_write_through_selective_writes_a_node_once_matched_often(seed):
     m.evict(NUM_PAGES)
     assert run_to_completion(m, h, prompt + [9, 9])[0] == 12  # the node matched often came back
     m.check_consistency()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_rows_let_go_before_their_pages_are_written_are_written_with_them(seed, policy):
+    """A proposer's rows of a prompt's pages, let go while the pages are on the device and not yet
+    written (write-back writes them at eviction, selective write-through at the second match), go
+    down with the pages all the same, split with the node a shorter prompt cuts, and come back intact
+    with a hit from host memory; a match whose rows are neither kept nor below is counted a miss."""
+    rng = random.Random(seed)
+    ps = 4
+    rows = FakeRows(ps)
+    m, kv, tier = make(ps, False, policy, rows=rows)
+    h = TieredHarness(m, kv, rng)
+    stem, tail = ([rng.randrange(1000) for _ in range(2 * ps)] for _ in range(2))
+    rows.keep(stem + tail)  # computed with the prompt
+    run_to_completion(m, h, stem + tail + [1])
+    rows.clear()  # the proposer lets them go
+    for i in range(SELECTIVE_HITS):  # the stem matched (a miss for its rows): its node cut in two
+        run_to_completion(m, h, stem + [2 + i] * ps + [1])
+    m.evict(NUM_PAGES)
+    assert m.lower.stats.written_rows == (4 if policy == "write_back" else 2)
+    assert m.hicache_stats().rows == {"written": m.lower.stats.written_rows, "read": 0, "missed": 4}
+    for prefix in [stem] + ([stem + tail] if policy == "write_back" else []):
+        rows.clear()
+        tokens = prefix + [3, 3]
+        assert run_to_completion(m, h, tokens)[0] == len(prefix)
+        assert [rows.kept[tuple(tokens[:(i + 1) * ps])].tolist() for i in range(len(prefix) // ps)] == \
+            [rows.of(tokens, i).tolist() for i in range(len(prefix) // ps)]
+    assert m.hicache_stats().rows["read"] == (6 if policy == "write_back" else 2)
+    m.check_consistency()
+    m.reset_prefix_cache()
+    assert not tier.keys()
 
 
 def test_a_full_host_tier_lets_go_of_the_least_recently_used(seed):

@@ -9,6 +9,7 @@ the output is the same, and the bad record is counted and dropped."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from engine.core.kv.page_rows import rows_key
 from engine.core.spec.dspark.weights import build_drafter, save_dspark, shape_for
 from engine.core.spec.verify_length import LoadAwareLength, StepCurve
 from engine.core.tiers.file import record_name
+from engine.server import wire
+from engine.server.metrics import ServerMetrics
 
 from drafts_spy import Drafts
 from test_spec_decode import completions, greedy
@@ -40,10 +43,10 @@ def make(path, drafter=None, **kw) -> LLM:
     return llm
 
 
-def tiered(path, directory, drafter=ASSET) -> LLM:
-    return make(path, drafter, enable_hierarchical_cache=True, hicache_storage_backend="file",
-                hicache_storage_dir=str(directory), hicache_storage_prefetch_threshold=16,
-                hicache_storage_prefetch_policy="wait_complete", **SMALL)
+def tiered(path, directory, drafter=ASSET, policy="write_through") -> LLM:
+    return make(path, drafter, enable_hierarchical_cache=True, hicache_write_policy=policy,
+                hicache_storage_backend="file", hicache_storage_dir=str(directory),
+                hicache_storage_prefetch_threshold=16, hicache_storage_prefetch_policy="wait_complete", **SMALL)
 
 
 def last(llm: LLM, prompt: list[int]):
@@ -82,6 +85,13 @@ def setup(shared_dir, eval_text, run_seed, tmp_path_factory):
     outs.append(last(llm, prompts[2]))
     return dict(path=path, plain=plain, prompts=prompts, want=want, on_device=on_device, stored=stored, llm=llm,
                 outs=outs, let_go=let_go)
+
+
+def rows_metrics(llm: LLM) -> dict[str, int]:
+    """The rows records' counters as /metrics shows them."""
+    text = ServerMetrics("m", 4, 20).render(wire.Stats(hicache=llm.engine.stats().hicache), 0)
+    return {event: int(re.search(rf'^engine:hicache_rows_{event}_total{{model_name="m"}} (\d+)$', text, re.M)[1])
+            for event in ("written", "read", "missed")}
 
 
 def storage(setup, directory: Path) -> Path:
@@ -155,3 +165,41 @@ def test_rows_of_another_drafter_or_a_bad_rows_record_are_a_miss_for_the_rows_on
     out, _, _ = last(reader, prompt)
     assert completions([out]) == completions(want) and out.num_cached_tokens >= 32
     assert lower.reader.tier.rejected == 1 and lower.stats.loaded_rows == 0 and not bad.exists()
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_rows_the_drafter_let_go_before_its_pages_were_written_are_written_with_them(setup, policy, tmp_path):
+    """The first prompt's rows leave the drafter (reset here, as its least-recently-used budget would
+    let them go) while its pages are on the device, not yet written: write-back writes them when the
+    other prompt pushes them off the device, selective write-through at the second match through
+    them (by a prompt that shares the first's pages only). The rows go down with them all the same:
+    a hit from host memory, and one from the storage directory by a second engine, drafts exactly
+    as with the rows on the device."""
+    first, other, again = setup["prompts"]
+    llm = tiered(setup["path"], tmp_path / "l3", policy=policy)
+    lower, prefixes = llm.engine.kv_manager.lower, llm.engine.speculator.proposer.prefixes
+    llm.generate([first], PARAMS)
+    llm.engine.speculator.proposer.reset_prefix_cache()
+    assert lower.stats.written_pages == 0 and prefixes.held(first, 8) == 0
+    shares = [first + [next(t for t in other if t != again[32])]] * 2 if policy == "write_through_selective" else []
+    for prompt in shares + [other]:
+        llm.generate([prompt], PARAMS)
+    assert lower.stats.written_pages >= 8 and prefixes.held(again, 8) == 0
+    out, drafts, accepted = last(llm, again)
+    assert completions([out]) == completions(setup["want"][2:])
+    _, device_drafts, device_accepted = setup["on_device"]
+    assert drafts == device_drafts and accepted == device_accepted > 0
+    assert out.num_cached_tokens == 32 and lower.stats.hit_tokens == 32 and lower.stats.loaded_rows == 8
+    missed = 8 * len(shares)  # each match of a shared prompt, before the pages were written
+    assert rows_metrics(llm) == {"written": lower.stats.written_rows, "read": 8, "missed": missed}
+    assert lower.stats.written_rows >= 8
+    llm.engine.kv_manager.check_consistency()
+
+    assert lower.flush_storage(30)
+    second = tiered(setup["path"], tmp_path / "l3")
+    out, drafts, accepted = last(second, again)
+    assert completions([out]) == completions(setup["want"][2:])
+    assert drafts == device_drafts and accepted == device_accepted
+    lower = second.engine.kv_manager.lower
+    assert out.num_cached_tokens == lower.stats.storage_hit_tokens == 32 and lower.stats.loaded_rows == 8
+    second.engine.kv_manager.check_consistency()
