@@ -49,7 +49,7 @@ def snapshot(lower: KVHierarchy, kv: KVStats) -> HiCacheStats:
     used = {"l1": kv.num_used * page + kv.num_window_used * window}
     capacity = {"l1": kv.num_usable * page + kv.num_window_usable * window}
     storage = lower.reader.tier if lower.reader is not None else None
-    rows = {"written": s.written_rows, "read": s.loaded_rows, "missed": s.missed_rows} if lower.rows else {}
+    rows = {"written": s.written_rows, "read": s.loaded_rows, "missed": s.missed_rows} if lower.rows is not None else {}
     for name, tier in (("l2", lower.tier), ("l3", storage)):
         usage = tier.usage() if tier is not None else None
         if usage is not None:

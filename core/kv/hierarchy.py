@@ -33,12 +33,13 @@ Write-back and selective write-through write a node's pages later than the tree 
 when the proposer may have let their rows go (it keeps them least recently used first, in its own
 budget). So under those policies the tree's storing a node takes a host copy of the rows the
 proposer has of its pages (``_stage_rows``), held on the node until its pages are written (the
-copy becomes their rows records) or the node leaves the tree (the copy goes with it). That is at
-most one rows record per device page, in host memory: bounded by the device cache, taken once
-per page as write-through takes it, and with no bookkeeping of its own (the tree's nodes are it).
-Handing rows down when the proposer lets them go would need the proposer to name the pages its
-digests stand for; keeping them on the device until written would spend device memory the
-proposer's budget does not count.
+copy becomes their rows records) or the node leaves the tree (the copy goes with it); a match on
+the device meanwhile gives the proposer back from it what it let go. That is at most one rows
+record per device page, in host memory: bounded by the device cache, taken once per page as
+write-through takes it, and with no bookkeeping of its own (the tree's nodes are it). Handing rows
+down when the proposer lets them go would need the proposer to name the pages its digests stand
+for; keeping them on the device until written would spend device memory the proposer's budget
+does not count.
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ class KVHierarchy:
         frontier, device_pages, lower = self.radix.lower_path(tokens)
         if not lower:
             self._restore_windows(frontier, device_pages)
-            self._restore_rows(tokens, len(device_pages))
+            self._restore_rows(tokens, frontier, len(device_pages))
             return 0
         bad = None
         self.radix.lock(lower[-1])  # neither its path on the device nor its records go meanwhile
@@ -489,27 +490,36 @@ class KVHierarchy:
             self.stats.storage_loaded_tokens += max(0, count * self.page_size - (below - fetched))
             if windows is not None:
                 self._hold_windows(end, device_pages + pages, windows)
-            self._restore_rows(tokens, len(device_pages) + count)
+            self._restore_rows(tokens, frontier, len(device_pages) + count)
             return count * self.page_size
         finally:
             self.radix.unlock(lower[-1])
             if bad is not None:
                 self.radix.drop(next(n for n in lower if bad in n.lower))
 
-    def _restore_rows(self, tokens: list[int], num_pages: int) -> None:
+    def _restore_rows(self, tokens: list[int], end: _Node, num_pages: int) -> None:
         """Give the proposer back the rows of the first ``num_pages`` pages of ``tokens`` (a match's,
-        on the device now) that it let go and the lower tier holds, intact, from the first it lacks;
-        a bad one is counted and let go (a miss for the rows only)."""
+        on the device now, ``end`` the last node it had there) that it let go: those copied on nodes
+        not written yet, then those the lower tier holds, intact, from the first it lacks; a bad one is
+        counted and let go (a miss for the rows only)."""
         if self.rows is None or (held := self.rows.held(tokens, num_pages)) >= num_pages:
             return
-        keys = self._rows_keys(prefix_keys(tokens, self.page_size, self.model_key)[held:num_pages])
-        records, bad = self._read(keys, ROWS)
-        if bad is not None and self.tier.contains([bad]):
-            self.tier.discard([bad])
-        if records:
-            self.rows.restore(tokens, held, records)
-            self.stats.loaded_rows += len(records)
-        self.stats.missed_rows += len(keys) - len(records)
+        first = 0
+        for n in self.radix.path(end):
+            if n.rows is not None and first + len(n.rows) > held:
+                skip = max(0, held - first)
+                self.rows.restore(tokens, first + skip, list(n.rows.wait()[skip:]))
+                self.stats.loaded_rows += len(n.rows) - skip
+            first += len(n.key) // self.page_size
+        if (held := self.rows.held(tokens, num_pages)) < num_pages:
+            keys = self._rows_keys(prefix_keys(tokens, self.page_size, self.model_key)[held:num_pages])
+            records, bad = self._read(keys, ROWS)
+            if bad is not None and self.tier.contains([bad]):
+                self.tier.discard([bad])
+            if records:
+                self.rows.restore(tokens, held, records)
+                self.stats.loaded_rows += len(records)
+        self.stats.missed_rows += num_pages - self.rows.held(tokens, num_pages)
 
     def _end(self, lower: list[_Node], num_records: int, num_device_pages: int):
         """The deepest node of ``lower`` a load can end at (its records, and the windows of its end

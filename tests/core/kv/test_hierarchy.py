@@ -23,6 +23,8 @@ from engine.core.kv.manager import KVManager
 from engine.core.kv.radix import Tier
 from engine.core.kv.storage import KVCache
 from engine.core.tiers.host import HostTier
+from engine.server import wire
+from engine.server.metrics import ServerMetrics
 
 from test_manager import NUM_PAGES, SPECS, Harness, cached_prefixes, new_seq
 
@@ -157,6 +159,14 @@ class TieredHarness(Harness):
                     f"sequence {seq.seq_id} reads a wrong window at {pos}"
 
 
+def rows_metrics(m: KVManager) -> dict[str, float]:
+    """The rows records' counters as /metrics shows them, the stats sent from the engine process."""
+    sent = wire.encoder.encode(wire.Outputs([], wire.Stats(hicache=m.hicache_stats())))
+    text = ServerMetrics("m", m.page_size, NUM_PAGES).render(wire.from_engine_decoder.decode(sent).stats, 0)
+    lines = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("engine:hicache_rows_")]
+    return {name.split("_")[2]: float(value) for name, value in lines}
+
+
 def run_to_completion(m: KVManager, harness: TieredHarness, tokens: list[int], outputs: int = 0):
     """Admit ``tokens`` as a prompt, compute it and ``outputs`` tokens, cache it all; the hit it had."""
     harness.ids += 1
@@ -196,6 +206,7 @@ def test_a_prefix_evicted_from_the_device_is_loaded_back_from_host(seed, windowe
     hit, _ = run_to_completion(m, h, follow)  # reads every hit token back from the loaded pages
     assert hit == len(prompt) // ps * ps
     assert m.lower.stats.hit_tokens == hit and m.lower.stats.checksum_failures == 0
+    assert rows_metrics(m) == {}  # no proposer, no rows counters
     m.check_consistency()
     m.reset_prefix_cache()
     m.check_consistency()
@@ -241,30 +252,38 @@ def test_write_through_selective_writes_a_node_once_matched_often(seed):
 @pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
 def test_rows_let_go_before_their_pages_are_written_are_written_with_them(seed, policy):
     """A proposer's rows of a prompt's pages, let go while the pages are on the device and not yet
-    written (write-back writes them at eviction, selective write-through at the second match), go
-    down with the pages all the same, split with the node a shorter prompt cuts, and come back intact
-    with a hit from host memory; a match whose rows are neither kept nor below is counted a miss."""
+    written (write-back writes them at eviction, selective write-through at the second match), are
+    given back from the copy the tree's node took of them on a device hit (cut with the node where a
+    shorter prompt cuts it), go down with the pages, and come back intact from host memory; a match
+    whose rows are nowhere is counted a miss."""
     rng = random.Random(seed)
     ps = 4
     rows = FakeRows(ps)
     m, kv, tier = make(ps, False, policy, rows=rows)
     h = TieredHarness(m, kv, rng)
-    stem, tail = ([rng.randrange(1000) for _ in range(2 * ps)] for _ in range(2))
+    stem, tail, other = ([rng.randrange(1000) for _ in range(2 * ps)] for _ in range(3))
+
+    def given_back(prefix: list[int]) -> bool:
+        pages = range(len(prefix) // ps)
+        return [rows.kept.get(tuple(prefix[:(i + 1) * ps]), torch.empty(0)).tolist() for i in pages] == \
+            [rows.of(prefix, i).tolist() for i in pages]
+
     rows.keep(stem + tail)  # computed with the prompt
     run_to_completion(m, h, stem + tail + [1])
-    rows.clear()  # the proposer lets them go
-    for i in range(SELECTIVE_HITS):  # the stem matched (a miss for its rows): its node cut in two
+    run_to_completion(m, h, other + [1])  # its rows never computed
+    for i in range(SELECTIVE_HITS):
+        rows.clear()  # the proposer lets them go
         run_to_completion(m, h, stem + [2 + i] * ps + [1])
+        assert given_back(stem)
+    run_to_completion(m, h, other + [2])
+    assert rows_metrics(m) == {"written": m.lower.stats.written_rows, "read": 4, "missed": 2}
     m.evict(NUM_PAGES)
     assert m.lower.stats.written_rows == (4 if policy == "write_back" else 2)
-    assert m.hicache_stats().rows == {"written": m.lower.stats.written_rows, "read": 0, "missed": 4}
     for prefix in [stem] + ([stem + tail] if policy == "write_back" else []):
         rows.clear()
-        tokens = prefix + [3, 3]
-        assert run_to_completion(m, h, tokens)[0] == len(prefix)
-        assert [rows.kept[tuple(tokens[:(i + 1) * ps])].tolist() for i in range(len(prefix) // ps)] == \
-            [rows.of(tokens, i).tolist() for i in range(len(prefix) // ps)]
-    assert m.hicache_stats().rows["read"] == (6 if policy == "write_back" else 2)
+        assert run_to_completion(m, h, prefix + [3, 3])[0] == len(prefix)
+        assert given_back(prefix)
+    assert rows_metrics(m)["read"] == (10 if policy == "write_back" else 6)
     m.check_consistency()
     m.reset_prefix_cache()
     assert not tier.keys()
