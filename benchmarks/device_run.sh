@@ -38,11 +38,12 @@ for step in $steps; do
                       2>&1 | tee "$OUT/train_tiny_v41.log" | tail -15 ;;
     train_dspark) timeout 570 python3 -m engine.server.cli train-drafter --model ../shared/models/tiny-dsv4-py \
                     --method dspark --data "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
-                    --eval ../shared/data/python-eval.txt --out "$OUT/tiny-dsv4-py-dspark" --steps ${DSPARK_STEPS:-4000} \
+                    --eval ../shared/data/python-eval.txt --out "$OUT/tiny-dsv4-py-dspark" --steps ${DSPARK_STEPS:-40000} \
                     --batch-size 16 --seq-len 256 --max-tokens 20000000 --max-minutes ${TRAIN_MINUTES:-6} \
                     2>&1 | tee "$OUT/train_dspark.log" | tail -15 ;;
-    pack) cd "$OUT" && tar cf /tmp/trained.tar tiny-* && rm -rf tiny-* && split -b 15M /tmp/trained.tar trained.tar.part- \
-            && cd - >/dev/null ;;  # checkpoints come back as 15 MiB parts (files over 16 MiB do not)
+    pack) cd "$OUT" && tar cf /tmp/trained.tar tiny-* train_*.log && rm -rf tiny-* train_*.log \
+            && split -b 15M /tmp/trained.tar trained.tar.part- && cd - >/dev/null ;;  # checkpoints and their logs
+            # come back as 15 MiB parts: a call returns at most 8 files of 16 MiB each
     serve) timeout 300 bash benchmarks/serve_on_device.sh 2>&1 | tail -45 ;;
     *) timeout 280 python3 "benchmarks/$step.py" --json "$OUT/$step-h200.json" 2>&1 | tee "$OUT/$step.log" | tail -30 ;;
   esac
