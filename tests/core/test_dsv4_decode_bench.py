@@ -167,11 +167,13 @@ def test_hf_skips_what_its_attention_cannot_hold(bench):
 
 
 @pytest.mark.slow
-def test_whole_run_on_a_tiny_shape(bench, shared_dir):
+def test_whole_run_on_a_tiny_shape(bench, shared_dir, monkeypatch):
     """run() end to end on the CPU at tiny-dsv4-py's widths with V4-Flash's window and compress
-    rates, four layers (two sliding, CSA, HCA), at the device run's 1024-token prompts: HF builds,
-    saves and measures, the published copy is written, both variants load and measure, and every
-    decode row's page-aligned prompts hit the prefix cache the warm-up left (all but the last page)."""
+    rates, four layers (two sliding, CSA, HCA), on page-aligned 256-token prompts (past the window
+    of 128 and two HCA windows, as the device run's 1024 are; its 16 decode tokens are 2 here, which
+    is all a decode rate needs): HF builds, saves and measures, the published copy is written, both
+    variants load and measure, and every decode row's prompts hit the prefix cache the warm-up left
+    (all but the last page)."""
     import json
     import signal
 
@@ -181,7 +183,8 @@ def test_whole_run_on_a_tiny_shape(bench, shared_dir):
     shape = {k: tiny[k] for k in [*bench.FLASH, "partial_rotary_factor", "qk_rope_head_dim", "rope_parameters"]}
     shape.update(sliding_window=bench.FLASH["sliding_window"], compress_rates=bench.FLASH["compress_rates"])
     # the budget is the device run's; a busy CPU must not skip a row of this one
-    env = {"DSV4_BATCHES": "1,2", "DSV4_CONTEXTS": "1024", "DSV4_PREFILLS": "1024", "DSV4_BUDGET_S": "3600"}
+    env = {"DSV4_BATCHES": "1,2", "DSV4_CONTEXTS": "256", "DSV4_PREFILLS": "256", "DSV4_BUDGET_S": "3600"}
+    monkeypatch.setattr(bench, "decode_tokens", lambda batch: 2)
     handler = signal.getsignal(signal.SIGTERM)
     result = bench.run(torch.device("cpu"), {"copy_gb_s": 0.1}, shape, layers=4, env=env)
     assert signal.getsignal(signal.SIGTERM) == handler
