@@ -63,7 +63,7 @@ def interpreted_triton() -> types.ModuleType:
 def test_tiny_dsv4_on_the_triton_families_is_greedy_identical_to_native(seed, shared_dir, monkeypatch):
     rng = random.Random(seed)
     # the first prompt's prefill is over the 16 tokens one dispatch program takes on the CPU
-    prompts = [[rng.randrange(10, 4096) for _ in range(rng.randint(lo, hi))] for lo, hi in ((17, 22), (1, 6))]
+    prompts = [[rng.randrange(10, 4096) for _ in range(rng.randint(lo, hi))] for lo, hi in ((17, 19), (1, 4))]
     dispatched = []
     route_experts = TritonMoE.route_experts
 
@@ -92,15 +92,16 @@ def test_tiny_dsv4_on_the_triton_families_is_greedy_identical_to_native(seed, sh
         engine = LLMEngine(config, plugins=load_plugins(extra=[interpreted_triton()]), progress=False)
         assert type(engine.components.model.model.layers[0].ffn.backend).__name__ == (
             "TritonMoE" if name == "triton" else "NativeMoE")
-        for i, p in enumerate(prompts):  # the second decodes alone for its last 2 tokens
-            engine.add_request(str(i), p, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts):  # a decode step of both, then one of the second alone (each costs a minute)
+            engine.add_request(str(i), p, SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True))
         outs = {}
         while engine.has_unfinished_requests():
             outs.update({o.request_id: o for o in engine.step() if o.finished})
         tokens.append([outs[str(i)].outputs[0].token_ids for i in range(len(prompts))])
     assert tokens[1] == tokens[0]
     assert 2 in dispatched and max(dispatched) > 16  # decode steps of both prompts, and a prefill
-    # one row only, and at least the 2 steps of the second prompt alone through every layer
-    assert set(projected) == {1} and len(projected) >= 2 * len(engine.components.model.model.layers)
+    # one row only, and the step of the second prompt alone through every layer (the layers share the
+    # launch's ticket, so a launch that left it set fails the next layer's)
+    assert set(projected) == {1} and len(projected) >= len(engine.components.model.model.layers)
     # a decode step's projections in the fused launches (rows of 2 then 1), a prefill's apart
     assert all(set(rows) == {1, 2} for rows in fused.values())
