@@ -9,7 +9,7 @@ in fp32 (exp2 domain); a sink is one more logit per head that joins the denomina
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -28,6 +28,15 @@ class PrefillConfig:
     block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
+
+    def for_itemsize(self, itemsize: int) -> PrefillConfig:
+        """The tiles for q/k/v of ``itemsize`` bytes: the table's hold bf16; 4-byte ones take half the
+        rows and half the keys, so that the tiles keep bf16's bytes. At the table's tiles fp32 took 321
+        KiB of shared memory at head dim 128 on sm_90, over the 227 a block may take (an H100's fp32
+        prefill graphs failed to capture)."""
+        if itemsize <= 2:
+            return self
+        return replace(self, block_m=max(16, self.block_m // 2), block_n=max(16, self.block_n // 2))
 
 
 # keyed by arch, then by the padded head dim (the larger of head_dim and v_head_dim)
@@ -177,7 +186,7 @@ def prefill_attention(q: torch.Tensor, kv: LayerKV, layer: AttentionLayer, out: 
         return
     head_dim, v_head_dim = kv.k.shape[-1], kv.v.shape[-1]
     group = layer.num_heads // layer.num_kv_heads
-    cfg = pick_dim(config_for(PREFILL, q.device), max(head_dim, v_head_dim))
+    cfg = pick_dim(config_for(PREFILL, q.device), max(head_dim, v_head_dim)).for_itemsize(q.element_size())
     grid = (triton.cdiv(max_query_len * group, cfg.block_m), layer.num_kv_heads, num_seqs)
     prefill_attention_kernel[grid](
         q, kv.k, kv.v, out, layer.sinks,

@@ -375,15 +375,24 @@ DECODE_MMA = {"sm_90": r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16
               "gfx942": MFMA_BF16, "gfx950": MFMA_BF16}
 
 
-def _compile(kernel, signature, constexprs, target, cfg):
+def _compile_asm(kernel, signature, constexprs, target, cfg) -> dict[str, str]:
     """Strides count as multiples of 16, as the JIT specializes them at a real launch (head dims
     of 64 and up): without that the page gathers cannot be vectorized or made asynchronous. The
     page table's row stride is no such hint: the kernels do not specialize on it."""
     from aot import compile_asm
     strides = [name for name in signature if name.startswith("stride_") and name != "stride_pt"]
-    asm = compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                      divisible_by_16=strides)
+    return compile_asm(kernel, signature, constexprs, target, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       divisible_by_16=strides)
+
+
+def _compile(kernel, signature, constexprs, target, cfg):
+    asm = _compile_asm(kernel, signature, constexprs, target, cfg)
     return asm.get("ptx") or asm["amdgcn"]
+
+
+def _prefill_signature(dtype: str) -> dict[str, str]:
+    return {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], dtype), "sinks_ptr": "*fp32", **TABLES,
+            **_ints(STRIDES + ["stride_ot", "stride_oh", "stride_pt"]), "qk_scale": "fp32", "window": "i32"}
 
 
 # the arrival at a split's counter: one acquire-release add at GPU (agent) scope; on CDNA the L2
@@ -421,9 +430,7 @@ def test_kernels_compile_for_target(target):
 
     prefill_cfg = pick_dim(pick(PREFILL, target), 128)
     prefill = _compile(
-        prefill_attention_kernel,
-        {**_pointers(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16"), "sinks_ptr": "*fp32", **TABLES,
-         **_ints(STRIDES + ["stride_ot", "stride_oh", "stride_pt"]), "qk_scale": "fp32", "window": "i32"},
+        prefill_attention_kernel, _prefill_signature("*bf16"),
         dict(GROUP=4, BLOCK_M=prefill_cfg.block_m, BLOCK_N=prefill_cfg.block_n, CAUSAL=True, HAS_SINKS=True,
              SLIDING=True, **SHAPE), target, prefill_cfg)
     decode_cfg = pick_dim(pick(DECODE, target).per_dim, 128)
@@ -443,3 +450,22 @@ def test_kernels_compile_for_target(target):
     if target.startswith("sm_"):  # the decode kernel starts under the kernel before it (PDL)
         assert all(op in asm for op in GRID_DEPENDENCY for asm in (split, single))
         assert not any(op in prefill for op in GRID_DEPENDENCY)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp32_prefill_fits_the_shared_memory(target, head_dim):
+    """fp32 q/k/v (a model run in float32: Qwen3's head dim 128, Gemma's 256) at the tiles the launch
+    picks fit one block's shared memory (LDS on AMD); at bf16's tiles they took 321 and 384 KiB on
+    sm_90, over an H100's 227, and the prefill graphs failed to capture."""
+    from aot import LDS_BYTES, SHARED_BYTES
+
+    from engine.backends.triton.target import pick
+
+    cfg = pick_dim(pick(PREFILL, target), head_dim).for_itemsize(4)
+    asm = _compile_asm(prefill_attention_kernel, _prefill_signature("*fp32"),
+                       dict(GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=True, HAS_SINKS=False,
+                            SLIDING=False, HEAD_DIM=head_dim, V_HEAD_DIM=head_dim, PAGE_SIZE=16, BLOCK_D=head_dim,
+                            BLOCK_DV=head_dim), target, cfg)
+    assert int(asm["shared"]) <= {**SHARED_BYTES, **LDS_BYTES}[target]
