@@ -11,7 +11,7 @@ import torch
 
 from .fp8_gemm import GemmConfig, GemmTuning
 from .fp8_quant import GROUP
-from .target import config_for
+from .target import arch_of, config_for, pick
 
 # targets whose block-scaled MMA takes E2M1 weights with MXFP8 activations (tl.dot_scaled lowers to it);
 # elsewhere triton would only emulate it, so FP4 tiles are dequantized in registers for an ordinary dot
@@ -80,15 +80,22 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, device: torch.devi
     return config_for(MOE_FP4_GEMM if fp4 else MOE_TUNING[fp8_block], device).for_m(-(-num_tokens * top_k // num_experts))
 
 
-SMEM_BUDGET = 200 * 1024  # under the 227 KiB an sm_90 or sm_100 program may take, with room for scales
+# the bytes of A and B tiles a program's pipeline stages may take: under the 227 KiB an sm_90 or sm_100
+# program may take, with room for scales; a CDNA3 (gfx942) workgroup's LDS is 64 KiB, a CDNA4's 160
+SMEM_BUDGET = {"cuda": 200 << 10, "hip": 64 << 10, "gfx950": 160 << 10, "default": 200 << 10}
 
 
 def stages_that_fit(cfg: GemmConfig, a: torch.Tensor, b: torch.Tensor, gated: bool, fp4: bool) -> int:
-    """The pipeline stages whose A and B tiles fit in shared memory: the tuned stages hold for bf16
-    and FP8, but fp32 tiles are twice bf16's (three stages of the large gated tile need 240 KiB)."""
-    b_tile = cfg.block_k * cfg.block_n * b.element_size() // (2 if fp4 else 1)
-    per_stage = cfg.block_m * cfg.block_k * a.element_size() + b_tile * (2 if gated else 1)
-    return max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
+    return stages_within(cfg, arch_of(a.device), a.element_size(), b.element_size(), gated, fp4)
+
+
+def stages_within(cfg: GemmConfig, arch: str, a_bytes: int, b_bytes: int, gated: bool, fp4: bool) -> int:
+    """The pipeline stages whose A and B tiles (of ``a_bytes`` and ``b_bytes`` a value) fit ``arch``'s
+    shared memory: fp32 tiles are twice bf16's (three stages of the large gated tile need 240 KiB;
+    on gfx942 two stages of fp32 gated tiles took 72 and 80 KiB of LDS)."""
+    b_tile = cfg.block_k * cfg.block_n * b_bytes // (2 if fp4 else 1)
+    per_stage = cfg.block_m * cfg.block_k * a_bytes + b_tile * (2 if gated else 1)
+    return max(1, min(cfg.num_stages, pick(SMEM_BUDGET, arch) // per_stage))
 
 
 def check_fp8_steps(cfg: GemmConfig, block: int, quantize_a: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from engine.backends.triton.fused_moe import _moe_gemm_kernel, arrivals_for, fused_moe, moe_down, moe_gate_up
 from engine.backends.triton.moe_tiles import (FP4_PTX_UNPACK, FP4_SCALED_MMA, MOE_FP4_GEMM, MOE_GEMM, MOE_TUNING,
-                                              moe_config, ptx_unpack_fits)
+                                              moe_config, ptx_unpack_fits, stages_within)
 from engine.backends.triton.moe import TritonMoE
 from engine.backends.triton.fp8_gemm import GemmConfig
 from engine.backends.triton.moe_align import (ALIGN, ExpertBlocks, _align_one_chunk_kernel, _count_kernel,
@@ -620,24 +620,26 @@ FP8_32_MMA = {**FP8_MMA, "gfx950": r"v_mfma_f32_\w+_fp8_fp8"}
 
 
 def compile_moe_gemm(target: str, which: str, gated: bool, fp8: bool, block: int = 128,
-                     sass: bool = False) -> dict[str, str]:
+                     sass: bool = False, dtype: str = "bf16", num_stages: int | None = None) -> dict[str, str]:
     """As fused_moe launches it at DeepSeek-V4-Flash's expert shape (hidden 4096, intermediate 2048:
     K a multiple of every K step), FP8 experts in ``block``-blocks from that edge's table; a decode
     tile of FP8 experts quantizes its activations as it loads them where ``quantizes_in_gemm`` says
-    it does (K steps of one block)."""
+    it does (K steps of one block). Unquantized experts and the model in ``dtype``; ``num_stages``
+    overrides the table's."""
     from aot import compile_asm, pdl
 
     cfg = getattr(pick(MOE_TUNING[block], target), which)
     quantize = fp8 and which == "small" and cfg.block_k == block
-    operand = "*fp8e4nv" if fp8 else "*bf16"
-    signature = {**SIGNATURE, "a_ptr": "*bf16" if quantize else operand, "b_ptr": operand, "c_ptr": "*bf16"}
+    operand = "*fp8e4nv" if fp8 else f"*{dtype}"
+    signature = {**SIGNATURE, "a_ptr": f"*{dtype}" if quantize else operand, "b_ptr": operand, "c_ptr": f"*{dtype}",
+                 "out_ptr": f"*{dtype}"}
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       GATED=gated, HAS_LIMIT=gated, FP8=fp8, SCALE_BLOCK=block,
                       PDL=pdl(target), FP4=False, SCALED_MMA=False, EVEN_K=True, PTX_UNPACK=False,
                       QUANTIZE_A=quantize, ACCUMULATE=False)
     return compile_asm(_moe_gemm_kernel, signature, constexprs, target, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages, divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"],
-                       sass=sass)
+                       num_stages=num_stages or cfg.num_stages,
+                       divisible_by_16=["K", "stride_am", "stride_bn", "stride_cm", "stride_om"], sass=sass)
 
 
 def check_compiled(asm: dict[str, str], target: str, mma: str) -> None:
@@ -681,6 +683,21 @@ def test_moe_gemm_tables_compile_without_spills(target, fp8, block, which, gated
     if fp8 and block == 32 and which == "large":
         check_compiled(asm, target, FP8_32_MMA[target])
     assert_no_spills(asm, target)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_fp32_gated_tiles_fit_the_shared_memory(target, which):
+    """fp32 experts (a MoE model run in float32) at the stages the launch fits them to: the gated
+    tiles, the largest, within one block's shared memory (LDS on AMD); at two stages on gfx942 they
+    took 72 and 80 KiB of its 64."""
+    from aot import LDS_BYTES, SHARED_BYTES
+
+    cfg = getattr(pick(MOE_TUNING[128], target), which)
+    asm = compile_moe_gemm(target, which, True, fp8=False, dtype="fp32",
+                           num_stages=stages_within(cfg, target, 4, 4, True, False))
+    assert int(asm["shared"]) <= {**SHARED_BYTES, **LDS_BYTES}[target]
 
 
 # FP4 experts: the block-scaled MMA where FP4_SCALED_MMA says the target has one (E2M1 weights with
