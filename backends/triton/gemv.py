@@ -53,9 +53,14 @@ class GemvTuning:
     one_row_long_k: GemvConfig  # the same from LONG_K on: longer K steps, more warps in flight
     rows: GemvConfig  # the tl.dot product: block_n at least 16
 
-    def for_shape(self, m: int, k: int, scale_block: int = 0) -> GemvConfig:
-        if m > 1:  # E4M3 with a scale every 32 columns: three stages spill on sm_90
-            return replace(self.rows, num_stages=min(self.rows.num_stages, 2)) if scale_block == 32 else self.rows
+    def for_shape(self, m: int, k: int, scale_block: int = 0, itemsize: int = 2) -> GemvConfig:
+        """The config for ``m`` rows of x (``itemsize`` bytes a value) against K ``k``. Rows at two stages
+        at most: of E4M3 with a scale every 32 columns (three spill on sm_90), and of 4-byte x (at
+        three, fp32 rows with the fused norm took 292 KiB of shared memory on sm_90, over the 227
+        a block may take)."""
+        if m > 1:
+            two = scale_block == 32 or itemsize > 2
+            return replace(self.rows, num_stages=min(self.rows.num_stages, 2)) if two else self.rows
         return self.one_row_long_k if k >= LONG_K else self.one_row
 
 
@@ -299,7 +304,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     res2 = None if residual is None else unit_inner_stride(residual.reshape(-1, k))[0]
     summed = x2 if res2 is None else torch.empty_like(x2)
     if m and n:
-        cfg = config or config_for(GEMV, x.device).for_shape(m, k, scale_block)
+        cfg = config or config_for(GEMV, x.device).for_shape(m, k, scale_block, x.element_size())
         gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x2, weight, scale, bias, out2, res2, summed, norm_weight, m, n, k,
             x2.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), out2.stride(0),

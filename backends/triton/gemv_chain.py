@@ -119,7 +119,7 @@ def gemv_chain(x: torch.Tensor, first: torch.Tensor, take: int, norm_weight: tor
     out1 = output_for(m, n1, x.dtype, x.device, None)
     out2 = output_for(m, n2, x.dtype, x.device, None)
     tuning = config_for(GEMV, x.device)
-    cfg1, cfg2 = tuning.for_shape(m, k), tuning.for_shape(m, take)
+    cfg1, cfg2 = tuning.for_shape(m, k, itemsize=x.element_size()), tuning.for_shape(m, take, itemsize=x.element_size())
     block_n = cfg1.block_n  # one band width for both: the one-row and the rows configs each share theirs
     gemv_chain_kernel[(triton.cdiv(n1, block_n) + triton.cdiv(n2, block_n),)](
         x2, first, scale1, out1, second, scale2, out2, norm_weight, arrival_counters(3, x.device), m, n1, k, n2,
@@ -127,22 +127,22 @@ def gemv_chain(x: torch.Tensor, first: torch.Tensor, take: int, norm_weight: tor
         out2.stride(0), eps, BLOCK_M=1 if m == 1 else DOT_ROWS, BLOCK_N=block_n, BLOCK_K1=cfg1.block_k,
         BLOCK_K2=cfg2.block_k, EVEN_K1=k % cfg1.block_k == 0, EVEN_K2=take % cfg2.block_k == 0,
         ROUND_BEFORE_WEIGHT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
-        SCALE_BLOCK1=block1, SCALE_BLOCK2=block2, **_launch_shape(cfg1, cfg2, block1 or block2, x.element_size()),
+        SCALE_BLOCK1=block1, SCALE_BLOCK2=block2, **_launch_shape(cfg1, cfg2, block1 or block2),
         **launch_options(x.device))
     return out1.view(*x.shape[:-1], n1), out2.view(*x.shape[:-1], n2)
 
 
-def _launch_shape(cfg1: GemvConfig, cfg2: GemvConfig, fp8: bool, itemsize: int) -> dict[str, int]:
+def _launch_shape(cfg1: GemvConfig, cfg2: GemvConfig, fp8: bool) -> dict[str, int]:
     """Warps and stages of the one launch: the two configs' larger warps and fewer stages; where a
     weight is block-FP8, its dequantized tiles and scales in registers too, 4 warps at most and no
     software pipelining (the AOT test's sm_100 build spilled a register at 8 warps, or at 2 or 3
-    stages, depending on the rows and the block; not yet timed on a GPU). fp32 operands at two
-    stages: at three the rows' tiles of both products took 228 KiB of shared memory, over an
-    H100's 227 (a drafter's fp32 decode graphs failed to capture, on an H100 at 49b16d5)."""
+    stages, depending on the rows and the block; not yet timed on a GPU). fp32 rows come at two
+    stages (``GemvTuning.for_shape``): at three the rows' tiles of both products took 228 KiB of
+    shared memory, over an H100's 227 (a drafter's fp32 decode graphs failed to capture, on an
+    H100 at 49b16d5)."""
     if fp8:
         return dict(num_warps=min(cfg1.num_warps, cfg2.num_warps, 4), num_stages=1)
-    stages = min(cfg1.num_stages, cfg2.num_stages, 2 if itemsize > 2 else cfg1.num_stages)
-    return dict(num_warps=max(cfg1.num_warps, cfg2.num_warps), num_stages=stages)
+    return dict(num_warps=max(cfg1.num_warps, cfg2.num_warps), num_stages=min(cfg1.num_stages, cfg2.num_stages))
 
 
 def _shape(scale: torch.Tensor | None) -> list[int] | None:

@@ -168,7 +168,7 @@ def test_one_launch_compiles(target, rows, block):
                       SCALE_BLOCK1=block, SCALE_BLOCK2=block, PDL=pdl(target))
     cuda = TARGETS[target].backend == "cuda"
     asm = compile_asm(gemv_chain.gemv_chain_kernel, dict(SIGNATURE, w1_ptr=weight, w2_ptr=weight), constexprs,
-                      target, **gemv_chain._launch_shape(cfg1, cfg2, bool(block), 2), sass=cuda,
+                      target, **gemv_chain._launch_shape(cfg1, cfg2, bool(block)), sass=cuda,
                       divisible_by_16=["K1", "K2", "stride_xm", "stride_w1", "stride_o1", "stride_w2"])
     if cuda:
         ptx = asm["ptx"]
@@ -213,11 +213,11 @@ def test_fp32_rows_fit_the_shared_memory(target):
     the launch pipelines fit one block's shared memory (LDS on AMD); at three stages they took 228
     KiB on sm_90, over an H100's 227, and its decode graphs failed to capture."""
     tuning = pick(GEMV, target)
-    cfg1, cfg2 = tuning.for_shape(8, 4096), tuning.for_shape(8, 1024)
+    cfg1, cfg2 = tuning.for_shape(8, 4096, itemsize=4), tuning.for_shape(8, 1024, itemsize=4)
     signature = {name: "*fp32" if kind == "*bf16" else kind for name, kind in SIGNATURE.items()}
     constexprs = dict(BLOCK_M=16, BLOCK_N=cfg1.block_n, BLOCK_K1=cfg1.block_k, BLOCK_K2=cfg2.block_k, EVEN_K1=True,
                       EVEN_K2=True, ROUND_BEFORE_WEIGHT=False, SCALE_BLOCK1=0, SCALE_BLOCK2=0, PDL=pdl(target))
     asm = compile_asm(gemv_chain.gemv_chain_kernel, signature, constexprs, target,
-                      **gemv_chain._launch_shape(cfg1, cfg2, False, 4),
+                      **gemv_chain._launch_shape(cfg1, cfg2, False),
                       divisible_by_16=["K1", "K2", "stride_xm", "stride_w1", "stride_o1", "stride_w2"])
     assert int(asm["shared"]) <= {**SHARED_BYTES, **LDS_BYTES}[target]
