@@ -456,9 +456,9 @@ def test_kernels_compile_for_target(target):
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942", "gfx950"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_fp32_prefill_fits_the_shared_memory(target, head_dim):
-    """fp32 q/k/v (a model run in float32: Qwen3's head dim 128, Gemma's 256) at the tiles the launch
-    picks fit one block's shared memory (LDS on AMD); at bf16's tiles they took 321 and 384 KiB on
-    sm_90, over an H100's 227, and the prefill graphs failed to capture."""
+    """fp32 q/k/v (a model run in float32, at head dims 128 and 256) at the tiles the launch picks fit
+    one block's shared memory (LDS on AMD); at bf16's tiles they took 321 and 384 KiB on sm_90, over
+    an H100's 227, where such a launch raises OutOfResources."""
     from aot import LDS_BYTES, SHARED_BYTES
 
     from engine.backends.triton.target import pick
