@@ -32,8 +32,7 @@ class PrefillConfig:
     def for_itemsize(self, itemsize: int) -> PrefillConfig:
         """The tiles for q/k/v of ``itemsize`` bytes: the table's hold bf16; 4-byte ones take half the
         rows and half the keys, so that the tiles keep bf16's bytes. At the table's tiles fp32 took 321
-        KiB of shared memory at head dim 128 on sm_90, over the 227 a block may take (an H100's fp32
-        prefill graphs failed to capture)."""
+        KiB of shared memory at head dim 128 on sm_90 (AOT), over the 227 a block may take."""
         if itemsize <= 2:
             return self
         return replace(self, block_m=max(16, self.block_m // 2), block_n=max(16, self.block_n // 2))
