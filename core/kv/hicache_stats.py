@@ -9,6 +9,7 @@ of it (host records loaded to the device, storage records fetched into host memo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -18,6 +19,33 @@ if TYPE_CHECKING:
     from .manager import KVStats
 
 TIERS = ("l1", "l2", "l3")
+
+
+@dataclass
+class TierStats:
+    """What crossed between the device and the lower tier (records: one per page, or per window)."""
+
+    written_pages: int = 0
+    written_windows: int = 0
+    refused: int = 0  # records the lower tier had no room for
+    loaded_pages: int = 0
+    loaded_windows: int = 0
+    written_rows: int = 0  # a proposer's rows of a page (page_rows.py)
+    loaded_rows: int = 0  # rows records given back to the proposer
+    missed_rows: int = 0  # rows a match's pages lacked in the proposer and the lower tier had not, intact
+    hit_tokens: int = 0  # prefix tokens a match found only in the lower tier and loaded back
+    checksum_failures: int = 0
+    bytes_written: int = 0
+    bytes_loaded: int = 0
+    storage_written: int = 0  # records written to the storage tier
+    storage_refused: int = 0  # records it did not take (full, unreachable)
+    storage_dropped: int = 0  # records never handed to it (of writers since detached: storage_dropped())
+    storage_hit_tokens: int = 0  # prefix tokens found only in storage and brought into host memory
+    storage_loaded_tokens: int = 0  # of hit_tokens, those a match brought from storage in the same load
+    storage_bytes_written: int = 0
+    storage_bytes_read: int = 0
+    foreign_records: int = 0  # storage files that were not a record of their key (of tiers since detached)
+    storage_read_failures: int = 0  # reads that failed other than by absence (of tiers since detached)
 
 
 class HiCacheStats(msgspec.Struct):

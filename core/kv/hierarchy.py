@@ -57,6 +57,7 @@ import torch
 
 from ..config import HICACHE_WRITE_POLICIES
 from ..families.cache_tier import CacheTier, TierPage, prefix_keys
+from .hicache_stats import TierStats
 from .host_copy import HostCopy, to_host
 from .page_rows import KIND as ROWS
 from .page_rows import PageRows, rows_key
@@ -65,6 +66,7 @@ from .prefetch import Prefetch, StorageReader
 from .radix import RadixCache, Tier
 from .storage import KVCache
 from .storage_writer import DETACH_DRAIN_S, StorageWriter
+from .tier_layout import window_keys
 from .window import WindowPool
 
 if TYPE_CHECKING:
@@ -77,11 +79,6 @@ SELECTIVE_HITS = 2  # matches through a node before write_through_selective writ
 MAX_PREFETCHES = 256  # storage reads of requests not admitted yet
 
 
-def window_keys(end_key: str, num_pages: int) -> list[str]:
-    """The keys of the window records of a prefix's tail, named after the key of its last page."""
-    return [f"{end_key}:w{i}" for i in range(num_pages)]
-
-
 @dataclass
 class _Landing:
     """Records on their way from the device to the lower tier."""
@@ -89,33 +86,6 @@ class _Landing:
     keys: list[str]
     kind: str
     copy: HostCopy
-
-
-@dataclass
-class TierStats:
-    """What crossed between the device and the lower tier (records: one per page, or per window)."""
-
-    written_pages: int = 0
-    written_windows: int = 0
-    refused: int = 0  # records the lower tier had no room for
-    loaded_pages: int = 0
-    loaded_windows: int = 0
-    written_rows: int = 0  # a proposer's rows of a page (page_rows.py)
-    loaded_rows: int = 0  # rows records given back to the proposer
-    missed_rows: int = 0  # rows a match's pages lacked in the proposer and the lower tier had not, intact
-    hit_tokens: int = 0  # prefix tokens a match found only in the lower tier and loaded back
-    checksum_failures: int = 0
-    bytes_written: int = 0
-    bytes_loaded: int = 0
-    storage_written: int = 0  # records written to the storage tier
-    storage_refused: int = 0  # records it did not take (full, unreachable)
-    storage_dropped: int = 0  # records never handed to it (of writers since detached: storage_dropped())
-    storage_hit_tokens: int = 0  # prefix tokens found only in storage and brought into host memory
-    storage_loaded_tokens: int = 0  # of hit_tokens, those a match brought from storage in the same load
-    storage_bytes_written: int = 0
-    storage_bytes_read: int = 0
-    foreign_records: int = 0  # storage files that were not a record of their key (of tiers since detached)
-    storage_read_failures: int = 0  # reads that failed other than by absence (of tiers since detached)
 
 
 class KVHierarchy:

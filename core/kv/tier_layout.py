@@ -35,3 +35,8 @@ def host_capacity(kv: KVCache, layout: TierLayout, ratio: float, size_bytes: int
     if size_bytes:
         ratio = size_bytes / sum(n * layout.record_bytes(k) for k, n in device.items())
     return {k: int(n * ratio) for k, n in device.items()}
+
+
+def window_keys(end_key: str, num_pages: int) -> list[str]:
+    """The keys of the window records of a prefix's tail, named after the key of its last page."""
+    return [f"{end_key}:w{i}" for i in range(num_pages)]
